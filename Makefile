@@ -1,0 +1,48 @@
+# loraloom: `make demo` runs the demo on the embedded default; `make test` runs the tests.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PG_URL ?= postgresql+psycopg://root@127.0.0.1:5432/postgres
+
+.PHONY: install demo test test-postgres test-sqlite lint postgres serve clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned: the machine's pip finds a local CPU build of exactly this version;
+	# anything else would pull gigabytes of CUDA packages.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/loraloom demo
+
+# Postgres must answer on 127.0.0.1:5432; start the local cluster if it does not.
+postgres:
+	@pg_isready -q -h 127.0.0.1 -p 5432 || { \
+	  echo "starting PostgreSQL"; \
+	  pg_ctlcluster --skip-systemctl-redirect $$(ls /etc/postgresql) main start; \
+	  for i in $$(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done; }
+	@pg_isready -h 127.0.0.1 -p 5432
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test-postgres: install postgres
+	LORALOOM_TEST_DB=postgres $(VENV)/bin/pytest -q
+
+# The control plane again on the embedded default (SQLite); Postgres-only tests skip themselves.
+test-sqlite: install
+	LORALOOM_TEST_DB=sqlite $(VENV)/bin/pytest -q tests/app
+
+test: lint test-postgres test-sqlite
+
+serve: install
+	$(VENV)/bin/loraloom serve
+
+clean:
+	rm -rf .loraloom .pytest_cache

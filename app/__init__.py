@@ -1,0 +1,1 @@
+"""loraloom control plane (FastAPI). Never imports torch."""

@@ -1,0 +1,5 @@
+"""HTTP routes for batches (thin: parse, call the service, shape the response)."""
+
+from fastapi import APIRouter
+
+router = APIRouter(tags=["batches"])

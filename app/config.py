@@ -1,0 +1,47 @@
+"""Service settings, read from LORALOOM_* environment variables."""
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LORALOOM_", extra="ignore")
+
+    database_url: str = "sqlite:///./.loraloom/loraloom.db"
+    """SQLAlchemy URL. Postgres in production (postgresql+psycopg://...), SQLite for the embedded default."""
+
+    data_dir: Path = Path("./.loraloom/data")
+    """Artifact store: run directories (rollouts, adapters, checkpoints) live under data_dir/runs/."""
+
+    admin_key: SecretStr | None = None
+    """Key for the admin routes (tenants, keys). Unset: admin routes refuse every request."""
+
+    worker_token: SecretStr | None = None
+    """Token the worker pool authenticates with. Unset: pool routes refuse every request."""
+
+    max_concurrent_runs: int = Field(default=4, ge=1, le=1024)
+    """Pool slots: how many runs are active at once (until a pool registers its own count)."""
+
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """Largest request body accepted; larger bodies get a 413."""
+
+    lease_seconds: float = Field(default=120.0, gt=0)
+    """How long a worker's claim on rollout batches lasts before they return to pending."""
+
+    pool_timeout_seconds: float = Field(default=60.0, gt=0)
+    """A pool silent for longer than this is declared dead and its leased batches return to pending."""
+
+    sweep_interval_seconds: float = Field(default=2.0, gt=0)
+    """How often the background sweeper checks leases, pool liveness and run heartbeats."""
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.data_dir / "runs"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

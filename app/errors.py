@@ -1,0 +1,56 @@
+"""Domain errors. Services raise these; one handler in main.py turns them into
+`{"error": {"code", "message", "details"}}` responses."""
+
+from typing import Any
+
+
+class AppError(Exception):
+    status: int = 400
+    code: str = "bad_request"
+
+    def __init__(self, message: str, *, details: Any = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+        if code is not None:
+            self.code = code
+
+
+class ValidationFailed(AppError):
+    status = 422
+    code = "validation_error"
+
+
+class Unauthorized(AppError):
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(AppError):
+    status = 403
+    code = "forbidden"
+
+
+class NotFound(AppError):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(AppError):
+    status = 409
+    code = "conflict"
+
+
+class PayloadTooLarge(AppError):
+    status = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(AppError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class ServiceUnavailable(AppError):
+    status = 503
+    code = "unavailable"

@@ -1,0 +1,82 @@
+"""Runs and the audit log of what happened to them."""
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.orm import Mapped, mapped_column
+
+from app.db import Base, utcnow
+
+RUN_STATUSES = ("queued", "active", "completed", "evicted", "failed", "deleted")
+EVICTED_BY = ("user", "trainer", "orchestrator", "heartbeat")
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (
+        # The database, not Python, guarantees that two active runs of one pool never share a slot.
+        Index(
+            "uq_runs_active_slot",
+            "base_model",
+            "slot",
+            unique=True,
+            postgresql_where=text("status = 'active'"),
+            sqlite_where=text("status = 'active'"),
+        ),
+        UniqueConstraint("tenant_id", "idempotency_key"),
+        Index("ix_runs_tenant_status", "tenant_id", "status"),
+        Index("ix_runs_status_created", "status", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(128))
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """The validated RunConfig, as JSON."""
+    base_model: Mapped[str] = mapped_column(String(256))
+    """Copied out of the config: slots are per base model (one pool per base model)."""
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    slot: Mapped[int | None] = mapped_column(Integer, default=None)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    total_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    total_samples: Mapped[int] = mapped_column(BigInteger, default=0)
+    submitted_samples: Mapped[int] = mapped_column(BigInteger, default=0)
+    """Samples accepted in rollout batches so far: the next batch's sample_offset."""
+    eviction_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    evicted_by: Mapped[str | None] = mapped_column(String(16), default=None)
+    failure_reason: Mapped[str | None] = mapped_column(Text, default=None)
+    idempotency_key: Mapped[str | None] = mapped_column(String(128), default=None)
+    request_hash: Mapped[str | None] = mapped_column(String(64), default=None)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class Event(Base):
+    """Audit log: who did what to which run, when, from which key."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    tenant_id: Mapped[str | None] = mapped_column(String(32), index=True, default=None)
+    run_id: Mapped[str | None] = mapped_column(String(16), index=True, default=None)
+    actor: Mapped[str] = mapped_column(String(32))
+    """admin | tenant | trainer | orchestrator | heartbeat | system"""
+    api_key_id: Mapped[str | None] = mapped_column(String(32), default=None)
+    action: Mapped[str] = mapped_column(String(64))
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

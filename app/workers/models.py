@@ -1,0 +1,24 @@
+"""Registered worker pools and their liveness."""
+
+from datetime import datetime
+
+from sqlalchemy import JSON, DateTime, Integer, String
+from sqlalchemy.orm import Mapped, mapped_column
+
+from app.db import Base, utcnow
+
+
+class Pool(Base):
+    __tablename__ = "pools"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(256), index=True)
+    vocab_size: Mapped[int] = mapped_column(Integer)
+    max_rank: Mapped[int] = mapped_column(Integer)
+    target_modules: Mapped[list[str]] = mapped_column(JSON)
+    slots: Mapped[int] = mapped_column(Integer)
+    world_size: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="alive")
+    """alive | dead (silent past the timeout) | stopped"""
+    registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
