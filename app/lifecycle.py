@@ -1,12 +1,28 @@
 """Start-up and shutdown work: directories, projection rebuild, background sweeper."""
 
+import asyncio
+import contextlib
+
 from fastapi import FastAPI
+
+from app.projection import rebuild_all
+from app.storage import remove_stale_temporaries
+from app.sweeper import run_sweeper
 
 
 async def on_startup(app: FastAPI) -> None:
     settings = app.state.settings
     settings.runs_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(settings.runs_dir)
+    with app.state.session_factory() as session:
+        rebuild_all(session, settings)
+        session.commit()
+    app.state.sweeper_task = asyncio.create_task(run_sweeper(app))
 
 
 async def on_shutdown(app: FastAPI) -> None:
-    return None
+    task: asyncio.Task | None = getattr(app.state, "sweeper_task", None)
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.adapters.router import router as adapters_router
+from app.batches.pool_router import router as pool_batches_router
 from app.batches.router import router as batches_router
 from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
@@ -135,7 +136,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse(error_body("database_unavailable", "database unreachable"), status_code=503)
         return JSONResponse({"status": "ready"})
 
-    for router in (tenants_router, runs_router, batches_router, adapters_router, workers_router):
+    for router in (tenants_router, runs_router, batches_router, pool_batches_router, adapters_router, workers_router):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

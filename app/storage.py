@@ -1,0 +1,61 @@
+"""The artifact store on local disk: durable, atomic writes under data_dir.
+
+Every file the service acknowledges is written to a temporary name in the same
+directory, fsynced, renamed into place, and the directory fsynced, so a crash
+leaves either the old state or the new one, never half a file.
+"""
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+TMP_SUFFIX = ".tmp"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_replace_dir(staging: Path, final: Path) -> None:
+    """Move a fully written staging directory to `final`, replacing what was there."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        trash = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.old")
+        os.replace(final, trash)
+        os.replace(staging, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    fsync_dir(final.parent)
+
+
+def remove_stale_temporaries(root: Path) -> int:
+    """Delete leftovers of interrupted atomic writes (start-up clean-up). Returns how many."""
+    removed = 0
+    if not root.exists():
+        return 0
+    for p in root.rglob(f"*{TMP_SUFFIX}"):
+        if p.is_file():
+            p.unlink(missing_ok=True)
+            removed += 1
+    return removed
