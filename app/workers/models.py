@@ -18,6 +18,8 @@ class Pool(Base):
     target_modules: Mapped[list[str]] = mapped_column(JSON)
     slots: Mapped[int] = mapped_column(Integer)
     world_size: Mapped[int] = mapped_column(Integer)
+    max_seq_len: Mapped[int] = mapped_column(Integer)
+    """Longest sample (prompt + completion) the pool packs; runs with a larger seq_len are refused."""
     status: Mapped[str] = mapped_column(String(16), default="alive")
     """alive | dead (silent past the timeout) | stopped"""
     registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -44,6 +44,7 @@ def upgrade() -> None:
         sa.Column("target_modules", sa.JSON(), nullable=False),
         sa.Column("slots", sa.Integer(), nullable=False),
         sa.Column("world_size", sa.Integer(), nullable=False),
+        sa.Column("max_seq_len", sa.Integer(), nullable=False),
         sa.Column("status", sa.String(length=16), nullable=False),
         sa.Column("registered_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("last_heartbeat_at", sa.DateTime(timezone=True), nullable=False),
