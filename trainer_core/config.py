@@ -93,6 +93,7 @@ class RunConfig(_Strict):
     heartbeat_timeout: float | None = Field(
         default=None, gt=0, le=86_400, description="Evict the run if the orchestrator is silent this long (s)."
     )
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seeds the adapter's initialisation.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form user labels (≤ 64 keys).")
 
     @model_validator(mode="after")
