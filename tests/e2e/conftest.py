@@ -1,0 +1,109 @@
+"""Multi-process fixtures: the service under uvicorn (a real subprocess on a real port,
+on the test Postgres database) and helpers to drive it over HTTP."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ADMIN_KEY, WORKER_TOKEN
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveService:
+    url: str
+    data_dir: Path
+    env: dict[str, str]
+    process: subprocess.Popen
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+
+    def tenant_client(self, name: str, *, quota: int = 4) -> httpx.Client:
+        with self.admin() as admin:
+            tenant = admin.post("/v1/tenants", json={"name": name, "max_concurrent_runs": quota})
+            tenant.raise_for_status()
+            key = admin.post(f"/v1/tenants/{tenant.json()['id']}/keys")
+            key.raise_for_status()
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {key.json()['key']}"}, timeout=30
+        )
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+            self.process.wait(timeout=30)
+
+
+def start_service(
+    *, database_url: str, data_dir: Path, port: int, extra_env: dict | None = None
+) -> LiveService:
+    env = {
+        **os.environ,
+        "LORALOOM_DATABASE_URL": database_url,
+        "LORALOOM_DATA_DIR": str(data_dir),
+        "LORALOOM_ADMIN_KEY": ADMIN_KEY,
+        "LORALOOM_WORKER_TOKEN": WORKER_TOKEN,
+        **(extra_env or {}),
+    }
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            "app.main:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"service exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return LiveService(url=url, data_dir=data_dir, env=env, process=process)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("service did not become ready in 60 s")
+
+
+@pytest.fixture
+def live_service(database_url, tmp_path) -> Iterator[LiveService]:
+    service = start_service(
+        database_url=database_url,
+        data_dir=tmp_path / "data",
+        port=free_port(),
+        extra_env={
+            "LORALOOM_MAX_CONCURRENT_RUNS": "2",
+            "LORALOOM_LEASE_SECONDS": "30",
+            "LORALOOM_POOL_TIMEOUT_SECONDS": "5",
+            "LORALOOM_SWEEP_INTERVAL_SECONDS": "0.5",
+        },
+    )
+    yield service
+    service.stop()

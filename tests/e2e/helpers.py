@@ -1,0 +1,142 @@
+"""Helpers for the end-to-end tests: synthetic rollout batches, a worker pool process,
+waiting on runs, and reading adapters back."""
+
+import io
+import os
+import random
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+from safetensors.torch import load as load_safetensors
+
+from tests.conftest import WORKER_TOKEN
+from trainer_core.launch import launch_pool
+from trainer_core.models.tokenizer import TOKENIZER
+
+MODEL_CACHE = Path(
+    os.environ.get("LORALOOM_MODEL_CACHE", Path(__file__).resolve().parents[2] / ".loraloom" / "models")
+)
+
+
+def synthetic_batch(
+    seed: int, *, n_samples: int, rollout_step: int = 0, advantage_scale: float = 1.0
+) -> dict:
+    """A TrainingBatch as JSON: random prompts and completions inside the tiny model's vocabulary."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n_samples):
+        prompt = [TOKENIZER.bos_token_id] + [
+            rng.randrange(3, TOKENIZER.vocab_size) for _ in range(rng.randint(3, 8))
+        ]
+        completion = [rng.randrange(3, TOKENIZER.vocab_size) for _ in range(rng.randint(2, 6))]
+        examples.append(
+            {
+                "prompt_ids": prompt,
+                "prompt_mask": [False] * len(prompt),
+                "completion_ids": completion,
+                "completion_mask": [True] * len(completion),
+                "completion_logprobs": [-rng.uniform(0.5, 4.0) for _ in completion],
+                "advantage": rng.choice([-1.0, 1.0]) * advantage_scale,
+            }
+        )
+    return {"examples": examples, "temperature": 1.0, "step": rollout_step}
+
+
+def run_config(**overrides) -> dict:
+    config = {
+        "base_model": "loraloom-tiny",
+        "lora": {"rank": 4, "alpha": 8.0},
+        "optim": {"lr": 5e-3},
+        "batch_size": 4,
+        "max_steps": 3,
+        "seq_len": 64,
+        "max_async_level": 1000,
+        "ckpt": {"interval": 1, "keep_last": 3},
+    }
+    config.update(overrides)
+    return config
+
+
+def start_pool(
+    url: str,
+    *,
+    data_dir: Path,
+    nproc: int = 2,
+    slots: int = 2,
+    exit_when_idle: float | None = None,
+    log_path: Path | None = None,
+) -> subprocess.Popen:
+    args = [
+        "--url",
+        url,
+        "--token",
+        WORKER_TOKEN,
+        "--slots",
+        str(slots),
+        "--seq-len",
+        "64",
+        "--max-rank",
+        "8",
+        "--checkpoint-dir",
+        str(data_dir / "runs"),
+        "--model-cache-dir",
+        str(MODEL_CACHE),
+        "--pack-timeout",
+        "0.5",
+        "--poll-interval",
+        "0.1",
+    ]
+    if exit_when_idle is not None:
+        args += ["--exit-when-idle", str(exit_when_idle)]
+    from tests.e2e.conftest import free_port
+
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed with the process
+    process = launch_pool(
+        nproc_per_node=nproc,
+        worker_args=args,
+        master_port=free_port(),
+        env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+    )
+    process.log_file = out  # type: ignore[attr-defined]
+    return process
+
+
+def kill_pool(process: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, sig)
+    process.wait(timeout=60)
+
+
+def wait_for(predicate, *, timeout: float, interval: float = 0.3, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def run_status(client: httpx.Client, run_id: str) -> dict:
+    response = client.get(f"/v1/runs/{run_id}")
+    response.raise_for_status()
+    return response.json()
+
+
+def download_adapter_tensors(client: httpx.Client, run_id: str, step: int | str = "latest") -> dict:
+    response = client.get(f"/v1/runs/{run_id}/adapters/{step}/files/adapter_model.safetensors")
+    response.raise_for_status()
+    return load_safetensors(response.content)
+
+
+def extract_adapter(client: httpx.Client, run_id: str, step: int | str, dest: Path) -> Path:
+    response = client.get(f"/v1/runs/{run_id}/adapters/{step}")
+    response.raise_for_status()
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(response.content), mode="r:gz") as tar:
+        tar.extractall(dest, filter="data")
+    return dest

@@ -1,0 +1,164 @@
+"""The worker pool's side of the service API (only the master rank talks to the service).
+
+Retries connection errors, 429 and 5xx with exponential backoff; a 4xx other than 429
+is a real answer and raises at once. Never logs the token.
+"""
+
+import io
+import logging
+import random
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("loraloom.worker")
+
+RETRY_STATUSES = {429, 500, 502, 503, 504}
+
+
+class ServiceError(RuntimeError):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class PoolRegistration:
+    pool_id: str
+    heartbeat_interval_s: float
+    lease_seconds: float
+
+
+class PoolServiceClient:
+    def __init__(self, url: str, token: str, *, timeout_s: float = 30.0, max_attempts: int = 6) -> None:
+        self._http = httpx.Client(
+            base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+        )
+        self._max_attempts = max_attempts
+        self.pool_id: str | None = None
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- transport -------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        delay = 0.2
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt == self._max_attempts:
+                    raise
+                log.warning("%s %s failed (%s); retrying", method, path, type(exc).__name__)
+            else:
+                if response.status_code not in RETRY_STATUSES or attempt == self._max_attempts:
+                    if response.status_code >= 400:
+                        raise _service_error(response)
+                    return response
+                log.warning("%s %s answered %d; retrying", method, path, response.status_code)
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        return self._request(method, path, **kwargs).json()
+
+    # -- pool ------------------------------------------------------------------------------------
+
+    def register(self, **capabilities: Any) -> PoolRegistration:
+        body = self._json("POST", "/v1/pool/register", json=capabilities)
+        self.pool_id = body["pool_id"]
+        return PoolRegistration(
+            body["pool_id"], float(body["heartbeat_interval_s"]), float(body["lease_seconds"])
+        )
+
+    def heartbeat(self) -> None:
+        self._json("POST", "/v1/pool/heartbeat", json={"pool_id": self.pool_id})
+
+    def state(self) -> list[dict[str, Any]]:
+        return self._json("GET", "/v1/pool/state", params={"pool_id": self.pool_id})["runs"]
+
+    def claim(self, max_batches: int) -> list[dict[str, Any]]:
+        body = self._json(
+            "POST", "/v1/pool/batches/claim", json={"pool_id": self.pool_id, "max_batches": max_batches}
+        )
+        return body["batches"]
+
+    def ack(self, acks: list[tuple[int, int]]) -> None:
+        if acks:
+            payload = [{"batch_id": b, "trained_step": s} for b, s in acks]
+            self._json("POST", "/v1/pool/batches/ack", json={"pool_id": self.pool_id, "acks": payload})
+
+    def restart_run(
+        self, run_id: str, *, checkpoint_step: int, total_samples: int, total_tokens: int
+    ) -> list[int]:
+        body = self._json(
+            "POST",
+            f"/v1/pool/runs/{run_id}/restart",
+            json={
+                "pool_id": self.pool_id,
+                "checkpoint_step": checkpoint_step,
+                "total_samples": total_samples,
+                "total_tokens": total_tokens,
+            },
+        )
+        return list(body["returned"])
+
+    def upload_adapter(self, run_id: str, step: int, adapter_dir: Path) -> None:
+        self._request(
+            "PUT",
+            f"/v1/pool/runs/{run_id}/adapters/{step}",
+            content=tar_directory(adapter_dir),
+            headers={"Content-Type": "application/x-tar"},
+        )
+
+    def report_step(
+        self, run_id: str, *, step: int, total_tokens: int, total_samples: int, metrics: dict
+    ) -> dict:
+        return self._json(
+            "POST",
+            f"/v1/pool/runs/{run_id}/steps",
+            json={
+                "step": step,
+                "total_tokens": total_tokens,
+                "total_samples": total_samples,
+                "metrics": metrics,
+            },
+        )
+
+    def report_checkpoint(self, run_id: str, *, step: int, total_samples: int) -> None:
+        self._json(
+            "POST", f"/v1/pool/runs/{run_id}/checkpoints", json={"step": step, "total_samples": total_samples}
+        )
+
+    def evict(self, run_id: str, reason: str) -> None:
+        try:
+            self._json("POST", f"/v1/pool/runs/{run_id}/evict", json={"reason": reason})
+        except ServiceError as exc:
+            if exc.status != 409:  # already evicted/completed: nothing left to do
+                raise
+
+
+def _service_error(response: httpx.Response) -> ServiceError:
+    try:
+        err = response.json()["error"]
+        return ServiceError(response.status_code, err.get("code", "error"), err.get("message", ""))
+    except Exception:
+        return ServiceError(response.status_code, "error", response.text[:200])
+
+
+def tar_directory(directory: Path) -> bytes:
+    """An uncompressed tar of the files directly inside `directory` (the PEFT adapter files)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for path in sorted(directory.iterdir()):
+            if path.is_file():
+                tar.add(path, arcname=path.name)
+    return buffer.getvalue()
