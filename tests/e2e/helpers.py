@@ -13,9 +13,11 @@ from pathlib import Path
 import httpx
 from safetensors.torch import load as load_safetensors
 
+from orchestrator.tokenizer import CharTokenizer
 from tests.conftest import WORKER_TOKEN
 from trainer_core.launch import launch_pool
-from trainer_core.models.tokenizer import TOKENIZER
+
+TOKENIZER = CharTokenizer()
 
 MODEL_CACHE = Path(
     os.environ.get("LORALOOM_MODEL_CACHE", Path(__file__).resolve().parents[2] / ".loraloom" / "models")
@@ -30,9 +32,9 @@ def synthetic_batch(
     examples = []
     for _ in range(n_samples):
         prompt = [TOKENIZER.bos_token_id] + [
-            rng.randrange(3, TOKENIZER.vocab_size) for _ in range(rng.randint(3, 8))
+            rng.randrange(4, TOKENIZER.vocab_size) for _ in range(rng.randint(3, 8))
         ]
-        completion = [rng.randrange(3, TOKENIZER.vocab_size) for _ in range(rng.randint(2, 6))]
+        completion = [rng.randrange(4, TOKENIZER.vocab_size) for _ in range(rng.randint(2, 6))]
         examples.append(
             {
                 "prompt_ids": prompt,

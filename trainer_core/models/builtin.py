@@ -17,12 +17,15 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from trainer_core.models.tokenizer import TOKENIZER
+# The tokenizer is the SDK's character tokenizer: the model and the envs must share one vocabulary.
+from orchestrator.tokenizer import CharTokenizer
+
+TOKENIZER = CharTokenizer()
 
 log = logging.getLogger("loraloom.models")
 
 NAME = "loraloom-tiny"
-VERSION = 1
+VERSION = 2
 WARMUP_STEPS = 600
 WARMUP_CORRECT_FRACTION = 0.6
 """Share of warm-up examples with the right answer (the rest: a random plausible answer)."""
@@ -77,7 +80,7 @@ def build(*, seed: int = 0, warmup_steps: int = WARMUP_STEPS, max_operand: int =
         rows = []
         for _ in range(32):
             prompt, completion = _warmup_text(rng, max_operand)
-            p_ids = TOKENIZER.encode(prompt, bos=True)
+            p_ids = TOKENIZER.encode(prompt, add_bos=True)
             rows.append((p_ids, TOKENIZER.encode(completion) + [TOKENIZER.eos_token_id]))
         width = max(len(p) + len(c) for p, c in rows)
         ids = torch.full((len(rows), width), TOKENIZER.pad_token_id)

@@ -1,0 +1,86 @@
+"""Tiny Hugging Face causal LMs built from configs: the base model of tests, benchmarks and the demo.
+
+No download: the weights are random, drawn from a seed, so two `build_model(arch, seed=s)`
+calls give bit-identical models (a PEFT round trip loads an adapter onto a second copy).
+
+Attention is "sdpa": a prepared 4D mask of shape (batch, 1, q_len, kv_len) is passed to
+`torch.nn.functional.scaled_dot_product_attention` unchanged, and that accepts both an additive
+float mask (0 = attend, a large negative value = masked) and a boolean one (True = attend). The
+packer's block-diagonal masks for packed samples therefore work in either form ("eager" would
+add a boolean mask to the scores as 0/1, silently wrong).
+"""
+
+from typing import Any, Literal
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
+ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral")
+ATTN_IMPLEMENTATION = "sdpa"
+
+_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+    "qwen3": Qwen3Config,
+    "mistral": MistralConfig,
+}
+
+
+def tiny_config(
+    arch: Arch,
+    *,
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+) -> PretrainedConfig:
+    """A small config of `arch` with untied embeddings and head_dim = hidden_size / num_heads."""
+    if arch not in _CONFIG_CLASSES:
+        raise ValueError(f"unknown arch {arch!r}; known: {sorted(_CONFIG_CLASSES)}")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads")
+    extra: dict[str, Any] = {}
+    if arch == "mistral":
+        # Plain causal attention: a sliding window would make the model depend on max length.
+        extra["sliding_window"] = None
+    if arch == "qwen2":
+        extra["use_sliding_window"] = False
+    return _CONFIG_CLASSES[arch](
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        # Qwen3 defaults head_dim to 128 whatever the hidden size; pin it for every arch.
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
+def build_model(
+    arch: Arch, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any
+) -> PreTrainedModel:
+    """A randomly initialised causal LM of `arch` (see `tiny_config` for the overrides), in eval mode.
+
+    Deterministic in `seed`; the global RNG state is left as it was.
+    """
+    config = tiny_config(arch, **config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    return model.to(dtype).eval()
