@@ -1,0 +1,214 @@
+"""Per-run optimizers, learning-rate schedules and gradient clipping.
+
+Every run (slot) has its own AdamW over its own parameters, its own schedule and its
+own loss-token counter. A run's gradients accumulate (as loss SUMS, see ``loss.py``)
+over the micro-batches of its step; at its step they are divided by the run's
+loss-token count of that step, checked, clipped to the run's ``max_grad_norm`` and
+applied — for that run only. Nothing here looks at another run's gradients, which is
+what makes a run's update independent of what it was trained next to (DESIGN §4.1).
+
+Independent of ``lora.py`` on purpose: it works on lists of ``nn.Parameter``.
+"""
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import AdamW
+from torch.optim.lr_scheduler import LambdaLR
+
+from trainer_core.config import OptimSettings, SchedulerSettings
+
+
+@dataclass
+class StepStats:
+    """What one run's optimizer step did."""
+
+    grad_norm: float
+    """Norm of the normalised gradient before clipping (NaN/Inf when ``nonfinite``)."""
+    lr: float
+    """Learning rate this step used."""
+    loss_tokens: int
+    """The normaliser: the run's loss tokens in this step."""
+    nonfinite: bool
+    """The gradient was not finite: the parameters were NOT updated; the caller evicts the run."""
+
+
+def lr_factor(step: int, *, scheduler: SchedulerSettings, max_steps: int) -> float:
+    """Multiplier of the peak lr used by optimizer step ``step`` (0-based).
+
+    Warmup is linear from ``1 / warmup_steps`` to 1 over the first ``warmup_steps``
+    steps (the first step already learns). After it, with ``p = (step - warmup) /
+    (max_steps - warmup)`` in [0, 1): ``linear`` goes from 1 towards ``min_lr_ratio``,
+    ``cosine`` follows half a cosine from 1 towards ``min_lr_ratio``; ``p`` is clamped to
+    1 past ``max_steps``. The last step's lr stays above the floor rather than wasting
+    the step at exactly ``min_lr_ratio = 0``.
+    """
+    warmup = scheduler.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if scheduler.kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    floor = scheduler.min_lr_ratio
+    if scheduler.kind == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    if scheduler.kind == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown scheduler kind {scheduler.kind!r}")
+
+
+def _schedule(scheduler: SchedulerSettings, max_steps: int) -> Callable[[int], float]:
+    # A closure on purpose: LambdaLR does not save plain functions in its state_dict,
+    # so checkpoints hold only counters, and the schedule comes from the run's config.
+    def factor(step: int) -> float:
+        return lr_factor(step, scheduler=scheduler, max_steps=max_steps)
+
+    return factor
+
+
+@dataclass
+class _RunOptim:
+    params: list[nn.Parameter]
+    optimizer: AdamW
+    scheduler: LambdaLR
+    max_grad_norm: float
+    loss_tokens: int = 0
+    """Loss tokens accumulated in the current (unfinished) step."""
+
+
+class MultiRunOptimizer:
+    """One AdamW + one schedule + one loss-token counter per slot."""
+
+    def __init__(self, n_slots: int) -> None:
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+        self.n_slots = n_slots
+        self._runs: dict[int, _RunOptim] = {}
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.n_slots})")
+
+    def _run(self, slot: int) -> _RunOptim:
+        self._check_slot(slot)
+        try:
+            return self._runs[slot]
+        except KeyError:
+            raise KeyError(f"slot {slot} has no optimizer") from None
+
+    def __contains__(self, slot: int) -> bool:
+        return slot in self._runs
+
+    @property
+    def slots(self) -> list[int]:
+        return sorted(self._runs)
+
+    def create(
+        self,
+        slot: int,
+        params: Iterable[nn.Parameter],
+        *,
+        optim: OptimSettings,
+        scheduler: SchedulerSettings,
+        max_steps: int,
+    ) -> None:
+        """Give ``slot`` a fresh optimizer and schedule over ``params`` (in a stable order:
+        optimizer state is saved and loaded by position)."""
+        self._check_slot(slot)
+        if slot in self._runs:
+            raise ValueError(f"slot {slot} already has an optimizer; remove it first")
+        plist = list(params)
+        if not plist:
+            raise ValueError(f"slot {slot}: no parameters")
+        # A run must not inherit gradients that were accumulated before it existed.
+        for p in plist:
+            p.grad = None
+        opt = AdamW(
+            plist,
+            lr=optim.lr,
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            # Per-parameter loops (not foreach) keep a run's update independent of how
+            # many tensors it has: bit-reproducible across slot layouts.
+            foreach=False,
+        )
+        sched = LambdaLR(opt, _schedule(scheduler, max_steps))
+        self._runs[slot] = _RunOptim(
+            params=plist, optimizer=opt, scheduler=sched, max_grad_norm=optim.max_grad_norm
+        )
+
+    def remove(self, slot: int) -> None:
+        """Forget ``slot``'s optimizer, schedule and counter; drop its pending gradients."""
+        run = self._runs.pop(slot, None)
+        if run is not None:
+            for p in run.params:
+                p.grad = None
+
+    def add_loss_tokens(self, slot: int, n: int | Tensor) -> None:
+        """Count ``n`` more loss tokens into ``slot``'s current step (already summed over ranks
+        when the caller trains with data parallelism)."""
+        self._run(slot).loss_tokens += int(n)
+
+    def loss_tokens(self, slot: int) -> int:
+        return self._run(slot).loss_tokens
+
+    def current_lr(self, slot: int) -> float:
+        """The lr the next step of ``slot`` will use."""
+        return float(self._run(slot).optimizer.param_groups[0]["lr"])
+
+    def step(self, slots: Sequence[int]) -> dict[int, StepStats]:
+        """Finish the step of exactly ``slots``; every other slot keeps accumulating."""
+        return {slot: self._step_one(slot) for slot in slots}
+
+    @torch.no_grad()
+    def _step_one(self, slot: int) -> StepStats:
+        run = self._run(slot)
+        tokens = run.loss_tokens
+        # Guard 0: a step without loss tokens has zero gradients; dividing by 1 keeps them zero.
+        scale = 1.0 / max(tokens, 1)
+        grads: list[Tensor] = []
+        for p in run.params:
+            if p.grad is None:
+                # A parameter that saw no tokens this step has a zero gradient, not none:
+                # AdamW then decays its moments exactly as it would for any run.
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.mul_(scale)
+            grads.append(p.grad)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
+        grad_norm = float(norm)
+        lr = self.current_lr(slot)
+        nonfinite = not math.isfinite(grad_norm)
+        if not nonfinite:
+            torch.nn.utils.clip_grads_with_norm_(run.params, run.max_grad_norm, norm, foreach=False)
+            run.optimizer.step()
+            run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.loss_tokens = 0
+        return StepStats(grad_norm=grad_norm, lr=lr, loss_tokens=tokens, nonfinite=nonfinite)
+
+    def zero_grad(self, slot: int) -> None:
+        """Drop ``slot``'s accumulated gradients and token count (e.g. a step abandoned on restart)."""
+        run = self._run(slot)
+        run.optimizer.zero_grad(set_to_none=True)
+        run.loss_tokens = 0
+
+    def state_dict(self, slot: int) -> dict[str, Any]:
+        """Optimizer + scheduler + token counter of ``slot``; loadable with ``torch.load(weights_only=True)``."""
+        run = self._run(slot)
+        return {
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "loss_tokens": run.loss_tokens,
+        }
+
+    def load_state_dict(self, slot: int, state: dict[str, Any]) -> None:
+        """Restore ``slot`` (created beforehand with the same parameters, in the same order)."""
+        run = self._run(slot)
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.loss_tokens = int(state.get("loss_tokens", 0))
