@@ -1,0 +1,137 @@
+"""Safe extraction of adapter archives (tar.gz of a PEFT directory).
+
+An archive comes from the network, so it is treated as hostile: only regular
+files are written, never outside the destination (no absolute paths, no `..`,
+no links, no devices), with caps on size and member count. Extraction goes to a
+temporary sibling directory that replaces the destination in one rename, so a
+sampler never sees half an adapter.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import shutil
+import tarfile
+import uuid
+import zlib
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from orchestrator.errors import LoraloomError
+
+log = logging.getLogger(__name__)
+
+MARKER_NAME = ".loraloom-adapter.json"
+"""Written next to the adapter files: the ETag (sha256) and step they came from."""
+DEFAULT_MAX_BYTES = 8 * 1024**3
+DEFAULT_MAX_MEMBERS = 10_000
+
+
+class UnsafeArchive(LoraloomError):
+    """The archive holds something other than plain files inside the destination."""
+
+
+def _safe_relpath(name: str) -> PurePosixPath:
+    if "\\" in name or "\x00" in name:
+        raise UnsafeArchive(f"archive member {name!r} has a forbidden character")
+    path = PurePosixPath(name)
+    if path.is_absolute():
+        raise UnsafeArchive(f"archive member {name!r} is an absolute path")
+    parts = [p for p in path.parts if p not in ("", ".")]
+    if any(p == ".." for p in parts):
+        raise UnsafeArchive(f"archive member {name!r} escapes the destination")
+    if not parts:
+        raise UnsafeArchive(f"archive member {name!r} has an empty name")
+    return PurePosixPath(*parts)
+
+
+def _plan(
+    tar: tarfile.TarFile, max_bytes: int, max_members: int
+) -> list[tuple[tarfile.TarInfo, PurePosixPath]]:
+    members = tar.getmembers()
+    if len(members) > max_members:
+        raise UnsafeArchive(f"archive has {len(members)} members (limit {max_members})")
+    files: list[tuple[tarfile.TarInfo, PurePosixPath]] = []
+    total = 0
+    for member in members:
+        if member.isdir():
+            _safe_relpath(member.name)  # still refuse traversal in names we would ignore
+            continue
+        if not member.isreg():
+            raise UnsafeArchive(f"archive member {member.name!r} is not a regular file")
+        rel = _safe_relpath(member.name)
+        total += member.size
+        if total > max_bytes:
+            raise UnsafeArchive(f"archive expands beyond {max_bytes} bytes")
+        files.append((member, rel))
+    if not files:
+        raise UnsafeArchive("archive holds no files")
+    # A tar of "step_3/adapter_config.json ..." and one of "adapter_config.json ..." must
+    # land the same way: strip a single top-level directory that holds everything.
+    tops = {rel.parts[0] for _, rel in files}
+    if len(tops) == 1 and all(len(rel.parts) > 1 for _, rel in files):
+        files = [(m, PurePosixPath(*rel.parts[1:])) for m, rel in files]
+    seen: set[PurePosixPath] = set()
+    for _, rel in files:
+        if rel in seen:
+            raise UnsafeArchive(f"archive holds {rel} twice")
+        seen.add(rel)
+    return files
+
+
+def read_marker(directory: Path) -> dict[str, Any] | None:
+    """What `extract_adapter` recorded about the adapter in `directory`, if anything."""
+    try:
+        data = json.loads((directory / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def extract_adapter(
+    data: bytes,
+    dest: Path,
+    *,
+    sha256: str | None = None,
+    step: int | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_members: int = DEFAULT_MAX_MEMBERS,
+) -> Path:
+    """Extract a (gzipped) tar of adapter files into `dest`, replacing what was there."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+            for member, rel in _plan(tar, max_bytes, max_members):
+                target = tmp.joinpath(*rel.parts)
+                # Belt and braces: the planned path must stay inside tmp.
+                if not target.resolve().is_relative_to(tmp.resolve()):
+                    raise UnsafeArchive(f"archive member {member.name!r} escapes the destination")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                source = tar.extractfile(member)
+                if source is None:
+                    raise UnsafeArchive(f"archive member {member.name!r} has no data")
+                with source, open(target, "xb") as out:
+                    shutil.copyfileobj(source, out)
+        (tmp / MARKER_NAME).write_text(json.dumps({"sha256": sha256, "step": step}))
+        old: Path | None = None
+        if dest.exists():
+            old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+            dest.rename(old)
+        tmp.rename(dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error, FileExistsError) as exc:
+        # FileExistsError: two members that map to one file (e.g. "a" and "./a").
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UnsafeArchive(f"bad adapter archive: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.debug("extracted adapter step=%s into %s", step, dest)
+    return dest

@@ -1,0 +1,476 @@
+"""Typed client of the loraloom public API (docs/contracts.md), sync and async.
+
+Every operation is written once, as a generator that yields the HTTP requests it
+needs and parses the responses it is sent back (`_Ops`). `LoraloomClient` and
+`AsyncLoraloomClient` are thin drivers: they send each request over httpx with
+retries, turn error answers into typed exceptions (`orchestrator.errors`) and
+feed the responses back into the generator.
+
+Retries: connection errors, timeouts, 429 (honouring Retry-After) and 5xx are
+retried with exponential backoff and full jitter; every other 4xx raises at
+once. Each logical request carries one `Idempotency-Key` (uuid4), reused by all
+its retries, so a batch whose 201 was lost on the wire is stored once.
+
+Adapter downloads are read whole and extracted (`orchestrator.archive`) in the
+calling thread, also by the async client: LoRA adapters are small, and this
+keeps the operation a single piece of code.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import httpx
+from pydantic import TypeAdapter
+
+from orchestrator._retry import RetryPolicy, send_with_retries, send_with_retries_async
+from orchestrator.archive import extract_adapter, read_marker
+from orchestrator.errors import ApiError, error_from_response
+from orchestrator.models import (
+    AdapterDownload,
+    AdapterInfo,
+    BatchInfo,
+    Heartbeat,
+    Page,
+    Run,
+    StepMetrics,
+)
+from trainer_core.config import RunConfig
+from trainer_core.wire import TrainingBatch, json_encoder, msgpack_encoder
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+BatchFormat = Literal["msgpack", "json"]
+EvictedBy = Literal["user", "orchestrator"]
+AdapterStep = int | Literal["latest"]
+
+_RUN_ID = re.compile(r"^run_[0-9a-f]{12}$")
+_USER_AGENT = "loraloom-sdk/0.1"
+
+
+def check_run_id(run_id: str) -> str:
+    """Refuse anything but `run_` + 12 lowercase hex before it goes into a URL path."""
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+        raise ValueError(f"not a run id: {run_id!r} (expected run_ + 12 lowercase hex digits)")
+    return run_id
+
+
+@dataclass
+class _Request:
+    """One HTTP request of an operation; `headers` (with the idempotency key) is fixed across retries."""
+
+    method: str
+    path: str
+    params: dict[str, Any] | None = None
+    json: Any = None
+    content: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    accept: tuple[int, ...] = ()
+    """Non-2xx statuses that are answers, not errors (304 for adapter downloads)."""
+
+    @property
+    def what(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+_Op = Generator[_Request, httpx.Response, T]
+
+
+def _idempotency_headers(key: str | None) -> dict[str, str]:
+    return {"Idempotency-Key": key or str(uuid.uuid4())}
+
+
+def _clean_params(**params: Any) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def _unquote_etag(value: str | None) -> str | None:
+    if not value:
+        return None
+    value = value.strip()
+    if value.startswith("W/"):
+        value = value[2:]
+    return value.strip('"') or None
+
+
+_RUN_PAGE = TypeAdapter(Page[Run])
+_BATCH_PAGE = TypeAdapter(Page[BatchInfo])
+_ADAPTERS = TypeAdapter(list[AdapterInfo])
+_METRICS = TypeAdapter(list[StepMetrics])
+
+
+class _Ops:
+    """The API's operations, transport-free: each yields requests and returns the parsed result."""
+
+    @staticmethod
+    def create_run(
+        name: str, config: RunConfig | Mapping[str, Any] | None, idempotency_key: str | None
+    ) -> _Op[Run]:
+        if isinstance(config, RunConfig):
+            # Only what the user set: the service applies the same defaults, and an older
+            # service does not choke on fields it has never heard of.
+            body_config: dict[str, Any] = config.model_dump(mode="json", exclude_unset=True)
+        else:
+            body_config = dict(config or {})
+        response = yield _Request(
+            "POST",
+            "/v1/runs",
+            json={"name": name, "config": body_config},
+            headers=_idempotency_headers(idempotency_key),
+        )
+        return Run.model_validate(response.json())
+
+    @staticmethod
+    def get_run(run_id: str) -> _Op[Run]:
+        response = yield _Request("GET", f"/v1/runs/{check_run_id(run_id)}")
+        return Run.model_validate(response.json())
+
+    @staticmethod
+    def list_runs(status: str | None, limit: int | None, cursor: str | None) -> _Op[Page[Run]]:
+        response = yield _Request(
+            "GET", "/v1/runs", params=_clean_params(status=status, limit=limit, cursor=cursor)
+        )
+        return _RUN_PAGE.validate_python(response.json())
+
+    @staticmethod
+    def evict_run(run_id: str, reason: str, by: EvictedBy) -> _Op[Run]:
+        if by not in ("user", "orchestrator"):
+            raise ValueError(f"by must be 'user' or 'orchestrator', not {by!r}")
+        body: dict[str, Any] = {"reason": reason}
+        if by == "orchestrator":
+            body["by"] = "orchestrator"
+        response = yield _Request(
+            "POST", f"/v1/runs/{check_run_id(run_id)}/evict", json=body, headers=_idempotency_headers(None)
+        )
+        return Run.model_validate(response.json())
+
+    @staticmethod
+    def delete_run(run_id: str) -> _Op[Run]:
+        response = yield _Request("DELETE", f"/v1/runs/{check_run_id(run_id)}")
+        return Run.model_validate(response.json())
+
+    @staticmethod
+    def heartbeat(run_id: str) -> _Op[Heartbeat]:
+        response = yield _Request("POST", f"/v1/runs/{check_run_id(run_id)}/heartbeat")
+        return Heartbeat.model_validate(response.json())
+
+    @staticmethod
+    def submit_batch(
+        run_id: str, batch: TrainingBatch, fmt: BatchFormat, idempotency_key: str | None
+    ) -> _Op[BatchInfo]:
+        if not isinstance(batch, TrainingBatch):
+            raise TypeError(f"batch must be a trainer_core.wire.TrainingBatch, not {type(batch).__name__}")
+        if fmt == "msgpack":
+            content, ctype = msgpack_encoder.encode(batch), "application/msgpack"
+        elif fmt == "json":
+            content, ctype = json_encoder.encode(batch), "application/json"
+        else:
+            raise ValueError(f"fmt must be 'msgpack' or 'json', not {fmt!r}")
+        response = yield _Request(
+            "POST",
+            f"/v1/runs/{check_run_id(run_id)}/batches",
+            content=content,
+            headers={"Content-Type": ctype, **_idempotency_headers(idempotency_key)},
+        )
+        return BatchInfo.model_validate(response.json())
+
+    @staticmethod
+    def list_batches(
+        run_id: str, state: str | None, limit: int | None, cursor: str | None
+    ) -> _Op[Page[BatchInfo]]:
+        response = yield _Request(
+            "GET",
+            f"/v1/runs/{check_run_id(run_id)}/batches",
+            params=_clean_params(state=state, limit=limit, cursor=cursor),
+        )
+        return _BATCH_PAGE.validate_python(response.json())
+
+    @staticmethod
+    def list_adapters(run_id: str) -> _Op[list[AdapterInfo]]:
+        response = yield _Request("GET", f"/v1/runs/{check_run_id(run_id)}/adapters")
+        return _ADAPTERS.validate_python(response.json()["items"])
+
+    @staticmethod
+    def fetch_adapter(run_id: str, step: AdapterStep, dest_dir: Path) -> _Op[AdapterDownload]:
+        if step != "latest" and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise ValueError(f"step must be a non-negative int or 'latest', not {step!r}")
+        dest = Path(dest_dir)
+        marker = read_marker(dest) if dest.is_dir() else None
+        headers: dict[str, str] = {}
+        if marker and marker.get("sha256"):
+            headers["If-None-Match"] = f'"{marker["sha256"]}"'
+        response = yield _Request(
+            "GET", f"/v1/runs/{check_run_id(run_id)}/adapters/{step}", headers=headers, accept=(304,)
+        )
+        if response.status_code == 304 and marker is not None:
+            return AdapterDownload(
+                path=dest, step=marker.get("step"), sha256=marker.get("sha256"), changed=False
+            )
+        if response.status_code == 304:
+            raise ApiError("server answered 304 to a request without If-None-Match", status=304)
+        sha = _unquote_etag(response.headers.get("etag"))
+        step_header = response.headers.get("x-adapter-step")
+        got_step = (
+            int(step_header)
+            if step_header and step_header.isdigit()
+            else (step if isinstance(step, int) else None)
+        )
+        extract_adapter(response.content, dest, sha256=sha, step=got_step)
+        return AdapterDownload(path=dest, step=got_step, sha256=sha, changed=True)
+
+    @staticmethod
+    def get_metrics(run_id: str) -> _Op[list[StepMetrics]]:
+        response = yield _Request("GET", f"/v1/runs/{check_run_id(run_id)}/metrics")
+        return _METRICS.validate_python(response.json()["items"])
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """What both clients are configured with."""
+
+    base_url: str
+    api_key: str | None = None
+    timeout: float | httpx.Timeout = 30.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def http_kwargs(self) -> dict[str, Any]:
+        headers = {"User-Agent": _USER_AGENT}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        timeout = self.timeout if isinstance(self.timeout, httpx.Timeout) else httpx.Timeout(self.timeout)
+        return {"base_url": self.base_url, "headers": headers, "timeout": timeout}
+
+
+def _settings(
+    base_url: str,
+    api_key: str | None,
+    timeout: float | httpx.Timeout,
+    retry: RetryPolicy | None,
+    max_attempts: int | None,
+) -> ClientSettings:
+    policy = retry or RetryPolicy()
+    if max_attempts is not None:
+        policy = RetryPolicy(
+            max_attempts=max_attempts,
+            backoff_base_s=policy.backoff_base_s,
+            backoff_max_s=policy.backoff_max_s,
+            max_retry_after_s=policy.max_retry_after_s,
+        )
+    return ClientSettings(base_url=base_url.rstrip("/"), api_key=api_key, timeout=timeout, retry=policy)
+
+
+def _check(request: _Request, response: httpx.Response) -> httpx.Response:
+    if response.is_success or response.status_code in request.accept:
+        return response
+    raise error_from_response(response)
+
+
+class LoraloomClient:
+    """Synchronous client. Use as a context manager, or call `close()`.
+
+    `transport` lets tests (or users) plug in an httpx transport; everything else
+    is the public API of the service, one method per route."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float | httpx.Timeout = 30.0,
+        retry: RetryPolicy | None = None,
+        max_attempts: int | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.settings = _settings(base_url, api_key, timeout, retry, max_attempts)
+        self._http = httpx.Client(transport=transport, **self.settings.http_kwargs())
+
+    def __enter__(self) -> LoraloomClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _send(self, request: _Request) -> httpx.Response:
+        def attempt() -> httpx.Response:
+            return self._http.request(
+                request.method,
+                request.path,
+                params=request.params,
+                json=request.json,
+                content=request.content,
+                headers=request.headers,
+            )
+
+        return _check(request, send_with_retries(attempt, self.settings.retry, request.what))
+
+    def _run(self, op: _Op[T]) -> T:
+        try:
+            request = next(op)
+            while True:
+                request = op.send(self._send(request))
+        except StopIteration as done:
+            return done.value
+
+    def create_run(
+        self,
+        name: str,
+        config: RunConfig | Mapping[str, Any] | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Run:
+        return self._run(_Ops.create_run(name, config, idempotency_key))
+
+    def get_run(self, run_id: str) -> Run:
+        return self._run(_Ops.get_run(run_id))
+
+    def list_runs(
+        self, *, status: str | None = None, limit: int | None = None, cursor: str | None = None
+    ) -> Page[Run]:
+        return self._run(_Ops.list_runs(status, limit, cursor))
+
+    def evict_run(self, run_id: str, reason: str, *, by: EvictedBy = "user") -> Run:
+        return self._run(_Ops.evict_run(run_id, reason, by))
+
+    def delete_run(self, run_id: str) -> Run:
+        return self._run(_Ops.delete_run(run_id))
+
+    def heartbeat(self, run_id: str) -> Heartbeat:
+        return self._run(_Ops.heartbeat(run_id))
+
+    def submit_batch(
+        self,
+        run_id: str,
+        batch: TrainingBatch,
+        *,
+        fmt: BatchFormat = "msgpack",
+        idempotency_key: str | None = None,
+    ) -> BatchInfo:
+        return self._run(_Ops.submit_batch(run_id, batch, fmt, idempotency_key))
+
+    def list_batches(
+        self, run_id: str, *, state: str | None = None, limit: int | None = None, cursor: str | None = None
+    ) -> Page[BatchInfo]:
+        return self._run(_Ops.list_batches(run_id, state, limit, cursor))
+
+    def list_adapters(self, run_id: str) -> list[AdapterInfo]:
+        return self._run(_Ops.list_adapters(run_id))
+
+    def fetch_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> AdapterDownload:
+        """Download and extract an adapter; skipped (304) when `dest_dir` already holds it."""
+        return self._run(_Ops.fetch_adapter(run_id, step, Path(dest_dir)))
+
+    def download_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> Path:
+        return self.fetch_adapter(run_id, step, dest_dir).path
+
+    def get_metrics(self, run_id: str) -> list[StepMetrics]:
+        return self._run(_Ops.get_metrics(run_id))
+
+
+class AsyncLoraloomClient:
+    """Asynchronous twin of `LoraloomClient` (same methods, awaited)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        *,
+        timeout: float | httpx.Timeout = 30.0,
+        retry: RetryPolicy | None = None,
+        max_attempts: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.settings = _settings(base_url, api_key, timeout, retry, max_attempts)
+        self._http = httpx.AsyncClient(transport=transport, **self.settings.http_kwargs())
+
+    async def __aenter__(self) -> AsyncLoraloomClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _send(self, request: _Request) -> httpx.Response:
+        async def attempt() -> httpx.Response:
+            return await self._http.request(
+                request.method,
+                request.path,
+                params=request.params,
+                json=request.json,
+                content=request.content,
+                headers=request.headers,
+            )
+
+        return _check(request, await send_with_retries_async(attempt, self.settings.retry, request.what))
+
+    async def _run(self, op: _Op[T]) -> T:
+        try:
+            request = next(op)
+            while True:
+                request = op.send(await self._send(request))
+        except StopIteration as done:
+            return done.value
+
+    async def create_run(
+        self,
+        name: str,
+        config: RunConfig | Mapping[str, Any] | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Run:
+        return await self._run(_Ops.create_run(name, config, idempotency_key))
+
+    async def get_run(self, run_id: str) -> Run:
+        return await self._run(_Ops.get_run(run_id))
+
+    async def list_runs(
+        self, *, status: str | None = None, limit: int | None = None, cursor: str | None = None
+    ) -> Page[Run]:
+        return await self._run(_Ops.list_runs(status, limit, cursor))
+
+    async def evict_run(self, run_id: str, reason: str, *, by: EvictedBy = "user") -> Run:
+        return await self._run(_Ops.evict_run(run_id, reason, by))
+
+    async def delete_run(self, run_id: str) -> Run:
+        return await self._run(_Ops.delete_run(run_id))
+
+    async def heartbeat(self, run_id: str) -> Heartbeat:
+        return await self._run(_Ops.heartbeat(run_id))
+
+    async def submit_batch(
+        self,
+        run_id: str,
+        batch: TrainingBatch,
+        *,
+        fmt: BatchFormat = "msgpack",
+        idempotency_key: str | None = None,
+    ) -> BatchInfo:
+        return await self._run(_Ops.submit_batch(run_id, batch, fmt, idempotency_key))
+
+    async def list_batches(
+        self, run_id: str, *, state: str | None = None, limit: int | None = None, cursor: str | None = None
+    ) -> Page[BatchInfo]:
+        return await self._run(_Ops.list_batches(run_id, state, limit, cursor))
+
+    async def list_adapters(self, run_id: str) -> list[AdapterInfo]:
+        return await self._run(_Ops.list_adapters(run_id))
+
+    async def fetch_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> AdapterDownload:
+        return await self._run(_Ops.fetch_adapter(run_id, step, Path(dest_dir)))
+
+    async def download_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> Path:
+        return (await self.fetch_adapter(run_id, step, dest_dir)).path
+
+    async def get_metrics(self, run_id: str) -> list[StepMetrics]:
+        return await self._run(_Ops.get_metrics(run_id))

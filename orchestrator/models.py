@@ -1,0 +1,125 @@
+"""Typed views of the service's answers (docs/contracts.md).
+
+Unknown fields are ignored, so a newer service that adds fields does not break
+an older SDK; the fields the SDK relies on are required.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+from orchestrator.errors import RunEvicted, RunFailed
+from trainer_core.config import RunConfig
+
+RunStatus = Literal["queued", "active", "completed", "evicted", "failed", "deleted"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "evicted", "failed", "deleted"})
+
+T = TypeVar("T")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class Progress(_Model):
+    step: int = 0
+    """Completed trainer steps of the run."""
+    total_tokens: int = 0
+    total_samples: int = 0
+
+
+class Run(_Model):
+    id: str
+    tenant_id: str | None = None
+    name: str
+    status: str
+    slot: int | None = None
+    base_model: str | None = None
+    config: dict[str, Any] = {}
+    progress: Progress = Progress()
+    eviction_reason: str | None = None
+    evicted_by: str | None = None
+    failure_reason: str | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    last_heartbeat_at: datetime | None = None
+
+    @property
+    def run_config(self) -> RunConfig:
+        return RunConfig.model_validate(self.config)
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+    def raise_if_stopped(self) -> None:
+        """Raise `RunEvicted` (with the reason) or `RunFailed` if the run can no longer train."""
+        if self.status == "evicted":
+            raise RunEvicted(
+                f"run {self.id} was evicted by {self.evicted_by or 'unknown'}: {self.eviction_reason}",
+                run_id=self.id,
+                reason=self.eviction_reason,
+                evicted_by=self.evicted_by,
+            )
+        if self.status in {"failed", "deleted"}:
+            why = f": {self.failure_reason}" if self.failure_reason else ""
+            raise RunFailed(f"run {self.id} is {self.status}{why}", run_id=self.id, run_status=self.status)
+
+
+class Page(_Model, Generic[T]):
+    items: list[T]
+    next_cursor: str | None = None
+
+
+class Heartbeat(_Model):
+    run_id: str
+    status: str
+    last_heartbeat_at: datetime | None = None
+
+
+class BatchInfo(_Model):
+    id: str | int
+    run_id: str
+    rollout_step: int
+    num_samples: int
+    num_tokens: int
+    state: str
+    trained_step: int | None = None
+    created_at: datetime | None = None
+
+
+class AdapterInfo(_Model):
+    step: int
+    size_bytes: int
+    sha256: str
+    created_at: datetime | None = None
+
+
+class StepMetrics(_Model):
+    step: int
+    loss: float | None = None
+    entropy: float | None = None
+    mismatch_kl: float | None = None
+    masked_fraction: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: int | None = None
+    samples: int | None = None
+    step_time_s: float | None = None
+    created_at: datetime | None = None
+
+
+class AdapterDownload(_Model):
+    """Where a downloaded adapter lies, and whether this call changed it."""
+
+    path: Path
+    step: int | None
+    sha256: str | None
+    changed: bool
+    """False when the server answered 304: the directory already held this adapter."""

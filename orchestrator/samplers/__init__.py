@@ -1,0 +1,16 @@
+"""Samplers: `LocalSampler` (transformers + peft, in process) and
+`OpenAICompatibleSampler` (a completions server such as vLLM, with runtime LoRA loading)."""
+
+from orchestrator.samplers.base import Completion, FinishReason, Sampler
+from orchestrator.samplers.openai import OpenAICompatibleSampler
+
+__all__ = ["Completion", "FinishReason", "LocalSampler", "OpenAICompatibleSampler", "Sampler"]
+
+
+def __getattr__(name: str):
+    # LocalSampler imports torch and transformers; load them only for users who want it.
+    if name == "LocalSampler":
+        from orchestrator.samplers.local import LocalSampler
+
+        return LocalSampler
+    raise AttributeError(name)

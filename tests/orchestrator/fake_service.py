@@ -1,0 +1,303 @@
+"""FakeService: an in-memory stand-in for the tenant half of the loraloom API
+(docs/contracts.md), for testing the SDK's client over real HTTP while the real
+service is being written. It keeps the contract's shapes, status codes, error
+body and idempotency rules; it is not the service."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+import threading
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError as PydanticValidationError
+
+from trainer_core.config import RunConfig
+from trainer_core.wire import TrainingBatch, batch_json_decoder, batch_msgpack_decoder
+
+
+class FakeError(Exception):
+    def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
+        self.status, self.code, self.message, self.details = status, code, message, details
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def adapter_tarball(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+class FakeService:
+    def __init__(self, api_key: str = "test-key") -> None:
+        self.api_key = api_key
+        self.lock = threading.Lock()
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.batches: dict[str, list[dict[str, Any]]] = {}
+        self.payloads: dict[str, TrainingBatch] = {}
+        self.adapters: dict[str, dict[int, bytes]] = {}
+        self.metrics: dict[str, list[dict[str, Any]]] = {}
+        self.heartbeats: dict[str, int] = {}
+        self._idem: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        self.app = self._build()
+
+    # ---- helpers for tests ------------------------------------------------------------------
+
+    def set_progress(self, run_id: str, step: int) -> None:
+        with self.lock:
+            self.runs[run_id]["progress"]["step"] = step
+
+    def set_status(self, run_id: str, status: str) -> None:
+        with self.lock:
+            self.runs[run_id]["status"] = status
+
+    def evict(self, run_id: str, reason: str, by: str = "trainer") -> None:
+        with self.lock:
+            run = self.runs[run_id]
+            run.update(status="evicted", eviction_reason=reason, evicted_by=by, finished_at=_now())
+
+    def add_adapter(self, run_id: str, step: int, files: dict[str, bytes]) -> str:
+        data = adapter_tarball(files)
+        with self.lock:
+            self.adapters.setdefault(run_id, {})[step] = data
+        return hashlib.sha256(data).hexdigest()
+
+    # ---- the app ----------------------------------------------------------------------------
+
+    def _auth(self, request: Request) -> None:
+        if request.headers.get("authorization") != f"Bearer {self.api_key}":
+            raise FakeError(401, "unauthorized", "missing or invalid API key")
+
+    def _run(self, run_id: str) -> dict[str, Any]:
+        run = self.runs.get(run_id)
+        if run is None:
+            raise FakeError(404, "not_found", f"run {run_id} not found")
+        return run
+
+    def _replay(self, scope: str, key: str | None, fingerprint: str) -> dict[str, Any] | None:
+        if not key:
+            return None
+        seen = self._idem.get((scope, key))
+        if seen is None:
+            return None
+        if seen[0] != fingerprint:
+            raise FakeError(409, "idempotency_conflict", "Idempotency-Key reused with another body")
+        return seen[1]
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+        svc = self
+
+        @app.exception_handler(FakeError)
+        async def _fake_error(request: Request, exc: FakeError) -> JSONResponse:
+            return JSONResponse(
+                {"error": {"code": exc.code, "message": exc.message, "details": exc.details}},
+                status_code=exc.status,
+            )
+
+        @app.post("/v1/runs")
+        async def create_run(request: Request) -> JSONResponse:
+            svc._auth(request)
+            raw = await request.body()
+            body = json.loads(raw)
+            try:
+                config = RunConfig.model_validate(body.get("config") or {})
+            except PydanticValidationError as exc:
+                details = [{"loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+                raise FakeError(422, "validation_error", "invalid run config", details) from None
+            key = request.headers.get("idempotency-key")
+            with svc.lock:
+                replay = svc._replay("runs", key, hashlib.sha256(raw).hexdigest())
+                if replay is not None:
+                    return JSONResponse(svc.runs[replay["id"]], status_code=200)
+                run_id = "run_" + uuid.uuid4().hex[:12]
+                run = {
+                    "id": run_id,
+                    "tenant_id": "ten_1",
+                    "name": body["name"],
+                    "status": "active",
+                    "slot": len(svc.runs),
+                    "base_model": config.base_model,
+                    "config": config.model_dump(mode="json"),
+                    "progress": {"step": 0, "total_tokens": 0, "total_samples": 0},
+                    "eviction_reason": None,
+                    "evicted_by": None,
+                    "failure_reason": None,
+                    "created_at": _now(),
+                    "updated_at": _now(),
+                    "started_at": _now(),
+                    "finished_at": None,
+                    "last_heartbeat_at": None,
+                }
+                svc.runs[run_id] = run
+                svc.batches[run_id] = []
+                if key:
+                    svc._idem[("runs", key)] = (hashlib.sha256(raw).hexdigest(), {"id": run_id})
+            return JSONResponse(run, status_code=201)
+
+        @app.get("/v1/runs")
+        async def list_runs(
+            request: Request, status: str | None = None, limit: int = 50, cursor: str | None = None
+        ) -> dict[str, Any]:
+            svc._auth(request)
+            runs = [r for r in svc.runs.values() if status is None or r["status"] == status]
+            start = int(cursor or 0)
+            page = runs[start : start + limit]
+            more = start + limit < len(runs)
+            return {"items": page, "next_cursor": str(start + limit) if more else None}
+
+        @app.get("/v1/runs/{run_id}")
+        async def get_run(request: Request, run_id: str) -> dict[str, Any]:
+            svc._auth(request)
+            return svc._run(run_id)
+
+        @app.post("/v1/runs/{run_id}/evict")
+        async def evict(request: Request, run_id: str) -> dict[str, Any]:
+            svc._auth(request)
+            body = await request.json()
+            with svc.lock:
+                run = svc._run(run_id)
+                if run["status"] not in ("queued", "active"):
+                    raise FakeError(409, "conflict", f"run {run_id} is {run['status']}")
+                by = "orchestrator" if body.get("by") == "orchestrator" else "user"
+                run.update(
+                    status="evicted", eviction_reason=body["reason"], evicted_by=by, finished_at=_now()
+                )
+                return run
+
+        @app.delete("/v1/runs/{run_id}")
+        async def delete(request: Request, run_id: str) -> dict[str, Any]:
+            svc._auth(request)
+            with svc.lock:
+                run = svc._run(run_id)
+                run["status"] = "deleted"
+                return run
+
+        @app.post("/v1/runs/{run_id}/heartbeat")
+        async def heartbeat(request: Request, run_id: str) -> dict[str, Any]:
+            svc._auth(request)
+            with svc.lock:
+                run = svc._run(run_id)
+                run["last_heartbeat_at"] = _now()
+                svc.heartbeats[run_id] = svc.heartbeats.get(run_id, 0) + 1
+                return {
+                    "run_id": run_id,
+                    "status": run["status"],
+                    "last_heartbeat_at": run["last_heartbeat_at"],
+                }
+
+        @app.post("/v1/runs/{run_id}/batches")
+        async def submit(request: Request, run_id: str) -> JSONResponse:
+            svc._auth(request)
+            raw = await request.body()
+            ctype = request.headers.get("content-type", "")
+            decoder = batch_msgpack_decoder if ctype.startswith("application/msgpack") else batch_json_decoder
+            try:
+                batch = decoder.decode(raw)
+            except msgspec.DecodeError as exc:
+                raise FakeError(422, "validation_error", f"bad batch: {exc}") from None
+            if not batch.examples:
+                raise FakeError(422, "validation_error", "empty batch", {"field": "examples"})
+            key = request.headers.get("idempotency-key")
+            with svc.lock:
+                run = svc._run(run_id)
+                replay = svc._replay(f"batches/{run_id}", key, hashlib.sha256(raw).hexdigest())
+                if replay is not None:
+                    return JSONResponse(replay, status_code=200)
+                if run["status"] == "evicted":
+                    raise FakeError(
+                        409,
+                        "run_evicted",
+                        f"run {run_id} was evicted: {run['eviction_reason']}",
+                        {"reason": run["eviction_reason"], "evicted_by": run["evicted_by"], "run_id": run_id},
+                    )
+                if run["status"] != "active":
+                    raise FakeError(409, "run_not_active", f"run {run_id} is {run['status']}")
+                batch_id = f"bat_{uuid.uuid4().hex[:12]}"
+                out = {
+                    "id": batch_id,
+                    "run_id": run_id,
+                    "rollout_step": batch.step,
+                    "num_samples": len(batch.examples),
+                    "num_tokens": sum(s.num_tokens for s in batch.examples),
+                    "state": "pending",
+                    "trained_step": None,
+                    "created_at": _now(),
+                }
+                svc.batches[run_id].append(out)
+                svc.payloads[batch_id] = batch
+                if key:
+                    svc._idem[(f"batches/{run_id}", key)] = (hashlib.sha256(raw).hexdigest(), out)
+            return JSONResponse(out, status_code=201)
+
+        @app.get("/v1/runs/{run_id}/batches")
+        async def list_batches(
+            request: Request,
+            run_id: str,
+            state: str | None = None,
+            limit: int = 50,
+            cursor: str | None = None,
+        ) -> dict[str, Any]:
+            svc._auth(request)
+            svc._run(run_id)
+            items = [b for b in svc.batches[run_id] if state is None or b["state"] == state]
+            start = int(cursor or 0)
+            more = start + limit < len(items)
+            return {
+                "items": items[start : start + limit],
+                "next_cursor": str(start + limit) if more else None,
+            }
+
+        @app.get("/v1/runs/{run_id}/adapters")
+        async def list_adapters(request: Request, run_id: str) -> dict[str, Any]:
+            svc._auth(request)
+            svc._run(run_id)
+            items = [
+                {
+                    "step": step,
+                    "size_bytes": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                    "created_at": _now(),
+                }
+                for step, data in sorted(svc.adapters.get(run_id, {}).items())
+            ]
+            return {"items": items}
+
+        @app.get("/v1/runs/{run_id}/adapters/{step}")
+        async def get_adapter(request: Request, run_id: str, step: str) -> Response:
+            svc._auth(request)
+            svc._run(run_id)
+            adapters = svc.adapters.get(run_id, {})
+            if not adapters:
+                raise FakeError(404, "not_found", "no adapter yet")
+            number = max(adapters) if step == "latest" else int(step)
+            if number not in adapters:
+                raise FakeError(404, "not_found", f"no adapter for step {number}")
+            data = adapters[number]
+            etag = f'"{hashlib.sha256(data).hexdigest()}"'
+            headers = {"ETag": etag, "X-Adapter-Step": str(number)}
+            if request.headers.get("if-none-match") == etag:
+                return Response(status_code=304, headers=headers)
+            return Response(data, media_type="application/gzip", headers=headers)
+
+        @app.get("/v1/runs/{run_id}/metrics")
+        async def metrics(request: Request, run_id: str) -> dict[str, Any]:
+            svc._auth(request)
+            svc._run(run_id)
+            return {"items": svc.metrics.get(run_id, [])}
+
+        return app

@@ -1,0 +1,86 @@
+"""Adapter archives are extracted safely: regular files only, inside the destination."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from orchestrator.archive import UnsafeArchive, extract_adapter, read_marker
+
+
+def _tar(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+def _file(name: str, data: bytes = b"x") -> tuple[tarfile.TarInfo, bytes]:
+    return tarfile.TarInfo(name), data
+
+
+def _special(name: str, kind: bytes, target: str = "") -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info, None
+
+
+def test_extracts_regular_files_and_records_marker(tmp_path: Path) -> None:
+    data = _tar([_file("adapter_config.json", b"{}"), _file("./adapter_model.safetensors", b"w")])
+    dest = extract_adapter(data, tmp_path / "a", sha256="abc", step=4)
+    assert sorted(p.name for p in dest.iterdir()) == [
+        ".loraloom-adapter.json",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert read_marker(dest) == {"sha256": "abc", "step": 4}
+
+
+def test_single_top_level_directory_is_stripped(tmp_path: Path) -> None:
+    dir_info = tarfile.TarInfo("step_3")
+    dir_info.type = tarfile.DIRTYPE
+    data = _tar([(dir_info, None), _file("step_3/adapter_config.json", b"{}")])
+    dest = extract_adapter(data, tmp_path / "a")
+    assert (dest / "adapter_config.json").read_bytes() == b"{}"
+
+
+@pytest.mark.parametrize(
+    "member",
+    [
+        _file("../evil.txt"),
+        _file("ok/../../evil.txt"),
+        _file("/tmp/evil.txt"),
+        _special("link", tarfile.SYMTYPE, "/etc/passwd"),
+        _special("hardlink", tarfile.LNKTYPE, "/etc/passwd"),
+        _special("dev", tarfile.CHRTYPE),
+        _special("fifo", tarfile.FIFOTYPE),
+    ],
+)
+def test_unsafe_members_are_refused_and_nothing_is_written(tmp_path: Path, member) -> None:
+    data = _tar([_file("adapter_config.json", b"{}"), member])
+    dest = tmp_path / "inside" / "a"
+    with pytest.raises(UnsafeArchive):
+        extract_adapter(data, dest)
+    assert not dest.exists()
+    assert not (tmp_path / "evil.txt").exists() and not (tmp_path / "inside" / "evil.txt").exists()
+    assert list((tmp_path / "inside").iterdir()) == []  # the temporary directory is gone too
+
+
+def test_existing_adapter_survives_a_bad_archive(tmp_path: Path) -> None:
+    dest = extract_adapter(_tar([_file("adapter_config.json", b"v1")]), tmp_path / "a")
+    with pytest.raises(UnsafeArchive):
+        extract_adapter(b"not a tarball at all", dest)
+    assert (dest / "adapter_config.json").read_bytes() == b"v1"
+
+
+def test_size_cap(tmp_path: Path) -> None:
+    with pytest.raises(UnsafeArchive):
+        extract_adapter(_tar([_file("big", b"x" * 100)]), tmp_path / "a", max_bytes=10)

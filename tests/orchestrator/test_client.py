@@ -1,0 +1,275 @@
+"""The SDK client against a real local HTTP server (uvicorn on 127.0.0.1) that
+injects 5xx, 429 with Retry-After, stalls and dropped connections."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from orchestrator import errors
+from orchestrator._retry import RetryPolicy, parse_retry_after
+from orchestrator.client import AsyncLoraloomClient, LoraloomClient
+from orchestrator.models import Run
+from tests.orchestrator.fake_service import FakeService
+from tests.orchestrator.servers import FaultInjector, serve
+from trainer_core.config import RunConfig
+from trainer_core.wire import TrainingBatch, TrainingSample
+
+FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def service() -> FakeService:
+    return FakeService()
+
+
+@pytest.fixture(scope="module")
+def faults(service: FakeService) -> FaultInjector:
+    return FaultInjector(service.app)
+
+
+@pytest.fixture(scope="module")
+def base_url(faults: FaultInjector) -> Iterator[str]:
+    with serve(faults) as url:
+        yield url
+
+
+@pytest.fixture
+def client(base_url: str, service: FakeService) -> Iterator[LoraloomClient]:
+    with LoraloomClient(base_url, service.api_key, retry=FAST, timeout=5.0) as c:
+        yield c
+
+
+def _batch(step: int = 0, n: int = 2) -> TrainingBatch:
+    return TrainingBatch(
+        examples=[
+            TrainingSample(
+                prompt_ids=[1, 5, 6],
+                prompt_mask=[True] * 3,
+                completion_ids=[7, 2],
+                completion_mask=[True, True],
+                completion_logprobs=[-0.5, -0.1],
+                advantage=float(i) - 0.5,
+            )
+            for i in range(n)
+        ],
+        step=step,
+    )
+
+
+def test_run_lifecycle_typed(client: LoraloomClient) -> None:
+    run = client.create_run("lifecycle", RunConfig(batch_size=4, max_steps=3))
+    assert isinstance(run, Run) and run.status == "active"
+    assert run.run_config.batch_size == 4
+    assert client.get_run(run.id) == run
+    assert run.id in [r.id for r in client.list_runs().items]
+    assert client.heartbeat(run.id).status == "active"
+    evicted = client.evict_run(run.id, "done with it")
+    assert (evicted.status, evicted.eviction_reason, evicted.evicted_by) == (
+        "evicted",
+        "done with it",
+        "user",
+    )
+    assert client.delete_run(run.id).status == "deleted"
+
+
+def test_create_run_idempotent_replay(client: LoraloomClient, service: FakeService) -> None:
+    first = client.create_run("idem", {"batch_size": 2}, idempotency_key="key-create-1")
+    again = client.create_run("idem", {"batch_size": 2}, idempotency_key="key-create-1")
+    assert first.id == again.id
+    with pytest.raises(errors.Conflict):
+        client.create_run("idem", {"batch_size": 3}, idempotency_key="key-create-1")
+
+
+@pytest.mark.parametrize("fault", ["503", "500", "drop", "drop_after", "slow:0.4"])
+@pytest.mark.parametrize("fmt", ["msgpack", "json"])
+def test_submit_retries_reuse_one_key_and_store_once(
+    base_url: str, service: FakeService, faults: FaultInjector, fault: str, fmt: str
+) -> None:
+    with LoraloomClient(base_url, service.api_key, retry=FAST, timeout=0.2) as client:
+        run = client.create_run("retry", {})
+        path = f"/v1/runs/{run.id}/batches"
+        faults.inject("POST", path, fault, fault)
+        info = client.submit_batch(run.id, _batch(step=3), fmt=fmt)
+    seen = faults.requests_to("POST", path)
+    assert [s.fault for s in seen] == [fault, fault, None]
+    assert len({s.idempotency_key for s in seen}) == 1 and seen[0].idempotency_key
+    # The batch is stored exactly once, even when the server took it and the answer was lost.
+    assert len(service.batches[run.id]) == 1
+    assert info.id == service.batches[run.id][0]["id"]
+    assert (info.rollout_step, info.num_samples) == (3, 2)
+    assert service.payloads[info.id] == _batch(step=3)
+
+
+def test_429_honours_retry_after(client: LoraloomClient, faults: FaultInjector, service: FakeService) -> None:
+    run = client.create_run("ratelimited", {})
+    path = f"/v1/runs/{run.id}/batches"
+    faults.inject("POST", path, "429:0.4")
+    started = time.monotonic()
+    client.submit_batch(run.id, _batch())
+    assert time.monotonic() - started >= 0.4  # the backoff alone would be <= 0.05 s
+    seen = faults.requests_to("POST", path)
+    assert len(seen) == 2 and seen[0].idempotency_key == seen[1].idempotency_key
+    assert len(service.batches[run.id]) == 1
+
+
+def test_distinct_logical_requests_get_distinct_keys(client: LoraloomClient, faults: FaultInjector) -> None:
+    run = client.create_run("keys", {})
+    client.submit_batch(run.id, _batch())
+    client.submit_batch(run.id, _batch())
+    keys = [s.idempotency_key for s in faults.requests_to("POST", f"/v1/runs/{run.id}/batches")]
+    assert len(keys) == 2 and keys[0] != keys[1]
+
+
+@pytest.mark.parametrize(
+    ("status", "cls"),
+    [
+        ("400", errors.BadRequest),
+        ("401", errors.Unauthorized),
+        ("403", errors.Forbidden),
+        ("404", errors.NotFound),
+        ("409", errors.Conflict),
+        ("413", errors.PayloadTooLarge),
+        ("422", errors.ValidationError),
+    ],
+)
+def test_other_4xx_are_not_retried(
+    client: LoraloomClient, faults: FaultInjector, status: str, cls: type[errors.ApiError]
+) -> None:
+    run = client.create_run("no-retry", {})
+    path = f"/v1/runs/{run.id}/batches"
+    faults.inject("POST", path, status)
+    with pytest.raises(cls) as info:
+        client.submit_batch(run.id, _batch())
+    assert info.value.status == int(status) and info.value.code == "injected"
+    assert len(faults.requests_to("POST", path)) == 1
+
+
+def test_typed_errors_carry_code_message_details(client: LoraloomClient, faults: FaultInjector) -> None:
+    missing = "run_" + "0" * 12
+    with pytest.raises(errors.NotFound) as nf:
+        client.get_run(missing)
+    assert (nf.value.status, nf.value.code) == (404, "not_found") and missing in nf.value.message
+    assert len(faults.requests_to("GET", f"/v1/runs/{missing}")) == 1
+
+    with pytest.raises(errors.ValidationError) as bad:
+        client.create_run("bad", {"batch_size": 0, "bogus": 1})
+    assert bad.value.status == 422 and bad.value.code == "validation_error"
+    assert {tuple(d["loc"]) for d in bad.value.details} == {("batch_size",), ("bogus",)}
+
+
+def test_unauthorized(base_url: str) -> None:
+    with (
+        LoraloomClient(base_url, "wrong-key", retry=FAST) as client,
+        pytest.raises(errors.Unauthorized) as info,
+    ):
+        client.list_runs()
+    assert info.value.status == 401
+
+
+def test_evicted_run_raises_run_evicted(client: LoraloomClient, service: FakeService) -> None:
+    run = client.create_run("evictee", {})
+    service.evict(run.id, "NaN loss", by="trainer")
+    with pytest.raises(errors.RunEvicted) as info:
+        client.submit_batch(run.id, _batch())
+    assert (info.value.reason, info.value.evicted_by, info.value.status) == ("NaN loss", "trainer", 409)
+    assert isinstance(info.value, errors.Conflict)
+    with pytest.raises(errors.RunEvicted) as seen:
+        client.get_run(run.id).raise_if_stopped()
+    assert seen.value.reason == "NaN loss" and seen.value.run_id == run.id
+
+
+def test_retry_exhausted(client: LoraloomClient, faults: FaultInjector) -> None:
+    run = client.create_run("exhaust", {})
+    path = f"/v1/runs/{run.id}/heartbeat"
+    faults.inject("POST", path, *["503"] * FAST.max_attempts)
+    with pytest.raises(errors.RetryExhausted) as info:
+        client.heartbeat(run.id)
+    assert info.value.attempts == FAST.max_attempts and info.value.status == 503
+    assert isinstance(info.value.last_error, errors.ServerError)
+    assert len(faults.requests_to("POST", path)) == FAST.max_attempts
+
+
+def test_connection_refused_is_retried_then_exhausted() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with (
+        LoraloomClient(f"http://127.0.0.1:{port}", "k", retry=FAST) as client,
+        pytest.raises(errors.RetryExhausted) as info,
+    ):
+        client.list_runs()
+    assert info.value.attempts == FAST.max_attempts
+    assert isinstance(info.value.last_error, httpx.ConnectError)
+
+
+def test_run_ids_are_validated_before_any_request(client: LoraloomClient) -> None:
+    for bad in ["../etc", "run_XYZ", "run_0123456789ab/../x"]:
+        with pytest.raises(ValueError):
+            client.get_run(bad)
+
+
+def test_download_adapter_uses_etag(client: LoraloomClient, service: FakeService, tmp_path: Path) -> None:
+    run = client.create_run("adapters", {})
+    files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x00" * 64}
+    sha = service.add_adapter(run.id, 1, files)
+    assert [(a.step, a.sha256) for a in client.list_adapters(run.id)] == [(1, sha)]
+
+    dest = tmp_path / "latest"
+    first = client.fetch_adapter(run.id, "latest", dest)
+    assert (first.changed, first.step, first.sha256, first.path) == (True, 1, sha, dest)
+    assert (dest / "adapter_model.safetensors").read_bytes() == files["adapter_model.safetensors"]
+
+    again = client.fetch_adapter(run.id, "latest", dest)
+    assert (again.changed, again.step) == (False, 1)
+
+    service.add_adapter(run.id, 2, {"adapter_config.json": b'{"r": 8, "v": 2}'})
+    assert client.download_adapter(run.id, "latest", dest) == dest
+    assert (dest / "adapter_config.json").read_bytes() == b'{"r": 8, "v": 2}'
+    assert not (dest / "adapter_model.safetensors").exists()  # replaced whole, not merged
+    assert client.fetch_adapter(run.id, 1, tmp_path / "one").step == 1
+    with pytest.raises(errors.NotFound):
+        client.download_adapter(run.id, 9, tmp_path / "nine")
+
+
+def test_get_metrics_and_list_batches(client: LoraloomClient, service: FakeService) -> None:
+    run = client.create_run("metrics", {})
+    service.metrics[run.id] = [
+        {"step": 1, "loss": 0.5, "lr": 1e-4, "tokens": 10, "samples": 2, "created_at": None}
+    ]
+    assert [(m.step, m.loss) for m in client.get_metrics(run.id)] == [(1, 0.5)]
+    for _ in range(3):
+        client.submit_batch(run.id, _batch())
+    page = client.list_batches(run.id, limit=2)
+    assert len(page.items) == 2 and page.next_cursor
+    rest = client.list_batches(run.id, limit=2, cursor=page.next_cursor)
+    assert len(rest.items) == 1 and rest.next_cursor is None
+
+
+async def test_async_client_retries_with_one_key(
+    base_url: str, service: FakeService, faults: FaultInjector
+) -> None:
+    async with AsyncLoraloomClient(base_url, service.api_key, retry=FAST, timeout=5.0) as client:
+        run = await client.create_run("async", RunConfig())
+        path = f"/v1/runs/{run.id}/batches"
+        faults.inject("POST", path, "drop_after", "503", "429:0")
+        info = await client.submit_batch(run.id, _batch(step=1))
+        assert (await client.get_run(run.id)).id == run.id
+        with pytest.raises(errors.NotFound):
+            await client.get_run("run_" + "f" * 12)
+    seen = faults.requests_to("POST", path)
+    assert len(seen) == 4 and len({s.idempotency_key for s in seen}) == 1
+    assert [b["id"] for b in service.batches[run.id]] == [info.id]
+
+
+def test_parse_retry_after() -> None:
+    assert parse_retry_after("3") == 3.0
+    assert parse_retry_after("0.25") == 0.25
+    assert parse_retry_after(None) is None
+    assert parse_retry_after("garbage") is None
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
