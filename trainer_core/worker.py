@@ -18,6 +18,7 @@ Only the master talks to the service; ranks talk through torch.distributed.
 """
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -39,9 +40,9 @@ from trainer_core.loss import rl_loss
 from trainer_core.modeling import forward_packed
 from trainer_core.models.registry import load_base_model
 from trainer_core.optim import MultiRunOptimizer
-from trainer_core.packing import Packer
+from trainer_core.packing import InvalidSampleError, MicroBatch, Packer
 from trainer_core.runs import MultiRunManager, Progress, RunRecord
-from trainer_core.service_client import PoolServiceClient
+from trainer_core.service_client import PoolServiceClient, ServiceError
 from trainer_core.wire import TrainingBatch
 
 log = logging.getLogger("loraloom.worker")
@@ -298,7 +299,7 @@ class PoolTrainer:
     def _plan_iteration(self) -> dict:
         """Master: claim batches, pack if ready. Returns the plan every rank follows."""
         assert self.client is not None
-        if self.stop_requested:
+        if self.stop_requested or self._heartbeat.lost:
             return {"kind": "stop"}
         if self.runs.used_idxs:
             for claimed in self.client.claim(self.args.max_claim):
@@ -337,7 +338,10 @@ class PoolTrainer:
             # The service validates every sample; reaching here means something slipped through.
             self.runs.evict_run(slot, f"trainer rejected batch {claimed['id']}: {problem}")
             return
-        self.packer.add_batch(slot, batch, batch_id=claimed["id"], skip=claimed["num_samples"] - fresh)
+        try:
+            self.packer.add_batch(slot, batch, batch_id=claimed["id"], skip=claimed["num_samples"] - fresh)
+        except InvalidSampleError as exc:
+            self.runs.evict_run(slot, f"trainer rejected batch {claimed['id']}: {exc}")
 
     def _train_on(self, micro_batches: list, plan: dict) -> None:
         n_slots = self.args.slots
@@ -346,7 +350,7 @@ class PoolTrainer:
         for mb in micro_batches:
             if mb.is_filler:
                 continue  # fillers only keep ranks in step; they carry no loss
-            mb = mb.to(self.device) if hasattr(mb, "to") else mb
+            mb = _to_device(mb, self.device)
             with self.lora.segments(mb.slot_token_counts):
                 logits = forward_packed(self.model, mb)
             result = rl_loss(logits, mb, slot_settings=slot_settings, n_slots=n_slots)
@@ -406,7 +410,7 @@ class PoolTrainer:
                 continue
             run_id = self.runs.idx_2_id[idx]
             config: RunConfig = self.runs.config[idx]
-            progress = self.packer.progress[idx]
+            progress = self.packer.progress(idx)
             acc = self.accumulators.pop(idx)
             self.accumulators[idx] = _StepAccumulator()
             with tempfile.TemporaryDirectory(prefix=f"{run_id}-step{step}-") as tmp:
@@ -468,12 +472,22 @@ class _Heartbeat(threading.Thread):
         self._client = client
         self._interval = interval_s
         self._stopped = threading.Event()
+        self.lost = False
+        """Set when the service no longer knows this pool."""
 
     def run(self) -> None:
         while not self._stopped.wait(self._interval):
             try:
                 self._client.heartbeat()
-            except Exception as exc:  # the next beat retries; a dead pool is re-registered by a restart
+            except ServiceError as exc:
+                if exc.code in ("pool_dead", "pool_stopped"):
+                    # The service gave our leases away (or another pool replaced us): training on
+                    # would duplicate work. Stop; a restarted pool resumes from checkpoints.
+                    log.error("pool no longer registered (%s); stopping", exc.code)
+                    self.lost = True
+                    return
+                log.warning("heartbeat failed: %s", exc)
+            except Exception as exc:  # transient: the next beat retries
                 log.warning("heartbeat failed: %s", exc)
 
     def stop(self) -> None:
@@ -497,6 +511,17 @@ def _invalid_sample(batch: TrainingBatch, *, vocab_size: int, seq_len: int) -> s
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):
             return f"sample {i} has a token id outside the vocabulary (size {vocab_size})"
     return None
+
+
+def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
+    if device.type == "cpu":
+        return mb
+    moved = {
+        f.name: getattr(mb, f.name).to(device)
+        for f in dataclasses.fields(mb)
+        if isinstance(getattr(mb, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(mb, **moved)
 
 
 def _barrier() -> None:

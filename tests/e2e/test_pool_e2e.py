@@ -57,13 +57,17 @@ def test_three_runs_two_tenants_two_slots(live_service, tmp_path):
     ]
     statuses = [run_status(c, r)["status"] for c, r in runs]
     assert statuses == ["active", "active", "queued"]  # two slots: the third waits
-    for i, (client, run_id) in enumerate(runs):
+    for i, (client, run_id) in enumerate(runs[:2]):
         _push(client, run_id, [100 * i + k for k in range(2)])
 
     pool = start_pool(live_service.url, data_dir=live_service.data_dir, exit_when_idle=3.0)
     try:
-        for client, run_id in runs:
+        for client, run_id in runs[:2]:
             assert _wait_finished(client, run_id)["status"] == "completed"
+        third_client, third = runs[2]
+        assert run_status(third_client, third)["status"] == "active"  # a freed slot went to it
+        _push(third_client, third, [200, 201])
+        assert _wait_finished(third_client, third)["status"] == "completed"
     finally:
         kill_pool(pool)
 
