@@ -1,14 +1,497 @@
-"""The `loraloom` command line (Typer)."""
+"""The `loraloom` command line (Typer).
 
+`serve` and `db upgrade` act locally; `tenants`, `keys` and `runs` talk to a running
+service over HTTP (--url / LORALOOM_URL), with the admin key (LORALOOM_ADMIN_KEY) or a
+tenant API key (LORALOOM_API_KEY) as --key.
+"""
+
+import json
+import secrets
+import shutil
+import socket
+import threading
+import time
+import tomllib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import httpx
+import tomli_w
 import typer
 
 cli = typer.Typer(help="loraloom: multi-tenant RL training service for LoRA adapters.", no_args_is_help=True)
+db_cli = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+tenants_cli = typer.Typer(help="Tenants (admin key).", no_args_is_help=True)
+keys_cli = typer.Typer(help="Tenants' API keys (admin key).", no_args_is_help=True)
+runs_cli = typer.Typer(help="Runs (tenant API key).", no_args_is_help=True)
+cli.add_typer(db_cli, name="db")
+cli.add_typer(tenants_cli, name="tenants")
+cli.add_typer(keys_cli, name="keys")
+cli.add_typer(runs_cli, name="runs")
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+UrlOpt = Annotated[str, typer.Option("--url", envvar="LORALOOM_URL", help="Base URL of the service.")]
+KeyOpt = Annotated[
+    str | None, typer.Option("--key", envvar="LORALOOM_API_KEY", help="Tenant API key.", show_default=False)
+]
+AdminKeyOpt = Annotated[
+    str | None, typer.Option("--key", envvar="LORALOOM_ADMIN_KEY", help="Admin key.", show_default=False)
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the JSON response as it is.")]
+
+
+# --- HTTP plumbing ---------------------------------------------------------------------
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code=1)
+
+
+def api(
+    method: str,
+    path: str,
+    *,
+    url: str,
+    key: str | None,
+    key_env: str = "LORALOOM_API_KEY",
+    json_body: Any = None,
+    content: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    params: dict[str, Any] | None = None,
+) -> Any:
+    """One request; the JSON answer, None for a 204, or a readable error and exit code 1."""
+    if not key:
+        _fail(f"no key: pass --key or set {key_env}")
+    all_headers = {"Authorization": f"Bearer {key}", **(headers or {})}
+    try:
+        with httpx.Client(base_url=url, timeout=30.0) as client:
+            r = client.request(
+                method, path, json=json_body, content=content, headers=all_headers, params=params
+            )
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach {url}: {exc}")
+    if r.status_code >= 400:
+        try:
+            err = r.json()["error"]
+        except (ValueError, KeyError, TypeError):
+            _fail(f"HTTP {r.status_code}: {r.text[:500]}")
+        lines = [f"HTTP {r.status_code} {err.get('code')}: {err.get('message')}"]
+        details = err.get("details")
+        if isinstance(details, list):
+            lines += [
+                f"  {'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}"
+                for d in details
+                if isinstance(d, dict)
+            ]
+        elif details:
+            lines.append(f"  {json.dumps(details)}")
+        _fail("\n".join(lines))
+    return None if r.status_code == 204 else r.json()
+
+
+def _echo_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+def _table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
+    """Rows as a plain aligned table; `columns` are (heading, key)."""
+    cells = [[h for h, _ in columns]] + [
+        ["-" if r.get(k) is None else str(r.get(k)) for _, k in columns] for r in rows
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for row in cells:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _print_run(run: dict[str, Any]) -> None:
+    slot = f", slot {run['slot']}" if run.get("slot") is not None else ""
+    typer.echo(f"{run['id']}  {run['name']}  {run['status']}{slot}")
+
+
+def _print_run_details(run: dict[str, Any]) -> None:
+    progress = run["progress"]
+    fields = [
+        ("id", run["id"]),
+        ("name", run["name"]),
+        ("tenant", run["tenant_id"]),
+        ("status", run["status"]),
+        ("slot", run["slot"]),
+        ("base model", run["base_model"]),
+        (
+            "progress",
+            f"step {progress['step']}/{run['config']['max_steps']}, "
+            f"{progress['total_samples']} samples, {progress['total_tokens']} tokens",
+        ),
+        ("eviction", f"{run['eviction_reason']} (by {run['evicted_by']})" if run["evicted_by"] else None),
+        ("failure", run["failure_reason"]),
+        ("created", run["created_at"]),
+        ("started", run["started_at"]),
+        ("finished", run["finished_at"]),
+        ("last heartbeat", run["last_heartbeat_at"]),
+    ]
+    for label, value in fields:
+        if value is not None:
+            typer.echo(f"{label + ':':<16}{value}")
+
+
+# --- local commands --------------------------------------------------------------------
 
 
 @cli.command()
 def version() -> None:
     """Print the version."""
     typer.echo("loraloom 0.1.0")
+
+
+@cli.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+) -> None:
+    """Run the API service (settings from LORALOOM_* environment variables)."""
+    import uvicorn
+
+    uvicorn.run("app.main:create_app", factory=True, host=host, port=port)
+
+
+@db_cli.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Migrate the database (LORALOOM_DATABASE_URL) to the newest schema."""
+    from app import migrate
+    from app.config import Settings
+
+    migrate.upgrade(Settings().database_url, revision)
+    typer.echo(f"database migrated to {revision}")
+
+
+# --- tenants and keys (admin) ----------------------------------------------------------
+
+
+@tenants_cli.command("create")
+def tenants_create(
+    name: Annotated[str, typer.Argument(help="Unique tenant name.")],
+    quota: Annotated[int, typer.Option("--quota", help="How many of its runs may hold a slot at once.")] = 2,
+    url: UrlOpt = DEFAULT_URL,
+    key: AdminKeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a tenant."""
+    t = api(
+        "POST",
+        "/v1/tenants",
+        url=url,
+        key=key,
+        key_env="LORALOOM_ADMIN_KEY",
+        json_body={"name": name, "max_concurrent_runs": quota},
+    )
+    if as_json:
+        _echo_json(t)
+    else:
+        typer.echo(f"tenant {t['name']}: {t['id']} (quota {t['max_concurrent_runs']})")
+
+
+@tenants_cli.command("list")
+def tenants_list(url: UrlOpt = DEFAULT_URL, key: AdminKeyOpt = None, as_json: JsonOpt = False) -> None:
+    """List tenants."""
+    data = api("GET", "/v1/tenants", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
+    if as_json:
+        _echo_json(data)
+    else:
+        _table(
+            data["items"],
+            [("ID", "id"), ("NAME", "name"), ("QUOTA", "max_concurrent_runs"), ("CREATED", "created_at")],
+        )
+
+
+@keys_cli.command("create")
+def keys_create(
+    tenant_id: Annotated[str, typer.Argument(help="The tenant's id (ten_...).")],
+    url: UrlOpt = DEFAULT_URL,
+    key: AdminKeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create an API key for a tenant. The key is shown once."""
+    k = api("POST", f"/v1/tenants/{tenant_id}/keys", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
+    if as_json:
+        _echo_json(k)
+    else:
+        typer.echo(f"API key {k['id']} for {k['tenant_id']} (shown once, store it now):")
+        typer.echo(k["key"])
+
+
+@keys_cli.command("revoke")
+def keys_revoke(
+    tenant_id: Annotated[str, typer.Argument(help="The tenant's id.")],
+    key_id: Annotated[str, typer.Argument(help="The key's id (key_...).")],
+    url: UrlOpt = DEFAULT_URL,
+    key: AdminKeyOpt = None,
+) -> None:
+    """Revoke an API key."""
+    api("DELETE", f"/v1/tenants/{tenant_id}/keys/{key_id}", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
+    typer.echo(f"revoked {key_id}")
+
+
+# --- runs (tenant) ---------------------------------------------------------------------
+
+
+def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
+    """A create-run body from a file, and its format ("toml" or "json"). The file holds either
+    the whole body (`name` and `config`) or only the config; the name then defaults to the
+    file's stem. --name overrides either."""
+    text = path.read_text()
+    fmt = "toml" if path.suffix.lower() == ".toml" else "json"
+    try:
+        doc = tomllib.loads(text) if fmt == "toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        _fail(f"{path}: not valid {fmt.upper()}: {exc}")
+    if not isinstance(doc, dict):
+        _fail(f"{path}: expected a table/object at the top level")
+    body = doc if isinstance(doc.get("config"), dict) else {"config": doc}
+    body = {"name": name or body.get("name") or path.stem, **{k: v for k, v in body.items() if k != "name"}}
+    return body, fmt
+
+
+@runs_cli.command("create")
+def runs_create(
+    config_file: Annotated[
+        Path, typer.Argument(help="CONFIG.toml or CONFIG.json.", exists=True, dir_okay=False)
+    ],
+    name: Annotated[str | None, typer.Option("--name", help="Run name (default: from the file).")] = None,
+    idempotency_key: Annotated[
+        str | None,
+        typer.Option("--idempotency-key", help="Retry-safe: the same key and file give the same run."),
+    ] = None,
+    url: UrlOpt = DEFAULT_URL,
+    key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Create a run from a config file; it is active if it got a slot, else queued."""
+    body, fmt = load_run_file(config_file, name)
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    if fmt == "toml":
+        run = api(
+            "POST",
+            "/v1/runs",
+            url=url,
+            key=key,
+            content=tomli_w.dumps(body).encode(),
+            headers={**headers, "Content-Type": "application/toml"},
+        )
+    else:
+        run = api("POST", "/v1/runs", url=url, key=key, json_body=body, headers=headers)
+    _echo_json(run) if as_json else _print_run(run)
+
+
+@runs_cli.command("list")
+def runs_list(
+    status: Annotated[str | None, typer.Option(help="Only runs in this state.")] = None,
+    limit: Annotated[int, typer.Option(help="Page size (1..200).")] = 50,
+    cursor: Annotated[str | None, typer.Option(help="Continue from a previous page.")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List your runs, newest first."""
+    params = {k: v for k, v in {"status": status, "limit": limit, "cursor": cursor}.items() if v is not None}
+    data = api("GET", "/v1/runs", url=url, key=key, params=params)
+    if as_json:
+        _echo_json(data)
+        return
+    rows = [{**r, "step": r["progress"]["step"]} for r in data["items"]]
+    _table(
+        rows,
+        [
+            ("ID", "id"),
+            ("NAME", "name"),
+            ("STATUS", "status"),
+            ("SLOT", "slot"),
+            ("STEP", "step"),
+            ("BASE MODEL", "base_model"),
+            ("CREATED", "created_at"),
+        ],
+    )
+    if data["next_cursor"]:
+        typer.echo(f"more: --cursor {data['next_cursor']}")
+
+
+@runs_cli.command("show")
+def runs_show(
+    run_id: Annotated[str, typer.Argument(help="run_...")],
+    url: UrlOpt = DEFAULT_URL,
+    key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show a run."""
+    run = api("GET", f"/v1/runs/{run_id}", url=url, key=key)
+    _echo_json(run) if as_json else _print_run_details(run)
+
+
+@runs_cli.command("evict")
+def runs_evict(
+    run_id: Annotated[str, typer.Argument(help="run_...")],
+    reason: Annotated[str, typer.Option("--reason", help="Why (kept with the run, and in evicted.txt).")],
+    url: UrlOpt = DEFAULT_URL,
+    key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Evict a queued or active run; its slot goes to the oldest queued run."""
+    run = api("POST", f"/v1/runs/{run_id}/evict", url=url, key=key, json_body={"reason": reason})
+    _echo_json(run) if as_json else _print_run(run)
+
+
+@runs_cli.command("delete")
+def runs_delete(
+    run_id: Annotated[str, typer.Argument(help="run_...")],
+    url: UrlOpt = DEFAULT_URL,
+    key: KeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete a run and its files."""
+    run = api("DELETE", f"/v1/runs/{run_id}", url=url, key=key)
+    _echo_json(run) if as_json else _print_run(run)
+
+
+# --- the interim demo ------------------------------------------------------------------
+
+
+@contextmanager
+def background_server(app: Any) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread; yields its URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            sock.close()
+            raise RuntimeError("the service did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def interim_demo(root: Path = Path(".loraloom/demo")) -> None:
+    """Start the service on SQLite under `root` and walk through tenants, keys and runs."""
+    from app import migrate
+    from app.config import Settings
+    from app.main import create_app
+
+    root = root.resolve()
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    admin_key = "adm_" + secrets.token_urlsafe(24)
+    settings = Settings(
+        database_url=f"sqlite:///{root}/loraloom.db",
+        data_dir=root / "data",
+        admin_key=admin_key,
+        max_concurrent_runs=2,
+    )
+    migrate.upgrade(settings.database_url)
+
+    def say(text: str) -> None:
+        typer.echo("")
+        typer.secho(f"# {text}", bold=True)
+
+    def cmd(line: str) -> None:
+        typer.secho(f"$ loraloom {line}", fg=typer.colors.CYAN)
+
+    with background_server(create_app(settings)) as url:
+        say(f"service on {url}: SQLite in {root}/, 2 slots for the base model loraloom-tiny")
+        admin = {"url": url, "key": admin_key, "key_env": "LORALOOM_ADMIN_KEY"}
+
+        say("the admin creates two tenants and an API key for each")
+        keys: dict[str, str] = {}
+        for name, quota in (("acme", 2), ("globex", 1)):
+            cmd(f"tenants create {name} --quota {quota}")
+            t = api("POST", "/v1/tenants", json_body={"name": name, "max_concurrent_runs": quota}, **admin)
+            typer.echo(f"tenant {name}: {t['id']} (quota {quota})")
+            cmd(f"keys create {t['id']}")
+            keys[name] = api("POST", f"/v1/tenants/{t['id']}/keys", **admin)["key"]
+            typer.echo(f"API key for {name}: {keys[name][:12]}… (shown once)")
+
+        def create(tenant: str, run_name: str, max_steps: int) -> dict[str, Any]:
+            cmd(f"runs create {run_name}.toml   # as {tenant}; max_steps = {max_steps}")
+            body = tomli_w.dumps({"name": run_name, "config": {"max_steps": max_steps, "lora": {"rank": 8}}})
+            run = api(
+                "POST",
+                "/v1/runs",
+                url=url,
+                key=keys[tenant],
+                content=body.encode(),
+                headers={"Content-Type": "application/toml"},
+            )
+            _print_run(run)
+            return run
+
+        say("runs take the two slots, first come first served, within each tenant's quota")
+        a1 = create("acme", "acme-math", 50)
+        g1 = create("globex", "globex-code", 50)
+        a2 = create("acme", "acme-chat", 30)
+        g2 = create("globex", "globex-agent", 30)
+        typer.echo("acme-chat waits for a slot; globex-agent also waits for globex's quota (1)")
+
+        say("tenants are isolated: globex cannot see acme's run")
+        cmd(f"runs show {a1['id']}   # with globex's key")
+        r = httpx.get(f"{url}/v1/runs/{a1['id']}", headers={"Authorization": f"Bearer {keys['globex']}"})
+        typer.echo(f"HTTP {r.status_code} {r.json()['error']['code']}")
+
+        say("globex evicts its run: the freed slot goes to the oldest queued run that fits (acme-chat)")
+        cmd(f'runs evict {g1["id"]} --reason "reward plateaued"')
+        _print_run(
+            api(
+                "POST",
+                f"/v1/runs/{g1['id']}/evict",
+                url=url,
+                key=keys["globex"],
+                json_body={"reason": "reward plateaued"},
+            )
+        )
+        _print_run(api("GET", f"/v1/runs/{a2['id']}", url=url, key=keys["acme"]))
+
+        say("the database is the truth; run directories are its projection")
+        for run in (a1, g1):
+            control = settings.runs_dir / run["id"] / "control"
+            for f in sorted(control.iterdir()):
+                lines = f.read_text().strip().splitlines()
+                typer.echo(f"{f.relative_to(root)}:")
+                typer.echo(
+                    "\n".join("    " + line for line in lines[:6]) + ("\n    …" if len(lines) > 6 else "")
+                )
+
+        say("acme deletes a run: its slot frees, globex-agent gets it, its directory goes")
+        cmd(f"runs delete {a1['id']}")
+        _print_run(api("DELETE", f"/v1/runs/{a1['id']}", url=url, key=keys["acme"]))
+        _print_run(api("GET", f"/v1/runs/{g2['id']}", url=url, key=keys["globex"]))
+        typer.echo(f"{a1['id']} directory exists: {(settings.runs_dir / a1['id']).exists()}")
+
+        say("acme's runs")
+        cmd("runs list")
+        data = api("GET", "/v1/runs", url=url, key=keys["acme"])
+        _table(
+            [{**x, "step": x["progress"]["step"]} for x in data["items"]],
+            [("ID", "id"), ("NAME", "name"), ("STATUS", "status"), ("SLOT", "slot"), ("STEP", "step")],
+        )
+
+    say(f"done. The database and run directories are in {root}/; `loraloom serve` runs the service.")
+
+
+@cli.command()
+def demo() -> None:
+    """Start the service on the embedded default and walk through tenants and runs."""
+    interim_demo()
 
 
 def main() -> None:

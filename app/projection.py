@@ -1,10 +1,108 @@
-"""Database → run directories (owned by the control-plane work; stub until then)."""
+"""Database → run directories.
 
+The database is the source of truth; `{data_dir}/runs/run_xxx/` is a projection of it in
+the layout of the source documents, so that a trainer reading directories, and people
+reading files, see what the service decided:
+
+    control/orch.toml                    the run config, as TOML
+    control/evicted.txt                  the eviction reason, once evicted
+    control/config_validation_error.txt  why admission failed, once failed
+    rollouts/  broadcast/  checkpoints/  filled by the batch, adapter and checkpoint work
+
+Every write is atomic and idempotent; `rebuild_all` runs at start-up, so a missing or
+stale directory is repaired by a restart.
+"""
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.config import Settings
+from app.ids import is_run_id
+from app.runs.models import Run
+from app.storage import atomic_write_text, fsync_dir
+
+log = logging.getLogger(__name__)
+
+RUN_SUBDIRS = ("control", "rollouts", "broadcast", "checkpoints")
+ORCH_TOML = "orch.toml"
+EVICTED_TXT = "evicted.txt"
+CONFIG_ERROR_TXT = "config_validation_error.txt"
+
+
+def run_dir(settings: Settings, run_id: str) -> Path:
+    """The run's directory. Refuses anything but a run id, so no path ever escapes runs_dir."""
+    if not is_run_id(run_id):
+        raise ValueError(f"not a run id: {run_id!r}")
+    return settings.runs_dir / run_id
+
+
+def config_toml(config: dict[str, Any]) -> str:
+    """The config as TOML. TOML has no null, so unset optional fields are left out (they default to None)."""
+    return tomli_w.dumps(_drop_none(config))
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    # Rebuilding at start-up rewrites nothing that is already right (no needless fsyncs).
+    try:
+        if path.read_text() == text:
+            return
+    except FileNotFoundError:
+        pass
+    atomic_write_text(path, text)
+
+
+def _remove_file(path: Path) -> None:
+    if path.exists():
+        path.unlink()
+        fsync_dir(path.parent)
+
+
+def project_run(run: Run, settings: Settings) -> None:
+    """Make the run's directory match its row (a deleted run's directory is removed)."""
+    if run.status == "deleted":
+        remove_run_dir(run.id, settings)
+        return
+    root = run_dir(settings, run.id)
+    for sub in RUN_SUBDIRS:
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    control = root / "control"
+    _write_if_changed(control / ORCH_TOML, config_toml(run.config))
+    if run.status == "evicted":
+        _write_if_changed(control / EVICTED_TXT, (run.eviction_reason or "evicted") + "\n")
+    else:
+        _remove_file(control / EVICTED_TXT)
+    if run.status == "failed":
+        _write_if_changed(control / CONFIG_ERROR_TXT, (run.failure_reason or "failed") + "\n")
+    else:
+        _remove_file(control / CONFIG_ERROR_TXT)
+
+
+def remove_run_dir(run_id: str, settings: Settings) -> None:
+    root = run_dir(settings, run_id)
+    if root.exists():
+        shutil.rmtree(root)
+        fsync_dir(root.parent)
 
 
 def rebuild_all(session: Session, settings: Settings) -> None:
     """Rebuild every run directory from the database (idempotent)."""
-    return None
+    settings.runs_dir.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for run in session.scalars(select(Run).execution_options(yield_per=500)):
+        project_run(run, settings)
+        count += 1
+    log.info("projected %d run directories under %s", count, settings.runs_dir)

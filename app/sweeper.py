@@ -1,7 +1,83 @@
-"""Background sweeper: lease expiry, pool liveness, run heartbeats (stub until the pool work lands)."""
+"""Background sweeper: lease expiry, pool liveness, run heartbeats.
+
+Each sweep runs in a worker thread (the database calls block) with its own sessions; each
+of its three jobs commits on its own, so one failing never holds back the others, and no
+failure ever stops the loop.
+"""
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TypeVar
 
 from fastapi import FastAPI
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.batches.service import expire_leases
+from app.config import Settings
+from app.db import utcnow
+from app.runs.service import evict_silent_runs
+from app.workers.service import declare_dead_pools
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class SweepResult:
+    expired_leases: int = 0
+    """Batches whose lease ran out, returned to pending."""
+    dead_pools: list[str] = field(default_factory=list)
+    """Pools declared dead (their batches returned to pending)."""
+    evicted_runs: list[str] = field(default_factory=list)
+    """Runs evicted because their orchestrator stopped heartbeating."""
+    errors: list[str] = field(default_factory=list)
+    """The jobs that failed (logged with their traceback)."""
+
+
+def _job(
+    factory: sessionmaker[Session], name: str, work: Callable[[Session], T], result: SweepResult
+) -> T | None:
+    try:
+        with factory() as session:
+            out = work(session)
+            session.commit()
+            return out
+    except Exception:
+        log.exception("sweeper: %s failed", name)
+        result.errors.append(name)
+        return None
+
+
+def sweep_once(
+    factory: sessionmaker[Session], *, settings: Settings, now: datetime | None = None
+) -> SweepResult:
+    """One pass: expired leases → pending; silent pools → dead (their batches → pending);
+    runs whose orchestrator went silent → evicted."""
+    now = now or utcnow()
+    result = SweepResult()
+    result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
+    dead = _job(
+        factory, "declare_dead_pools", lambda s: declare_dead_pools(s, now=now, settings=settings), result
+    )
+    result.dead_pools = dead or []
+    evicted = _job(
+        factory, "evict_silent_runs", lambda s: evict_silent_runs(s, now=now, settings=settings), result
+    )
+    result.evicted_runs = [run.id for run in evicted or []]
+    return result
 
 
 async def run_sweeper(app: FastAPI) -> None:
-    return None
+    """Sweep every settings.sweep_interval_seconds until cancelled (at shutdown)."""
+    settings: Settings = app.state.settings
+    factory: sessionmaker[Session] = app.state.session_factory
+    while True:
+        try:
+            await asyncio.to_thread(sweep_once, factory, settings=settings)
+        except Exception:  # sweep_once catches its jobs' errors; this is the last guard
+            log.exception("sweeper: sweep failed")
+        await asyncio.sleep(settings.sweep_interval_seconds)

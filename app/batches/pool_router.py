@@ -1,5 +1,112 @@
-"""Worker-facing batch routes: claim, ack, restart-from-checkpoint."""
+"""Worker-facing batch routes: claim, ack, restart-from-checkpoint (worker token only)."""
 
-from fastapi import APIRouter
+from typing import Annotated
+
+import msgspec
+from fastapi import APIRouter, Header, Path, Response
+
+from app.auth import SettingsDep, WorkerDep
+from app.batches import service
+from app.batches.schemas import (
+    MSGPACK_CONTENT_TYPES,
+    AckIn,
+    AckOut,
+    ClaimIn,
+    ClaimOut,
+    RestartIn,
+    RestartOut,
+)
+from app.db import SessionDep, utcnow
 
 router = APIRouter(tags=["pool"])
+
+_json_encoder = msgspec.json.Encoder()
+_msgpack_encoder = msgspec.msgpack.Encoder()
+
+
+@router.post(
+    "/v1/pool/batches/claim",
+    operation_id="claimBatches",
+    response_model=ClaimOut,
+    responses={
+        200: {
+            "description": "The leased batches with their payloads (msgpack instead of JSON with "
+            "`Accept: application/msgpack`).",
+            "content": {"application/msgpack": {}},
+        },
+        409: {"description": "The pool is dead or was replaced (pool_dead, pool_stopped); register again."},
+    },
+)
+def claim_batches(
+    body: ClaimIn,
+    _: WorkerDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    accept: Annotated[str | None, Header()] = None,
+) -> Response:
+    """Lease up to `max_batches` pending batches of active runs (fair across runs, each run's in id order)."""
+    claim = service.claim_batches(
+        session, settings=settings, pool_id=body.pool_id, max_batches=body.max_batches, now=utcnow()
+    )
+    # Encoded here with msgspec rather than through the pydantic model: the payloads are
+    # large lists of numbers and already msgspec structs.
+    content = {
+        "lease_expires_at": claim.lease_expires_at,
+        "batches": [
+            {
+                "id": item.batch.id,
+                "run_id": item.batch.run_id,
+                "slot": item.slot,
+                "sample_offset": item.batch.sample_offset,
+                "num_samples": item.batch.num_samples,
+                "rollout_step": item.batch.rollout_step,
+                "payload": item.payload,
+            }
+            for item in claim.items
+        ],
+    }
+    wants_msgpack = accept is not None and any(t in accept for t in MSGPACK_CONTENT_TYPES)
+    if wants_msgpack:
+        return Response(_msgpack_encoder.encode(content), media_type="application/msgpack")
+    return Response(_json_encoder.encode(content), media_type="application/json")
+
+
+@router.post(
+    "/v1/pool/batches/ack",
+    operation_id="ackBatches",
+    response_model=AckOut,
+    responses={
+        409: {"description": "ack_rejected: a batch is unknown or not held by this pool (details name it)."}
+    },
+)
+def ack_batches(body: AckIn, _: WorkerDep, session: SessionDep) -> AckOut:
+    """Mark batches trained, after the optimizer step that used them. All or nothing."""
+    acked = service.ack_batches(
+        session,
+        pool_id=body.pool_id,
+        acks=[service.AckRequest(batch_id=a.batch_id, trained_step=a.trained_step) for a in body.acks],
+        now=utcnow(),
+    )
+    return AckOut(acked=acked)
+
+
+@router.post(
+    "/v1/pool/runs/{run_id}/restart",
+    operation_id="restartRunFromCheckpoint",
+    response_model=RestartOut,
+    responses={404: {"description": "No such run."}, 409: {"description": "run_not_active."}},
+)
+def restart_run_from_checkpoint(
+    run_id: Annotated[str, Path(max_length=32)], body: RestartIn, _: WorkerDep, session: SessionDep
+) -> RestartOut:
+    """The pool restarts a run from a checkpoint: batches consumed after it (and claimed ones) return to
+    pending and the run's progress is set back to the checkpoint's (DESIGN §4.3)."""
+    returned = service.restart_run_from_checkpoint(
+        session,
+        run_id=run_id,
+        pool_id=body.pool_id,
+        checkpoint_step=body.checkpoint_step,
+        total_samples=body.total_samples,
+        total_tokens=body.total_tokens,
+    )
+    return RestartOut(returned=returned)

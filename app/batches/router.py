@@ -1,5 +1,123 @@
 """HTTP routes for batches (thin: parse, call the service, shape the response)."""
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+
+from app.auth import SettingsDep, TenantDep
+from app.batches import service
+from app.batches.schemas import (
+    JSON_CONTENT_TYPES,
+    MSGPACK_CONTENT_TYPES,
+    SUBMIT_BATCH_OPENAPI,
+    BatchOut,
+    BatchPage,
+    BatchState,
+)
+from app.db import SessionDep
+from app.errors import UnsupportedMediaType, ValidationFailed
 
 router = APIRouter(tags=["batches"])
+
+RunIdPath = Annotated[str, Path(max_length=32, description="The run's id (`run_` + 12 hex digits).")]
+
+
+async def _body(request: Request) -> bytes:
+    return await request.body()
+
+
+async def _is_msgpack(request: Request) -> bool:
+    # async: no I/O here, so no trip through the threadpool.
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type in MSGPACK_CONTENT_TYPES:
+        return True
+    if media_type in JSON_CONTENT_TYPES or media_type.endswith("+json"):
+        return False
+    raise UnsupportedMediaType(
+        f"unsupported Content-Type {media_type!r}; send application/json or application/msgpack",
+        details={"content_type": media_type},
+    )
+
+
+@router.post(
+    "/v1/runs/{run_id}/batches",
+    operation_id="submitBatch",
+    status_code=201,
+    response_model=BatchOut,
+    openapi_extra=SUBMIT_BATCH_OPENAPI,
+    responses={
+        200: {
+            "model": BatchOut,
+            "description": "Replay: the batch stored earlier under this Idempotency-Key.",
+        },
+        404: {"description": "No such run (or another tenant's)."},
+        409: {
+            "description": "run_not_active, run_evicted (details: reason, evicted_by), stale_batch, "
+            "idempotency_conflict."
+        },
+        415: {"description": "Content-Type is neither JSON nor msgpack."},
+        422: {"description": "Invalid batch; details: [{sample, field, problem}]. Nothing is stored."},
+    },
+)
+def submit_batch(
+    run_id: RunIdPath,
+    principal: TenantDep,  # before the body: an unauthenticated caller gets a 401, not a 415
+    msgpack: Annotated[bool, Depends(_is_msgpack)],
+    body: Annotated[bytes, Depends(_body)],
+    session: SessionDep,
+    settings: SettingsDep,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            min_length=1,
+            max_length=128,
+            description="Retries with the same key and body return the first batch (200); another body is a 409.",
+        ),
+    ] = None,
+) -> BatchOut:
+    """Submit one rollout batch (a TrainingBatch as JSON or msgpack) to an active run.
+
+    The 201 is sent only once the payload file is durable and the row committed."""
+    result = service.submit_batch(
+        session,
+        settings=settings,
+        tenant_id=principal.tenant_id,
+        run_id=run_id,
+        body=body,
+        msgpack=msgpack,
+        idempotency_key=idempotency_key,
+    )
+    if not result.created:
+        response.status_code = 200
+    return BatchOut.model_validate(result.batch)
+
+
+@router.get("/v1/runs/{run_id}/batches", operation_id="listBatches", response_model=BatchPage)
+def list_batches(
+    run_id: RunIdPath,
+    principal: TenantDep,
+    session: SessionDep,
+    state: Annotated[BatchState | None, Query(description="Only batches in this state.")] = None,
+    limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
+    cursor: Annotated[
+        str | None, Query(max_length=32, description="`next_cursor` of the previous page.")
+    ] = None,
+) -> BatchPage:
+    """The run's batches in id order (the order they are trained in), with their state."""
+    after: int | None = None
+    if cursor is not None:
+        if not cursor.isdigit():
+            raise ValidationFailed(
+                "invalid cursor",
+                details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],
+            )
+        after = int(cursor)
+    rows, next_id = service.list_batches(
+        session, tenant_id=principal.tenant_id, run_id=run_id, state=state, limit=limit, cursor=after
+    )
+    return BatchPage(
+        items=[BatchOut.model_validate(r) for r in rows],
+        next_cursor=None if next_id is None else str(next_id),
+    )

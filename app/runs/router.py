@@ -1,5 +1,160 @@
-"""HTTP routes for runs (thin: parse, call the service, shape the response)."""
+"""Tenant routes for runs (thin: parse, call the service, shape the response).
 
-from fastapi import APIRouter
+`OwnedRunDep` resolves `{run_id}` to the caller's run, or a 404 for a malformed id, a
+missing run and another tenant's run alike. As a dependency it runs before the body is
+validated, so another tenant's run is a 404 whatever the body; other routers under
+/v1/runs/{run_id} should use it too.
+"""
 
-router = APIRouter(tags=["runs"])
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Path, Request, Response, status
+
+from app.auth import SettingsDep, TenantDep
+from app.db import SessionDep
+from app.pagination import DEFAULT_LIMIT, CursorQuery, LimitQuery
+from app.runs import service
+from app.runs.models import Run
+from app.runs.schemas import (
+    EvictRequest,
+    HeartbeatOut,
+    RunCreate,
+    RunList,
+    RunOut,
+    RunStatus,
+    parse_run_create,
+)
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+RunIdPath = Annotated[
+    str, Path(description="`run_` + 12 lowercase hex digits.", examples=["run_0123456789ab"], max_length=64)
+]
+
+
+def get_owned_run(run_id: RunIdPath, principal: TenantDep, session: SessionDep) -> Run:
+    return service.get_run_for_tenant(session, tenant_id=principal.tenant_id, run_id=run_id)
+
+
+OwnedRunDep = Annotated[Run, Depends(get_owned_run)]
+
+
+async def _raw_body(request: Request) -> bytes:
+    # Read in the event loop, so the handler itself can be a plain (threadpool) function.
+    return await request.body()
+
+
+def _create_body_openapi() -> dict:
+    # The body is parsed by hand (JSON or TOML), so document it explicitly. Nested models
+    # are referenced from components, where RunOut.config puts them.
+    schema = RunCreate.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)
+    toml_example = 'name = "gsm8k-r8"\n\n[config]\nmax_steps = 50\n\n[config.lora]\nrank = 8\n'
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": schema},
+                "application/toml": {"schema": {"type": "string"}, "example": toml_example},
+            },
+        }
+    }
+
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    operation_id="createRun",
+    responses={
+        200: {"model": RunOut, "description": "Idempotent replay: the run created earlier with this key."}
+    },
+    openapi_extra=_create_body_openapi(),
+)
+def create_run(
+    principal: TenantDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    request: Request,
+    response: Response,
+    body: Annotated[bytes, Depends(_raw_body)],
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            min_length=1,
+            max_length=128,
+            pattern=r"^[\x21-\x7e]+$",
+            description="Retry-safe creation: the same key and body return the same run.",
+        ),
+    ] = None,
+) -> RunOut:
+    """Create a run (JSON, or TOML with `Content-Type: application/toml`). It is `active`
+    if it got a slot within its tenant's quota, else `queued`."""
+    payload = parse_run_create(body, request.headers.get("content-type"))
+    run, created = service.create_run(
+        session,
+        tenant_id=principal.tenant_id,
+        api_key_id=principal.api_key_id,
+        body=payload,
+        idempotency_key=idempotency_key,
+        settings=settings,
+    )
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return RunOut.from_run(run)
+
+
+@router.get("", operation_id="listRuns")
+def list_runs(
+    principal: TenantDep,
+    session: SessionDep,
+    status: RunStatus | None = None,
+    limit: LimitQuery = DEFAULT_LIMIT,
+    cursor: CursorQuery = None,
+) -> RunList:
+    """The caller's runs, newest first. Deleted runs are listed only with `status=deleted`."""
+    runs, next_cursor = service.list_runs(
+        session, tenant_id=principal.tenant_id, status=status, limit=limit, cursor=cursor
+    )
+    return RunList(items=[RunOut.from_run(r) for r in runs], next_cursor=next_cursor)
+
+
+@router.get("/{run_id}", operation_id="getRun")
+def get_run(run: OwnedRunDep) -> RunOut:
+    """A run: state, slot, progress, timestamps, and why and by whom it was evicted."""
+    return RunOut.from_run(run)
+
+
+@router.post("/{run_id}/evict", operation_id="evictRun")
+def evict_run(
+    run: OwnedRunDep, body: EvictRequest, principal: TenantDep, session: SessionDep, settings: SettingsDep
+) -> RunOut:
+    """Evict a queued or active run; its slot goes to the oldest queued run that fits."""
+    by_orchestrator = body.by == "orchestrator"
+    run = service.evict_run(
+        session,
+        run=run,
+        reason=body.reason,
+        evicted_by=body.by,
+        actor="orchestrator" if by_orchestrator else "tenant",
+        api_key_id=principal.api_key_id,
+        settings=settings,
+    )
+    return RunOut.from_run(run)
+
+
+@router.delete("/{run_id}", operation_id="deleteRun")
+def delete_run(run: OwnedRunDep, principal: TenantDep, session: SessionDep, settings: SettingsDep) -> RunOut:
+    """Delete a run (any state but deleted): frees its slot and removes its directory."""
+    run = service.delete_run(
+        session, run=run, actor="tenant", api_key_id=principal.api_key_id, settings=settings
+    )
+    return RunOut.from_run(run)
+
+
+@router.post("/{run_id}/heartbeat", operation_id="runHeartbeat")
+def heartbeat(run: OwnedRunDep, session: SessionDep) -> HeartbeatOut:
+    """The orchestrator is alive (see the config's heartbeat_timeout). Answers the run's status,
+    so an evicted run's orchestrator learns it here."""
+    run = service.heartbeat(session, run=run)
+    return HeartbeatOut(run_id=run.id, status=run.status, last_heartbeat_at=run.last_heartbeat_at)

@@ -1,5 +1,65 @@
-"""HTTP routes for workers (thin: parse, call the service, shape the response)."""
+"""Pool-facing routes: register, heartbeat, state (thin: parse, call the service, shape)."""
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query, status
 
-router = APIRouter(tags=["workers"])
+from app.auth import SettingsDep, WorkerDep
+from app.db import SessionDep
+from app.workers import service
+from app.workers.schemas import (
+    PoolHeartbeatOut,
+    PoolRef,
+    PoolRegister,
+    PoolRegistered,
+    PoolRunState,
+    PoolStateOut,
+    Progress,
+)
+
+router = APIRouter(prefix="/v1/pool", tags=["pool"])
+
+
+@router.post(
+    "/register",
+    status_code=status.HTTP_201_CREATED,
+    response_model=PoolRegistered,
+    operation_id="registerPool",
+)
+def register_pool(
+    body: PoolRegister, session: SessionDep, settings: SettingsDep, _: WorkerDep
+) -> PoolRegistered:
+    pool = service.register_pool(session, spec=body, settings=settings)
+    return PoolRegistered(
+        pool_id=pool.id,
+        heartbeat_interval_s=service.heartbeat_interval_s(settings),
+        lease_seconds=settings.lease_seconds,
+    )
+
+
+@router.post("/heartbeat", response_model=PoolHeartbeatOut, operation_id="poolHeartbeat")
+def heartbeat(body: PoolRef, session: SessionDep, settings: SettingsDep, _: WorkerDep) -> PoolHeartbeatOut:
+    pool = service.heartbeat_pool(session, pool_id=body.pool_id, settings=settings)
+    return PoolHeartbeatOut(status=pool.status)
+
+
+@router.get("/state", response_model=PoolStateOut, operation_id="getPoolState")
+def state(
+    session: SessionDep,
+    settings: SettingsDep,
+    _: WorkerDep,
+    pool_id: str = Query(min_length=1, max_length=32),
+) -> PoolStateOut:
+    runs = service.pool_state(session, pool_id=pool_id, settings=settings)
+    return PoolStateOut(
+        runs=[
+            PoolRunState(
+                run_id=run.id,
+                slot=run.slot,
+                status=run.status,
+                config=run.config,
+                progress=Progress(
+                    step=run.step, total_tokens=run.total_tokens, total_samples=run.total_samples
+                ),
+            )
+            for run in runs
+        ]
+    )

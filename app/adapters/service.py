@@ -1,0 +1,422 @@
+"""What the trainer pushes back per run (adapters, step metrics, checkpoint commits) and
+what users read of it.
+
+Adapters arrive as an uncompressed tar of a PEFT directory. Nothing of an upload is
+trusted: members are read one by one (never `extractall`), only the two PEFT files are
+accepted, both are checked, and the directory appears under `broadcast/step_N/` in one
+rename, so a reader sees the old adapter or the new one, never half of one.
+"""
+
+import gzip
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tarfile
+import uuid
+from pathlib import Path
+from typing import IO, Any
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from app.adapters.models import Adapter, Checkpoint, StepMetrics
+from app.adapters.schemas import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS, StepReport
+from app.config import Settings
+from app.db import Base, utcnow
+from app.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed
+from app.ids import is_run_id
+from app.runs.admission import lock_admission
+from app.runs.models import Run
+from app.runs.service import complete_run, evict_run, get_run
+from app.storage import TMP_SUFFIX, atomic_replace_dir, fsync_dir
+from trainer_core.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
+"""The safetensors library refuses larger headers too."""
+
+_COPY_CHUNK = 1024 * 1024
+
+# Bytes per element of every safetensors dtype, to check that each tensor's byte range
+# matches its shape (a header that lies about sizes is a corrupt file).
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+# A run that was never admitted has nothing to push; a deleted run keeps nothing new.
+_NO_ARTIFACTS_STATUSES = ("queued", "deleted")
+
+
+def _invalid(message: str, *, field: str = "body") -> ValidationFailed:
+    return ValidationFailed(message, code="invalid_adapter", details=[{"loc": [field], "msg": message}])
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _upsert(session: Session, model: type[Base], *, values: dict[str, Any], key: tuple[str, ...]) -> None:
+    """INSERT … ON CONFLICT (key) DO UPDATE: a retried or repeated report replaces the row,
+    and two concurrent ones cannot both insert."""
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    stmt = insert(model).values(**values)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=list(key), set_={col: stmt.excluded[col] for col in values if col not in key}
+    )
+    session.execute(stmt)
+
+
+def _one(session: Session, model: type[Base], *, run_id: str, step: int) -> Any:
+    # populate_existing: the upsert bypassed the identity map, which may hold the old row.
+    return session.scalars(
+        select(model).where(model.run_id == run_id, model.step == step),
+        execution_options={"populate_existing": True},
+    ).one()
+
+
+def _pool_run(session: Session, *, run_id: str) -> Run:
+    if not is_run_id(run_id):  # run ids become paths: never let another shape near the disk
+        raise NotFound(f"run {run_id!r} not found")
+    return get_run(session, run_id=run_id)
+
+
+def _require_artifacts_allowed(run: Run, what: str) -> None:
+    if run.status in _NO_ARTIFACTS_STATUSES:
+        raise Conflict(
+            f"run {run.id} is {run.status}; it has no {what}",
+            code="run_not_trainable",
+            details={"run_id": run.id, "status": run.status},
+        )
+
+
+def broadcast_dir(settings: Settings, run_id: str) -> Path:
+    return settings.runs_dir / run_id / "broadcast"
+
+
+# ---------------------------------------------------------------- adapter upload
+
+
+def _copy_member(src: IO[bytes], dest: Path, *, limit: int, name: str) -> tuple[int, str]:
+    """Copy one tar member to `dest`, fsynced; returns (bytes, sha256)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(dest, "wb") as out:
+        while chunk := src.read(_COPY_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"{name} exceeds {limit} bytes")
+            digest.update(chunk)
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return size, digest.hexdigest()
+
+
+def _check_adapter_config(path: Path) -> None:
+    try:
+        config = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _invalid(f"{ADAPTER_CONFIG} is not valid JSON: {exc}", field=ADAPTER_CONFIG) from exc
+    if not isinstance(config, dict):
+        raise _invalid(f"{ADAPTER_CONFIG} must be a JSON object", field=ADAPTER_CONFIG)
+
+
+def check_safetensors(path: Path) -> int:
+    """Parse and check a safetensors header: every tensor has a known dtype, a shape, and a
+    byte range inside the file that matches them. Returns the number of tensors."""
+
+    def bad(problem: str) -> ValidationFailed:
+        return _invalid(
+            f"{ADAPTER_WEIGHTS} is not a valid safetensors file: {problem}", field=ADAPTER_WEIGHTS
+        )
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise bad("shorter than its 8-byte header length")
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > min(size - 8, MAX_SAFETENSORS_HEADER_BYTES):
+            raise bad(f"header length {header_len} is larger than the file or {MAX_SAFETENSORS_HEADER_BYTES}")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    data_len = size - 8 - header_len
+    tensors = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise bad("__metadata__ must map strings to strings")
+            continue
+        if not isinstance(info, dict):
+            raise bad(f"tensor {name!r} has no description")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _DTYPE_BYTES:
+            raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise bad(f"tensor {name!r} has a malformed shape")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_len
+        ):
+            raise bad(f"tensor {name!r} has data_offsets outside the file")
+        if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+            raise bad(f"tensor {name!r}: data_offsets do not match shape {shape} and dtype {dtype}")
+        tensors += 1
+    if tensors == 0:
+        raise bad("it holds no tensors")
+    return tensors
+
+
+def _extract_adapter_tar(body: IO[bytes], staging: Path, *, max_bytes: int) -> tuple[int, str]:
+    """Validate the uploaded tar and write its two files into `staging`.
+    Returns (total bytes, sha256 of the safetensors file)."""
+    sizes: dict[str, int] = {}
+    weights_sha = ""
+    try:
+        with tarfile.open(fileobj=body, mode="r:") as tar:
+            for member in tar:
+                # Tools that tar a directory's contents write "./name"; nothing else is accepted.
+                name = member.name.removeprefix("./")
+                if name not in ADAPTER_FILES:
+                    raise _invalid(
+                        f"unexpected archive member {member.name!r}: the tar must hold exactly "
+                        f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
+                    )
+                if not member.isreg() or member.issparse():
+                    raise _invalid(f"archive member {member.name!r} is not a regular file")
+                if name in sizes:
+                    raise _invalid(f"archive member {name!r} appears twice")
+                limit = MAX_CONFIG_BYTES if name == ADAPTER_CONFIG else max_bytes
+                if member.size > limit:
+                    raise PayloadTooLarge(f"{name} is {member.size} bytes; the limit is {limit}")
+                src = tar.extractfile(member)
+                assert src is not None  # a regular file always has data
+                sizes[name], digest = _copy_member(src, staging / name, limit=limit, name=name)
+                if name == ADAPTER_WEIGHTS:
+                    weights_sha = digest
+    except (tarfile.TarError, EOFError) as exc:
+        raise _invalid(f"the body is not a valid uncompressed tar archive: {exc}") from exc
+    missing = [n for n in ADAPTER_FILES if n not in sizes]
+    if missing:
+        raise _invalid(f"the tar lacks {', '.join(missing)}")
+    _check_adapter_config(staging / ADAPTER_CONFIG)
+    check_safetensors(staging / ADAPTER_WEIGHTS)
+    fsync_dir(staging)
+    return sum(sizes.values()), weights_sha
+
+
+def store_adapter(
+    session: Session, *, run_id: str, step: int, body: IO[bytes], settings: Settings
+) -> Adapter:
+    """Store the adapter of `step` under broadcast/step_N/ and upsert its row.
+
+    A second upload of a step (a trainer restarted from an earlier checkpoint trains the
+    step again) replaces the first: files and row.
+    """
+    run = _pool_run(session, run_id=run_id)
+    _require_artifacts_allowed(run, "adapters")
+    parent = broadcast_dir(settings, run.id)
+    parent.mkdir(parents=True, exist_ok=True)
+    # Same directory as the target, so the final move is one rename on one filesystem.
+    staging = parent / f".step_{step}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+    staging.mkdir()
+    try:
+        size, sha = _extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
+        final = parent / f"step_{step}"
+        atomic_replace_dir(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful move
+    _upsert(
+        session,
+        Adapter,
+        values={
+            "run_id": run.id,
+            "step": step,
+            "path": final.relative_to(settings.data_dir).as_posix(),
+            "size_bytes": size,
+            "sha256": sha,
+            "created_at": utcnow(),
+        },
+        key=("run_id", "step"),
+    )
+    log.info("run %s: adapter for step %s stored (%s bytes, sha256 %s)", run.id, step, size, sha[:12])
+    return _one(session, Adapter, run_id=run.id, step=step)
+
+
+# ---------------------------------------------------------------- adapter download
+
+
+def list_adapters(session: Session, *, run_id: str) -> list[Adapter]:
+    return list(session.scalars(select(Adapter).where(Adapter.run_id == run_id).order_by(Adapter.step)).all())
+
+
+def get_adapter(session: Session, *, run_id: str, step: int | None) -> Adapter:
+    """The adapter of `step`, or the newest one when `step` is None."""
+    query = select(Adapter).where(Adapter.run_id == run_id)
+    query = (
+        query.order_by(Adapter.step.desc()).limit(1) if step is None else query.where(Adapter.step == step)
+    )
+    adapter = session.scalar(query)
+    if adapter is None:
+        what = "no adapter yet" if step is None else f"no adapter for step {step}"
+        raise NotFound(f"run {run_id} has {what}", code="adapter_not_found")
+    return adapter
+
+
+def adapter_dir(adapter: Adapter, *, settings: Settings) -> Path:
+    directory = settings.data_dir / adapter.path
+    if not directory.is_dir():
+        raise NotFound(f"the files of run {adapter.run_id}'s adapter {adapter.step} are missing")
+    return directory
+
+
+def adapter_file(adapter: Adapter, *, name: str, settings: Settings) -> Path:
+    if name not in ADAPTER_FILES:
+        raise NotFound(f"an adapter has no file {name!r}; it has {', '.join(ADAPTER_FILES)}")
+    return adapter_dir(adapter, settings=settings) / name
+
+
+def _write_archive(directory: Path, out: IO[bytes]) -> None:
+    # Fixed mtimes and owners: the same adapter always gives the same bytes.
+    with (
+        gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=6) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for name in ADAPTER_FILES:
+            path = directory / name
+            info = tarfile.TarInfo(name)
+            info.size = path.stat().st_size
+            info.mode = 0o644
+            info.mtime = 0
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+
+
+def adapter_archive(adapter: Adapter, *, settings: Settings) -> Path:
+    """The adapter as a tar.gz of its PEFT directory, built once and cached beside the run.
+
+    The cache name carries the sha256, so a re-uploaded step gets a new archive and a stale
+    one is never served.
+    """
+    directory = adapter_dir(adapter, settings=settings)
+    cache_dir = settings.runs_dir / adapter.run_id / "cache"
+    archive = cache_dir / f"adapter_step_{adapter.step}_{adapter.sha256[:16]}.tar.gz"
+    if archive.is_file():
+        return archive
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f".{archive.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+    try:
+        with open(tmp, "wb") as f:
+            _write_archive(directory, f)
+        os.replace(tmp, archive)
+    finally:
+        tmp.unlink(missing_ok=True)
+    for old in cache_dir.glob(f"adapter_step_{adapter.step}_*.tar.gz"):
+        if old != archive:
+            old.unlink(missing_ok=True)
+    return archive
+
+
+# ---------------------------------------------------------------- steps, metrics, checkpoints
+
+
+def record_step(session: Session, *, run_id: str, report: StepReport, settings: Settings) -> Run:
+    """Record one completed step of a run: its metrics row and the run's progress.
+    The step that reaches `max_steps` completes the run, which frees its slot."""
+    run = _pool_run(session, run_id=run_id)
+    max_steps = RunConfig.model_validate(run.config).max_steps
+    completes = report.step >= max_steps
+    if completes:
+        # Completing frees a slot, so it follows admission's lock order: the (global) admission
+        # lock before the run row. Other steps lock only the run row and leave admission free.
+        lock_admission(session)
+    session.refresh(run, with_for_update=True)
+    if run.status != "active":
+        already = session.scalar(
+            select(StepMetrics.id).where(StepMetrics.run_id == run.id, StepMetrics.step == report.step)
+        )
+        if already is not None:
+            # A retried report whose first attempt went through (e.g. the one that completed the run).
+            return run
+        raise Conflict(
+            f"run {run.id} is {run.status}; steps are recorded for active runs only",
+            code="run_not_active",
+            details={"run_id": run.id, "status": run.status},
+        )
+    _upsert(
+        session,
+        StepMetrics,
+        values={
+            "run_id": run.id,
+            "step": report.step,
+            "values": report.metrics.model_dump(mode="json"),
+            "created_at": utcnow(),
+        },
+        key=("run_id", "step"),
+    )
+    # A report older than the run's progress (a late duplicate) updates its metrics only;
+    # progress goes back only through the restart route.
+    if report.step >= run.step:
+        run.step = report.step
+        run.total_tokens = report.total_tokens
+        run.total_samples = report.total_samples
+    if completes:
+        log.info("run %s reached max_steps %s: completed", run.id, max_steps)
+        complete_run(session, run=run, settings=settings)
+    session.flush()
+    return run
+
+
+def list_metrics(session: Session, *, run_id: str) -> list[StepMetrics]:
+    return list(
+        session.scalars(
+            select(StepMetrics).where(StepMetrics.run_id == run_id).order_by(StepMetrics.step)
+        ).all()
+    )
+
+
+def record_checkpoint(session: Session, *, run_id: str, step: int, total_samples: int) -> Checkpoint:
+    """Commit a trainer checkpoint (the trainer wrote it atomically before reporting it)."""
+    run = _pool_run(session, run_id=run_id)
+    _require_artifacts_allowed(run, "checkpoints")
+    _upsert(
+        session,
+        Checkpoint,
+        values={"run_id": run.id, "step": step, "total_samples": total_samples, "created_at": utcnow()},
+        key=("run_id", "step"),
+    )
+    return _one(session, Checkpoint, run_id=run.id, step=step)
+
+
+def evict_by_trainer(session: Session, *, run_id: str, reason: str, settings: Settings) -> Run:
+    """The trainer evicts a run it cannot train on (NaN/Inf, data that should not have passed)."""
+    run = _pool_run(session, run_id=run_id)
+    evict_run(session, run=run, reason=reason, evicted_by="trainer", actor="trainer", settings=settings)
+    return run

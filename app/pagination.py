@@ -1,0 +1,71 @@
+"""Cursor pagination, newest first.
+
+A cursor is opaque to clients: base64url of the last item's (created_at, id). Keyset
+pagination, unlike offsets, neither skips nor repeats rows when rows are added between pages.
+"""
+
+import base64
+import binascii
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import Query
+from sqlalchemy import Select, and_, or_
+from sqlalchemy.orm import InstrumentedAttribute, Session
+
+from app.errors import ValidationFailed
+
+DEFAULT_LIMIT = 50
+MAX_LIMIT = 200
+
+LimitQuery = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Page size (1..200).")]
+CursorQuery = Annotated[
+    str | None,
+    Query(max_length=512, description="`next_cursor` of the previous page; omit for the first page."),
+]
+
+
+def as_utc(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes; everything we store is UTC."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def encode_cursor(created_at: datetime, item_id: str | int) -> str:
+    raw = json.dumps([as_utc(created_at).isoformat(), item_id], separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str | int]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created, item_id = json.loads(raw)
+        if not isinstance(item_id, str | int) or isinstance(item_id, bool):
+            raise ValueError("bad id")
+        return as_utc(datetime.fromisoformat(created)), item_id
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise ValidationFailed(
+            "invalid cursor",
+            details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],
+        ) from exc
+
+
+def paginate(
+    session: Session,
+    stmt: Select[Any],
+    *,
+    created_col: InstrumentedAttribute[datetime],
+    id_col: InstrumentedAttribute[Any],
+    limit: int,
+    cursor: str | None,
+) -> tuple[list[Any], str | None]:
+    """One page of `stmt`'s entities (newest first) and the cursor of the next page, or None at the end."""
+    if cursor is not None:
+        created, item_id = decode_cursor(cursor)
+        stmt = stmt.where(or_(created_col < created, and_(created_col == created, id_col < item_id)))
+    rows = list(session.scalars(stmt.order_by(created_col.desc(), id_col.desc()).limit(limit + 1)))
+    if len(rows) <= limit:
+        return rows, None
+    rows = rows[:limit]
+    last = rows[-1]
+    return rows, encode_cursor(getattr(last, created_col.key), getattr(last, id_col.key))

@@ -1,0 +1,148 @@
+"""Request and response bodies of the runs API, and parsing of the create body (JSON or TOML)."""
+
+import hashlib
+import json
+import tomllib
+from datetime import datetime
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from app.errors import UnsupportedMediaType, ValidationFailed
+from app.pagination import as_utc
+from app.runs.models import RUN_STATUSES, Run
+from trainer_core.config import RunConfig
+
+UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
+RunStatus = Literal["queued", "active", "completed", "evicted", "failed", "deleted"]
+assert set(get_args(RunStatus)) == set(RUN_STATUSES), "RunStatus out of sync with the model"
+
+TOML_CONTENT_TYPES = frozenset({"application/toml", "text/toml", "text/x-toml"})
+JSON_CONTENT_TYPES = frozenset({"application/json", ""})
+
+
+class RunCreate(BaseModel):
+    """Create a run. As TOML: a top-level `name = "..."` and a `[config]` table (sub-tables
+    `[config.lora]`, `[config.optim]`, ...)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$", examples=["gsm8k-r8"])
+    config: RunConfig = Field(default_factory=RunConfig, description="Omitted fields take their defaults.")
+
+    def request_hash(self) -> str:
+        """sha256 of the canonical body: the same run whether it came as JSON or TOML, in any key order."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class Progress(BaseModel):
+    step: int
+    total_tokens: int
+    total_samples: int
+
+
+class RunOut(BaseModel):
+    id: str
+    tenant_id: str
+    name: str
+    status: RunStatus
+    slot: int | None = Field(description="Slot index 0..slots-1 while active, else null.")
+    base_model: str
+    config: RunConfig
+    progress: Progress
+    eviction_reason: str | None
+    evicted_by: Literal["user", "trainer", "orchestrator", "heartbeat"] | None
+    failure_reason: str | None
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
+    started_at: UtcDatetime | None
+    finished_at: UtcDatetime | None
+    last_heartbeat_at: UtcDatetime | None
+
+    @classmethod
+    def from_run(cls, run: Run) -> "RunOut":
+        return cls(
+            id=run.id,
+            tenant_id=run.tenant_id,
+            name=run.name,
+            status=run.status,
+            slot=run.slot,
+            base_model=run.base_model,
+            config=run.config,
+            progress=Progress(step=run.step, total_tokens=run.total_tokens, total_samples=run.total_samples),
+            eviction_reason=run.eviction_reason,
+            evicted_by=run.evicted_by,
+            failure_reason=run.failure_reason,
+            created_at=run.created_at,
+            updated_at=run.updated_at,
+            started_at=run.started_at,
+            finished_at=run.finished_at,
+            last_heartbeat_at=run.last_heartbeat_at,
+        )
+
+
+class RunList(BaseModel):
+    items: list[RunOut]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last page.")
+
+
+class EvictRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(min_length=1, max_length=4096, examples=["reward plateaued"])
+    by: Literal["user", "orchestrator"] = Field(
+        default="user",
+        description="`orchestrator` when the orchestrator evicts its own run (e.g. no learning signal).",
+    )
+
+
+class HeartbeatOut(BaseModel):
+    run_id: str
+    status: RunStatus
+    last_heartbeat_at: UtcDatetime | None
+
+
+def validation_problems(exc: ValidationError, *, prefix: tuple[str, ...] = ("body",)) -> list[dict[str, Any]]:
+    """Pydantic errors in the same shape as the app's 422 handler: every problem with its field path.
+    The offending input is left out on purpose: it may be large or secret."""
+    return [
+        {"loc": [*prefix, *(str(p) for p in err["loc"])], "msg": err["msg"], "type": err["type"]}
+        for err in exc.errors()
+    ]
+
+
+def _malformed(kind: str, problem: str) -> ValidationFailed:
+    return ValidationFailed(
+        f"malformed {kind} body: {problem}",
+        details=[{"loc": ["body"], "msg": problem, "type": f"{kind.lower()}_invalid"}],
+    )
+
+
+def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
+    """Parse and validate a create-run body, JSON or TOML, or raise a 415/422 domain error."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type in TOML_CONTENT_TYPES:
+        try:
+            data: Any = tomllib.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise _malformed("TOML", str(exc)) from exc
+    elif media_type in JSON_CONTENT_TYPES or media_type.endswith("+json"):
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _malformed("JSON", str(exc)) from exc
+    else:
+        raise UnsupportedMediaType(
+            f"unsupported Content-Type {media_type!r}; send application/json or application/toml"
+        )
+    if not isinstance(data, dict):
+        raise ValidationFailed(
+            "the body must be an object with `name` and `config`",
+            details=[{"loc": ["body"], "msg": "expected an object", "type": "model_type"}],
+        )
+    try:
+        return RunCreate.model_validate(data)
+    except ValidationError as exc:
+        problems = validation_problems(exc)
+        raise ValidationFailed(f"{len(problems)} invalid field(s)", details=problems) from exc

@@ -1,0 +1,443 @@
+"""The run lifecycle: create, admit to a slot, evict, complete, fail, delete, heartbeat.
+
+    queued ──admit──▶ active ──▶ completed | evicted | failed
+       └──────────────────────▶ evicted | failed
+    any state but deleted ──▶ deleted
+
+Only queued and active runs move (a 409 otherwise); deletion is the exception, as it
+is how finished runs are cleaned up. Every slot or quota decision takes the admission
+lock first (see admission.py). Keyword-only, raises domain errors, never commits.
+"""
+
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import event, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.config import Settings
+from app.db import utcnow
+from app.errors import Conflict, NotFound
+from app.ids import is_run_id, new_id
+from app.pagination import as_utc, paginate
+from app.projection import project_run, remove_run_dir
+from app.runs.admission import admission_problems, lock_admission, slots_for
+from app.runs.models import EVICTED_BY, Event, Run
+from app.runs.schemas import RunCreate
+from app.tenants.models import Tenant
+
+log = logging.getLogger(__name__)
+
+MOVABLE = ("queued", "active")
+ACTORS = ("admin", "tenant", "trainer", "orchestrator", "heartbeat", "system")
+
+
+# --- audit log -------------------------------------------------------------------------
+
+
+def record_event(
+    session: Session,
+    *,
+    action: str,
+    actor: str,
+    tenant_id: str | None = None,
+    run_id: str | None = None,
+    api_key_id: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> Event:
+    """Append to the audit log (in the caller's transaction). Never pass secrets in `details`."""
+    if actor not in ACTORS:
+        raise ValueError(f"unknown actor {actor!r}")
+    ev = Event(
+        at=utcnow(),
+        action=action,
+        actor=actor,
+        tenant_id=tenant_id,
+        run_id=run_id,
+        api_key_id=api_key_id,
+        details=details or {},
+    )
+    session.add(ev)
+    return ev
+
+
+# --- lookups ---------------------------------------------------------------------------
+
+
+def get_run(session: Session, *, run_id: str) -> Run:
+    run = session.get(Run, run_id) if is_run_id(run_id) else None
+    if run is None:
+        raise NotFound(f"run {run_id} not found")
+    return run
+
+
+def get_run_for_tenant(session: Session, *, tenant_id: str, run_id: str) -> Run:
+    """The tenant's run; another tenant's run is reported exactly like a missing one."""
+    run = session.get(Run, run_id) if is_run_id(run_id) else None
+    if run is None or run.tenant_id != tenant_id:
+        raise NotFound(f"run {run_id} not found")
+    return run
+
+
+def list_runs(
+    session: Session, *, tenant_id: str, status: str | None, limit: int, cursor: str | None
+) -> tuple[list[Run], str | None]:
+    """The tenant's runs, newest first; deleted runs only when asked for by status."""
+    stmt = select(Run).where(Run.tenant_id == tenant_id)
+    stmt = stmt.where(Run.status == status) if status else stmt.where(Run.status != "deleted")
+    return paginate(session, stmt, created_col=Run.created_at, id_col=Run.id, limit=limit, cursor=cursor)
+
+
+# --- create and admit ------------------------------------------------------------------
+
+
+def create_run(
+    session: Session,
+    *,
+    tenant_id: str,
+    api_key_id: str | None,
+    body: RunCreate,
+    idempotency_key: str | None,
+    settings: Settings,
+) -> tuple[Run, bool]:
+    """Create a run and admit it if a slot and the quota allow. Returns (run, created):
+    created is False for an idempotent replay (same key, same body)."""
+    request_hash = body.request_hash()
+    lock_admission(session)
+    # The tenant row lock also serialises this tenant's idempotent replays.
+    if session.scalar(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update()) is None:
+        raise NotFound(f"tenant {tenant_id} not found")
+    if idempotency_key is not None:
+        existing = session.scalar(
+            select(Run).where(Run.tenant_id == tenant_id, Run.idempotency_key == idempotency_key)
+        )
+        if existing is not None:
+            if existing.request_hash != request_hash:
+                raise Conflict(
+                    "Idempotency-Key was already used with a different body",
+                    details={"run_id": existing.id},
+                    code="idempotency_conflict",
+                )
+            return existing, False
+    config = body.config.model_dump(mode="json")
+    run = Run(
+        id=new_id("run"),
+        tenant_id=tenant_id,
+        name=body.name,
+        config=config,
+        base_model=body.config.base_model,
+        status="queued",
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+    )
+    session.add(run)
+    session.flush()
+    record_event(
+        session,
+        action="run.created",
+        actor="tenant",
+        tenant_id=tenant_id,
+        run_id=run.id,
+        api_key_id=api_key_id,
+        details={"name": body.name, "base_model": run.base_model},
+    )
+    # The new run joins the queue and admission takes the queue in order, so it never
+    # overtakes an older queued run that fits.
+    admit_queued_runs(session, base_model=run.base_model, settings=settings)
+    project_run(run, settings)
+    return run, True
+
+
+def admit_queued_runs(session: Session, *, base_model: str, settings: Settings) -> list[Run]:
+    """Give free slots of `base_model` to queued runs, oldest first, within their tenants' quotas."""
+    lock_admission(session)
+    slots = slots_for(session, base_model=base_model, settings=settings)
+    used = set(session.scalars(select(Run.slot).where(Run.base_model == base_model, Run.status == "active")))
+    free = [i for i in range(slots) if i not in used]
+    admitted: list[Run] = []
+    if not free:
+        return admitted
+    queued = session.scalars(
+        select(Run)
+        .where(Run.base_model == base_model, Run.status == "queued")
+        .order_by(Run.created_at, Run.id)
+    ).all()
+    active_by_tenant: dict[str, int] = dict(
+        session.execute(
+            select(Run.tenant_id, func.count()).where(Run.status == "active").group_by(Run.tenant_id)
+        )
+        .tuples()
+        .all()
+    )
+    quota: dict[str, int] = {}
+    for run in queued:
+        if not free:
+            break
+        if run.tenant_id not in quota:
+            quota[run.tenant_id] = session.scalar(
+                select(Tenant.max_concurrent_runs).where(Tenant.id == run.tenant_id).with_for_update()
+            )
+        if active_by_tenant.get(run.tenant_id, 0) >= quota[run.tenant_id]:
+            continue
+        problems = admission_problems(session, config=run.config, settings=settings)
+        if problems:
+            fail_run(session, run=run, reason="; ".join(problems), settings=settings)
+            continue
+        slot = free.pop(0)
+        if not _take_slot(session, run=run, slot=slot):
+            continue
+        active_by_tenant[run.tenant_id] = active_by_tenant.get(run.tenant_id, 0) + 1
+        admitted.append(run)
+        record_event(
+            session,
+            action="run.admitted",
+            actor="system",
+            tenant_id=run.tenant_id,
+            run_id=run.id,
+            details={"slot": slot},
+        )
+        project_run(run, settings)
+    return admitted
+
+
+def _take_slot(session: Session, *, run: Run, slot: int) -> bool:
+    """Move a queued run into `slot`. The unique index is the backstop: if the slot turns out
+    to be taken after all, the run stays queued (a savepoint keeps the transaction usable)."""
+    try:
+        with session.begin_nested():
+            run.status = "active"
+            run.slot = slot
+            run.started_at = utcnow()
+            session.flush()
+    except IntegrityError:
+        log.warning("slot %d of %s already taken; %s stays queued", slot, run.base_model, run.id)
+        session.refresh(run)
+        return False
+    return True
+
+
+def _release(session: Session, *, run: Run, settings: Settings) -> None:
+    """A run left its slot: the slot goes to its base model's queue, and its tenant's freed
+    quota may let the tenant's runs queued on other base models in."""
+    others = set(
+        session.scalars(
+            select(Run.base_model).where(Run.tenant_id == run.tenant_id, Run.status == "queued").distinct()
+        )
+    )
+    for base_model in [run.base_model, *sorted(others - {run.base_model})]:
+        admit_queued_runs(session, base_model=base_model, settings=settings)
+
+
+def _lock_for_transition(session: Session, *, run: Run, action: str, allowed: tuple[str, ...]) -> None:
+    """Take the admission lock, re-read the run under a row lock, and check it may move."""
+    lock_admission(session)
+    session.flush()
+    session.refresh(run, with_for_update=True)
+    if run.status not in allowed:
+        only = " or ".join(allowed)
+        raise Conflict(
+            f"run {run.id} is {run.status}; only {only} runs can be {action}",
+            details={"run_id": run.id, "status": run.status},
+            code="invalid_transition",
+        )
+
+
+def _finish(session: Session, *, run: Run, status: str) -> bool:
+    """Leave the lifecycle; returns whether the run held a slot."""
+    was_active = run.status == "active"
+    run.status = status
+    run.slot = None
+    run.finished_at = utcnow()
+    session.flush()
+    return was_active
+
+
+# --- leaving the lifecycle -------------------------------------------------------------
+
+
+def evict_run(
+    session: Session,
+    *,
+    run: Run,
+    reason: str,
+    evicted_by: str,
+    actor: str,
+    api_key_id: str | None = None,
+    settings: Settings,
+) -> Run:
+    """Evict a queued or active run (reason kept, evicted.txt written); its slot goes to the queue."""
+    if evicted_by not in EVICTED_BY:
+        raise ValueError(f"evicted_by must be one of {EVICTED_BY}, not {evicted_by!r}")
+    _lock_for_transition(session, run=run, action="evicted", allowed=MOVABLE)
+    slot = run.slot
+    run.eviction_reason = reason
+    run.evicted_by = evicted_by
+    was_active = _finish(session, run=run, status="evicted")
+    record_event(
+        session,
+        action="run.evicted",
+        actor=actor,
+        tenant_id=run.tenant_id,
+        run_id=run.id,
+        api_key_id=api_key_id,
+        details={"reason": reason, "evicted_by": evicted_by, "slot": slot},
+    )
+    project_run(run, settings)
+    if was_active:
+        _release(session, run=run, settings=settings)
+    return run
+
+
+def complete_run(session: Session, *, run: Run, settings: Settings) -> Run:
+    """The run reached max_steps: completed, and its slot goes to the queue."""
+    _lock_for_transition(session, run=run, action="completed", allowed=("active",))
+    slot = run.slot
+    _finish(session, run=run, status="completed")
+    record_event(
+        session,
+        action="run.completed",
+        actor="trainer",
+        tenant_id=run.tenant_id,
+        run_id=run.id,
+        details={"step": run.step, "slot": slot},
+    )
+    project_run(run, settings)
+    _release(session, run=run, settings=settings)
+    return run
+
+
+def fail_run(session: Session, *, run: Run, reason: str, settings: Settings) -> Run:
+    """The run cannot be trained (e.g. its config does not fit the pool): failed, with the
+    reason in control/config_validation_error.txt."""
+    _lock_for_transition(session, run=run, action="failed", allowed=MOVABLE)
+    run.failure_reason = reason
+    was_active = _finish(session, run=run, status="failed")
+    record_event(
+        session,
+        action="run.failed",
+        actor="system",
+        tenant_id=run.tenant_id,
+        run_id=run.id,
+        details={"reason": reason},
+    )
+    project_run(run, settings)
+    if was_active:
+        _release(session, run=run, settings=settings)
+    return run
+
+
+def delete_run(
+    session: Session, *, run: Run, actor: str, api_key_id: str | None = None, settings: Settings
+) -> Run:
+    """Delete a run in any state but deleted. The row stays (status `deleted`, for the audit
+    trail); its directory is removed once the deletion is committed."""
+    _lock_for_transition(
+        session, run=run, action="deleted", allowed=("queued", "active", "completed", "evicted", "failed")
+    )
+    previous = run.status
+    was_active = previous == "active"
+    run.status = "deleted"
+    run.slot = None
+    if run.finished_at is None:
+        run.finished_at = utcnow()
+    session.flush()
+    record_event(
+        session,
+        action="run.deleted",
+        actor=actor,
+        tenant_id=run.tenant_id,
+        run_id=run.id,
+        api_key_id=api_key_id,
+        details={"previous_status": previous},
+    )
+    # Not before the commit: a rolled-back deletion must not have destroyed the run's files.
+    # A crash in between is repaired by the start-up rebuild, which removes deleted runs' dirs.
+    run_id = run.id
+    call_after_commit(session, lambda: remove_run_dir(run_id, settings))
+    if was_active:
+        _release(session, run=run, settings=settings)
+    return run
+
+
+# --- liveness --------------------------------------------------------------------------
+
+
+def heartbeat(session: Session, *, run: Run) -> Run:
+    """The orchestrator is alive. Terminal runs report their status unchanged, so an
+    orchestrator learns from its heartbeat that it has been evicted."""
+    if run.status in MOVABLE:
+        run.last_heartbeat_at = utcnow()
+        session.flush()
+    return run
+
+
+def evict_silent_runs(session: Session, *, now: datetime, settings: Settings) -> list[Run]:
+    """Evict queued or active runs whose config sets heartbeat_timeout and whose last heartbeat
+    (or, if none, their start, or creation while queued) is older than that."""
+    now = as_utc(now)
+
+    def silent(run: Run) -> bool:
+        timeout = run.config.get("heartbeat_timeout")
+        last_sign = run.last_heartbeat_at or run.started_at or run.created_at
+        return (
+            bool(timeout) and run.status in MOVABLE and now - as_utc(last_sign) > timedelta(seconds=timeout)
+        )
+
+    candidates = session.scalars(
+        select(Run).where(Run.status.in_(MOVABLE)).order_by(Run.created_at, Run.id)
+    ).all()
+    due = [run for run in candidates if silent(run)]
+    if not due:  # the common case takes no lock (the sweeper calls this every few seconds)
+        return []
+    lock_admission(session)
+    evicted: list[Run] = []
+    for run in due:
+        session.refresh(run)  # a heartbeat may have arrived before we held the lock
+        if not silent(run):
+            continue
+        timeout = run.config["heartbeat_timeout"]
+        evict_run(
+            session,
+            run=run,
+            reason=f"no heartbeat for more than {timeout:g}s (heartbeat_timeout)",
+            evicted_by="heartbeat",
+            actor="heartbeat",
+            settings=settings,
+        )
+        evicted.append(run)
+    return evicted
+
+
+# --- after-commit work -----------------------------------------------------------------
+
+_PENDING = "loraloom.after_commit"
+
+
+def call_after_commit(session: Session, fn: Callable[[], None]) -> None:
+    """Run `fn` once the session's outermost transaction commits; drop it on rollback."""
+    pending: list[Callable[[], None]] | None = session.info.get(_PENDING)
+    if pending is None:
+        pending = session.info[_PENDING] = []
+        event.listen(session, "after_commit", _run_pending)
+        event.listen(session, "after_rollback", _drop_pending)
+    pending.append(fn)
+
+
+def _run_pending(session: Session) -> None:
+    if session.in_nested_transaction():  # a savepoint released; the real commit is still to come
+        return
+    pending = session.info.get(_PENDING, [])
+    todo, pending[:] = list(pending), []
+    for fn in todo:
+        try:
+            fn()
+        except Exception:  # the commit stands; the start-up rebuild repairs the projection
+            log.exception("after-commit work failed")
+
+
+def _drop_pending(session: Session) -> None:
+    if not session.in_nested_transaction():
+        session.info.get(_PENDING, []).clear()

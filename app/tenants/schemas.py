@@ -1,0 +1,48 @@
+"""Request and response bodies of the admin API (tenants and their API keys)."""
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from app.pagination import as_utc
+
+UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="Unique; letters, digits, '.', '_', '-'.",
+        examples=["acme"],
+    )
+    max_concurrent_runs: int = Field(
+        default=2, ge=1, le=1024, description="Quota: runs holding a slot at once."
+    )
+
+
+class TenantOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    name: str
+    max_concurrent_runs: int
+    created_at: UtcDatetime
+
+
+class TenantList(BaseModel):
+    items: list[TenantOut]
+
+
+class ApiKeyCreated(BaseModel):
+    """A new API key. `key` is the secret: shown here once, stored only as a hash."""
+
+    id: str
+    tenant_id: str
+    key: str
+    prefix: str
+    created_at: UtcDatetime

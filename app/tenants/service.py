@@ -1,0 +1,74 @@
+"""Tenants and API keys. Keyword-only, raises domain errors, never commits."""
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from app.auth import hash_key, new_api_key
+from app.db import utcnow
+from app.errors import Conflict, NotFound
+from app.ids import new_id
+from app.runs.service import record_event
+from app.tenants.models import ApiKey, Tenant
+
+KEY_PREFIX_CHARS = 12
+"""How much of a secret is kept in clear, so keys can be told apart ('llk_' + 8 characters)."""
+
+
+def create_tenant(session: Session, *, name: str, max_concurrent_runs: int) -> Tenant:
+    if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        raise Conflict(f"a tenant named {name!r} already exists")
+    tenant = Tenant(id=new_id("ten"), name=name, max_concurrent_runs=max_concurrent_runs)
+    try:
+        # A savepoint, so that losing a race on the unique name is a 409, not a broken transaction.
+        with session.begin_nested():
+            session.add(tenant)
+    except IntegrityError as exc:
+        raise Conflict(f"a tenant named {name!r} already exists") from exc
+    record_event(
+        session,
+        action="tenant.created",
+        actor="admin",
+        tenant_id=tenant.id,
+        details={"name": name, "max_concurrent_runs": max_concurrent_runs},
+    )
+    return tenant
+
+
+def list_tenants(session: Session) -> list[Tenant]:
+    return list(session.scalars(select(Tenant).order_by(Tenant.created_at, Tenant.id)))
+
+
+def get_tenant(session: Session, *, tenant_id: str) -> Tenant:
+    tenant = session.get(Tenant, tenant_id)
+    if tenant is None:
+        raise NotFound(f"tenant {tenant_id} not found")
+    return tenant
+
+
+def create_api_key(session: Session, *, tenant_id: str) -> tuple[ApiKey, str]:
+    """A new key for the tenant; returns (row, secret). The secret is never stored or logged."""
+    get_tenant(session, tenant_id=tenant_id)
+    secret = new_api_key()
+    key = ApiKey(
+        id=new_id("key"), tenant_id=tenant_id, key_hash=hash_key(secret), prefix=secret[:KEY_PREFIX_CHARS]
+    )
+    session.add(key)
+    session.flush()
+    record_event(
+        session, action="api_key.created", actor="admin", tenant_id=tenant_id, details={"key_id": key.id}
+    )
+    return key, secret
+
+
+def revoke_api_key(session: Session, *, tenant_id: str, key_id: str) -> ApiKey:
+    """Revoke a key (idempotent: revoking a revoked key changes nothing)."""
+    key = session.get(ApiKey, key_id)
+    if key is None or key.tenant_id != tenant_id:
+        raise NotFound(f"API key {key_id} not found for tenant {tenant_id}")
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        record_event(
+            session, action="api_key.revoked", actor="admin", tenant_id=tenant_id, details={"key_id": key.id}
+        )
+    return key

@@ -1,0 +1,100 @@
+"""The CLI against a live service (uvicorn in a thread), as the README uses it."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import cli, interim_demo
+from tests.conftest import ADMIN_KEY
+
+runner = CliRunner()
+
+
+def _run(*args: str, env: dict[str, str]) -> str:
+    result = runner.invoke(cli, list(args), env=env)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.fixture
+def env(live_server) -> dict[str, str]:
+    return {"LORALOOM_URL": live_server.url, "LORALOOM_ADMIN_KEY": ADMIN_KEY, "LORALOOM_API_KEY": ""}
+
+
+def test_cli_walkthrough(env, tmp_path, settings):
+    tenant = json.loads(_run("tenants", "create", "acme", "--quota", "1", "--json", env=env))
+    assert tenant["max_concurrent_runs"] == 1
+    assert "acme" in _run("tenants", "list", env=env)
+    key = json.loads(_run("keys", "create", tenant["id"], "--json", env=env))["key"]
+    tenant_env = {**env, "LORALOOM_API_KEY": key}
+
+    # A bare config in TOML (name from the file), and a whole body in JSON.
+    toml_file = tmp_path / "math.toml"
+    toml_file.write_text("max_steps = 20\n\n[lora]\nrank = 4\n")
+    out = _run("runs", "create", str(toml_file), env=tenant_env)
+    run_id = out.split()[0]
+    assert "math" in out and "active, slot 0" in out
+    json_file = tmp_path / "body.json"
+    json_file.write_text(json.dumps({"name": "second", "config": {"max_steps": 5}}))
+    second = json.loads(_run("runs", "create", str(json_file), "--name", "renamed", "--json", env=tenant_env))
+    assert (second["name"], second["status"]) == ("renamed", "queued")
+
+    listing = _run("runs", "list", env=tenant_env)
+    assert run_id in listing and second["id"] in listing and "STATUS" in listing
+    shown = _run("runs", "show", run_id, env=tenant_env)
+    assert "status:" in shown and "active" in shown and "step 0/20" in shown
+
+    out = _run("runs", "evict", run_id, "--reason", "enough", env=tenant_env)
+    assert "evicted" in out
+    assert json.loads(_run("runs", "show", second["id"], "--json", env=tenant_env))["status"] == "active"
+    assert "deleted" in _run("runs", "delete", run_id, env=tenant_env)
+    assert (settings.runs_dir / run_id).exists() is False
+
+
+def test_cli_errors_are_readable(env, tmp_path):
+    result = runner.invoke(cli, ["runs", "list"], env=env)
+    assert result.exit_code == 1 and "no key" in result.output
+    result = runner.invoke(cli, ["runs", "list", "--key", "llk_wrong"], env=env)
+    assert result.exit_code == 1 and "401 unauthorized" in result.output
+
+    tenant = json.loads(_run("tenants", "create", "t", "--json", env=env))
+    key = json.loads(_run("keys", "create", tenant["id"], "--json", env=env))["key"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[lora]\nrank = 0\nbogus = 1\n")
+    result = runner.invoke(cli, ["runs", "create", str(bad), "--key", key], env=env)
+    assert result.exit_code == 1
+    assert "422 validation_error" in result.output
+    assert "body.config.lora.rank" in result.output and "body.config.lora.bogus" in result.output
+
+    result = runner.invoke(cli, ["tenants", "list", "--url", "http://127.0.0.1:9"], env=env)
+    assert result.exit_code == 1 and "cannot reach" in result.output
+
+
+def test_db_upgrade(tmp_path):
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    out = _run("db", "upgrade", env={"LORALOOM_DATABASE_URL": url})
+    assert "head" in out
+    assert (tmp_path / "cli.db").exists()
+
+
+def test_interim_demo(tmp_path, capsys):
+    interim_demo(tmp_path / "demo")
+    out = capsys.readouterr().out
+    assert "queued" in out and "evicted" in out and "HTTP 404 not_found" in out
+    assert "globex-agent  active" in out
+
+
+def test_readme_gives_the_two_commands_and_the_curl_walkthrough():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme
+    for call in (
+        "POST $B/v1/tenants",
+        "POST $B/v1/runs",
+        "/evict",
+        "-X DELETE $B/v1/runs/",
+        "application/toml",
+    ):
+        assert call in readme, call

@@ -1,0 +1,294 @@
+"""Pool registration, heartbeats, state, dead pools, and admission against a pool's capabilities."""
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.batches.models import Batch
+from app.config import Settings
+from app.runs.models import Run
+from app.workers.models import Pool
+from app.workers.service import declare_dead_pools, live_pool_slots, pool_capability_problems
+from tests.app.conftest import TenantHandle, create_run, new_tenant
+from tests.conftest import WORKER_TOKEN
+
+WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+POOL_SPEC = {
+    "base_model": "loraloom-tiny",
+    "vocab_size": 256,
+    "max_rank": 16,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "slots": 2,
+    "world_size": 2,
+    "max_seq_len": 1024,
+}
+
+
+def register(client: TestClient, **overrides) -> str:
+    r = client.post("/v1/pool/register", json=POOL_SPEC | overrides, headers=WORKER)
+    assert r.status_code == 201, r.text
+    return r.json()["pool_id"]
+
+
+def end_read(db: Session) -> None:
+    """End the test session's transaction before the app writes: on SQLite an open one holds the
+    database's write lock (the app's sessions begin IMMEDIATE). The factory does not expire on
+    commit, so the rows read stay readable."""
+    db.commit()
+
+
+def run_row(db: Session, run_id: str) -> Run:
+    db.expire_all()
+    run = db.get(Run, run_id)
+    assert run is not None
+    end_read(db)
+    return run
+
+
+def claimed_batch(db: Session, *, run_id: str, pool_id: str, lease_expires_at: datetime) -> int:
+    """A batch leased to a pool, written directly (the claim path has its own tests)."""
+    batch = Batch(
+        run_id=run_id,
+        request_hash="0" * 64,
+        rollout_step=0,
+        num_samples=1,
+        num_tokens=8,
+        sample_offset=0,
+        payload_path=f"runs/{run_id}/rollouts/x.msgpack",
+        payload_bytes=1,
+        payload_sha256="0" * 64,
+        state="claimed",
+        pool_id=pool_id,
+        lease_expires_at=lease_expires_at,
+        claimed_at=datetime.now(UTC),
+    )
+    db.add(batch)
+    db.commit()
+    return batch.id
+
+
+def test_register_heartbeat_and_state(client: TestClient, tenant: TenantHandle, settings: Settings) -> None:
+    mine = create_run(client, tenant, name="a", max_steps=3)
+    other_model = create_run(client, tenant, name="b", base_model="some-other-model")
+
+    r = client.post("/v1/pool/register", json=POOL_SPEC, headers=WORKER)
+    assert r.status_code == 201, r.text
+    body = r.json()
+    assert body["pool_id"].startswith("pool_")
+    assert body["lease_seconds"] == settings.lease_seconds
+    assert 0 < body["heartbeat_interval_s"] < settings.pool_timeout_seconds
+
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": body["pool_id"]}, headers=WORKER)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"status": "alive"}
+
+    r = client.get("/v1/pool/state", params={"pool_id": body["pool_id"]}, headers=WORKER)
+    assert r.status_code == 200, r.text
+    runs = r.json()["runs"]
+    # Only the pool's base model; the other model's run waits for its own pool.
+    assert [x["run_id"] for x in runs] == [mine["id"]]
+    assert runs[0]["slot"] == 0
+    assert runs[0]["status"] == "active"
+    assert runs[0]["config"]["max_steps"] == 3
+    assert runs[0]["progress"] == {"step": 0, "total_tokens": 0, "total_samples": 0}
+    assert client.get(f"/v1/runs/{other_model['id']}", headers=tenant.headers).json()["status"] == "active"
+
+
+def test_register_validates_its_body(client: TestClient) -> None:
+    r = client.post("/v1/pool/register", json=POOL_SPEC | {"slots": 0, "max_rank": "x"}, headers=WORKER)
+    assert r.status_code == 422
+    fields = {tuple(p["loc"]) for p in r.json()["error"]["details"]}
+    assert ("body", "slots") in fields and ("body", "max_rank") in fields
+    bad = {k: v for k, v in POOL_SPEC.items() if k != "max_seq_len"}
+    assert client.post("/v1/pool/register", json=bad, headers=WORKER).status_code == 422
+
+
+def test_unknown_pool(client: TestClient) -> None:
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": "pool_000000000000"}, headers=WORKER)
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "pool_not_found"
+    assert (
+        client.get("/v1/pool/state", params={"pool_id": "pool_000000000000"}, headers=WORKER).status_code
+        == 404
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/pool/register", POOL_SPEC),
+        ("POST", "/v1/pool/heartbeat", {"pool_id": "pool_000000000000"}),
+        ("GET", "/v1/pool/state?pool_id=pool_000000000000", None),
+        ("PUT", "/v1/pool/runs/run_000000000000/adapters/1", None),
+        ("POST", "/v1/pool/runs/run_000000000000/steps", {"step": 1, "total_tokens": 1, "total_samples": 1}),
+        ("POST", "/v1/pool/runs/run_000000000000/checkpoints", {"step": 1, "total_samples": 1}),
+        ("POST", "/v1/pool/runs/run_000000000000/evict", {"reason": "x"}),
+    ],
+)
+def test_pool_routes_refuse_tenant_keys(
+    client: TestClient, tenant: TenantHandle, method: str, path: str, body: dict | None
+) -> None:
+    for headers in (tenant.headers, {}):
+        r = client.request(method, path, json=body, headers=headers)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["code"] == "unauthorized"
+
+
+def test_pool_slots_become_the_slot_count(client: TestClient, settings: Settings, db: Session) -> None:
+    assert settings.max_concurrent_runs == 2
+    tenant = new_tenant(client, quota=5)
+    runs = [create_run(client, tenant, name=f"r{i}") for i in range(4)]
+    assert [r["status"] for r in runs] == ["active", "active", "queued", "queued"]
+    assert live_pool_slots(db, base_model="loraloom-tiny") is None
+    end_read(db)
+
+    register(client, slots=3)
+    assert live_pool_slots(db, base_model="loraloom-tiny") == 3
+    # The new slot went to the oldest queued run at registration.
+    statuses = [run_row(db, r["id"]).status for r in runs]
+    assert statuses == ["active", "active", "active", "queued"]
+    assert run_row(db, runs[2]["id"]).slot == 2
+    # And admission keeps using the pool's count for new runs.
+    assert create_run(client, tenant, name="r4")["status"] == "queued"
+
+
+def test_runs_the_pool_cannot_train_fail_with_a_reason(
+    client: TestClient, settings: Settings, db: Session
+) -> None:
+    tenant = new_tenant(client, quota=8)
+    too_big = create_run(client, tenant, name="rank", lora={"rank": 32})  # active (slot 0)
+    modules = create_run(client, tenant, name="modules", lora={"target_modules": ["q_proj", "gate_proj"]})
+    too_long = create_run(client, tenant, name="seq", seq_len=4096)  # queued
+    fine = create_run(client, tenant, name="fine", lora={"rank": 16, "target_modules": ["q_proj", "v_proj"]})
+    waits = create_run(client, tenant, name="other", base_model="other-model", lora={"rank": 64})
+    assert [r["status"] for r in (too_big, modules, too_long, fine)] == [
+        "active",
+        "active",
+        "queued",
+        "queued",
+    ]
+
+    pool_id = register(client)
+
+    expected = {
+        too_big["id"]: "lora.rank 32 exceeds the pool's max_rank 16",
+        modules["id"]: "lora.target_modules ['gate_proj'] are not adapted by the pool",
+        too_long["id"]: "seq_len 4096 exceeds the pool's max_seq_len 1024",
+    }
+    for run_id, why in expected.items():
+        r = client.get(f"/v1/runs/{run_id}", headers=tenant.headers).json()
+        assert r["status"] == "failed", r
+        assert why in r["failure_reason"]
+        assert pool_id in r["failure_reason"]
+        error_file = settings.runs_dir / run_id / "control" / "config_validation_error.txt"
+        assert why in error_file.read_text()
+    # The trainable run got a freed slot; a run whose base model has no pool is left alone.
+    assert client.get(f"/v1/runs/{fine['id']}", headers=tenant.headers).json()["status"] == "active"
+    assert client.get(f"/v1/runs/{waits['id']}", headers=tenant.headers).json()["status"] == "active"
+    state = client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER).json()
+    assert [x["run_id"] for x in state["runs"]] == [fine["id"]]
+
+
+def test_pool_capability_problems_for_admission(client: TestClient, db: Session) -> None:
+    config = {"base_model": "loraloom-tiny", "lora": {"rank": 64}, "seq_len": 2048}
+    assert pool_capability_problems(db, config=config) == []  # no pool yet: the run waits
+    end_read(db)
+    register(client)
+    db.expire_all()
+    problems = pool_capability_problems(db, config=config)
+    assert len(problems) == 2
+    assert "max_rank 16" in problems[0] and "max_seq_len 1024" in problems[1]
+    assert pool_capability_problems(db, config={"base_model": "loraloom-tiny"}) == []
+
+
+def test_state_fails_an_untrainable_active_run(client: TestClient, tenant: TenantHandle, db: Session) -> None:
+    """A run that slipped past admission (e.g. created while the pool registered) never reaches
+    the trainer: the state poll fails it."""
+    pool_id = register(client)
+    run = create_run(client, tenant, name="ok")
+    # Simulate the race directly: the config changes under an active run.
+    row = run_row(db, run["id"])
+    row.config = row.config | {"lora": row.config["lora"] | {"rank": 128}}
+    db.commit()
+    r = client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER)
+    assert r.status_code == 200
+    assert r.json()["runs"] == []
+    assert run_row(db, run["id"]).status == "failed"
+
+
+def test_heartbeat_extends_the_pools_leases(
+    client: TestClient, tenant: TenantHandle, db: Session, settings
+) -> None:
+    pool_id = register(client)
+    run = create_run(client, tenant)
+    soon = datetime.now(UTC) + timedelta(seconds=1)
+    batch_id = claimed_batch(db, run_id=run["id"], pool_id=pool_id, lease_expires_at=soon)
+    before = datetime.now(UTC)
+    assert client.post("/v1/pool/heartbeat", json={"pool_id": pool_id}, headers=WORKER).status_code == 200
+    db.expire_all()
+    lease = db.get(Batch, batch_id).lease_expires_at
+    lease = lease if lease.tzinfo else lease.replace(tzinfo=UTC)
+    assert lease >= before + timedelta(seconds=settings.lease_seconds - 1)
+    pool = db.get(Pool, pool_id)
+    assert pool.status == "alive"
+
+
+def test_dead_pool(client: TestClient, tenant: TenantHandle, db: Session, settings: Settings) -> None:
+    pool_id = register(client)
+    run = create_run(client, tenant)
+    far = datetime.now(UTC) + timedelta(hours=1)
+    batch_id = claimed_batch(db, run_id=run["id"], pool_id=pool_id, lease_expires_at=far)
+
+    # Not silent long enough yet.
+    assert declare_dead_pools(db, now=datetime.now(UTC), settings=settings) == []
+    later = datetime.now(UTC) + timedelta(seconds=settings.pool_timeout_seconds + 1)
+    assert declare_dead_pools(db, now=later, settings=settings) == [pool_id]
+    db.commit()
+
+    db.expire_all()
+    assert db.get(Pool, pool_id).status == "dead"
+    batch = db.get(Batch, batch_id)
+    assert (batch.state, batch.pool_id, batch.lease_expires_at) == ("pending", None, None)
+    end_read(db)
+
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": pool_id}, headers=WORKER)
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "pool_dead"
+    assert client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER).status_code == 409
+    # Its runs wait (still active) for the next pool, which takes over the base model.
+    assert live_pool_slots(db, base_model="loraloom-tiny") is None
+    end_read(db)
+    assert client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()["status"] == "active"
+    new_pool = register(client)
+    state = client.get("/v1/pool/state", params={"pool_id": new_pool}, headers=WORKER).json()
+    assert [x["run_id"] for x in state["runs"]] == [run["id"]]
+
+
+def test_reregistration_replaces_the_previous_pool(
+    client: TestClient, tenant: TenantHandle, db: Session
+) -> None:
+    old = register(client)
+    run = create_run(client, tenant)
+    far = datetime.now(UTC) + timedelta(hours=1)
+    batch_id = claimed_batch(db, run_id=run["id"], pool_id=old, lease_expires_at=far)
+    other_model = register(client, base_model="other-model")
+
+    new = register(client)  # the same base model: a restarted pool
+    db.expire_all()
+    assert db.get(Pool, old).status == "stopped"
+    assert db.get(Pool, other_model).status == "alive"
+    assert db.get(Batch, batch_id).state == "pending"
+    end_read(db)
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": old}, headers=WORKER)
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "pool_stopped"
+    assert client.post("/v1/pool/heartbeat", json={"pool_id": new}, headers=WORKER).json() == {
+        "status": "alive"
+    }
+    alive = db.scalars(
+        select(Pool.id).where(Pool.base_model == "loraloom-tiny", Pool.status == "alive")
+    ).all()
+    assert alive == [new]
