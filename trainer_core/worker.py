@@ -18,10 +18,13 @@ Only the master talks to the service; ranks talk through torch.distributed.
 """
 
 import argparse
+import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -210,13 +213,12 @@ class PoolTrainer:
 
     def _on_run_created(self, idx: int, run_id: str) -> None:
         config: RunConfig = self.runs.config[idx]
+        self.lora.configure_slot(
+            idx, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout
+        )
         # Seeded by the run's config alone: every rank gets the same initial adapter, and a run's
-        # adapter does not depend on which other runs came before it (isolation).
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
-            self.lora.configure_slot(
-                idx, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout
-            )
+        # adapter does not depend on which slot it got or which runs came before it (isolation).
+        self.lora.reset_slot(idx, seed=config.seed)
         self.optimizer.create(
             idx,
             self.lora.slot_parameters(idx),
@@ -577,8 +579,21 @@ def _pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _die_with_parent() -> None:
+    """Linux: a rank gets SIGKILL when its torchrun parent dies, so killing the launcher kills the pool.
+
+    torchrun starts ranks in their own sessions; without this an orphaned rank would keep
+    training on leases the service already handed to a new pool.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def main(argv: list[str] | None = None) -> None:
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the log
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -41,7 +41,7 @@ def synthetic_batch(
                 "prompt_mask": [False] * len(prompt),
                 "completion_ids": completion,
                 "completion_mask": [True] * len(completion),
-                "completion_logprobs": [-rng.uniform(0.5, 4.0) for _ in completion],
+                "completion_logprobs": [-rng.uniform(4.0, 4.8) for _ in completion],  # near ln(vocab)
                 "advantage": rng.choice([-1.0, 1.0]) * advantage_scale,
             }
         )
@@ -58,6 +58,8 @@ def run_config(**overrides) -> dict:
         "seq_len": 64,
         "max_async_level": 1000,
         "ckpt": {"interval": 1, "keep_last": 3},
+        # Synthetic completions are far from what the model would sample: keep every token in the loss.
+        "loss": {"mask_ratio_low": 1e-30, "mask_ratio_high": 1000.0},
     }
     config.update(overrides)
     return config
