@@ -494,5 +494,40 @@ def demo() -> None:
     interim_demo()
 
 
+@cli.command()
+def worker(
+    url: UrlOpt = DEFAULT_URL,
+    token: Annotated[
+        str | None, typer.Option(envvar="LORALOOM_WORKER_TOKEN", help="The service's worker token.")
+    ] = None,
+    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, help="Ranks (processes).")] = 1,
+    base_model: Annotated[str, typer.Option(help="Hub id, local path, or loraloom-tiny.")] = "loraloom-tiny",
+    max_rank: Annotated[int, typer.Option(min=1, max=256, help="Largest LoRA rank a run may ask for.")] = 16,
+    slots: Annotated[int, typer.Option(min=1, help="Concurrent runs (LoRA slots).")] = 4,
+    seq_len: Annotated[int, typer.Option(min=8, help="Tokens per packed micro-batch.")] = 1024,
+) -> None:
+    """Run the worker pool under torchrun (ranks talk gloo on CPU, nccl on GPU)."""
+    from trainer_core.launch import launch_pool  # torch is imported only by the ranks themselves
+
+    if not token:
+        _fail("--token or LORALOOM_WORKER_TOKEN is required")
+    args = [
+        "--url",
+        url,
+        "--token",
+        token,
+        "--base-model",
+        base_model,
+        "--max-rank",
+        str(max_rank),
+        "--slots",
+        str(slots),
+        "--seq-len",
+        str(seq_len),
+    ]
+    typer.echo(f"starting {nproc_per_node} rank(s) of the worker pool against {url}")
+    raise typer.Exit(launch_pool(nproc_per_node=nproc_per_node, worker_args=args).wait())
+
+
 def main() -> None:
     cli()

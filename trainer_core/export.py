@@ -1,0 +1,234 @@
+"""One slot ↔ a standard PEFT LoRA adapter directory (what `peft` and vLLM load as they are).
+
+    adapter_config.json          {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": ..., ...}
+    adapter_model.safetensors    base_model.model.<module>.lora_A.weight  (r, in)
+                                 base_model.model.<module>.lora_B.weight  (out, r)
+
+<module> is the wrapped layer's qualified name in the Hugging Face model, e.g.
+"model.layers.0.self_attn.q_proj": PEFT wraps the causal LM in `base_model.model`. PEFT scales
+the delta by lora_alpha / r, as `MultiLoRALinear` does, so the adapter carries the slot's rank
+and alpha unchanged.
+"""
+
+import io
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from trainer_core.lora import MultiLoRA
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+_PREFIX = "base_model.model."
+_SUFFIXES = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B"}
+
+
+def peft_adapter_config(handle: MultiLoRA, slot: int, *, base_model_name_or_path: str) -> dict[str, Any]:
+    """The adapter_config.json of `slot`: a plain LoRA (no DoRA/rsLoRA/bias/extra modules)."""
+    cfg = handle.slot_config(slot)
+    return {
+        "alpha_pattern": {},
+        "base_model_name_or_path": base_model_name_or_path,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "layers_pattern": None,
+        "layers_to_transform": None,
+        # An integral alpha is written as an int, as peft itself writes it.
+        "lora_alpha": int(cfg.alpha) if cfg.alpha.is_integer() else cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": cfg.rank,
+        "rank_pattern": {},
+        "revision": None,
+        "target_modules": sorted(handle.target_modules),
+        "task_type": "CAUSAL_LM",
+        "use_dora": False,
+        "use_rslora": False,
+    }
+
+
+def peft_state_dict(handle: MultiLoRA, slot: int, *, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The slot's tensors under PEFT key names, on the CPU, contiguous."""
+    out: dict[str, Tensor] = {}
+    for key, tensor in handle.slot_state_dict(slot).items():
+        module, _, factor = key.rpartition(".")
+        out[f"{_PREFIX}{module}.{factor}.weight"] = tensor.to(
+            device="cpu", dtype=dtype or tensor.dtype
+        ).contiguous()
+    return out
+
+
+def export_peft_adapter(
+    handle: MultiLoRA,
+    slot: int,
+    out_dir: str | os.PathLike[str],
+    *,
+    base_model_name_or_path: str,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write `slot` as a PEFT adapter directory at `out_dir`, atomically; returns its path.
+
+    The files are written to a temporary directory next to `out_dir`, flushed to disk, then
+    renamed into place, so a reader sees either no directory or a complete one. An existing
+    `out_dir` is an error unless `overwrite` (then it is swapped out and removed: the only
+    window in which `out_dir` is absent is between two renames).
+    """
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists (pass overwrite=True to replace it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = peft_adapter_config(handle, slot, base_model_name_or_path=base_model_name_or_path)
+    tensors = peft_state_dict(handle, slot, dtype=dtype)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        for name in ADAPTER_FILES:
+            _fsync_path(tmp / name)
+        _fsync_path(tmp)
+        _replace_dir(tmp, out)
+        _fsync_path(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def import_peft_adapter(
+    handle: MultiLoRA, slot: int, adapter_dir: str | os.PathLike[str], *, strict: bool = True
+) -> dict[str, Any]:
+    """Load a PEFT LoRA adapter directory into `slot` (warm start, resume); configures the slot.
+
+    Returns {"rank", "alpha", "dropout", "target_modules", "base_model_name_or_path"}. Errors on
+    adapter features a slot cannot represent (DoRA, rsLoRA, per-module ranks, bias, extra
+    modules), rank above max_rank, modules the handle does not wrap, wrong shapes, and — when
+    `strict` — on wrapped modules the adapter lacks (with `strict=False` those start as a
+    fresh adapter in this slot: A Kaiming-uniform, B = 0, a zero delta that can still learn). Nothing is changed unless every check passes.
+    """
+    path = Path(adapter_dir)
+    config = json.loads((path / CONFIG_NAME).read_text())
+    rank, alpha, dropout = _check_config(config, handle.max_rank, path)
+    tensors = load_file(path / WEIGHTS_NAME)
+    by_module = _group_by_module(tensors, path)
+    unexpected = sorted(by_module.keys() - handle.layers.keys())
+    if unexpected:
+        raise ValueError(f"{path}: adapter has modules this model does not wrap with LoRA: {unexpected[:5]}")
+    missing = sorted(handle.layers.keys() - by_module.keys())
+    if missing and strict:
+        raise ValueError(
+            f"{path}: adapter lacks wrapped modules {missing[:5]} (pass strict=False to start them fresh)"
+        )
+    state: dict[str, Tensor] = {}
+    for name, layer in handle.layers.items():
+        factors = by_module.get(name)
+        if factors is None:
+            a, b = torch.zeros(rank, layer.in_features), torch.zeros(layer.out_features, rank)
+        else:
+            a, b = factors["lora_A"], factors["lora_B"]
+        if tuple(a.shape) != (rank, layer.in_features) or tuple(b.shape) != (layer.out_features, rank):
+            raise ValueError(
+                f"{path}: {name} expects lora_A {(rank, layer.in_features)} and lora_B "
+                f"{(layer.out_features, rank)} (r={rank}), got {tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        state[f"{name}.lora_A"], state[f"{name}.lora_B"] = a, b
+    handle.configure_slot(slot, rank=rank, alpha=alpha, dropout=dropout)
+    handle.load_slot_state_dict(slot, state)
+    # Modules the adapter lacks start as a fresh (identity) adapter rather than A = B = 0, which
+    # would never get a gradient; seeded, so that an import is reproducible.
+    generator = torch.Generator().manual_seed(0)
+    for name in missing:
+        handle.layers[name].reset_slot(slot, generator=generator)
+    return {
+        "rank": rank,
+        "alpha": alpha,
+        "dropout": dropout,
+        "target_modules": config.get("target_modules"),
+        "base_model_name_or_path": config.get("base_model_name_or_path"),
+    }
+
+
+def adapter_tar_bytes(adapter_dir: str | os.PathLike[str]) -> bytes:
+    """An uncompressed tar of the two adapter files (the pool's upload body), byte-reproducible."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in ADAPTER_FILES:
+            data = (Path(adapter_dir) / name).read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def adapter_files_bytes(adapter_dir: str | os.PathLike[str]) -> int:
+    """Total size in bytes of the adapter files."""
+    return sum((Path(adapter_dir) / name).stat().st_size for name in ADAPTER_FILES)
+
+
+def _check_config(config: dict[str, Any], max_rank: int, path: Path) -> tuple[int, float, float]:
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}, not 'LORA'")
+    unsupported = {
+        "use_dora": config.get("use_dora"),
+        "use_rslora": config.get("use_rslora"),
+        "fan_in_fan_out": config.get("fan_in_fan_out"),
+        "rank_pattern": config.get("rank_pattern"),
+        "alpha_pattern": config.get("alpha_pattern"),
+        "modules_to_save": config.get("modules_to_save"),
+    }
+    used = sorted(k for k, v in unsupported.items() if v)
+    if config.get("bias", "none") != "none":
+        used.append(f"bias={config['bias']!r}")
+    if used:
+        raise ValueError(f"{path}: unsupported adapter features: {used}")
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    if not 1 <= rank <= max_rank:
+        raise ValueError(f"{path}: adapter rank r={rank} is outside [1, {max_rank}] (the pool's max_rank)")
+    return rank, alpha, float(config.get("lora_dropout", 0.0))
+
+
+def _group_by_module(tensors: dict[str, Tensor], path: Path) -> dict[str, dict[str, Tensor]]:
+    grouped: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in tensors.items():
+        suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
+        if not key.startswith(_PREFIX) or suffix is None:
+            raise ValueError(
+                f"{path}: unexpected tensor {key!r} (expected {_PREFIX}<module>.lora_A/B.weight)"
+            )
+        module = key[len(_PREFIX) : -len(suffix)]
+        grouped.setdefault(module, {})[_SUFFIXES[suffix]] = tensor
+    incomplete = sorted(m for m, f in grouped.items() if len(f) != 2)
+    if incomplete:
+        raise ValueError(f"{path}: modules with only one of lora_A/lora_B: {incomplete[:5]}")
+    return grouped
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    if not dst.exists():
+        os.rename(src, dst)
+        return
+    # rename(2) cannot replace a non-empty directory: move the old one aside first.
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+    os.rename(dst, old / dst.name)
+    os.rename(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

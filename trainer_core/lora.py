@@ -1,0 +1,526 @@
+"""Many LoRA adapters ("slots") over one frozen linear layer, trained in the same forward/backward.
+
+For a token x of slot s, with A_s (r × in), B_s (out × r), rank r_s, scaling alpha_s / r_s and
+dropout p_s:
+
+    y = W x + b + (alpha_s / r_s) · B_s A_s dropout_{p_s}(x)
+
+A packed micro-batch holds T tokens ordered by ascending slot; `counts[s]` of them belong to
+slot s (a slot with no tokens has count 0, gets no gradient, and costs nothing). Every slot
+stores `max_rank` rows of A and columns of B so that all slots share one shape (one grouped
+matmul); a slot configured with r_s < max_rank keeps the rows/columns from r_s on at zero, and
+they stay zero under any optimizer (see `MultiLoRALinear`).
+
+Inside a Hugging Face model a linear layer is called as `linear(x)`, so the counts travel in a
+`SegmentContext` that `apply_multi_lora` creates once and shares by reference with every wrapped
+layer; `MultiLoRA.segments(counts)` sets it for the duration of one forward (and backward, when
+activations are recomputed) and restores it on exit. Nothing lives at module level.
+
+    handle = apply_multi_lora(model, ["q_proj", "v_proj"], n_slots=8, max_rank=16)
+    handle.configure_slot(3, rank=8, alpha=16.0, dropout=0.0)
+    handle.reset_slot(3, seed=1234)
+    with handle.segments(counts):          # counts: (n_slots,) ints summing to the tokens
+        loss = loss_fn(model(input_ids).logits)
+        loss.backward()
+"""
+
+import math
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PathName = Literal["grouped", "loop", "auto"]
+Counts = Tensor | Sequence[int]
+
+# torch >= 2.9 exposes the public op; older releases only the private one. Same signature.
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+# Dtypes for which "auto" picks the grouped kernel, per device type (other devices: loop).
+# - cuda: the kernel is documented for bf16 on SM >= 80 (checked below); there it replaces the
+#   loop's handful of small kernels per active slot and layer (forward and backward) by a fixed
+#   few, which is what keeps N adapters as cheap as one on a GPU. Other dtypes are not
+#   documented for it on CUDA: loop.
+# - cpu (torch 2.13): grouped_mm runs for fp32/bf16/fp16. T=4096, in=out=512, r=16, 8 segments,
+#   fwd+bwd, 1 thread: fp32 10.5 ms grouped vs 15.9 ms loop; bf16 9.6 vs 16.0; fp16 92 vs 96
+#   (no gain, so loop); fp64 is unsupported.
+_GROUPED_DTYPES: dict[str, frozenset[torch.dtype]] = {
+    "cuda": frozenset({torch.bfloat16}),
+    "cpu": frozenset({torch.float32, torch.bfloat16}),
+}
+# The grouped kernels need every row stride to be a multiple of 16 bytes.
+_GROUPED_ALIGN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class SlotConfig:
+    """A slot's LoRA hyper-parameters."""
+
+    rank: int
+    """r: rows of A / columns of B in use (the rest are zero)."""
+    alpha: float
+    """The delta is scaled by alpha / rank."""
+    dropout: float
+    """Dropout probability on the LoRA input (training mode only)."""
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """The slot segments of one packed micro-batch (tokens in ascending slot order)."""
+
+    counts: tuple[int, ...]
+    """Tokens per slot, one entry per slot."""
+    active: tuple[int, ...] = field(init=False)
+    """Slots with at least one token, ascending."""
+    active_counts: tuple[int, ...] = field(init=False)
+    total: int = field(init=False)
+    _device_cache: dict[tuple[str, torch.device], Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        if any(c < 0 for c in self.counts):
+            raise ValueError(f"slot token counts must be >= 0, got {list(self.counts)}")
+        active = tuple(s for s, c in enumerate(self.counts) if c > 0)
+        object.__setattr__(self, "active", active)
+        object.__setattr__(self, "active_counts", tuple(self.counts[s] for s in active))
+        object.__setattr__(self, "total", sum(self.counts))
+
+    @classmethod
+    def from_counts(cls, counts: Counts, n_slots: int) -> "SegmentLayout":
+        """Validate and copy `counts` to the host (one device sync per micro-batch, not per layer)."""
+        values = counts.tolist() if isinstance(counts, Tensor) else list(counts)
+        if len(values) != n_slots:
+            raise ValueError(f"expected {n_slots} slot token counts, got {len(values)}")
+        try:
+            return cls(tuple(operator.index(c) for c in values))
+        except TypeError:
+            raise TypeError(f"slot token counts must be integers, got {values}") from None
+
+    def offsets(self, device: torch.device) -> Tensor:
+        """Cumulative segment ends of the active slots, int32, as grouped_mm wants them."""
+        return self._cached("offs", device, lambda: torch.tensor(self.active_counts).cumsum(0).int())
+
+    def active_index(self, device: torch.device) -> Tensor:
+        """The active slot numbers as an index tensor."""
+        return self._cached("index", device, lambda: torch.tensor(self.active, dtype=torch.long))
+
+    def _cached(self, kind: str, device: torch.device, make: Callable[[], Tensor]) -> Tensor:
+        # Shared by every layer of one forward: one host-to-device copy per micro-batch.
+        key = (kind, device)
+        if key not in self._device_cache:
+            self._device_cache[key] = make().to(device)
+        return self._device_cache[key]
+
+
+class SegmentContext:
+    """The segment layout of the forward in progress, shared by reference by all wrapped layers.
+
+    Set only through `MultiLoRA.segments`; `None` means "no LoRA" (the base model's output).
+    """
+
+    def __init__(self) -> None:
+        self.layout: SegmentLayout | None = None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    grouped_mm's backward rejects expanded gradients (e.g. from `out.sum().backward()`).
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
+def grouped_mm_available() -> bool:
+    """Whether this torch has a grouped GEMM op at all."""
+    return _GROUPED_MM is not None
+
+
+def grouped_mm_unsupported_reason(
+    device: torch.device, dtype: torch.dtype, dims: Sequence[int], *, for_auto: bool
+) -> str | None:
+    """Why the grouped path cannot (or, for "auto", should not) run here; None if it can."""
+    if _GROUPED_MM is None:
+        return "this torch has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
+    if dtype == torch.float64:
+        return "grouped_mm does not support float64"
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any((d * itemsize) % _GROUPED_ALIGN_BYTES for d in dims):
+        return f"grouped_mm needs row strides that are multiples of {_GROUPED_ALIGN_BYTES} bytes; dims {list(dims)}"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "grouped_mm needs a CUDA device with SM >= 80"
+    if for_auto and dtype not in _GROUPED_DTYPES.get(device.type, frozenset()):
+        return f"the grouped kernel is not the faster/supported path for {dtype} on {device.type}"
+    return None
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus `n_slots` LoRA adapters; each token uses its slot's adapter.
+
+        y_t = W x_t + b + (alpha_s / r_s) · B_s A_s dropout_{p_s}(x_t)     for token t of slot s
+
+    Parameters per slot s (separate leaves, so a run's optimizer owns exactly its slot):
+    `lora_A[s]` (max_rank, in), `lora_B[s]` (out, max_rank). Slot s uses the first r_s rows of A
+    and columns of B; the rest are zero and stay zero: the forward multiplies them by a zero
+    scaling (grouped path) or slices them away (loop path), so their gradient is exactly zero,
+    Adam's update of a zero gradient is zero, and decoupled weight decay scales zero to zero.
+
+    Args:
+        base: the linear layer to wrap; frozen here.
+        n_slots: number of adapters.
+        max_rank: rows of A / columns of B stored per slot.
+        dropout: initial dropout of every slot (see `configure_slot`).
+        segment_context: where the counts come from when `forward` is called without them.
+        dtype: dtype of the LoRA parameters (default: the base weight's); the delta is computed
+            in it and cast to the output's dtype.
+        path: "grouped" (one grouped matmul per factor), "loop" (per-segment matmuls, the
+            reference) or "auto" (grouped where it runs and pays off, see `_GROUPED_DTYPES`).
+    """
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        n_slots: int,
+        max_rank: int,
+        *,
+        dropout: float = 0.0,
+        segment_context: SegmentContext | None = None,
+        dtype: torch.dtype | None = None,
+        path: PathName = "auto",
+    ) -> None:
+        super().__init__()
+        if n_slots < 1 or max_rank < 1:
+            raise ValueError(f"n_slots and max_rank must be >= 1, got {n_slots}, {max_rank}")
+        _check_path(path)
+        self.base = base.requires_grad_(False)
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        self.n_slots = n_slots
+        self.max_rank = max_rank
+        self.segment_context = segment_context
+        self.path: PathName = path
+        factory = {"device": base.weight.device, "dtype": dtype or base.weight.dtype}
+        self.lora_A = nn.ParameterList(
+            nn.Parameter(torch.zeros(max_rank, self.in_features, **factory)) for _ in range(n_slots)
+        )
+        self.lora_B = nn.ParameterList(
+            nn.Parameter(torch.zeros(self.out_features, max_rank, **factory)) for _ in range(n_slots)
+        )
+        # (n_slots, max_rank): alpha_s / r_s on the first r_s entries, 0 beyond. Derived from the
+        # slot configs (which checkpoints store), hence not persistent.
+        self.register_buffer("lora_scaling", torch.zeros(n_slots, max_rank, **factory), persistent=False)
+        self._configs: list[SlotConfig] = []
+        for slot in range(n_slots):
+            self._configs.append(SlotConfig(max_rank, float(max_rank), dropout))
+            self.configure_slot(slot, rank=max_rank, alpha=float(max_rank), dropout=dropout)
+            self.reset_slot(slot)
+
+    # ---- slots -------------------------------------------------------------------------------
+
+    def slot_config(self, slot: int) -> SlotConfig:
+        return self._configs[self._check_slot(slot)]
+
+    def configure_slot(self, slot: int, *, rank: int, alpha: float, dropout: float = 0.0) -> None:
+        """Set a slot's rank, alpha and dropout; entries beyond the new rank are zeroed."""
+        self._check_slot(slot)
+        if not 1 <= rank <= self.max_rank:
+            raise ValueError(f"rank must be in [1, {self.max_rank}] (max_rank), got {rank}")
+        if not alpha > 0:
+            raise ValueError(f"alpha must be > 0, got {alpha}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self._configs[slot] = SlotConfig(rank, float(alpha), float(dropout))
+        with torch.no_grad():
+            self.lora_scaling[slot].zero_()
+            self.lora_scaling[slot, :rank] = alpha / rank
+            self.lora_A[slot][rank:].zero_()
+            self.lora_B[slot][:, rank:].zero_()
+
+    def reset_slot(self, slot: int, *, generator: torch.Generator | None = None) -> None:
+        """LoRA init of a slot: A Kaiming-uniform (as peft) on its first r rows, B zero → identity.
+
+        The random numbers are drawn on the CPU (from `generator`, else the global CPU RNG), so
+        the same generator state gives the same adapter on any device and in any slot. The
+        slot's gradients are dropped; no other slot is touched.
+        """
+        rank = self.slot_config(slot).rank
+        a, b = self.lora_A[slot], self.lora_B[slot]
+        # kaiming_uniform_(a=sqrt(5)) on a (rank, in) weight is U(-1/sqrt(in), 1/sqrt(in)).
+        bound = 1.0 / math.sqrt(self.in_features)
+        init = torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator)
+        with torch.no_grad():
+            a.zero_()
+            a[:rank].copy_(init)
+            b.zero_()
+        a.grad = None
+        b.grad = None
+
+    def slot_parameters(self, slot: int) -> list[nn.Parameter]:
+        self._check_slot(slot)
+        return [self.lora_A[slot], self.lora_B[slot]]
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def forward(
+        self, x: Tensor, slot_token_counts: Counts | None = None, *, path: PathName | None = None
+    ) -> Tensor:
+        """x: (..., in) whose leading dims flatten to T tokens in ascending slot order.
+
+        `slot_token_counts` (n_slots,) sums to T; without it the shared `SegmentContext` is
+        used, and without that the output is the base layer's alone.
+        """
+        out = self.base(x)  # (..., out)
+        layout = self._layout(slot_token_counts)
+        if layout is None:
+            return out
+        n_tokens = x.numel() // self.in_features
+        if layout.total != n_tokens:
+            raise ValueError(
+                f"slot token counts sum to {layout.total} but the input has {n_tokens} tokens "
+                f"(shape {tuple(x.shape)}); every token, padding included, must belong to a slot"
+            )
+        if not layout.active:
+            return out
+        x_flat = x.reshape(n_tokens, self.in_features).to(self.lora_A[0].dtype)  # (T, in)
+        x_flat = self._segment_dropout(x_flat, layout)
+        if self._resolve_path(x_flat, layout, path) == "grouped":
+            delta = self._delta_grouped(x_flat, layout)
+        else:
+            delta = self._delta_loop(x_flat, layout)  # (T, out)
+        return out + delta.view(out.shape).to(out.dtype)
+
+    def _layout(self, counts: Counts | None) -> SegmentLayout | None:
+        if counts is not None:
+            return SegmentLayout.from_counts(counts, self.n_slots)
+        return self.segment_context.layout if self.segment_context is not None else None
+
+    def _segment_dropout(self, x: Tensor, layout: SegmentLayout) -> Tensor:
+        """Each segment with its own slot's dropout; shared by both paths so they see the same RNG."""
+        probs = [self._configs[s].dropout for s in layout.active]
+        if not self.training or not any(p > 0 for p in probs):
+            return x
+        parts = x.split(list(layout.active_counts))
+        return torch.cat([F.dropout(part, p, training=True) for part, p in zip(parts, probs, strict=True)])
+
+    def _resolve_path(self, x: Tensor, layout: SegmentLayout, override: PathName | None) -> str:
+        path = override or self.path
+        _check_path(path)
+        dims = (self.in_features, self.out_features, self.max_rank)
+        if path == "grouped":
+            reason = grouped_mm_unsupported_reason(x.device, x.dtype, dims, for_auto=False)
+            if reason:
+                raise RuntimeError(f"path='grouped' cannot run: {reason}")
+            return "grouped"
+        if path == "loop":
+            return "loop"
+        # auto: a single segment is one plain matmul pair, nothing to group.
+        if (
+            len(layout.active) > 1
+            and grouped_mm_unsupported_reason(x.device, x.dtype, dims, for_auto=True) is None
+        ):
+            return "grouped"
+        return "loop"
+
+    def _delta_grouped(self, x: Tensor, layout: SegmentLayout) -> Tensor:
+        """All active segments in two grouped GEMMs: h = x A_gᵀ, y = h (c_g ⊙ B_g)ᵀ."""
+        slots = layout.active
+        offs = layout.offsets(x.device)  # (G,)
+        a = torch.stack([self.lora_A[s] for s in slots])  # (G, R, in)
+        # Scaling folded into B; its zero entries beyond each slot's rank cut those gradients.
+        scale = self.lora_scaling.index_select(0, layout.active_index(x.device))  # (G, R)
+        b = torch.stack([self.lora_B[s] for s in slots]) * scale[:, None, :]  # (G, out, R)
+        h = _GROUPED_MM(x.contiguous(), a.transpose(1, 2), offs=offs)  # (T, R)
+        y = _GROUPED_MM(h, b.transpose(1, 2), offs=offs)  # (T, out)
+        return _ContiguousGrad.apply(y)
+
+    def _delta_loop(self, x: Tensor, layout: SegmentLayout) -> Tensor:
+        """The reference: one (x_s A_sᵀ) B_sᵀ · alpha/r per segment, sliced to the slot's rank."""
+        parts = x.split(list(layout.active_counts))
+        deltas = []
+        for slot, part in zip(layout.active, parts, strict=True):
+            cfg = self._configs[slot]
+            a = self.lora_A[slot][: cfg.rank]  # (r, in)
+            b = self.lora_B[slot][:, : cfg.rank]  # (out, r)
+            deltas.append((part @ a.T) @ b.T * cfg.scaling)  # (T_s, out)
+        return torch.cat(deltas) if len(deltas) > 1 else deltas[0]
+
+    def _check_slot(self, slot: int) -> int:
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.n_slots})")
+        return slot
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, n_slots={self.n_slots}, max_rank={self.max_rank}"
+
+
+def _check_path(path: str) -> None:
+    if path not in ("grouped", "loop", "auto"):
+        raise ValueError(f"path must be 'grouped', 'loop' or 'auto', got {path!r}")
+
+
+class MultiLoRA:
+    """The handle `apply_multi_lora` returns: slot management over every wrapped layer.
+
+    Parameter and state-dict names are "<qualified module name>.lora_A" / ".lora_B", e.g.
+    "model.layers.0.self_attn.q_proj.lora_A", tensors sliced to the slot's rank:
+    A (r, in), B (out, r).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: dict[str, MultiLoRALinear],
+        *,
+        n_slots: int,
+        max_rank: int,
+        target_modules: tuple[str, ...],
+        context: SegmentContext,
+    ) -> None:
+        self.model = model
+        self.layers = layers
+        self.n_slots = n_slots
+        self.max_rank = max_rank
+        self.target_modules = target_modules
+        self.context = context
+
+    @contextmanager
+    def segments(self, counts: Counts) -> Iterator[SegmentLayout]:
+        """Route the model's tokens to slots for the forward (and backward) run inside the block.
+
+        Wrap the backward too when activations are recomputed (gradient checkpointing): the
+        recomputation calls the layers again and must see the same counts.
+        """
+        layout = SegmentLayout.from_counts(counts, self.n_slots)
+        previous = self.context.layout
+        self.context.layout = layout
+        try:
+            yield layout
+        finally:
+            self.context.layout = previous
+
+    def configure_slot(self, slot: int, *, rank: int, alpha: float, dropout: float = 0.0) -> None:
+        for layer in self.layers.values():
+            layer.configure_slot(slot, rank=rank, alpha=alpha, dropout=dropout)
+
+    def reset_slot(self, slot: int, *, seed: int | None = None) -> None:
+        """Fresh LoRA init of `slot` in every layer (identity: B = 0); other slots untouched.
+
+        With `seed`, the init depends on the seed alone (not on the slot, the device or the
+        global RNG); without it, it is drawn from the global CPU RNG.
+        """
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        for layer in self.layers.values():
+            layer.reset_slot(slot, generator=generator)
+
+    def slot_config(self, slot: int) -> SlotConfig:
+        return next(iter(self.layers.values())).slot_config(slot)
+
+    def slot_named_parameters(self, slot: int) -> list[tuple[str, nn.Parameter]]:
+        named = []
+        for name, layer in self.layers.items():
+            a, b = layer.slot_parameters(slot)
+            named += [(f"{name}.lora_A", a), (f"{name}.lora_B", b)]
+        return named
+
+    def slot_parameters(self, slot: int) -> list[nn.Parameter]:
+        return [p for _, p in self.slot_named_parameters(slot)]
+
+    def slot_state_dict(self, slot: int) -> dict[str, Tensor]:
+        """Detached copies sliced to the slot's rank: A (r, in), B (out, r)."""
+        rank = self.slot_config(slot).rank
+        state = {}
+        for name, layer in self.layers.items():
+            state[f"{name}.lora_A"] = layer.lora_A[slot][:rank].detach().clone()
+            state[f"{name}.lora_B"] = layer.lora_B[slot][:, :rank].detach().clone()
+        return state
+
+    def load_slot_state_dict(self, slot: int, state: dict[str, Tensor]) -> None:
+        """Load `slot_state_dict` output (configure the slot's rank first); strict on keys and shapes."""
+        rank = self.slot_config(slot).rank
+        expected = {key for name in self.layers for key in (f"{name}.lora_A", f"{name}.lora_B")}
+        missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+        if missing or unexpected:
+            raise KeyError(f"slot state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, layer in self.layers.items():
+            a, b = state[f"{name}.lora_A"], state[f"{name}.lora_B"]
+            if tuple(a.shape) != (rank, layer.in_features) or tuple(b.shape) != (layer.out_features, rank):
+                raise ValueError(
+                    f"{name}: expected lora_A {(rank, layer.in_features)} and lora_B "
+                    f"{(layer.out_features, rank)} for rank {rank}, got {tuple(a.shape)} and {tuple(b.shape)}"
+                )
+        for name, layer in self.layers.items():
+            pa, pb = layer.slot_parameters(slot)
+            with torch.no_grad():
+                pa.zero_()
+                pa[:rank].copy_(state[f"{name}.lora_A"])
+                pb.zero_()
+                pb[:, :rank].copy_(state[f"{name}.lora_B"])
+            pa.grad = None
+            pb.grad = None
+
+    def set_path(self, path: PathName) -> None:
+        """Force the delta computation path of every layer (tests, benchmarks)."""
+        _check_path(path)
+        for layer in self.layers.values():
+            layer.path = path
+
+
+def apply_multi_lora(
+    model: nn.Module,
+    target_modules: Sequence[str],
+    n_slots: int,
+    max_rank: int,
+    *,
+    dropout: float = 0.0,
+    dtype: torch.dtype | None = None,
+    path: PathName = "auto",
+) -> MultiLoRA:
+    """Wrap every `nn.Linear` whose last name component is in `target_modules` (in place).
+
+    Every base parameter of `model` is frozen; only the LoRA parameters train. Each slot starts
+    as rank = alpha = max_rank with `dropout`, freshly initialised (the identity). Raises if a
+    target name matches no linear layer (a typo would otherwise train nothing).
+    """
+    targets = tuple(dict.fromkeys(target_modules))
+    if not targets:
+        raise ValueError("target_modules is empty")
+    if any(isinstance(m, MultiLoRALinear) for m in model.modules()):
+        raise ValueError("model already has MultiLoRALinear layers")
+    model.requires_grad_(False)
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    ]
+    unmatched = sorted(set(targets) - {name.rsplit(".", 1)[-1] for name, _ in found})
+    if unmatched:
+        raise ValueError(f"target_modules {unmatched} match no nn.Linear in {type(model).__name__}")
+    context = SegmentContext()
+    layers: dict[str, MultiLoRALinear] = {}
+    for name, linear in found:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        wrapped = MultiLoRALinear(
+            linear, n_slots, max_rank, dropout=dropout, segment_context=context, dtype=dtype, path=path
+        )
+        setattr(parent, child, wrapped)
+        layers[name] = wrapped
+    return MultiLoRA(
+        model, layers, n_slots=n_slots, max_rank=max_rank, target_modules=targets, context=context
+    )
