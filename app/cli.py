@@ -489,9 +489,20 @@ def interim_demo(root: Path = Path(".loraloom/demo")) -> None:
 
 
 @cli.command()
-def demo() -> None:
-    """Start the service on the embedded default and walk through tenants and runs."""
-    interim_demo()
+def demo(
+    steps: Annotated[int, typer.Option(min=2, help="Trainer steps per run.")] = 30,
+    output_dir: Annotated[Path, typer.Option(help="Where the plot, results and adapters go.")] = Path(
+        "demo-output"
+    ),
+    interim: Annotated[bool, typer.Option(help="Only walk through tenants and runs (no training).")] = False,
+) -> None:
+    """The demo on the embedded default: service, worker pool and four runs that visibly learn."""
+    if interim:
+        interim_demo()
+        return
+    from orchestrator.demo import run_demo  # imports torch: only for the real demo
+
+    run_demo(steps=steps, output_dir=output_dir)
 
 
 @cli.command()

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def torchrun_command(
@@ -22,10 +23,18 @@ def launch_pool(
     worker_args: Sequence[str],
     master_port: int | None = None,
     env: dict | None = None,
+    log_path: Path | None = None,
 ) -> subprocess.Popen:
-    """Start the pool as a child process group (so that a test or `kill -9` can stop all ranks)."""
-    return subprocess.Popen(
-        torchrun_command(nproc_per_node=nproc_per_node, worker_args=worker_args, master_port=master_port),
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
-    )
+    """Start the pool in its own process group; its ranks die with it (see worker._die_with_parent)."""
+    log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child inherits it
+    try:
+        return subprocess.Popen(
+            torchrun_command(nproc_per_node=nproc_per_node, worker_args=worker_args, master_port=master_port),
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+        )
+    finally:
+        if log is not None:
+            log.close()

@@ -25,7 +25,7 @@ TOKENIZER = CharTokenizer()
 log = logging.getLogger("loraloom.models")
 
 NAME = "loraloom-tiny"
-VERSION = 2
+VERSION = 3
 WARMUP_STEPS = 600
 WARMUP_CORRECT_FRACTION = 0.6
 """Share of warm-up examples with the right answer (the rest: a random plausible answer)."""
@@ -54,7 +54,7 @@ def solver_prompt(a: int, b: int) -> str:
 
 
 def checker_prompt(a: int, b: int, proposed: int) -> str:
-    return f"{a}+{b}={proposed}?"
+    return f"{a}+{b}={proposed} ok?"
 
 
 def _warmup_text(rng: random.Random, max_operand: int) -> tuple[str, str]:
