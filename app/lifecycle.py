@@ -5,6 +5,7 @@ import contextlib
 
 from fastapi import FastAPI
 
+from app.batches.storage import remove_orphan_payloads
 from app.projection import rebuild_all
 from app.storage import remove_stale_temporaries
 from app.sweeper import run_sweeper
@@ -16,6 +17,8 @@ async def on_startup(app: FastAPI) -> None:
     remove_stale_temporaries(settings.runs_dir)
     with app.state.session_factory() as session:
         rebuild_all(session, settings)
+        # Payload files of requests that crashed between the file and the commit: never served, so drop them.
+        remove_orphan_payloads(session, settings=settings)
         session.commit()
     app.state.sweeper_task = asyncio.create_task(run_sweeper(app))
 

@@ -33,6 +33,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from trainer_core.durable import fsync_path
+
 STABLE = "STABLE"
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -57,23 +59,6 @@ class CheckpointData:
     """JSON-able progress counters (total_samples, total_tokens, ...)."""
     extra: dict[str, Any] | None
     """Optional caller state (RNG states, ...); None when none was saved."""
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    # A rename or a new entry is durable only once its directory is fsynced.
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -123,7 +108,7 @@ def _discard(path: Path, ckpt_root: Path) -> None:
     trash = Path(tempfile.mkdtemp(prefix=_TRASH_PREFIX, dir=ckpt_root))
     target = trash / path.name
     os.rename(path, target)
-    _fsync_dir(ckpt_root)
+    fsync_path(ckpt_root)
     shutil.rmtree(trash, ignore_errors=True)
 
 
@@ -174,24 +159,24 @@ def save_checkpoint(
         seen.add(t.untyped_storage().data_ptr())
         tensors[key] = t
     save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"step": str(step)})
-    _fsync_file(tmp / ADAPTER_FILE)
+    fsync_path(tmp / ADAPTER_FILE)
     _torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
     _write_text(tmp / PROGRESS_FILE, json.dumps({"step": step, "progress": progress}, sort_keys=True))
     if extra is not None:
         _torch_save(extra, tmp / EXTRA_FILE)
-    _fsync_dir(tmp)
+    fsync_path(tmp)
 
     final = ckpt_root / f"step_{step}"
     if final.exists():
         _discard(final, ckpt_root)
     os.rename(tmp, final)
-    _fsync_dir(ckpt_root)
+    fsync_path(ckpt_root)
 
     # The marker goes in last, itself atomically: a STABLE file is never empty or partial.
     marker_tmp = final / f"{_TMP_PREFIX}{STABLE}"
     _write_text(marker_tmp, f"{step}\n")
     os.rename(marker_tmp, final / STABLE)
-    _fsync_dir(final)
+    fsync_path(final)
 
     stable = stable_checkpoints(ckpt_root)
     # Never the newest: keep_last >= 1 and the slice below keeps the tail.

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from trainer_core.durable import fsync_path
 from trainer_core.lora import MultiLoRA
 
 CONFIG_NAME = "adapter_config.json"
@@ -97,10 +98,10 @@ def export_peft_adapter(
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         for name in ADAPTER_FILES:
-            _fsync_path(tmp / name)
-        _fsync_path(tmp)
+            fsync_path(tmp / name)
+        fsync_path(tmp)
         _replace_dir(tmp, out)
-        _fsync_path(out.parent)
+        fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -224,11 +225,3 @@ def _replace_dir(src: Path, dst: Path) -> None:
     os.rename(dst, old / dst.name)
     os.rename(src, dst)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -4,16 +4,16 @@ Retries connection errors, 429 and 5xx with exponential backoff; a 4xx other tha
 is a real answer and raises at once. Never logs the token.
 """
 
-import io
 import logging
 import random
-import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from trainer_core.export import adapter_tar_bytes
 
 log = logging.getLogger("loraloom.worker")
 
@@ -115,7 +115,7 @@ class PoolServiceClient:
         self._request(
             "PUT",
             f"/v1/pool/runs/{run_id}/adapters/{step}",
-            content=tar_directory(adapter_dir),
+            content=adapter_tar_bytes(adapter_dir),
             headers={"Content-Type": "application/x-tar"},
         )
 
@@ -152,13 +152,3 @@ def _service_error(response: httpx.Response) -> ServiceError:
         return ServiceError(response.status_code, err.get("code", "error"), err.get("message", ""))
     except Exception:
         return ServiceError(response.status_code, "error", response.text[:200])
-
-
-def tar_directory(directory: Path) -> bytes:
-    """An uncompressed tar of the files directly inside `directory` (the PEFT adapter files)."""
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for path in sorted(directory.iterdir()):
-            if path.is_file():
-                tar.add(path, arcname=path.name)
-    return buffer.getvalue()

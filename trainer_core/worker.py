@@ -159,7 +159,17 @@ class _StepAccumulator:
 
 
 class PoolTrainer:
-    def __init__(self, args: WorkerArgs, *, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        args: WorkerArgs,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        client: PoolServiceClient | None = None,
+    ) -> None:
+        """`client`: the master's connection to the service (made from args when None; a benchmark
+        passes an in-memory stand-in with the same methods to measure the service's overhead)."""
         self.args = args
         self.rank = rank
         self.world_size = world_size
@@ -181,7 +191,7 @@ class PoolTrainer:
 
         self.client: PoolServiceClient | None = None
         if self.is_master:
-            self.client = PoolServiceClient(args.url, args.token)
+            self.client = client or PoolServiceClient(args.url, args.token)
             reg = self.client.register(
                 base_model=args.base_model,
                 vocab_size=self.vocab_size,

@@ -1,0 +1,289 @@
+"""Trainer tokens/s fed through the service vs. the same trainer fed from memory.
+
+Same process, same model, same runs and batches, one after the other:
+
+- memory: `PoolTrainer` with an in-memory stand-in for its service client (claims hand out
+  pre-built payloads, pushes are counted and dropped) — the trainer's own speed;
+- service: the real service under uvicorn on Postgres (batches posted over HTTP first),
+  `PoolTrainer` with the real HTTP client: claims, acks, adapter uploads, metrics, checkpoints.
+
+Tokens/s = trained tokens ÷ time from the first claim to the last step report.
+
+    .venv/bin/python -m bench.pool_throughput
+"""
+
+import argparse
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.ingest import create_database, drop_database, start_service
+from trainer_core.config import RunConfig
+from trainer_core.service_client import PoolRegistration, PoolServiceClient
+from trainer_core.worker import PoolTrainer, WorkerArgs
+
+ADMIN, WORKER = "bench-admin", "bench-worker"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8, help="samples per step (one batch per step)")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--completion-len", type=int, default=384)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--pg-admin-url", default="postgresql+psycopg://root@127.0.0.1:5432/postgres")
+    return p.parse_args(argv)
+
+
+def build_model(args, directory: Path) -> Path:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 128,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def make_payloads(args) -> list[list[dict]]:
+    """payloads[run][step]: one TrainingBatch (as JSON) per step."""
+    rng = random.Random(0)
+    out = []
+    for _ in range(args.runs):
+        batches = []
+        for step in range(args.steps):
+            examples = []
+            for _ in range(args.batch_size):
+                p = [rng.randrange(1, args.vocab) for _ in range(args.prompt_len)]
+                c = [rng.randrange(1, args.vocab) for _ in range(args.completion_len)]
+                examples.append(
+                    {
+                        "prompt_ids": p,
+                        "prompt_mask": [False] * len(p),
+                        "completion_ids": c,
+                        "completion_mask": [True] * len(c),
+                        "completion_logprobs": [-rng.uniform(8.5, 9.5) for _ in c],
+                        "advantage": rng.choice([-1.0, 1.0]),
+                    }
+                )
+            batches.append({"examples": examples, "temperature": 1.0, "step": step})
+        out.append(batches)
+    return out
+
+
+def run_config(args) -> dict:
+    return RunConfig(
+        base_model="bench-model",
+        batch_size=args.batch_size,
+        max_steps=args.steps,
+        seq_len=args.seq_len,
+        max_async_level=1000,
+        ckpt={"interval": 1000, "keep_last": 1},
+    ).model_dump(mode="json")
+
+
+class _Timing:
+    first_claim: float | None = None
+    last_step: float | None = None
+    tokens: int = 0
+
+
+class MemoryPoolClient:
+    """The pool's service client, in memory: the trainer alone, nothing persisted."""
+
+    def __init__(self, payloads: list[list[dict]], config: dict, timing: _Timing) -> None:
+        self.timing = timing
+        self.config = config
+        self.runs = {f"run_{i:012x}": {"slot": i, "step": 0} for i in range(len(payloads))}
+        self.pending = [
+            {
+                "id": i * 1000 + s,
+                "run_id": f"run_{i:012x}",
+                "slot": i,
+                "sample_offset": s * len(b["examples"]),
+                "num_samples": len(b["examples"]),
+                "rollout_step": s,
+                "payload": b,
+            }
+            for s in range(len(payloads[0]))
+            for i, batches in enumerate(payloads)
+            for b in [batches[s]]
+        ]
+        self.pool_id = "pool_memory"
+
+    def register(self, **_caps) -> PoolRegistration:
+        return PoolRegistration(self.pool_id, 3600.0, 3600.0)
+
+    def heartbeat(self) -> None: ...
+
+    def state(self) -> list[dict]:
+        return [
+            {
+                "run_id": r,
+                "slot": v["slot"],
+                "config": self.config,
+                "progress": {"step": v["step"], "total_tokens": 0, "total_samples": 0},
+            }
+            for r, v in self.runs.items()
+            if v["step"] < self.config["max_steps"]
+        ]
+
+    def claim(self, max_batches: int) -> list[dict]:
+        self.timing.first_claim = self.timing.first_claim or time.perf_counter()
+        taken, self.pending = self.pending[:max_batches], self.pending[max_batches:]
+        return taken
+
+    def ack(self, acks) -> None: ...
+
+    def restart_run(self, run_id, **_kw) -> list[int]:
+        return []
+
+    def upload_adapter(self, run_id, step, adapter_dir: Path) -> None:
+        for f in adapter_dir.iterdir():
+            f.read_bytes()  # the export happened; the bytes go nowhere
+
+    def report_step(self, run_id, *, step, total_tokens, total_samples, metrics) -> dict:
+        self.runs[run_id]["step"] = step
+        self.timing.last_step = time.perf_counter()
+        self.timing.tokens += metrics["tokens"]
+        return {}
+
+    def report_checkpoint(self, run_id, **_kw) -> None: ...
+
+    def evict(self, run_id, reason) -> None:
+        raise RuntimeError(f"{run_id} evicted: {reason}")
+
+    def close(self) -> None: ...
+
+
+class TimedClient(PoolServiceClient):
+    """The real HTTP client, timing the same two moments."""
+
+    def __init__(self, url: str, token: str, timing: _Timing) -> None:
+        super().__init__(url, token)
+        self.timing = timing
+
+    def claim(self, max_batches: int) -> list[dict]:
+        batches = super().claim(max_batches)
+        if batches:
+            self.timing.first_claim = self.timing.first_claim or time.perf_counter()
+        return batches
+
+    def report_step(self, run_id, *, step, total_tokens, total_samples, metrics) -> dict:
+        out = super().report_step(
+            run_id, step=step, total_tokens=total_tokens, total_samples=total_samples, metrics=metrics
+        )
+        self.timing.last_step = time.perf_counter()
+        self.timing.tokens += metrics["tokens"]
+        return out
+
+
+def train(args, model_dir: Path, work: Path, client) -> None:
+    worker_args = WorkerArgs(
+        url="unused",
+        token="unused",
+        base_model=str(model_dir),
+        max_rank=16,
+        slots=args.runs,
+        seq_len=args.seq_len,
+        checkpoint_dir=work / "ckpt",
+        pack_timeout_s=0.2,
+        poll_interval_s=0.02,
+        exit_when_idle_s=0.5,
+    )
+    trainer = PoolTrainer(worker_args, rank=0, world_size=1, device=torch.device("cpu"), client=client)
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+
+
+def via_service(args, model_dir: Path, payloads, work: Path) -> _Timing:
+    db = create_database(args.pg_admin_url)
+    from app.migrate import upgrade
+
+    upgrade(db)
+    proc, url = start_service(db, work / "data", work / "service.log", 1)
+    try:
+        admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+        tenant = admin.post("/v1/tenants", json={"name": "bench", "max_concurrent_runs": args.runs}).json()
+        key = admin.post(f"/v1/tenants/{tenant['id']}/keys").json()["key"]
+        user = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        timing = _Timing()
+        client = TimedClient(url, WORKER, timing)
+        # Register first so that runs are admitted to this pool's base model and vocabulary.
+        client.register(
+            base_model=str(model_dir),
+            vocab_size=args.vocab,
+            max_rank=16,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            slots=args.runs,
+            world_size=1,
+            max_seq_len=args.seq_len,
+        )
+        config = run_config(args) | {"base_model": str(model_dir)}
+        for i, batches in enumerate(payloads):
+            run = user.post("/v1/runs", json={"name": f"bench-{i}", "config": config}).json()
+            for b in batches:
+                user.post(f"/v1/runs/{run['id']}/batches", json=b).raise_for_status()
+        train(args, model_dir, work, client)
+        return timing
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        drop_database(args.pg_admin_url, db)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(2)
+    work = Path(tempfile.mkdtemp(prefix="loraloom-bench-"))
+    try:
+        model_dir = build_model(args, work / "model")
+        payloads = make_payloads(args)
+        # memory, service, memory: the two memory passes bracket the service pass, so start-up
+        # effects and machine load show up as their spread.
+        timings = []
+        for label in ("memory (1st)", "service", "memory (2nd)"):
+            if label == "service":
+                timings.append((label, via_service(args, model_dir, payloads, work)))
+            else:
+                t = _Timing()
+                train(args, model_dir, work / label[:6], MemoryPoolClient(payloads, run_config(args), t))
+                timings.append((label, t))
+        rows = []
+        for name, t in timings:
+            seconds = t.last_step - t.first_claim
+            rows.append((name, t.tokens, seconds, t.tokens / seconds))
+        print(
+            f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; {args.runs} runs × "
+            f"{args.steps} steps × {args.batch_size} samples of {args.prompt_len}+{args.completion_len} tokens\n"
+        )
+        print("| fed from | tokens | seconds | tokens/s |\n|---|---:|---:|---:|")
+        for name, tokens, seconds, tps in rows:
+            print(f"| {name} | {tokens} | {seconds:.1f} | {tps:.0f} |")
+        memory_tps = (rows[0][3] + rows[2][3]) / 2
+        print(f"\nservice ÷ mean(memory): {rows[1][3] / memory_tps:.2f}× (target ≥ 0.9×)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
