@@ -16,19 +16,21 @@ gets whole sequences and attention costs the same in every mode). Modes:
 
 Timing: every (mode, N) is built in one process and timed in interleaved rounds (on a shared,
 noisy machine a slow period then hits all configs alike); median and min over --repeats rounds,
-after --warmup untimed steps each. Peak memory: each (mode, N) again in a fresh subprocess, one
-step: on CUDA max_memory_allocated minus what was allocated before the step; on CPU the growth
-of ru_maxrss over the step (model, adapters and inputs already built). Prints a markdown table.
+after --warmup untimed steps each, as wall time and process CPU time; ratios use CPU time on the
+CPU (other processes' share of a shared machine is not counted) and wall time on CUDA. Peak
+memory: each (mode, N) in a fresh subprocess, one step: on CUDA max_memory_allocated minus what
+was allocated before the step; on CPU the growth of the resident set over the step (VmHWM, reset
+first; model, adapters and inputs already built). Prints a markdown table.
 """
 
 import argparse
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,7 @@ class Result:
     n: int
     median_ms: float
     min_ms: float
+    median_cpu_ms: float
     peak_mem_mb: float
     path: str
 
@@ -94,7 +97,7 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def multi_step_fn(args: argparse.Namespace, n: int, path: str) -> tuple[Callable[[], None], str]:
-    from trainer_core.lora import apply_multi_lora
+    from trainer_core.lora import SegmentLayout, apply_multi_lora
 
     model = build(args)
     handle = apply_multi_lora(model, TARGETS, n_slots=n, max_rank=args.rank, path=path)
@@ -113,10 +116,7 @@ def multi_step_fn(args: argparse.Namespace, n: int, path: str) -> tuple[Callable
             loss_of(model, ids).backward()
 
     layer = next(iter(handle.layers.values()))
-    x = torch.zeros(1, layer.in_features, device=args.device, dtype=DTYPES[args.dtype])
-    from trainer_core.lora import SegmentLayout
-
-    chosen = layer._resolve_path(x, SegmentLayout(tuple(counts)), None)
+    chosen = layer.resolve_path(layer.lora_A[0].device, layer.lora_A[0].dtype, SegmentLayout(tuple(counts)))
     return step, chosen
 
 
@@ -124,9 +124,10 @@ def peft_step_fn(args: argparse.Namespace, n: int) -> tuple[Callable[[], None], 
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS, lora_dropout=0.0)
-    model = get_peft_model(build(args), config, adapter_name="a0")
+    # Adapters in the model's dtype, as trainer_core's (peft would upcast bf16 adapters to fp32).
+    model = get_peft_model(build(args), config, adapter_name="a0", autocast_adapter_dtype=False)
     for i in range(1, n):
-        model.add_adapter(f"a{i}", config)
+        model.add_adapter(f"a{i}", config, autocast_adapter_dtype=False)
     ids = make_ids(args)
     rows = ids.shape[0] // n
 
@@ -157,37 +158,52 @@ def make_step(args: argparse.Namespace, mode: str, n: int) -> tuple[Callable[[],
     return multi_step_fn(args, n, "loop" if mode == "multi-loop" else "auto")
 
 
+Timings = dict[tuple[str, int], list[tuple[float, float]]]
+
+
 def time_all(
     args: argparse.Namespace, configs: list[tuple[str, int]]
-) -> tuple[dict[tuple[str, int], list[float]], dict[tuple[str, int], str]]:
-    """Every config built in this process, then timed in interleaved rounds.
+) -> tuple[Timings, dict[tuple[str, int], str]]:
+    """Every config built in this process, then timed in interleaved rounds: (wall ms, CPU ms).
 
-    A shared machine's slow periods then hit every config alike instead of whichever
-    config happened to run during them; the ratios are what we want to be robust.
+    Interleaving makes a shared machine's slow periods hit every config alike instead of
+    whichever config happened to run during them. Process CPU time does not count the time
+    other processes held the cores, so on CPU it is the steadier measure of the work done.
     """
-    steps = {}
-    paths = {}
+    steps, paths = {}, {}
     for key in configs:
         steps[key], paths[key] = make_step(args, *key)
         steps[key]()  # first step: allocator and autograd warm-up
     for _ in range(args.warmup - 1):
         for key in configs:
             steps[key]()
-    times: dict[tuple[str, int], list[float]] = {key: [] for key in configs}
+    times: Timings = {key: [] for key in configs}
     for round_ in range(args.repeats):
         order = configs[round_ % len(configs) :] + configs[: round_ % len(configs)]
         for key in order:
             sync(args.device)
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             steps[key]()
             sync(args.device)
-            times[key].append((time.perf_counter() - start) * 1e3)
+            times[key].append(((time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3))
         print(f"  round {round_ + 1}/{args.repeats} done", file=sys.stderr)
     return times, paths
 
 
+def _proc_status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
 def peak_memory_worker(args: argparse.Namespace) -> float:
-    """In a fresh process: peak memory (MB) of one forward/backward of config `args.worker`."""
+    """In a fresh process: peak memory (MB) of one forward/backward of config `args.worker`.
+
+    CPU: resident-set growth over the step. VmHWM is reset to the current RSS first (Linux
+    clear_refs), because ru_maxrss would still hold the model build's peak and, after
+    fork+exec, even the parent's.
+    """
     mode, n = args.worker.split(":")
     step, _ = make_step(args, mode, int(n))
     sync(args.device)
@@ -197,9 +213,10 @@ def peak_memory_worker(args: argparse.Namespace) -> float:
         step()
         sync(args.device)
         return (torch.cuda.max_memory_allocated() - held) / 2**20
-    rss_before_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _proc_status_kb("VmRSS")
     step()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before_kb) / 1024
+    return (_proc_status_kb("VmHWM") - before) / 1024
 
 
 def peak_memory(argv: list[str], mode: str, n: int) -> float:
@@ -214,27 +231,37 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> list[Result]:
     if args.tokens % args.seq_len or any(n_seqs % n for n in ns):
         raise SystemExit(f"--tokens/--seq-len = {n_seqs} sequences must divide evenly by every N in {ns}")
     configs = [(mode, n) for mode in args.modes.split(",") for n in ns]
+    # Memory first, while this process is still small (its children start from its size).
+    mems = {key: float("nan") if args.no_memory else peak_memory(argv, *key) for key in configs}
     times, paths = time_all(args, configs)
     results = []
-    for mode, n in configs:
-        mem = float("nan") if args.no_memory else peak_memory(argv, mode, n)
-        t = times[(mode, n)]
-        results.append(Result(mode, n, statistics.median(t), min(t), mem, paths[(mode, n)]))
+    for key in configs:
+        wall, cpu = zip(*times[key], strict=True)
+        results.append(
+            Result(*key, statistics.median(wall), min(wall), statistics.median(cpu), mems[key], paths[key])
+        )
     return results
 
 
-def table(results: list[Result]) -> str:
-    base = {r.mode: r.median_ms for r in results if r.n == 1}
-    peft = {r.n: r.median_ms for r in results if r.mode == "peft"}
+def table(results: list[Result], basis: str) -> str:
+    """Ratios on the median `basis` time ("wall" or "cpu")."""
+
+    def t(r: Result) -> float:
+        return r.median_cpu_ms if basis == "cpu" else r.median_ms
+
+    base = {r.mode: t(r) for r in results if r.n == 1}
+    peft = {r.n: t(r) for r in results if r.mode == "peft"}
     lines = [
-        "| mode | N | path | median ms | min ms | ratio to N=1 | speed-up vs peft | peak mem MB |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| mode | N | path | median wall ms | min wall ms | median CPU ms "
+        f"| ratio to N=1 ({basis}) | speed-up vs peft ({basis}) | peak mem MB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        ratio = f"{r.median_ms / base[r.mode]:.3f}" if r.mode in base else "-"
-        speedup = f"{peft[r.n] / r.median_ms:.2f}x" if r.n in peft and r.mode != "peft" else "-"
+        ratio = f"{t(r) / base[r.mode]:.3f}" if r.mode in base else "-"
+        speedup = f"{peft[r.n] / t(r):.2f}x" if r.n in peft and r.mode != "peft" else "-"
         lines.append(
-            f"| {r.mode} | {r.n} | {r.path} | {r.median_ms:.1f} | {r.min_ms:.1f} | {ratio} | {speedup} | {r.peak_mem_mb:.0f} |"
+            f"| {r.mode} | {r.n} | {r.path} | {r.median_ms:.0f} | {r.min_ms:.0f} | {r.median_cpu_ms:.0f} "
+            f"| {ratio} | {speedup} | {r.peak_mem_mb:.0f} |"
         )
     return "\n".join(lines)
 
@@ -251,7 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__}, device {args.device}, dtype {args.dtype}, threads {args.threads or 'default'}"
     )
-    print(table(results))
+    # On a GPU the CPU time is only the host's; on the CPU it is the work, whoever else runs.
+    print(table(results, "wall" if args.device == "cuda" else "cpu"))
 
 
 if __name__ == "__main__":

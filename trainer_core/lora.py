@@ -299,7 +299,7 @@ class MultiLoRALinear(nn.Module):
             return out
         x_flat = x.reshape(n_tokens, self.in_features).to(self.lora_A[0].dtype)  # (T, in)
         x_flat = self._segment_dropout(x_flat, layout)
-        if self._resolve_path(x_flat, layout, path) == "grouped":
+        if self.resolve_path(x_flat.device, x_flat.dtype, layout, path) == "grouped":
             delta = self._delta_grouped(x_flat, layout)
         else:
             delta = self._delta_loop(x_flat, layout)  # (T, out)
@@ -318,22 +318,23 @@ class MultiLoRALinear(nn.Module):
         parts = x.split(list(layout.active_counts))
         return torch.cat([F.dropout(part, p, training=True) for part, p in zip(parts, probs, strict=True)])
 
-    def _resolve_path(self, x: Tensor, layout: SegmentLayout, override: PathName | None) -> str:
-        path = override or self.path
+    def resolve_path(
+        self, device: torch.device, dtype: torch.dtype, layout: SegmentLayout, path: PathName | None = None
+    ) -> Literal["grouped", "loop"]:
+        """The path a forward with this layout takes (`path` overrides the layer's setting)."""
+        path = path or self.path
         _check_path(path)
         dims = (self.in_features, self.out_features, self.max_rank)
         if path == "grouped":
-            reason = grouped_mm_unsupported_reason(x.device, x.dtype, dims, for_auto=False)
+            reason = grouped_mm_unsupported_reason(device, dtype, dims, for_auto=False)
             if reason:
                 raise RuntimeError(f"path='grouped' cannot run: {reason}")
             return "grouped"
         if path == "loop":
             return "loop"
         # auto: a single segment is one plain matmul pair, nothing to group.
-        if (
-            len(layout.active) > 1
-            and grouped_mm_unsupported_reason(x.device, x.dtype, dims, for_auto=True) is None
-        ):
+        multi = len(layout.active) > 1
+        if multi and grouped_mm_unsupported_reason(device, dtype, dims, for_auto=True) is None:
             return "grouped"
         return "loop"
 
