@@ -13,6 +13,7 @@ Tokens/s = trained tokens ÷ time from the first claim to the last step report.
 """
 
 import argparse
+import logging
 import random
 import shutil
 import tempfile
@@ -25,7 +26,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.ingest import create_database, drop_database, start_service
 from trainer_core.config import RunConfig
-from trainer_core.service_client import PoolRegistration, PoolServiceClient
+from trainer_core.memory_client import MemoryPoolClient, Timing
+from trainer_core.service_client import PoolServiceClient
 from trainer_core.worker import PoolTrainer, WorkerArgs
 
 ADMIN, WORKER = "bench-admin", "bench-worker"
@@ -99,84 +101,10 @@ def run_config(args) -> dict:
     ).model_dump(mode="json")
 
 
-class _Timing:
-    first_claim: float | None = None
-    last_step: float | None = None
-    tokens: int = 0
-
-
-class MemoryPoolClient:
-    """The pool's service client, in memory: the trainer alone, nothing persisted."""
-
-    def __init__(self, payloads: list[list[dict]], config: dict, timing: _Timing) -> None:
-        self.timing = timing
-        self.config = config
-        self.runs = {f"run_{i:012x}": {"slot": i, "step": 0} for i in range(len(payloads))}
-        self.pending = [
-            {
-                "id": i * 1000 + s,
-                "run_id": f"run_{i:012x}",
-                "slot": i,
-                "sample_offset": s * len(b["examples"]),
-                "num_samples": len(b["examples"]),
-                "rollout_step": s,
-                "payload": b,
-            }
-            for s in range(len(payloads[0]))
-            for i, batches in enumerate(payloads)
-            for b in [batches[s]]
-        ]
-        self.pool_id = "pool_memory"
-
-    def register(self, **_caps) -> PoolRegistration:
-        return PoolRegistration(self.pool_id, 3600.0, 3600.0)
-
-    def heartbeat(self) -> None: ...
-
-    def state(self) -> list[dict]:
-        return [
-            {
-                "run_id": r,
-                "slot": v["slot"],
-                "config": self.config,
-                "progress": {"step": v["step"], "total_tokens": 0, "total_samples": 0},
-            }
-            for r, v in self.runs.items()
-            if v["step"] < self.config["max_steps"]
-        ]
-
-    def claim(self, max_batches: int) -> list[dict]:
-        self.timing.first_claim = self.timing.first_claim or time.perf_counter()
-        taken, self.pending = self.pending[:max_batches], self.pending[max_batches:]
-        return taken
-
-    def ack(self, acks) -> None: ...
-
-    def restart_run(self, run_id, **_kw) -> list[int]:
-        return []
-
-    def upload_adapter(self, run_id, step, adapter_dir: Path) -> None:
-        for f in adapter_dir.iterdir():
-            f.read_bytes()  # the export happened; the bytes go nowhere
-
-    def report_step(self, run_id, *, step, total_tokens, total_samples, metrics) -> dict:
-        self.runs[run_id]["step"] = step
-        self.timing.last_step = time.perf_counter()
-        self.timing.tokens += metrics["tokens"]
-        return {}
-
-    def report_checkpoint(self, run_id, **_kw) -> None: ...
-
-    def evict(self, run_id, reason) -> None:
-        raise RuntimeError(f"{run_id} evicted: {reason}")
-
-    def close(self) -> None: ...
-
-
 class TimedClient(PoolServiceClient):
     """The real HTTP client, timing the same two moments."""
 
-    def __init__(self, url: str, token: str, timing: _Timing) -> None:
+    def __init__(self, url: str, token: str, timing: Timing) -> None:
         super().__init__(url, token)
         self.timing = timing
 
@@ -215,7 +143,7 @@ def train(args, model_dir: Path, work: Path, client) -> None:
         trainer.close()
 
 
-def via_service(args, model_dir: Path, payloads, work: Path) -> _Timing:
+def via_service(args, model_dir: Path, payloads, work: Path) -> Timing:
     db = create_database(args.pg_admin_url)
     from app.migrate import upgrade
 
@@ -226,7 +154,7 @@ def via_service(args, model_dir: Path, payloads, work: Path) -> _Timing:
         tenant = admin.post("/v1/tenants", json={"name": "bench", "max_concurrent_runs": args.runs}).json()
         key = admin.post(f"/v1/tenants/{tenant['id']}/keys").json()["key"]
         user = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
-        timing = _Timing()
+        timing = Timing()
         client = TimedClient(url, WORKER, timing)
         # Register first so that runs are admitted to this pool's base model and vocabulary.
         client.register(
@@ -253,6 +181,8 @@ def via_service(args, model_dir: Path, payloads, work: Path) -> _Timing:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     torch.set_num_threads(2)
     work = Path(tempfile.mkdtemp(prefix="loraloom-bench-"))
     try:
@@ -265,7 +195,7 @@ def main(argv=None) -> None:
             if label == "service":
                 timings.append((label, via_service(args, model_dir, payloads, work)))
             else:
-                t = _Timing()
+                t = Timing()
                 train(args, model_dir, work / label[:6], MemoryPoolClient(payloads, run_config(args), t))
                 timings.append((label, t))
         rows = []

@@ -50,6 +50,9 @@ from trainer_core.wire import TrainingBatch
 
 log = logging.getLogger("loraloom.worker")
 
+CLAIM_AHEAD_PACKS = 4
+"""Claim more rollout batches only while fewer than this many packs' worth of tokens are buffered."""
+
 # Per-slot statistics all-reduced after every pack, in this column order.
 STAT_COLUMNS = ("loss_sum", "loss_tokens", "entropy_sum", "mismatch_kl_sum", "masked_tokens", "nonfinite")
 
@@ -313,7 +316,12 @@ class PoolTrainer:
         assert self.client is not None
         if self.stop_requested or self._heartbeat.lost:
             return {"kind": "stop"}
-        if self.runs.used_idxs:
+        # Claim only while the buffer is short of a few packs: what sits in memory is leased, and a
+        # flood of batches from one run must stay in the service's queue, not in this process.
+        if (
+            self.runs.used_idxs
+            and self.packer.buffered_tokens() < CLAIM_AHEAD_PACKS * self.packer.token_budget
+        ):
             for claimed in self.client.claim(self.args.max_claim):
                 self._feed_packer(claimed)
         if not self.packer.is_ready():
@@ -355,6 +363,46 @@ class PoolTrainer:
         except InvalidSampleError as exc:
             self.runs.evict_run(slot, f"trainer rejected batch {claimed['id']}: {exc}")
 
+    def _backward(self, mb: MicroBatch, slot_settings: dict) -> dict:
+        with self.lora.segments(mb.slot_token_counts):
+            logits = forward_packed(self.model, mb)
+        result = rl_loss(logits, mb, slot_settings=slot_settings, n_slots=self.args.slots)
+        result.total.backward()
+        return result.per_slot
+
+    def _backward_isolated(self, mb: MicroBatch, slot_settings: dict) -> dict:
+        """Forward/backward one micro-batch; a run whose gradients blow up cannot poison the others.
+
+        The loss already drops a run whose loss is non-finite. But a finite loss can still overflow
+        in the backward pass, and the shared base-model backward then spreads Inf/NaN to every run
+        in the row (masked attention gives 0 × Inf). So: keep the gradients from before this
+        micro-batch; if any present run's gradients come out non-finite, go back to them and redo
+        the row once per run, keeping each run's result only if it is finite. The failing run is
+        reported non-finite (and evicted); the others get exactly their own gradients. Costs one
+        clone of the present runs' LoRA gradients per micro-batch, and extra passes only on failure.
+        """
+        present = [slot for slot, n in enumerate(mb.slot_token_counts.tolist()) if n > 0]
+        params = [p for slot in present if slot in slot_settings for p in self.lora.slot_parameters(slot)]
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        per_slot = self._backward(mb, slot_settings)
+        if _grads_finite(params):
+            return per_slot
+        _restore_grads(params, before)
+        merged: dict = {}
+        for slot in present:
+            if slot not in slot_settings:
+                continue
+            only = dataclasses.replace(mb, loss_mask=mb.loss_mask & (mb.token_slots == slot))
+            kept = [None if p.grad is None else p.grad.clone() for p in params]
+            stats = self._backward(only, slot_settings).get(slot)
+            if stats is None:
+                continue
+            if not _grads_finite(params):
+                _restore_grads(params, kept)
+                stats = dataclasses.replace(stats, nonfinite=True)
+            merged[slot] = stats
+        return merged
+
     def _train_on(self, micro_batches: list, plan: dict) -> None:
         n_slots = self.args.slots
         stats = torch.zeros(n_slots, len(STAT_COLUMNS), dtype=torch.float64)
@@ -363,11 +411,7 @@ class PoolTrainer:
             if mb.is_filler:
                 continue  # fillers only keep ranks in step; they carry no loss
             mb = _to_device(mb, self.device)
-            with self.lora.segments(mb.slot_token_counts):
-                logits = forward_packed(self.model, mb)
-            result = rl_loss(logits, mb, slot_settings=slot_settings, n_slots=n_slots)
-            result.total.backward()
-            for slot, s in result.per_slot.items():
+            for slot, s in self._backward_isolated(mb, slot_settings).items():
                 stats[slot] += torch.tensor(
                     [
                         s.loss_sum,
@@ -534,6 +578,15 @@ def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
         if isinstance(getattr(mb, f.name), torch.Tensor)
     }
     return dataclasses.replace(mb, **moved)
+
+
+def _grads_finite(params: list[torch.nn.Parameter]) -> bool:
+    return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+
+
+def _restore_grads(params: list[torch.nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
 
 
 def _barrier() -> None:

@@ -107,7 +107,8 @@ def test_isolation_through_the_stack_and_nan_eviction(live_service):
         evicted = _wait_finished(client, broken)
         assert evicted["status"] == "evicted" and evicted["evicted_by"] == "trainer"
         assert "non-finite" in evicted["eviction_reason"]
-        assert _wait_finished(client, a_alone)["status"] == "completed"
+        alone_status = _wait_finished(client, a_alone)
+        assert alone_status["status"] == "completed", alone_status["eviction_reason"]
     finally:
         kill_pool(pool)
     mixed = download_adapter_tensors(client, a_mixed)
