@@ -1,4 +1,4 @@
-# The loraloom API service (control plane). The worker pool gets its own service later.
+# One image for the loraloom API service (control plane) and the worker pool (see docker-compose.yml).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
