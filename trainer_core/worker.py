@@ -215,6 +215,7 @@ class PoolTrainer:
                 timeout_s=args.pack_timeout_s,
             )
             self.ledger = BatchLedger()
+            self._idle_since = time.monotonic()
             self.accumulators: dict[int, _StepAccumulator] = {}
         # Non-master ranks never read the source: they follow the master in synchronize_state().
         source = HttpRunSource(self.client) if self.client else None
@@ -281,34 +282,28 @@ class PoolTrainer:
     # -- the loop ---------------------------------------------------------------------------------
 
     def run(self) -> None:
-        idle_since = time.monotonic()
         while True:
             if self.is_master:
                 self.runs.discover_runs()
             self.runs.synchronize_state()
 
+            # The master decides; every rank follows the same plan, so collectives stay matched.
             plan = self._plan_iteration() if self.is_master else None
             plan, my_micro_batches = _distribute(plan, self.world_size, self.rank)
             if plan["kind"] == "stop":
                 break
             if plan["kind"] == "idle":
-                if self.is_master and self._should_exit(idle_since):
-                    _broadcast_stop(self.world_size)
-                    break
                 time.sleep(self.args.poll_interval_s)
                 continue
-            idle_since = time.monotonic()
             self._train_on(my_micro_batches, plan)
 
-    def _should_exit(self, idle_since: float) -> bool:
-        if self.stop_requested:
-            return True
+    def _should_exit(self) -> bool:
         limit = self.args.exit_when_idle_s
         return (
             limit is not None
             and not self.runs.used_idxs
             and self.packer.buffered_tokens() == 0
-            and time.monotonic() - idle_since > limit
+            and time.monotonic() - self._idle_since > limit
         )
 
     def _plan_iteration(self) -> dict:
@@ -325,10 +320,11 @@ class PoolTrainer:
             for claimed in self.client.claim(self.args.max_claim):
                 self._feed_packer(claimed)
         if not self.packer.is_ready():
-            return {"kind": "idle"}
+            return {"kind": "stop"} if self._should_exit() else {"kind": "idle"}
         result = self.packer.pack()
         if result is None:
             return {"kind": "idle"}
+        self._idle_since = time.monotonic()
         completing: dict[int, int] = {}
         for slot, stats in result.runs.items():
             self.ledger.consumed(slot, [ref.batch_id for ref in stats.consumed])
@@ -609,11 +605,6 @@ def _distribute(plan: dict | None, world_size: int, rank: int) -> tuple[dict, li
         per_rank = plan["micro_batches"] if rank == 0 else None
         dist.scatter_object_list(mine, per_rank, src=0)
     return header[0], mine[0] or []
-
-
-def _broadcast_stop(world_size: int) -> None:
-    if world_size > 1:
-        dist.broadcast_object_list([{"kind": "stop"}], src=0)
 
 
 def _all_reduce_sum(tensor: torch.Tensor) -> None:

@@ -68,6 +68,7 @@ def test_three_runs_two_tenants_two_slots(live_service, tmp_path):
         assert run_status(third_client, third)["status"] == "active"  # a freed slot went to it
         _push(third_client, third, [200, 201])
         assert _wait_finished(third_client, third)["status"] == "completed"
+        assert pool.wait(timeout=60) == 0  # idle with no runs: every rank leaves the loop together
     finally:
         kill_pool(pool)
 
