@@ -57,6 +57,9 @@ def test_overflowing_run_is_evicted_and_its_row_mate_is_untouched(tmp_path):
     assert "non-finite" in together.evictions["run_000000000000"]
     mixed = load_safetensors(together.adapters["run_000000000001"])
     solo = load_safetensors(alone.adapters["run_000000000000"])
+    # Packed beside another run, the good run's rows have another layout, so its float sums differ
+    # in the last bits; Adam turns that into up to ~1e-5 on entries whose gradient is near zero.
+    # Poisoning would show as NaN or an eviction, not as 1e-5.
     for key in solo:
-        torch.testing.assert_close(mixed[key], solo[key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(mixed[key], solo[key], rtol=0, atol=5e-5)
     assert any(v.abs().max() > 0 for k, v in solo.items() if "lora_B" in k)  # it trained
