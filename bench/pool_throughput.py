@@ -148,7 +148,8 @@ def train(args, model_dir: Path, work: Path, client) -> None:
         poll_interval_s=0.02,
         exit_when_idle_s=0.5,
     )
-    trainer = PoolTrainer(worker_args, rank=0, world_size=1, device=torch.device("cpu"), client=client)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    trainer = PoolTrainer(worker_args, rank=0, world_size=1, device=device, client=client)
     try:
         trainer.run()
     finally:

@@ -21,8 +21,11 @@ numbers, ... (`num_terms` / `max_digits` override it).
 and answers "y" (accept) or "n" (reject). The joint reward J is 1 when the solver
 is right and the checker accepts, or the solver is wrong and the checker rejects,
 else 0: neither agent gets it alone. Training rewards:
-solver = 0.5 J + 0.5 score_answer (so it also learns to be right when the checker
-is good at rejecting), checker = 0.8 J + 0.2 [its verdict is "y" or "n" and stopped].
+solver = 0.5 [right and accepted] + 0.5 score_answer, checker = 0.8 J + 0.2 [its
+verdict is "y" or "n" and stopped]. The solver's team bonus is only for a right answer
+that the checker accepts: rewarding it with J would pay it for a wrong answer that the
+checker rejects, and the pair then learns to collude (the solver to be wrong, the
+checker to reject everything).
 Success (validation): solver = exact answer; checker = correct verdict.
 """
 
@@ -152,8 +155,9 @@ class SolverCheckerEpisode(ArithmeticEpisode):
 
     def final_rewards(self) -> dict[str, float]:
         answer_score = score_answer(self.response or "", self.answer, truncated=self.truncated)
+        accepted_right = 1.0 if self.correct and self.verdict == "y" else 0.0
         return {
-            "solver": 0.5 * self.joint + 0.5 * answer_score,
+            "solver": 0.5 * accepted_right + 0.5 * answer_score,
             "checker": 0.8 * self.joint + 0.2 * float(self.verdict_well_formed),
         }
 

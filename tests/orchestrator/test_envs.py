@@ -94,7 +94,7 @@ def test_arithmetic_episode() -> None:
     [
         ("7", "y", 1.0, 1.0, (True, True)),  # J = 1
         ("7", "n", 0.5, 0.2, (True, False)),  # right answer rejected: J = 0
-        ("8", "n", 0.5 + 0.5 * 0.4, 1.0, (False, True)),  # wrong answer caught: J = 1
+        ("8", "n", 0.5 * 0.4, 1.0, (False, True)),  # wrong answer caught: J = 1, no bonus for the solver
         ("8", "y", 0.5 * 0.4, 0.2, (False, False)),
         ("7", "maybe", 0.5, 0.0, (True, False)),  # malformed verdict: no format credit either
     ],

@@ -1,15 +1,22 @@
 """`loraloom-tiny`: the built-in base model for tests and the demo.
 
-A small Llama-style model built from a config and warmed up for a few seconds on
-arithmetic in the demo envs' formats, with deliberately noisy answers: it learns the
-format (digits, then end-of-sequence; `y`/`n` for a check) and puts only part of its mass
-on the right answer. So RL has room to improve it visibly, and there is signal from the
-first step. Deterministic (seeded); cached on disk after the first build.
+A small Llama-style model built from a config and warmed up for ~20 s (one CPU core) on
+arithmetic in the demo envs' formats, in two phases: clean answers until it knows the
+single-digit sums (greedy decoding is right ~85% of the time), then deliberately noisy
+ones at a low learning rate, so that sampling at temperature 1 puts only about half of
+its mass on the right answer and the rest on random plausible numbers. That noise is
+one prompt-independent mode which a LoRA can learn to suppress in a few dozen RL steps,
+so RL has room to improve it visibly, with signal from the first step. (A model that
+simply does not know some sums, e.g. the v3 warm-up at a constant lr, gives RL nothing
+it can learn in that time: rewards stay flat.) The checker format (`y`/`n`, then
+end-of-sequence) is learned too, but not to verify sums: its verdicts start close to a
+coin flip. Deterministic (seeded); cached on disk after the first build.
 """
 
 import contextlib
 import json
 import logging
+import math
 import os
 import random
 from pathlib import Path
@@ -25,10 +32,17 @@ TOKENIZER = CharTokenizer()
 log = logging.getLogger("loraloom.models")
 
 NAME = "loraloom-tiny"
-VERSION = 3
-WARMUP_STEPS = 600
-WARMUP_CORRECT_FRACTION = 0.6
-"""Share of warm-up examples with the right answer (the rest: a random plausible answer)."""
+VERSION = 5
+WARMUP_CLEAN_STEPS = 600
+"""Phase 1: right answers and truthful checks only, so that the model learns the sums."""
+WARMUP_NOISY_STEPS = 150
+"""Phase 2: noisy answers (at a low learning rate), so that it is no longer sure of them."""
+WARMUP_STEPS = WARMUP_CLEAN_STEPS + WARMUP_NOISY_STEPS
+WARMUP_CORRECT_FRACTION = 0.7
+"""Share of phase-2 examples with the right answer (the rest: a random plausible answer)."""
+WARMUP_BATCH = 32
+WARMUP_LR = 3e-3
+"""Phase 1 peak lr (linear warm-up over 50 steps, then cosine to 0); phase 2 starts at a tenth."""
 
 
 def tiny_llama_config() -> LlamaConfig:
@@ -57,29 +71,53 @@ def checker_prompt(a: int, b: int, proposed: int) -> str:
     return f"{a}+{b}={proposed} ok?"
 
 
-def _warmup_text(rng: random.Random, max_operand: int) -> tuple[str, str]:
-    """One (prompt, completion) pair with a noisy answer."""
+def _warmup_text(rng: random.Random, max_operand: int, correct_fraction: float) -> tuple[str, str]:
+    """One (prompt, completion) pair; answers are right with probability `correct_fraction`."""
     a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
     correct = a + b
     if rng.random() < 0.5:
-        answer = correct if rng.random() < WARMUP_CORRECT_FRACTION else rng.randint(0, 2 * max_operand)
+        answer = correct if rng.random() < correct_fraction else rng.randint(0, 2 * max_operand)
         return solver_prompt(a, b), str(answer)
     proposed = correct if rng.random() < 0.5 else rng.randint(0, 2 * max_operand)
-    truthful = rng.random() < WARMUP_CORRECT_FRACTION + 0.25
+    truthful = rng.random() < min(1.0, correct_fraction + 0.25)
     says_yes = (proposed == correct) if truthful else rng.random() < 0.5
     return checker_prompt(a, b, proposed), "y" if says_yes else "n"
 
 
-def build(*, seed: int = 0, warmup_steps: int = WARMUP_STEPS, max_operand: int = 9) -> LlamaForCausalLM:
+def _lr(step: int, clean_steps: int, noisy_steps: int, peak: float) -> float:
+    if step < clean_steps:
+        warm = min(50, max(1, clean_steps // 10))
+        if step < warm:
+            return peak * (step + 1) / warm
+        return peak * 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, clean_steps - warm)))
+    t = (step - clean_steps) / max(1, noisy_steps)
+    return 0.1 * peak * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def build(
+    *,
+    seed: int = 0,
+    clean_steps: int = WARMUP_CLEAN_STEPS,
+    noisy_steps: int = WARMUP_NOISY_STEPS,
+    correct_fraction: float = WARMUP_CORRECT_FRACTION,
+    max_operand: int = 9,
+) -> LlamaForCausalLM:
+    """Phase 1 teaches the sums (the cosine schedule matters: at a constant 3e-3 the model
+    never learns them); phase 2, on noisy answers at a low lr, flattens the answer
+    distribution while keeping the right answer its mode, so sampling at temperature 1
+    is right only part of the time and RL can sharpen it."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config())
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR)
     model.train()
-    for _ in range(warmup_steps):
+    for step in range(clean_steps + noisy_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(step, clean_steps, noisy_steps, WARMUP_LR)
+        fraction = 1.0 if step < clean_steps else correct_fraction
         rows = []
-        for _ in range(32):
-            prompt, completion = _warmup_text(rng, max_operand)
+        for _ in range(WARMUP_BATCH):
+            prompt, completion = _warmup_text(rng, max_operand, fraction)
             p_ids = TOKENIZER.encode(prompt, add_bos=True)
             rows.append((p_ids, TOKENIZER.encode(completion) + [TOKENIZER.eos_token_id]))
         width = max(len(p) + len(c) for p, c in rows)
