@@ -656,7 +656,9 @@ def main(argv: list[str] | None = None) -> None:
     if world_size > 1:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     torch.manual_seed(0)  # every rank must build identical LoRA initialisations
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # Split the cores between ranks unless the launcher said otherwise (OMP_NUM_THREADS).
+    threads = os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // world_size))
     trainer = PoolTrainer(args, rank=rank, world_size=world_size, device=device)
 
     def _request_stop(signum, _frame):
