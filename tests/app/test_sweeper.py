@@ -86,7 +86,9 @@ def test_a_failing_job_does_not_stop_the_others(
 
 
 def test_background_loop_declares_a_silent_pool_dead(settings: Settings, monkeypatch) -> None:
-    fast = settings.model_copy(update={"pool_timeout_seconds": 0.5, "sweep_interval_seconds": 0.05})
+    # The timeout must outlast the set-up below (run creation, a claimed batch) even on a loaded
+    # machine: a batch inserted after the pool was already declared dead would never be returned.
+    fast = settings.model_copy(update={"pool_timeout_seconds": 3.0, "sweep_interval_seconds": 0.05})
     real = sweeper.sweep_once
     calls = {"n": 0}
 
@@ -106,7 +108,7 @@ def test_background_loop_declares_a_silent_pool_dead(settings: Settings, monkeyp
             batch_id = claimed_batch(
                 db, run_id=run["id"], pool_id=pool_id, lease_expires_at=datetime.now(UTC) + timedelta(hours=1)
             )
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 30
         status = 200
         while time.monotonic() < deadline:
             status = client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER).status_code
