@@ -14,30 +14,22 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from app.adapters.models import Adapter
 from app.config import Settings
 from app.main import create_app
 from tests.app.conftest import TenantHandle, create_run, new_tenant
 from tests.conftest import WORKER_TOKEN
+from trainer_core.models.tiny import build_model
 
 WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+def tiny_llama():
+    return build_model(
+        "llama", vocab_size=64, hidden_size=32, intermediate_size=64, max_position_embeddings=64
     )
-    return LlamaForCausalLM(config)
 
 
 @pytest.fixture(scope="module")

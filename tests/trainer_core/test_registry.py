@@ -1,23 +1,13 @@
 """Base models by name: a locally saved model loads by path (the hub-id path users take)."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer_core.models.registry import load_base_model
+from trainer_core.models.tiny import build_model
 
 
 def test_local_path_loads_frozen_and_identical(tmp_path):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    saved = LlamaForCausalLM(config)
+    saved = build_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1)
     saved.save_pretrained(tmp_path / "my-model")
 
     loaded = load_base_model(str(tmp_path / "my-model"))
