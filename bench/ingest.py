@@ -25,7 +25,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from app import migrate
 from app.auth import hash_key, new_api_key
 from app.db import make_engine, make_session_factory
 from app.ids import new_id
+from app.launch import free_port, start_service_process
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
 from app.workers.models import Pool
@@ -186,45 +186,16 @@ def seed(database_url: str, *, seq_len: int, runs: int) -> tuple[str, list[str]]
     return secret, run_ids
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_service(
     database_url: str, data_dir: Path, log_path: Path, workers: int
 ) -> tuple[subprocess.Popen, str]:
-    port = free_port()
     env = os.environ | {
         "LORALOOM_DATABASE_URL": database_url,
         "LORALOOM_DATA_DIR": str(data_dir),
         "LORALOOM_ADMIN_KEY": "bench-admin",
         "LORALOOM_WORKER_TOKEN": "bench-worker",
     }
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app"]
-            + ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-access-log"]
-            + ["--workers", str(workers)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"service exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("service did not become ready")
+    return start_service_process(env=env, port=free_port(), log_path=log_path, workers=workers)
 
 
 def tree_cpu_seconds(pid: int) -> float:

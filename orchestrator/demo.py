@@ -34,7 +34,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,20 +114,6 @@ def _systems(problems: int, group: int) -> list[DemoSystem]:
     ]
 
 
-def _wait_ready(url: str, process: subprocess.Popen, log_path: Path, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the service exited with {process.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the service did not become ready")
-
-
 def run_demo(
     *,
     steps: int,
@@ -145,6 +130,7 @@ def run_demo(
     `model_cache` the built base model."""
     import torch
 
+    from app.launch import start_service_process
     from app.migrate import upgrade
     from trainer_core.launch import launch_pool
     from trainer_core.models.registry import load_base_model
@@ -167,31 +153,12 @@ def run_demo(
         "LORALOOM_MAX_CONCURRENT_RUNS": "4",
         "OMP_NUM_THREADS": "1",
     }
-    url = f"http://127.0.0.1:{port}"
     say = typer.echo
     say(f"[demo] database {db_url}; artifacts under {state_dir / 'data'}")
     upgrade(db_url)
-    service_log = open(state_dir / "service.log", "wb")  # noqa: SIM115 - closed at the end
-    service = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--factory",
-            "app.main:create_app",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        stdout=service_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    service, url = start_service_process(env=env, port=port, log_path=state_dir / "service.log")
     pool = None
     try:
-        _wait_ready(url, service, state_dir / "service.log")
         say(f"[demo] service up at {url}")
         say("[demo] building/loading the built-in base model loraloom-tiny (cached after the first run)")
         base = load_base_model("loraloom-tiny", cache_dir=model_cache)
@@ -300,7 +267,6 @@ def run_demo(
                 pool.kill()
         service.terminate()
         service.wait(timeout=20)
-        service_log.close()
 
 
 def _progress(system: DemoSystem, bars: dict[str, tqdm]):

@@ -5,9 +5,7 @@ nothing half-written is visible."""
 import hashlib
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -19,6 +17,7 @@ import pytest
 from sqlalchemy import select
 
 from app.batches.models import Batch
+from app.launch import free_port, start_service_process
 from app.runs.models import Run
 from app.storage import TMP_SUFFIX
 from tests.app.test_batches import Seeded, db, seed_run
@@ -27,12 +26,6 @@ from trainer_core.config import RunConfig
 from trainer_core.wire import batch_msgpack_decoder
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Service:
@@ -45,35 +38,13 @@ class Service:
         self.url = ""
 
     def start(self) -> None:
-        port = _free_port()
         env = os.environ | {
             "LORALOOM_DATABASE_URL": self.settings.database_url,
             "LORALOOM_DATA_DIR": str(self.settings.data_dir),
             "LORALOOM_ADMIN_KEY": ADMIN_KEY,
             "LORALOOM_WORKER_TOKEN": WORKER_TOKEN,
         }
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed with it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app"]
-            + ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"service exited: {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("service did not become ready")
+        self.proc, self.url = start_service_process(env=env, port=free_port(), log_path=self.log_path)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

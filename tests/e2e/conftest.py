@@ -3,10 +3,7 @@ on the test Postgres database) and helpers to drive it over HTTP."""
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,13 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.launch import free_port, start_service_process
 from tests.conftest import ADMIN_KEY, WORKER_TOKEN
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -60,36 +52,8 @@ def start_service(
         "LORALOOM_WORKER_TOKEN": WORKER_TOKEN,
         **(extra_env or {}),
     }
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "--factory",
-            "app.main:create_app",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        env=env,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"service exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return LiveService(url=url, data_dir=data_dir, env=env, process=process)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("service did not become ready in 60 s")
+    process, url = start_service_process(env=env, port=port)
+    return LiveService(url=url, data_dir=data_dir, env=env, process=process)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 from safetensors.torch import load as load_safetensors
 
+from app.launch import free_port
 from orchestrator.tokenizer import CharTokenizer
 from tests.conftest import WORKER_TOKEN
 from trainer_core.launch import launch_pool
@@ -96,8 +97,6 @@ def start_pool(
     ]
     if exit_when_idle is not None:
         args += ["--exit-when-idle", str(exit_when_idle)]
-    from tests.e2e.conftest import free_port
-
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed with the process
     process = launch_pool(
         nproc_per_node=nproc,

@@ -16,11 +16,11 @@ moved every run by less than 0.01.
 No Postgres: the demo's database is SQLite, under tmp_path.
 """
 
-import socket
 from pathlib import Path
 
 import pytest
 
+from app.launch import free_port
 from orchestrator.demo import MODEL_CACHE, run_demo
 
 pytestmark = pytest.mark.slow
@@ -29,18 +29,12 @@ STEPS = 30
 MIN_RISE = 0.04
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_demo_rewards_rise(tmp_path: Path) -> None:
     out = tmp_path / "out"
     results = run_demo(
         steps=STEPS,
         output_dir=out,
-        port=_free_port(),
+        port=free_port(),
         state_dir=tmp_path / "state",
         model_cache=MODEL_CACHE,  # the built model is shared with `loraloom demo`
     )
