@@ -15,6 +15,8 @@ from typing import Any
 
 import uvicorn
 
+from orchestrator import RetryPolicy
+
 
 @contextlib.contextmanager
 def serve(app: Any) -> Iterator[str]:
@@ -123,3 +125,7 @@ class FaultInjector:
                 response_headers.append((b"retry-after", retry_after.encode()))
             await send({"type": "http.response.start", "status": int(status), "headers": response_headers})
             await send({"type": "http.response.body", "body": body})
+
+
+FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05)
+"""Retries fast enough for tests."""

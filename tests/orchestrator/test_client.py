@@ -12,31 +12,13 @@ import httpx
 import pytest
 
 from orchestrator import errors
-from orchestrator._retry import RetryPolicy, parse_retry_after
+from orchestrator._retry import parse_retry_after
 from orchestrator.client import AsyncLoraloomClient, LoraloomClient
 from orchestrator.models import Run
 from tests.orchestrator.fake_service import FakeService
-from tests.orchestrator.servers import FaultInjector, serve
+from tests.orchestrator.servers import FAST, FaultInjector
 from trainer_core.config import RunConfig
 from trainer_core.wire import TrainingBatch, TrainingSample
-
-FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05)
-
-
-@pytest.fixture(scope="module")
-def service() -> FakeService:
-    return FakeService()
-
-
-@pytest.fixture(scope="module")
-def faults(service: FakeService) -> FaultInjector:
-    return FaultInjector(service.app)
-
-
-@pytest.fixture(scope="module")
-def base_url(faults: FaultInjector) -> Iterator[str]:
-    with serve(faults) as url:
-        yield url
 
 
 @pytest.fixture

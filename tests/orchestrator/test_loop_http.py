@@ -3,37 +3,17 @@ until the lead's test against the real service lands)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from orchestrator._retry import RetryPolicy
 from orchestrator.client import AsyncLoraloomClient
 from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine
 from orchestrator.errors import RunEvicted
 from orchestrator.loop import LoopConfig, RolloutLoop
 from tests.orchestrator.fake_service import FakeService
 from tests.orchestrator.fakes import TOKENIZER, ScriptedSampler, solve
-from tests.orchestrator.servers import FaultInjector, serve
-
-FAST = RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05)
-
-
-@pytest.fixture(scope="module")
-def service() -> FakeService:
-    return FakeService()
-
-
-@pytest.fixture(scope="module")
-def faults(service: FakeService) -> FaultInjector:
-    return FaultInjector(service.app)
-
-
-@pytest.fixture(scope="module")
-def url(faults: FaultInjector) -> Iterator[str]:
-    with serve(faults) as base:
-        yield base
+from tests.orchestrator.servers import FAST, FaultInjector
 
 
 def engine_for(run_id: str, sampler: ScriptedSampler, **config) -> MultiAgentEngine:
@@ -43,9 +23,11 @@ def engine_for(run_id: str, sampler: ScriptedSampler, **config) -> MultiAgentEng
     )
 
 
-async def test_loop_over_http(url: str, service: FakeService, faults: FaultInjector, tmp_path: Path) -> None:
+async def test_loop_over_http(
+    base_url: str, service: FakeService, faults: FaultInjector, tmp_path: Path
+) -> None:
     sampler = ScriptedSampler(lambda p, j: solve(p) if j % 2 == 0 else "9")
-    async with AsyncLoraloomClient(url, service.api_key, retry=FAST) as client:
+    async with AsyncLoraloomClient(base_url, service.api_key, retry=FAST) as client:
         run = await client.create_run("loop", {"batch_size": 4, "max_async_level": 100})
         service.add_adapter(run.id, 1, {"adapter_config.json": b"{}", "adapter_model.safetensors": b"w"})
         faults.inject("POST", f"/v1/runs/{run.id}/batches", "drop_after", "503")  # retried, stored once
@@ -63,8 +45,8 @@ async def test_loop_over_http(url: str, service: FakeService, faults: FaultInjec
     assert (tmp_path / run.id / "step_1" / "adapter_model.safetensors").read_bytes() == b"w"
 
 
-async def test_self_eviction_over_http(url: str, service: FakeService, tmp_path: Path) -> None:
-    async with AsyncLoraloomClient(url, service.api_key, retry=FAST) as client:
+async def test_self_eviction_over_http(base_url: str, service: FakeService, tmp_path: Path) -> None:
+    async with AsyncLoraloomClient(base_url, service.api_key, retry=FAST) as client:
         run = await client.create_run("no-signal", {"batch_size": 4})
         loop = RolloutLoop(
             client,
