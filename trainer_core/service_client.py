@@ -1,23 +1,20 @@
 """The worker pool's side of the service API (only the master rank talks to the service).
 
-Retries connection errors, 429 and 5xx with exponential backoff; a 4xx other than 429
-is a real answer and raises at once. Never logs the token.
+Retries follow the SDK's policy (orchestrator._retry); an error answer raises ServiceError.
+Never logs the token.
 """
 
 import logging
-import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from orchestrator._retry import RetryPolicy, send_with_retries
 from trainer_core.export import adapter_tar_bytes
 
 log = logging.getLogger("loraloom.worker")
-
-RETRY_STATUSES = {429, 500, 502, 503, 504}
 
 
 class ServiceError(RuntimeError):
@@ -40,7 +37,7 @@ class PoolServiceClient:
         self._http = httpx.Client(
             base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
         )
-        self._max_attempts = max_attempts
+        self._retry = RetryPolicy(max_attempts=max_attempts, backoff_base_s=0.2, backoff_max_s=5.0)
         self.pool_id: str | None = None
 
     def close(self) -> None:
@@ -49,23 +46,14 @@ class PoolServiceClient:
     # -- transport -------------------------------------------------------------------------------
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        delay = 0.2
-        for attempt in range(1, self._max_attempts + 1):
-            try:
-                response = self._http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                if attempt == self._max_attempts:
-                    raise
-                log.warning("%s %s failed (%s); retrying", method, path, type(exc).__name__)
-            else:
-                if response.status_code not in RETRY_STATUSES or attempt == self._max_attempts:
-                    if response.status_code >= 400:
-                        raise _service_error(response)
-                    return response
-                log.warning("%s %s answered %d; retrying", method, path, response.status_code)
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 5.0)
-        raise AssertionError("unreachable")
+        # The SDK's retry rules (backoff with jitter; connection errors, 429 with Retry-After and
+        # 5xx are retried, every other 4xx is an answer): one implementation for both clients.
+        response = send_with_retries(
+            lambda: self._http.request(method, path, **kwargs), self._retry, f"{method} {path}"
+        )
+        if response.status_code >= 400:
+            raise _service_error(response)
+        return response
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import torch
 import torch.distributed as dist
 
@@ -550,8 +551,6 @@ class _Heartbeat(threading.Thread):
 
 
 def _decode_batch(payload) -> TrainingBatch:
-    import msgspec
-
     return msgspec.convert(payload, TrainingBatch)
 
 
