@@ -69,7 +69,11 @@ def require_admin(request: Request, settings: SettingsDep) -> None:
     if not _same_secret(token, settings.admin_key.get_secret_value()):
         # A valid tenant key on an admin route is a 403 (authenticated, not allowed);
         # anything else is a 401.
-        raise Forbidden("admin key required") if token.startswith(KEY_PREFIX) else Unauthorized("invalid admin key")
+        raise (
+            Forbidden("admin key required")
+            if token.startswith(KEY_PREFIX)
+            else Unauthorized("invalid admin key")
+        )
 
 
 def require_worker(request: Request, settings: SettingsDep) -> None:

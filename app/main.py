@@ -83,7 +83,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         problems = [
-            {"loc": [str(p) for p in err.get("loc", ())], "msg": err.get("msg", ""), "type": err.get("type", "")}
+            {
+                "loc": [str(p) for p in err.get("loc", ())],
+                "msg": err.get("msg", ""),
+                "type": err.get("type", ""),
+            }
             for err in exc.errors()
         ]
         return JSONResponse(
@@ -136,7 +140,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse(error_body("database_unavailable", "database unreachable"), status_code=503)
         return JSONResponse({"status": "ready"})
 
-    for router in (tenants_router, runs_router, batches_router, pool_batches_router, adapters_router, workers_router):
+    for router in (
+        tenants_router,
+        runs_router,
+        batches_router,
+        pool_batches_router,
+        adapters_router,
+        workers_router,
+    ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     return app

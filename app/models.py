@@ -7,4 +7,15 @@ from app.runs.models import Event, Run
 from app.tenants.models import ApiKey, Tenant
 from app.workers.models import Pool
 
-__all__ = ["Adapter", "ApiKey", "Base", "Batch", "Checkpoint", "Event", "Pool", "Run", "StepMetrics", "Tenant"]
+__all__ = [
+    "Adapter",
+    "ApiKey",
+    "Base",
+    "Batch",
+    "Checkpoint",
+    "Event",
+    "Pool",
+    "Run",
+    "StepMetrics",
+    "Tenant",
+]

@@ -116,7 +116,9 @@ class TimedClient(PoolServiceClient):
         try:
             return super()._request(method, path, **kwargs)
         finally:
-            route = "/".join("*" if p.startswith(("run_", "pool_")) or p.isdigit() else p for p in path.split("/"))
+            route = "/".join(
+                "*" if p.startswith(("run_", "pool_")) or p.isdigit() else p for p in path.split("/")
+            )
             self.request_seconds[f"{method} {route}"] += time.perf_counter() - started
             self.request_counts[f"{method} {route}"] += 1
 

@@ -14,7 +14,9 @@ from app.config import Settings
 from app.db import make_engine
 from app.models import Base
 
-PG_ADMIN_URL = os.environ.get("LORALOOM_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres")
+PG_ADMIN_URL = os.environ.get(
+    "LORALOOM_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
+)
 ADMIN_KEY = "admin-test-key"
 WORKER_TOKEN = "worker-test-token"
 

@@ -22,7 +22,9 @@ class _Strict(BaseModel):
 
 class LoraSettings(_Strict):
     rank: int = Field(default=8, ge=1, le=256, description="LoRA rank r.")
-    alpha: float = Field(default=16.0, gt=0, le=4096, description="LoRA alpha; the delta is scaled by alpha / rank.")
+    alpha: float = Field(
+        default=16.0, gt=0, le=4096, description="LoRA alpha; the delta is scaled by alpha / rank."
+    )
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
     target_modules: tuple[str, ...] = Field(
         default=DEFAULT_TARGET_MODULES,
@@ -57,7 +59,9 @@ class OptimSettings(_Strict):
 class SchedulerSettings(_Strict):
     kind: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(default=0, ge=0, le=100_000)
-    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0, description="Final lr as a fraction of the peak.")
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="Final lr as a fraction of the peak."
+    )
 
 
 class LossSettings(_Strict):
@@ -65,9 +69,15 @@ class LossSettings(_Strict):
         default="token_is",
         description="Importance-ratio masking at token level, or the whole sequence when its ratio leaves the bounds.",
     )
-    mask_ratio_low: float = Field(default=0.125, gt=0.0, le=1.0, description="Mask tokens whose ratio is below this.")
-    mask_ratio_high: float = Field(default=8.0, ge=1.0, le=1000.0, description="Mask tokens whose ratio is above this.")
-    kl_coef: float = Field(default=0.0, ge=0.0, le=100.0, description="KL penalty towards the inference policy.")
+    mask_ratio_low: float = Field(
+        default=0.125, gt=0.0, le=1.0, description="Mask tokens whose ratio is below this."
+    )
+    mask_ratio_high: float = Field(
+        default=8.0, ge=1.0, le=1000.0, description="Mask tokens whose ratio is above this."
+    )
+    kl_coef: float = Field(
+        default=0.0, ge=0.0, le=100.0, description="KL penalty towards the inference policy."
+    )
 
 
 class CkptSettings(_Strict):
@@ -88,10 +98,16 @@ class RunConfig(_Strict):
     loss: LossSettings = LossSettings()
     ckpt: CkptSettings = CkptSettings()
     max_async_level: int = Field(
-        default=2, ge=0, le=1000, description="How many steps a rollout batch may lag behind the trained step."
+        default=2,
+        ge=0,
+        le=1000,
+        description="How many steps a rollout batch may lag behind the trained step.",
     )
     heartbeat_timeout: float | None = Field(
-        default=None, gt=0, le=86_400, description="Evict the run if the orchestrator is silent this long (s)."
+        default=None,
+        gt=0,
+        le=86_400,
+        description="Evict the run if the orchestrator is silent this long (s).",
     )
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seeds the adapter's initialisation.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form user labels (≤ 64 keys).")

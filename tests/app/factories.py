@@ -22,7 +22,12 @@ def make_tenant(session: Session, *, name: str | None = None, quota: int = 4) ->
 
 
 def make_run(
-    session: Session, tenant: Tenant, *, status: str = "active", slot: int | None = 0, config: RunConfig | None = None
+    session: Session,
+    tenant: Tenant,
+    *,
+    status: str = "active",
+    slot: int | None = 0,
+    config: RunConfig | None = None,
 ) -> Run:
     config = config or RunConfig()
     run = Run(
