@@ -14,13 +14,14 @@ WORKDIR /srv/loraloom
 ARG TORCH_INDEX_URL=""
 RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 
-COPY pyproject.toml README.md alembic.ini ./
+COPY pyproject.toml README.md ./
+COPY contracts ./contracts
 COPY app ./app
 COPY trainer_core ./trainer_core
 COPY orchestrator ./orchestrator
-COPY migrations ./migrations
-# Editable, so alembic.ini and migrations/ stay next to the package (app/migrate.py finds them there).
-RUN pip install -e .
+COPY loraloom ./loraloom
+# The migrations ship inside the app package, so a plain (non-editable) install can migrate.
+RUN pip install .
 
 RUN useradd --create-home --uid 10001 loraloom \
     && mkdir -p /data \

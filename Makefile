@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PG_URL ?= postgresql+psycopg://root@127.0.0.1:5432/postgres
 
-.PHONY: install demo test test-postgres test-sqlite lint postgres serve clean
+.PHONY: install demo test test-postgres test-sqlite lint typecheck postgres serve clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,8 +29,16 @@ postgres:
 	  for i in $$(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done; }
 	@pg_isready -h 127.0.0.1 -p 5432
 
+# The design held by tools: lint rules, formatting, types (strict on contracts/ and app/), and the
+# import arrows between the parts (tests/test_layering.py).
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/test_layering.py
+
+typecheck: install
+	$(VENV)/bin/mypy
 
 test-postgres: install postgres
 	LORALOOM_TEST_DB=postgres $(VENV)/bin/pytest -q

@@ -7,8 +7,8 @@ from fastapi import FastAPI
 
 from app.batches.storage import remove_orphan_payloads
 from app.projection import rebuild_all
-from app.storage import remove_stale_temporaries
 from app.sweeper import run_sweeper
+from contracts.durable import remove_stale_temporaries
 
 
 async def on_startup(app: FastAPI) -> None:

@@ -18,7 +18,7 @@ from app.db import make_engine, make_session_factory
 from app.errors import AppError
 from app.runs.router import router as runs_router
 from app.tenants.router import router as tenants_router
-from app.workers.router import router as workers_router
+from app.pools.router import router as pools_router
 
 log = logging.getLogger("loraloom")
 
@@ -146,7 +146,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         batches_router,
         pool_batches_router,
         adapters_router,
-        workers_router,
+        pools_router,
     ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)

@@ -1,16 +1,21 @@
-"""Run Alembic migrations from code (CLI `loraloom db upgrade`, tests, service start-up)."""
+"""Run Alembic migrations from code (CLI `loraloom db upgrade`, tests, service start-up).
+
+The migrations ship inside the package (`app/migrations/`) and the Alembic config is built here,
+so an installed wheel migrates from any directory; the repository's `alembic.ini` only serves
+developers who run `alembic` by hand.
+"""
 
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 
-_ROOT = Path(__file__).resolve().parent.parent
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 
 def alembic_config(database_url: str) -> Config:
-    cfg = Config(str(_ROOT / "alembic.ini"))
-    cfg.set_main_option("script_location", str(_ROOT / "migrations"))
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
     return cfg
 

@@ -5,7 +5,7 @@ from app.batches.models import Batch
 from app.db import Base
 from app.runs.models import Event, Run
 from app.tenants.models import ApiKey, Tenant
-from app.workers.models import Pool
+from app.pools.models import Pool
 
 __all__ = [
     "Adapter",

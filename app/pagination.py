@@ -7,7 +7,7 @@ pagination, unlike offsets, neither skips nor repeats rows when rows are added b
 import base64
 import binascii
 import json
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import Query
@@ -15,6 +15,7 @@ from sqlalchemy import Select, and_, or_
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from app.errors import ValidationFailed
+from app.timestamps import as_utc
 
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 200
@@ -24,11 +25,6 @@ CursorQuery = Annotated[
     str | None,
     Query(max_length=512, description="`next_cursor` of the previous page; omit for the first page."),
 ]
-
-
-def as_utc(value: datetime) -> datetime:
-    """SQLite hands back naive datetimes; everything we store is UTC."""
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def encode_cursor(created_at: datetime, item_id: str | int) -> str:

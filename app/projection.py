@@ -23,16 +23,22 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.config import Settings
-from app.ids import is_run_id
 from app.runs.models import Run
-from app.storage import atomic_write_text, fsync_dir
+from contracts.durable import atomic_write_text, fsync_path
+from contracts.ids import is_run_id
+from contracts.layout import (
+    BROADCAST_DIR,
+    CHECKPOINTS_DIR,
+    CONFIG_ERROR_FILE,
+    CONTROL_DIR,
+    EVICTED_FILE,
+    ORCH_CONFIG_FILE,
+    ROLLOUTS_DIR,
+)
 
 log = logging.getLogger(__name__)
 
-RUN_SUBDIRS = ("control", "rollouts", "broadcast", "checkpoints")
-ORCH_TOML = "orch.toml"
-EVICTED_TXT = "evicted.txt"
-CONFIG_ERROR_TXT = "config_validation_error.txt"
+RUN_SUBDIRS = (CONTROL_DIR, ROLLOUTS_DIR, BROADCAST_DIR, CHECKPOINTS_DIR)
 
 
 def run_dir(settings: Settings, run_id: str) -> Path:
@@ -68,7 +74,7 @@ def _write_if_changed(path: Path, text: str) -> None:
 def _remove_file(path: Path) -> None:
     if path.exists():
         path.unlink()
-        fsync_dir(path.parent)
+        fsync_path(path.parent)
 
 
 def project_run(run: Run, settings: Settings) -> None:
@@ -79,23 +85,23 @@ def project_run(run: Run, settings: Settings) -> None:
     root = run_dir(settings, run.id)
     for sub in RUN_SUBDIRS:
         (root / sub).mkdir(parents=True, exist_ok=True)
-    control = root / "control"
-    _write_if_changed(control / ORCH_TOML, config_toml(run.config))
+    control = root / CONTROL_DIR
+    _write_if_changed(control / ORCH_CONFIG_FILE, config_toml(run.config))
     if run.status == "evicted":
-        _write_if_changed(control / EVICTED_TXT, (run.eviction_reason or "evicted") + "\n")
+        _write_if_changed(control / EVICTED_FILE, (run.eviction_reason or "evicted") + "\n")
     else:
-        _remove_file(control / EVICTED_TXT)
+        _remove_file(control / EVICTED_FILE)
     if run.status == "failed":
-        _write_if_changed(control / CONFIG_ERROR_TXT, (run.failure_reason or "failed") + "\n")
+        _write_if_changed(control / CONFIG_ERROR_FILE, (run.failure_reason or "failed") + "\n")
     else:
-        _remove_file(control / CONFIG_ERROR_TXT)
+        _remove_file(control / CONFIG_ERROR_FILE)
 
 
 def remove_run_dir(run_id: str, settings: Settings) -> None:
     root = run_dir(settings, run_id)
     if root.exists():
         shutil.rmtree(root)
-        fsync_dir(root.parent)
+        fsync_path(root.parent)
 
 
 def rebuild_all(session: Session, settings: Settings) -> None:

@@ -19,7 +19,7 @@ from app.batches.service import expire_leases
 from app.config import Settings
 from app.db import utcnow
 from app.runs.service import evict_silent_runs
-from app.workers.service import declare_dead_pools
+from app.pools.service import declare_dead_pools
 
 log = logging.getLogger(__name__)
 

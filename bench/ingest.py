@@ -41,13 +41,13 @@ from sqlalchemy import create_engine, text
 from app import migrate
 from app.auth import hash_key, new_api_key
 from app.db import make_engine, make_session_factory
-from app.ids import new_id
-from app.launch import free_port, start_service_process
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
-from app.workers.models import Pool
-from trainer_core.config import RunConfig
-from trainer_core.wire import TrainingBatch, TrainingSample, json_encoder, msgpack_encoder
+from app.pools.models import Pool
+from contracts.ids import new_id
+from contracts.run_config import RunConfig
+from contracts.wire import TrainingBatch, TrainingSample, json_encoder, msgpack_encoder
+from loraloom.launch import free_port, start_service_process
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 32_000

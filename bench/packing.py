@@ -27,8 +27,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.packing import Packer, pack_ffd
-from trainer_core.wire import TrainingBatch, TrainingSample
 
 DISTRIBUTIONS = ("lognormal", "heavy-tail", "truncated")
 

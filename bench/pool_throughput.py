@@ -26,7 +26,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.ingest import create_database, drop_database, start_service
-from trainer_core.config import RunConfig
+from contracts.run_config import RunConfig
 from trainer_core.memory_client import MemoryPoolClient, Timing
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.worker import PoolTrainer, WorkerArgs

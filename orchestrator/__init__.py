@@ -4,7 +4,8 @@ filters, the multi-agent rollout engine and the rollout loop.
 `LocalSampler` (torch + transformers) is imported lazily from `orchestrator.samplers`.
 """
 
-from orchestrator._retry import RetryPolicy
+from contracts.http import RetryPolicy
+from contracts.tokenizer import CharTokenizer
 from orchestrator.advantages import (
     GroupKey,
     RewardPlacement,
@@ -29,7 +30,6 @@ from orchestrator.filters import FilterMode, filter_samples
 from orchestrator.loop import LoopConfig, RolloutLoop, StepReport
 from orchestrator.models import AdapterInfo, BatchInfo, Progress, Run, StepMetrics
 from orchestrator.samplers import Completion, OpenAICompatibleSampler, Sampler
-from orchestrator.tokenizer import CharTokenizer
 
 __all__ = [
     "AdapterInfo",

@@ -29,7 +29,9 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import TypeAdapter
 
-from orchestrator._retry import RetryPolicy, send_with_retries, send_with_retries_async
+from contracts.http import RetryPolicy, send_with_retries, send_with_retries_async
+from contracts.run_config import RunConfig
+from contracts.wire import TrainingBatch, json_encoder, msgpack_encoder
 from orchestrator.archive import extract_adapter, read_marker
 from orchestrator.errors import ApiError, error_from_response
 from orchestrator.models import (
@@ -41,8 +43,6 @@ from orchestrator.models import (
     Run,
     StepMetrics,
 )
-from trainer_core.config import RunConfig
-from trainer_core.wire import TrainingBatch, json_encoder, msgpack_encoder
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class _Ops:
         run_id: str, batch: TrainingBatch, fmt: BatchFormat, idempotency_key: str | None
     ) -> _Op[BatchInfo]:
         if not isinstance(batch, TrainingBatch):
-            raise TypeError(f"batch must be a trainer_core.wire.TrainingBatch, not {type(batch).__name__}")
+            raise TypeError(f"batch must be a contracts.wire.TrainingBatch, not {type(batch).__name__}")
         if fmt == "msgpack":
             content, ctype = msgpack_encoder.encode(batch), "application/msgpack"
         elif fmt == "json":

@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from contracts.tokenizer import Tokenizer, encode_prompt
+from contracts.wire import TrainingBatch, TrainingSample
 from orchestrator.advantages import (
     AdvantageMethod,
     GroupKey,
@@ -44,8 +46,6 @@ from orchestrator.envs import Env, make_agent, make_env
 from orchestrator.envs.base import Episode, Problem
 from orchestrator.filters import FilterMode, filter_samples
 from orchestrator.samplers.base import Completion, Sampler
-from orchestrator.tokenizer import Tokenizer, encode_prompt
-from trainer_core.wire import TrainingBatch, TrainingSample
 
 log = logging.getLogger(__name__)
 

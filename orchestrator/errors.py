@@ -1,186 +1,37 @@
-"""Typed errors of the loraloom SDK.
+"""Typed errors of the loraloom SDK (defined in `contracts.http`, shared with the worker pool)."""
 
-Every error the service returns has the body `{"error": {"code", "message", "details"}}`;
-`error_from_response` turns it into one of the classes below, so callers can
-`except NotFound` instead of inspecting status codes.
-"""
+from contracts.http import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    Forbidden,
+    LoraloomError,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    RetryExhausted,
+    RunEvicted,
+    RunFailed,
+    ServerError,
+    Unauthorized,
+    ValidationError,
+    error_from_response,
+)
 
-from __future__ import annotations
-
-from typing import Any
-
-import httpx
-
-
-class LoraloomError(Exception):
-    """Base of everything the SDK raises on purpose."""
-
-
-class ApiError(LoraloomError):
-    """An error answer of the service (or a failure to get any answer: see `RetryExhausted`)."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int | None = None,
-        code: str | None = None,
-        details: Any = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        """HTTP status of the answer; None when no answer came (connection errors) or the SDK raised it."""
-        self.code = code
-        """The server's machine-readable error code, e.g. `not_found`."""
-        self.details = details
-        """The server's `details` (field errors for a 422, the eviction reason for a 409, ...)."""
-
-    def __str__(self) -> str:
-        prefix = f"{self.status} " if self.status is not None else ""
-        code = f"[{self.code}] " if self.code else ""
-        return f"{prefix}{code}{self.message}"
-
-
-class BadRequest(ApiError):
-    """400 and the other 4xx without a class of their own."""
-
-
-class Unauthorized(ApiError):
-    """401: no API key, or a revoked one."""
-
-
-class Forbidden(ApiError):
-    """403: the key may not use this route (e.g. a tenant key on an admin route)."""
-
-
-class NotFound(ApiError):
-    """404: the object does not exist, or belongs to another tenant."""
-
-
-class Conflict(ApiError):
-    """409: the request conflicts with the object's state (e.g. the run is not active)."""
-
-
-class RunEvicted(Conflict):
-    """The run was evicted; the rollout loop must stop.
-
-    Raised for a 409 whose code says the run is evicted, and by SDK helpers that
-    see a run with status `evicted`."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        run_id: str | None = None,
-        reason: str | None = None,
-        evicted_by: str | None = None,
-        status: int | None = None,
-        code: str | None = "run_evicted",
-        details: Any = None,
-    ) -> None:
-        super().__init__(message, status=status, code=code, details=details)
-        self.run_id = run_id
-        self.reason = reason
-        """Why the run was evicted, as the evicting party wrote it."""
-        self.evicted_by = evicted_by
-        """`user`, `trainer`, `orchestrator` or `heartbeat`."""
-
-
-class RunFailed(Conflict):
-    """The run ended without being evicted and cannot take batches (`failed`, `deleted`)."""
-
-    def __init__(self, message: str, *, run_id: str | None = None, run_status: str | None = None) -> None:
-        super().__init__(message, code="run_not_active")
-        self.run_id = run_id
-        self.run_status = run_status
-
-
-class ValidationError(ApiError):
-    """422: the request body was rejected; `details` lists every problem."""
-
-
-class PayloadTooLarge(ApiError):
-    """413: the body is over the service's limit."""
-
-
-class ServerError(ApiError):
-    """5xx. Retried by the client; seen by callers only inside `RetryExhausted`."""
-
-
-class RateLimited(ApiError):
-    """429. Retried by the client; seen by callers only inside `RetryExhausted`."""
-
-
-class RetryExhausted(ApiError):
-    """Every attempt of one logical request failed with a retryable error.
-
-    `last_error` is the last attempt's exception (a `ServerError`, `RateLimited`
-    or an `httpx.TransportError`)."""
-
-    def __init__(self, message: str, *, attempts: int, last_error: BaseException) -> None:
-        status = last_error.status if isinstance(last_error, ApiError) else None
-        code = last_error.code if isinstance(last_error, ApiError) else None
-        details = last_error.details if isinstance(last_error, ApiError) else None
-        super().__init__(message, status=status, code=code, details=details)
-        self.attempts = attempts
-        self.last_error = last_error
-
-
-_BY_STATUS: dict[int, type[ApiError]] = {
-    400: BadRequest,
-    401: Unauthorized,
-    403: Forbidden,
-    404: NotFound,
-    409: Conflict,
-    413: PayloadTooLarge,
-    422: ValidationError,
-    429: RateLimited,
-}
-
-
-def _is_eviction(code: str | None) -> bool:
-    # The service says `run_evicted` (with details {reason, evicted_by}); any code naming an
-    # eviction counts. Other 409s about an evicted run (e.g. `invalid_transition` when evicting
-    # it twice) stay plain Conflicts: their message is not an eviction reason.
-    return bool(code) and "evict" in code.lower()
-
-
-def error_from_response(response: httpx.Response) -> ApiError:
-    """The typed exception for an error response (status >= 400)."""
-    status = response.status_code
-    code: str | None = None
-    message = response.reason_phrase or f"HTTP {status}"
-    details: Any = None
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        err = body["error"]
-        code = err.get("code") if isinstance(err.get("code"), str) else None
-        message = str(err.get("message") or message)
-        details = err.get("details")
-    elif isinstance(body, dict) and "detail" in body:
-        # FastAPI's default shape, in case a route escapes the service's error handler.
-        details = body["detail"]
-        message = details if isinstance(details, str) else message
-    elif response.text:
-        message = response.text[:500]
-
-    if status == 409 and _is_eviction(code):
-        info = details if isinstance(details, dict) else {}
-        return RunEvicted(
-            message,
-            run_id=info.get("run_id"),
-            reason=info.get("reason") or info.get("eviction_reason") or message,
-            evicted_by=info.get("evicted_by"),
-            status=status,
-            code=code,
-            details=details,
-        )
-    if status >= 500:
-        cls: type[ApiError] = ServerError
-    else:
-        cls = _BY_STATUS.get(status, BadRequest)
-    return cls(message, status=status, code=code, details=details)
+__all__ = [
+    "ApiError",
+    "BadRequest",
+    "Conflict",
+    "Forbidden",
+    "LoraloomError",
+    "NotFound",
+    "PayloadTooLarge",
+    "RateLimited",
+    "RetryExhausted",
+    "RunEvicted",
+    "RunFailed",
+    "ServerError",
+    "Unauthorized",
+    "ValidationError",
+    "error_from_response",
+]

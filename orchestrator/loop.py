@@ -44,12 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from contracts.run_config import RunConfig
+from contracts.wire import TrainingBatch
 from orchestrator.client import BatchFormat, EvictedBy
 from orchestrator.engine import MultiAgentEngine, RunBatch, ValidationResult
 from orchestrator.errors import Conflict, RunEvicted
 from orchestrator.models import AdapterDownload, AdapterInfo, BatchInfo, Heartbeat, Page, Run
-from trainer_core.config import RunConfig
-from trainer_core.wire import TrainingBatch
 
 log = logging.getLogger(__name__)
 

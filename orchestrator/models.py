@@ -12,8 +12,9 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from contracts.progress import Progress
+from contracts.run_config import RunConfig
 from orchestrator.errors import RunEvicted, RunFailed
-from trainer_core.config import RunConfig
 
 RunStatus = Literal["queued", "active", "completed", "evicted", "failed", "deleted"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "evicted", "failed", "deleted"})
@@ -23,13 +24,6 @@ T = TypeVar("T")
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class Progress(_Model):
-    step: int = 0
-    """Completed trainer steps of the run."""
-    total_tokens: int = 0
-    total_samples: int = 0
 
 
 class Run(_Model):

@@ -25,6 +25,6 @@ def test_compose_stack_wires_postgres_api_and_worker():
 def test_dockerfile_installs_pinned_torch_before_the_package():
     lines = (ROOT / "Dockerfile").read_text().splitlines()
     torch_line = next(i for i, line in enumerate(lines) if "torch==2.13.0" in line)
-    package_line = next(i for i, line in enumerate(lines) if line.startswith("RUN pip install -e ."))
+    package_line = next(i for i, line in enumerate(lines) if line.startswith("RUN pip install ."))
     assert torch_line < package_line
     assert any(line.startswith("USER ") and "root" not in line for line in lines)

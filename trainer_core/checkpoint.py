@@ -6,7 +6,7 @@ Layout of one checkpoint, ``{ckpt_root}/step_{N}/``::
     optimizer.pt          optimizer + scheduler + counters (torch.save, weights_only-loadable)
     progress.json         {"step": N, "progress": {...}}
     extra.pt              optional caller state (torch.save, weights_only-loadable)
-    STABLE                written last: only a directory holding it is a checkpoint
+    STABLE                       written last: only a directory holding it is a checkpoint
 
 Protocol: everything is written into a temporary directory inside ``ckpt_root`` (same
 filesystem, so the rename is atomic), each file fsynced, the directory fsynced, renamed
@@ -33,9 +33,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from trainer_core.durable import fsync_path
+from contracts.durable import fsync_path
+from contracts.layout import STABLE_MARKER, step_dir_name
 
-STABLE = "STABLE"
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 PROGRESS_FILE = "progress.json"
@@ -88,7 +88,7 @@ def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
 
 
 def is_stable(path: Path) -> bool:
-    return (path / STABLE).is_file()
+    return (path / STABLE_MARKER).is_file()
 
 
 def stable_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
@@ -166,16 +166,16 @@ def save_checkpoint(
         _torch_save(extra, tmp / EXTRA_FILE)
     fsync_path(tmp)
 
-    final = ckpt_root / f"step_{step}"
+    final = ckpt_root / step_dir_name(step)
     if final.exists():
         _discard(final, ckpt_root)
     os.rename(tmp, final)
     fsync_path(ckpt_root)
 
     # The marker goes in last, itself atomically: a STABLE file is never empty or partial.
-    marker_tmp = final / f"{_TMP_PREFIX}{STABLE}"
+    marker_tmp = final / f"{_TMP_PREFIX}{STABLE_MARKER}"
     _write_text(marker_tmp, f"{step}\n")
-    os.rename(marker_tmp, final / STABLE)
+    os.rename(marker_tmp, final / STABLE_MARKER)
     fsync_path(final)
 
     stable = stable_checkpoints(ckpt_root)
@@ -189,7 +189,7 @@ def load_checkpoint(path: Path) -> CheckpointData:
     """Load a stable checkpoint directory (as returned by ``latest_checkpoint``)."""
     path = Path(path)
     if not is_stable(path):
-        raise FileNotFoundError(f"{path} is not a stable checkpoint (no {STABLE} marker)")
+        raise FileNotFoundError(f"{path} is not a stable checkpoint (no {STABLE_MARKER} marker)")
     meta = json.loads((path / PROGRESS_FILE).read_text(encoding="utf-8"))
     adapter = load_file(str(path / ADAPTER_FILE), device="cpu")
     optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)

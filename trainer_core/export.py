@@ -23,12 +23,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from trainer_core.durable import fsync_path
+from contracts.durable import fsync_path
+from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 from trainer_core.lora import MultiLoRA
 
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
-ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
 _PREFIX = "base_model.model."
 _SUFFIXES = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B"}
 
@@ -95,8 +93,8 @@ def export_peft_adapter(
     tensors = peft_state_dict(handle, slot, dtype=dtype)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         for name in ADAPTER_FILES:
             fsync_path(tmp / name)
         fsync_path(tmp)
@@ -120,9 +118,9 @@ def import_peft_adapter(
     fresh adapter in this slot: A Kaiming-uniform, B = 0, a zero delta that can still learn). Nothing is changed unless every check passes.
     """
     path = Path(adapter_dir)
-    config = json.loads((path / CONFIG_NAME).read_text())
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
     rank, alpha, dropout = _check_config(config, handle.max_rank, path)
-    tensors = load_file(path / WEIGHTS_NAME)
+    tensors = load_file(path / ADAPTER_WEIGHTS)
     by_module = _group_by_module(tensors, path)
     unexpected = sorted(by_module.keys() - handle.layers.keys())
     if unexpected:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer_core.config import LossSettings
+from contracts.run_config import LossSettings
 
 
 class MicroBatchLike(Protocol):

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from contracts.layout import ADAPTER_WEIGHTS
 from trainer_core.service_client import PoolRegistration
 
 
@@ -76,7 +77,7 @@ class MemoryPoolClient:
         return []
 
     def upload_adapter(self, run_id, step, adapter_dir: Path) -> None:
-        self.adapters[run_id] = (adapter_dir / "adapter_model.safetensors").read_bytes()
+        self.adapters[run_id] = (adapter_dir / ADAPTER_WEIGHTS).read_bytes()
 
     def report_step(self, run_id, *, step, total_tokens, total_samples, metrics) -> dict:
         self.runs[run_id]["step"] = step

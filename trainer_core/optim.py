@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.optim import AdamW
 from torch.optim.lr_scheduler import LambdaLR
 
-from trainer_core.config import OptimSettings, SchedulerSettings
+from contracts.run_config import OptimSettings, SchedulerSettings
 
 
 @dataclass

@@ -21,12 +21,8 @@ There is no module-level state: build one manager and pass it to whoever needs i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
-import re
-import tempfile
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -38,43 +34,13 @@ import torch
 import torch.distributed as dist
 from pydantic import ValidationError
 
-from trainer_core.config import RunConfig
+from contracts.durable import atomic_write_text
+from contracts.ids import is_valid_run_id, validate_run_id
+from contracts.layout import CONFIG_ERROR_FILE, CONTROL_DIR, EVICTED_FILE, ORCH_CONFIG_FILE
+from contracts.progress import Progress
+from contracts.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
-
-# The service issues `run_` + 12 lowercase hex (app.ids); directory runs made by hand
-# may use any name the source documents allow (`run_*`), as long as it cannot escape
-# the output directory or smuggle odd characters into paths and logs.
-CANONICAL_RUN_ID_RE = re.compile(r"run_[0-9a-f]{12}")
-RUN_ID_RE = re.compile(r"run_[A-Za-z0-9_-]{1,64}")
-
-CONTROL_DIR = "control"
-ORCH_CONFIG_FILE = "orch.toml"
-EVICTED_FILE = "evicted.txt"
-CONFIG_ERROR_FILE = "config_validation_error.txt"
-
-
-def is_valid_run_id(run_id: str) -> bool:
-    """True for ids that are safe as a single path component (`run_` + [A-Za-z0-9_-], ≤ 68 chars)."""
-    return bool(RUN_ID_RE.fullmatch(run_id))
-
-
-def validate_run_id(run_id: str) -> str:
-    if not is_valid_run_id(run_id):
-        raise ValueError(f"invalid run id {run_id!r}: expected 'run_' followed by 1-64 of [A-Za-z0-9_-]")
-    return run_id
-
-
-@dataclass
-class Progress:
-    """How far a run has trained. Mutable: the packer advances it on the master."""
-
-    step: int = 0
-    """Completed optimizer steps."""
-    total_tokens: int = 0
-    """Tokens trained in completed and current steps."""
-    total_samples: int = 0
-    """Samples trained in completed and current steps."""
 
 
 @dataclass(frozen=True)
@@ -116,28 +82,6 @@ class HasRunDirs(Protocol):
     """A source whose runs live in directories (checkpoints, rollouts, broadcast)."""
 
     def run_dir(self, run_id: str) -> Path: ...
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    # Readers (the orchestrator polls evicted.txt) must never see half a file:
-    # write a temporary file in the same directory, fsync, rename over the target.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from a service running as another user
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
 
 
 class DirectoryRunSource:
@@ -215,14 +159,14 @@ class DirectoryRunSource:
             logger.warning("not evicting run %s: its directory %s is gone", run_id, control.parent)
             return
         control.mkdir(exist_ok=True)
-        _write_text_atomic(control / EVICTED_FILE, reason)
+        atomic_write_text(control / EVICTED_FILE, reason)
 
     def report_invalid_config(self, run_id: str, message: str) -> None:
         control = self.control_dir(run_id)
         if not control.is_dir():
             logger.warning("cannot report the invalid config of run %s: %s is gone", run_id, control)
             return
-        _write_text_atomic(control / CONFIG_ERROR_FILE, message.rstrip("\n") + "\n")
+        atomic_write_text(control / CONFIG_ERROR_FILE, message.rstrip("\n") + "\n")
 
     def clear_invalid_config(self, run_id: str) -> None:
         (self.control_dir(run_id) / CONFIG_ERROR_FILE).unlink(missing_ok=True)
@@ -642,8 +586,6 @@ class MultiRunManager:
 
 
 __all__ = [
-    "CANONICAL_RUN_ID_RE",
-    "RUN_ID_RE",
     "ConfigValidationHook",
     "DirectoryRunSource",
     "DiscoveredHook",

@@ -1,6 +1,6 @@
 """The worker pool's side of the service API (only the master rank talks to the service).
 
-Retries follow the SDK's policy (orchestrator._retry); an error answer raises ServiceError.
+Retries follow the SDK's policy (contracts.http); an error answer raises ServiceError.
 Never logs the token.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator._retry import RetryPolicy, send_with_retries
+from contracts.http import RetryPolicy, send_with_retries
 from trainer_core.export import adapter_tar_bytes
 
 log = logging.getLogger("loraloom.worker")

@@ -35,8 +35,10 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from contracts.progress import Progress
+from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES, RunConfig
+from contracts.wire import TrainingBatch
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer_core.config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES, RunConfig
 from trainer_core.export import export_peft_adapter
 from trainer_core.ledger import BatchLedger
 from trainer_core.lora import apply_multi_lora
@@ -45,9 +47,8 @@ from trainer_core.modeling import forward_packed
 from trainer_core.models.registry import load_base_model
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import InvalidSampleError, MicroBatch, Packer
-from trainer_core.runs import MultiRunManager, Progress, RunRecord
+from trainer_core.runs import MultiRunManager, RunRecord
 from trainer_core.service_client import PoolServiceClient, ServiceError
-from trainer_core.wire import TrainingBatch
 
 log = logging.getLogger("loraloom.worker")
 
@@ -214,6 +215,7 @@ class PoolTrainer:
                 dp_world_size=world_size,
                 pad_to_multiple_of=args.pad_to_multiple_of,
                 timeout_s=args.pack_timeout_s,
+                vocab_size=self.vocab_size,
             )
             self.ledger = BatchLedger()
             self._idle_since = time.monotonic()
@@ -349,11 +351,6 @@ class PoolTrainer:
             num_samples=claimed["num_samples"],
         )
         if fresh == 0:
-            return
-        problem = _invalid_sample(batch, vocab_size=self.vocab_size, seq_len=self.args.seq_len)
-        if problem is not None:
-            # The service validates every sample; reaching here means something slipped through.
-            self.runs.evict_run(slot, f"trainer rejected batch {claimed['id']}: {problem}")
             return
         try:
             self.packer.add_batch(slot, batch, batch_id=claimed["id"], skip=claimed["num_samples"] - fresh)
@@ -552,16 +549,6 @@ class _Heartbeat(threading.Thread):
 
 def _decode_batch(payload) -> TrainingBatch:
     return msgspec.convert(payload, TrainingBatch)
-
-
-def _invalid_sample(batch: TrainingBatch, *, vocab_size: int, seq_len: int) -> str | None:
-    for i, s in enumerate(batch.examples):
-        if s.num_tokens > seq_len:
-            return f"sample {i} has {s.num_tokens} tokens, above the pool's seq_len {seq_len}"
-        ids = s.prompt_ids + s.completion_ids
-        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-            return f"sample {i} has a token id outside the vocabulary (size {vocab_size})"
-    return None
 
 
 def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:

@@ -11,24 +11,14 @@ from fastapi.responses import FileResponse
 
 from app.adapters import service
 from app.adapters.models import Adapter
-from app.adapters.schemas import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    AdapterList,
-    AdapterOut,
-    AdapterStored,
-    CheckpointOut,
-    CheckpointReport,
-    MetricsItem,
-    MetricsList,
-    StepReport,
-    TrainerEvict,
-)
+from app.adapters.schemas import AdapterList, AdapterOut, CheckpointOut, MetricsItem, MetricsList
 from app.auth import SettingsDep, TenantDep, TenantPrincipal, WorkerDep
 from app.db import SessionDep
 from app.errors import ValidationFailed
 from app.runs.schemas import RunOut
 from app.runs.service import get_run_for_tenant
+from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from contracts.pool_api import AdapterStored, CheckpointReport, StepReport, TrainerEvict
 
 router = APIRouter()
 

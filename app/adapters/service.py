@@ -25,16 +25,17 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from app.adapters.models import Adapter, Checkpoint, StepMetrics
-from app.adapters.schemas import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS, StepReport
 from app.config import Settings
 from app.db import Base, utcnow
 from app.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed
-from app.ids import is_run_id
 from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.runs.service import complete_run, evict_run, get_run
-from app.storage import TMP_SUFFIX, atomic_replace_dir, fsync_dir
-from trainer_core.config import RunConfig
+from contracts.durable import TMP_SUFFIX, atomic_replace_dir, fsync_path
+from contracts.ids import is_run_id
+from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS, BROADCAST_DIR, step_dir_name
+from contracts.pool_api import StepReport
+from contracts.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def _require_artifacts_allowed(run: Run, what: str) -> None:
 
 
 def broadcast_dir(settings: Settings, run_id: str) -> Path:
-    return settings.runs_dir / run_id / "broadcast"
+    return settings.runs_dir / run_id / BROADCAST_DIR
 
 
 # ---------------------------------------------------------------- adapter upload
@@ -228,7 +229,7 @@ def _extract_adapter_tar(body: IO[bytes], staging: Path, *, max_bytes: int) -> t
         raise _invalid(f"the tar lacks {', '.join(missing)}")
     _check_adapter_config(staging / ADAPTER_CONFIG)
     check_safetensors(staging / ADAPTER_WEIGHTS)
-    fsync_dir(staging)
+    fsync_path(staging)
     return sum(sizes.values()), weights_sha
 
 
@@ -249,7 +250,7 @@ def store_adapter(
     staging.mkdir()
     try:
         size, sha = _extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
-        final = parent / f"step_{step}"
+        final = parent / step_dir_name(step)
         atomic_replace_dir(staging, final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful move

@@ -7,16 +7,9 @@ from fastapi import APIRouter, Header, Path, Response
 
 from app.auth import SettingsDep, WorkerDep
 from app.batches import service
-from app.batches.schemas import (
-    MSGPACK_CONTENT_TYPES,
-    AckIn,
-    AckOut,
-    ClaimIn,
-    ClaimOut,
-    RestartIn,
-    RestartOut,
-)
+from app.batches.schemas import MSGPACK_CONTENT_TYPES
 from app.db import SessionDep, utcnow
+from contracts.pool_api import AckIn, AckOut, ClaimIn, ClaimOut, RestartIn, RestartOut
 
 router = APIRouter(tags=["pool"])
 

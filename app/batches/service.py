@@ -30,11 +30,11 @@ from app.batches.storage import PayloadUnreadable, discard_payload, read_payload
 from app.batches.validation import batch_num_tokens, decode_and_validate, decode_batch
 from app.config import Settings
 from app.errors import Conflict, NotFound, ValidationFailed
-from app.ids import is_run_id
 from app.runs.models import Run
-from app.workers.models import Pool
-from trainer_core.config import RunConfig
-from trainer_core.wire import TrainingBatch, msgpack_encoder
+from app.pools.models import Pool
+from contracts.ids import is_run_id
+from contracts.run_config import RunConfig
+from contracts.wire import TrainingBatch, msgpack_encoder
 
 log = logging.getLogger("loraloom.batches")
 

@@ -21,8 +21,9 @@ from app.batches.models import Batch
 from app.config import Settings
 from app.errors import AppError
 from app.projection import run_dir
-from app.storage import atomic_write_bytes
-from trainer_core.wire import TrainingBatch, batch_msgpack_decoder
+from contracts.durable import atomic_write_bytes
+from contracts.layout import ROLLOUTS_DIR, step_dir_name
+from contracts.wire import TrainingBatch, batch_msgpack_decoder
 
 log = logging.getLogger("loraloom.batches")
 
@@ -45,7 +46,7 @@ class StoredPayload:
 
 
 def rollouts_dir(settings: Settings, run_id: str) -> Path:
-    return run_dir(settings, run_id) / "rollouts"  # run_dir refuses anything but a run id
+    return run_dir(settings, run_id) / ROLLOUTS_DIR  # run_dir refuses anything but a run id
 
 
 def write_payload(
@@ -54,7 +55,9 @@ def write_payload(
     """Write `data` durably as a new payload file of the run; returns where and its digest
     (pass `sha256` when it is known already: hashing a large payload twice is measurable)."""
     path = (
-        rollouts_dir(settings, run_id) / f"step_{rollout_step}" / f"batch_{uuid.uuid4().hex}{PAYLOAD_SUFFIX}"
+        rollouts_dir(settings, run_id)
+        / step_dir_name(rollout_step)
+        / f"batch_{uuid.uuid4().hex}{PAYLOAD_SUFFIX}"
     )
     atomic_write_bytes(path, data)
     return StoredPayload(

@@ -13,24 +13,26 @@ decoded again without constraints and every rule is checked in Python, so the 42
 lists all the problems with readable messages.
 """
 
-import math
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 
 from app.errors import ValidationFailed
-from trainer_core.wire import TrainingBatch, TrainingSample, batch_json_decoder, batch_msgpack_decoder
-
-MAX_EXAMPLES_PER_BATCH = 4096
-"""A cap on samples per batch; bigger rollout steps are split into several batches."""
-
-MAX_LABEL_CHARS = 256
-"""Longest `env` / `agent` label."""
+from contracts.wire import (
+    MAX_EXAMPLES_PER_BATCH,
+    MAX_LABEL_CHARS,
+    Problem,
+    TrainingBatch,
+    TrainingSample,
+    batch_json_decoder,
+    batch_msgpack_decoder,
+    batch_problems,
+    sample_shape_problems,
+)
 
 MAX_REPORTED_PROBLEMS = 100
 """A 422 lists at most this many problems (a batch of 4096 broken samples is one message, not a megabyte)."""
@@ -39,21 +41,6 @@ _AT_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _SAMPLE_RE = re.compile(r"^\.examples\[(?P<index>\d+)\](?:\.(?P<field>\w+))?")
 _FIELD_RE = re.compile(r"^\.(?P<field>\w+)")
 _NAMED_FIELD_RE = re.compile(r"(?:unknown|required) field `(?P<field>[^`]+)`")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a batch."""
-
-    sample: int | None
-    """Index of the sample in `examples`; None for a batch-level field."""
-    field: str
-    """The field at fault (e.g. `completion_logprobs`, `temperature`, `body`)."""
-    problem: str
-    """What is wrong, in words."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"sample": self.sample, "field": self.field, "problem": self.problem}
 
 
 def reject(problems: Sequence[Problem]) -> ValidationFailed:
@@ -94,142 +81,6 @@ def decode_batch(body: bytes, *, msgpack: bool) -> TrainingBatch:
         return batch_msgpack_decoder.decode(body) if msgpack else batch_json_decoder.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise reject([_problem_from_msgspec(exc)]) from None
-
-
-def _finite_floats(values: list[float]) -> int | None:
-    """Index of the first NaN/inf in `values`, or None if all are finite."""
-    # sum() is one C loop; a NaN or inf anywhere makes it non-finite. Only then (or on an
-    # overflow of huge finite values) look for the culprit element by element.
-    if math.isfinite(sum(values)):
-        return None
-    for i, v in enumerate(values):
-        if not math.isfinite(v):
-            return i
-    return None
-
-
-def _check_logprobs(index: int, field: str, values: list[float], out: list[Problem]) -> None:
-    bad = _finite_floats(values)
-    if bad is not None:
-        out.append(Problem(index, field, f"value {values[bad]!r} at position {bad} is not finite"))
-        return
-    if values and max(values) > 0.0:
-        pos = next(i for i, v in enumerate(values) if v > 0.0)
-        out.append(
-            Problem(index, field, f"logprob {values[pos]!r} at position {pos} is positive (must be <= 0)")
-        )
-
-
-def _check_token_ids(
-    index: int, field: str, ids: list[int], vocab_size: int | None, out: list[Problem]
-) -> None:
-    if not ids:
-        return
-    low = min(ids)
-    if low < 0:
-        out.append(Problem(index, field, f"token id {low} at position {ids.index(low)} is negative"))
-    if vocab_size is not None:
-        high = max(ids)
-        if high >= vocab_size:
-            out.append(
-                Problem(
-                    index,
-                    field,
-                    f"token id {high} at position {ids.index(high)} is outside the vocabulary [0, {vocab_size})",
-                )
-            )
-
-
-def _check_length(
-    index: int, field: str, values: list[Any], expected: int, of: str, out: list[Problem]
-) -> None:
-    if len(values) != expected:
-        out.append(Problem(index, field, f"has {len(values)} entries; {of} has {expected}"))
-
-
-def _check_shape(index: int, sample: TrainingSample, *, seq_len: int, out: list[Problem]) -> None:
-    """The rules about lengths (the ones the constrained decode cannot express)."""
-    n_prompt = len(sample.prompt_ids)
-    n_completion = len(sample.completion_ids)
-    if n_prompt == 0:
-        out.append(Problem(index, "prompt_ids", "must not be empty"))
-    if n_completion == 0:
-        out.append(Problem(index, "completion_ids", "must not be empty"))
-    if n_prompt + n_completion > seq_len:
-        out.append(
-            Problem(
-                index,
-                "prompt_ids+completion_ids",
-                f"prompt ({n_prompt}) + completion ({n_completion}) = {n_prompt + n_completion} tokens "
-                f"exceeds the run's seq_len {seq_len}",
-            )
-        )
-    _check_length(index, "prompt_mask", sample.prompt_mask, n_prompt, "prompt_ids", out)
-    _check_length(index, "completion_mask", sample.completion_mask, n_completion, "completion_ids", out)
-    _check_length(
-        index, "completion_logprobs", sample.completion_logprobs, n_completion, "completion_ids", out
-    )
-    if sample.advantage is None:
-        out.append(Problem(index, "advantage", "is required (a number, or one per completion token)"))
-    elif isinstance(sample.advantage, list):
-        _check_length(index, "advantage", sample.advantage, n_completion, "completion_ids", out)
-    if sample.teacher_logprobs is not None:
-        _check_length(index, "teacher_logprobs", sample.teacher_logprobs, n_completion, "completion_ids", out)
-
-
-def _check_values(index: int, sample: TrainingSample, *, vocab_size: int | None, out: list[Problem]) -> None:
-    """The rules about values (token ids, finite floats, logprobs <= 0)."""
-    _check_token_ids(index, "prompt_ids", sample.prompt_ids, vocab_size, out)
-    _check_token_ids(index, "completion_ids", sample.completion_ids, vocab_size, out)
-    _check_logprobs(index, "completion_logprobs", sample.completion_logprobs, out)
-    advantage = sample.advantage
-    if isinstance(advantage, list):
-        bad = _finite_floats(advantage)
-        if bad is not None:
-            out.append(
-                Problem(index, "advantage", f"value {advantage[bad]!r} at position {bad} is not finite")
-            )
-    elif advantage is not None and not math.isfinite(advantage):
-        out.append(Problem(index, "advantage", f"value {advantage!r} is not finite"))
-    if sample.teacher_logprobs is not None:
-        _check_logprobs(index, "teacher_logprobs", sample.teacher_logprobs, out)
-
-
-def _check_batch_fields(batch: TrainingBatch, out: list[Problem]) -> None:
-    if not (math.isfinite(batch.temperature) and batch.temperature > 0.0):
-        out.append(Problem(None, "temperature", f"must be a finite number > 0, not {batch.temperature!r}"))
-    if batch.step < 0:
-        out.append(Problem(None, "step", f"must be >= 0, not {batch.step}"))
-    for name in ("env", "agent"):
-        label = getattr(batch, name)
-        if label is not None and len(label) > MAX_LABEL_CHARS:
-            out.append(Problem(None, name, f"is longer than {MAX_LABEL_CHARS} characters"))
-
-
-def _count_problems(batch: TrainingBatch, out: list[Problem]) -> bool:
-    n = len(batch.examples)
-    if n == 0:
-        out.append(Problem(None, "examples", "must hold at least one sample"))
-    elif n > MAX_EXAMPLES_PER_BATCH:
-        out.append(
-            Problem(
-                None, "examples", f"has {n} samples; at most {MAX_EXAMPLES_PER_BATCH} per batch (split it)"
-            )
-        )
-        return False  # not worth checking the samples of a batch that is refused anyway
-    return True
-
-
-def batch_problems(batch: TrainingBatch, *, seq_len: int, vocab_size: int | None) -> list[Problem]:
-    """Every rule broken by `batch` for a run with this seq_len and base-model vocabulary (None: unknown)."""
-    out: list[Problem] = []
-    if not _count_problems(batch, out):
-        return out
-    _check_batch_fields(batch, out)
-    for index, sample in enumerate(batch.examples):
-        _check_shape(index, sample, seq_len=seq_len, out=out)
-        _check_values(index, sample, vocab_size=vocab_size, out=out)
-    return out
 
 
 # --------------------------------------------------------------------------- constrained decoding
@@ -295,9 +146,12 @@ def decode_and_validate(body: bytes, *, msgpack: bool, seq_len: int, vocab_size:
         # Slow path, bad input only: decode without constraints and check every rule in Python.
         problems = batch_problems(decode_batch(body, msgpack=msgpack), seq_len=seq_len, vocab_size=vocab_size)
         raise reject(problems or [_problem_from_msgspec(exc)]) from None
-    problems: list[Problem] = []
-    for index, sample in enumerate(batch.examples):
-        _check_shape(index, sample, seq_len=seq_len, out=problems)
+    # The constrained decode enforced the value rules; the length rules are left.
+    problems = [
+        Problem(index, field, problem)
+        for index, sample in enumerate(batch.examples)
+        for field, problem in sample_shape_problems(sample, seq_len=seq_len)
+    ]
     if problems:
         raise reject(problems)
     return batch

@@ -19,7 +19,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from app.config import Settings
-from app.workers.service import live_pool_slots
+from app.pools.service import live_pool_slots
 
 # A fixed 64-bit key for pg_advisory_xact_lock, derived from a readable name.
 ADMISSION_LOCK_KEY = int.from_bytes(hashlib.sha256(b"loraloom.admission").digest()[:8], "big", signed=True)

@@ -3,17 +3,16 @@
 import hashlib
 import json
 import tomllib
-from datetime import datetime
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import UnsupportedMediaType, ValidationFailed
-from app.pagination import as_utc
 from app.runs.models import RUN_STATUSES, Run
-from trainer_core.config import RunConfig
+from app.timestamps import UtcDatetime
+from contracts.progress import Progress
+from contracts.run_config import RunConfig
 
-UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
 RunStatus = Literal["queued", "active", "completed", "evicted", "failed", "deleted"]
 assert set(get_args(RunStatus)) == set(RUN_STATUSES), "RunStatus out of sync with the model"
 
@@ -34,12 +33,6 @@ class RunCreate(BaseModel):
         """sha256 of the canonical body: the same run whether it came as JSON or TOML, in any key order."""
         canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-class Progress(BaseModel):
-    step: int
-    total_tokens: int
-    total_samples: int
 
 
 class RunOut(BaseModel):

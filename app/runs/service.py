@@ -21,13 +21,14 @@ from sqlalchemy.orm import Session
 from app.config import Settings
 from app.db import utcnow
 from app.errors import Conflict, NotFound
-from app.ids import is_run_id, new_id
-from app.pagination import as_utc, paginate
+from app.pagination import paginate
 from app.projection import project_run, remove_run_dir
 from app.runs.admission import admission_problems, lock_admission, slots_for
 from app.runs.models import EVICTED_BY, Event, Run
 from app.runs.schemas import RunCreate
 from app.tenants.models import Tenant
+from app.timestamps import as_utc
+from contracts.ids import is_run_id, new_id
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,8 @@
 """Request and response bodies of the admin API (tenants and their API keys)."""
 
-from datetime import datetime
-from typing import Annotated
+from pydantic import BaseModel, ConfigDict, Field
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
-
-from app.pagination import as_utc
-
-UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
+from app.timestamps import UtcDatetime
 
 
 class TenantCreate(BaseModel):

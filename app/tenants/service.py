@@ -7,9 +7,9 @@ from sqlalchemy.orm import Session
 from app.auth import hash_key, new_api_key
 from app.db import utcnow
 from app.errors import Conflict, NotFound
-from app.ids import new_id
 from app.runs.service import record_event
 from app.tenants.models import ApiKey, Tenant
+from contracts.ids import new_id
 
 KEY_PREFIX_CHARS = 12
 """How much of a secret is kept in clear, so keys can be told apart ('llk_' + 8 characters)."""

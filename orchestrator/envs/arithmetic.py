@@ -1,6 +1,6 @@
 """Built-in envs on sums: `arithmetic` (one solver) and `solver_checker` (two agents).
 
-Prompts are plain text for `orchestrator.tokenizer.CharTokenizer`: the solver sees
+Prompts are plain text for `contracts.tokenizer.CharTokenizer`: the solver sees
 "3+4=" and should answer "7" followed by EOS.
 
 Rewards give partial credit so that a tiny model gets a signal from its first

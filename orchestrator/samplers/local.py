@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from contracts.layout import ADAPTER_CONFIG
 from orchestrator.samplers.base import Completion
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ class LocalSampler:
         from peft import PeftModel
 
         path = Path(path)
-        if not (path / "adapter_config.json").is_file():
+        if not (path / ADAPTER_CONFIG).is_file():
             raise FileNotFoundError(f"{path} holds no adapter_config.json")
         # PEFT names become module attribute keys: use our own names, not the caller's.
         internal = f"adapter{self._adapters_loaded}"

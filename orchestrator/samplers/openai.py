@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from orchestrator._retry import RetryPolicy, send_with_retries_async
+from contracts.http import RetryPolicy, send_with_retries_async
 from orchestrator.errors import ApiError, LoraloomError, error_from_response
 from orchestrator.samplers.base import Completion
 

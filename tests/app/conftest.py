@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from app.config import Settings
 from app.db import make_engine, make_session_factory
 from app.main import create_app
-from tests.conftest import ADMIN_KEY
+from tests.common import ADMIN_KEY
 
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 

@@ -4,10 +4,10 @@ without going through the runs API."""
 from sqlalchemy.orm import Session
 
 from app.auth import hash_key, new_api_key
-from app.ids import new_id
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
-from trainer_core.config import RunConfig
+from contracts.ids import new_id
+from contracts.run_config import RunConfig
 
 
 def make_tenant(session: Session, *, name: str | None = None, quota: int = 4) -> tuple[Tenant, str]:

@@ -19,7 +19,7 @@ from app.adapters.models import Adapter
 from app.config import Settings
 from app.main import create_app
 from tests.app.conftest import TenantHandle, create_run, new_tenant
-from tests.conftest import WORKER_TOKEN
+from tests.common import WORKER_TOKEN
 from trainer_core.models.tiny import build_model
 
 WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}

@@ -18,17 +18,16 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.batches.models import Batch
-from app.batches.validation import MAX_EXAMPLES_PER_BATCH
 from app.config import Settings
 from app.db import make_engine, make_session_factory
-from app.ids import new_id
 from app.main import create_app
+from app.pools.models import Pool
 from app.runs.models import Run
-from app.workers.models import Pool
+from contracts.ids import new_id
+from contracts.run_config import RunConfig
+from contracts.wire import MAX_EXAMPLES_PER_BATCH, batch_msgpack_decoder
 from tests.app.factories import make_run, make_tenant
-from tests.conftest import WORKER_TOKEN
-from trainer_core.config import RunConfig
-from trainer_core.wire import batch_msgpack_decoder
+from tests.common import WORKER_TOKEN
 
 MSGPACK = "application/msgpack"
 
@@ -162,7 +161,7 @@ def rollout_files(settings: Settings) -> list[Path]:
 
 def as_plain(body: dict[str, Any]) -> dict[str, Any]:
     """What a body decodes to (defaults filled in, ints in float fields as floats)."""
-    from trainer_core.wire import batch_json_decoder
+    from contracts.wire import batch_json_decoder
 
     return msgspec.to_builtins(batch_json_decoder.decode(msgspec.json.encode(body)))
 
@@ -602,7 +601,7 @@ def test_concurrent_submissions_get_disjoint_offsets(settings, client):
 def test_constrained_decode_is_the_wire_type():
     """The fast-path decoder only narrows types: same fields, same struct, same bytes."""
     from app.batches.validation import decode_and_validate
-    from trainer_core.wire import TrainingBatch, TrainingSample, batch_json_decoder, msgpack_encoder
+    from contracts.wire import TrainingBatch, TrainingSample, batch_json_decoder, msgpack_encoder
 
     body = batch_body(3)
     body["examples"][1]["advantage"] = [0.5, -0.5, 1.0]

@@ -5,8 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli, interim_demo
-from tests.conftest import ADMIN_KEY
+from loraloom.cli import cli, interim_demo
+from tests.common import ADMIN_KEY
 
 runner = CliRunner()
 

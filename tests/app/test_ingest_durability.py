@@ -17,13 +17,13 @@ import pytest
 from sqlalchemy import select
 
 from app.batches.models import Batch
-from app.launch import free_port, start_service_process
 from app.runs.models import Run
-from app.storage import TMP_SUFFIX
+from contracts.durable import TMP_SUFFIX
+from contracts.run_config import RunConfig
+from contracts.wire import batch_msgpack_decoder
+from loraloom.launch import free_port, start_service_process
 from tests.app.test_batches import Seeded, db, seed_run
-from tests.conftest import ADMIN_KEY, WORKER_TOKEN
-from trainer_core.config import RunConfig
-from trainer_core.wire import batch_msgpack_decoder
+from tests.common import ADMIN_KEY, WORKER_TOKEN
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,7 +119,7 @@ def _stream(url: str, seeded: Seeded, writer: int, stream: Stream, stop: threadi
 
 
 def _expected(body: dict) -> dict:
-    from trainer_core.wire import batch_json_decoder
+    from contracts.wire import batch_json_decoder
 
     return msgspec.to_builtins(batch_json_decoder.decode(msgspec.json.encode(body)))
 

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from app.adapters.models import Checkpoint
 from app.config import Settings
 from tests.app.conftest import TenantHandle, create_run, new_tenant
-from tests.conftest import WORKER_TOKEN
+from tests.common import WORKER_TOKEN
 
 WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 

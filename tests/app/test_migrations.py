@@ -11,15 +11,15 @@ from sqlalchemy import inspect
 from app import migrate
 from app.db import make_engine
 from app.models import Base
-from tests import conftest as root_conftest
+from tests import common
 
 
 @pytest.fixture
 def empty_database_url(tmp_path) -> Iterator[str]:
-    if root_conftest.test_backend() == "postgres":
-        url = root_conftest.create_postgres_database()
+    if common.backend_under_test() == "postgres":
+        url = common.create_postgres_database()
         yield url
-        root_conftest.drop_postgres_database(url)
+        common.drop_postgres_database(url)
     else:
         yield f"sqlite:///{tmp_path / 'empty.db'}"
 

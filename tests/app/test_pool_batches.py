@@ -16,6 +16,7 @@ from app.batches.models import Batch
 from app.db import utcnow
 from app.main import create_app
 from app.runs.models import Event, Run
+from contracts.run_config import RunConfig
 from tests.app.test_batches import (
     add_pool,
     as_plain,
@@ -25,7 +26,6 @@ from tests.app.test_batches import (
     seed_run,
     worker_headers,
 )
-from trainer_core.config import RunConfig
 
 
 @pytest.fixture

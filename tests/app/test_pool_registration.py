@@ -9,11 +9,11 @@ from sqlalchemy.orm import Session
 
 from app.batches.models import Batch
 from app.config import Settings
+from app.pools.models import Pool
+from app.pools.service import declare_dead_pools, live_pool_slots, pool_capability_problems
 from app.runs.models import Run
-from app.workers.models import Pool
-from app.workers.service import declare_dead_pools, live_pool_slots, pool_capability_problems
 from tests.app.conftest import TenantHandle, create_run, new_tenant
-from tests.conftest import WORKER_TOKEN
+from tests.common import WORKER_TOKEN
 
 WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 POOL_SPEC = {

@@ -12,8 +12,8 @@ from app.batches.models import Batch
 from app.config import Settings
 from app.db import make_engine, make_session_factory
 from app.main import create_app
+from app.pools.models import Pool
 from app.runs.models import Run
-from app.workers.models import Pool
 from tests.app.conftest import TenantHandle, create_run, new_tenant
 from tests.app.test_pool_registration import WORKER, claimed_batch, end_read, register
 

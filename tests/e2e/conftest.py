@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.launch import free_port, start_service_process
-from tests.conftest import ADMIN_KEY, WORKER_TOKEN
+from loraloom.launch import free_port, start_service_process
+from tests.common import ADMIN_KEY, WORKER_TOKEN
 
 
 @dataclass

@@ -13,10 +13,9 @@ from pathlib import Path
 import httpx
 from safetensors.torch import load as load_safetensors
 
-from app.launch import free_port
-from orchestrator.tokenizer import CharTokenizer
-from tests.conftest import WORKER_TOKEN
-from trainer_core.launch import launch_pool
+from contracts.tokenizer import CharTokenizer
+from loraloom.launch import free_port, launch_pool
+from tests.common import WORKER_TOKEN
 
 TOKENIZER = CharTokenizer()
 

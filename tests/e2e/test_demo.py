@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from app.launch import free_port
-from orchestrator.demo import MODEL_CACHE, run_demo
+from loraloom.demo import MODEL_CACHE, run_demo
+from loraloom.launch import free_port
 
 pytestmark = pytest.mark.slow
 

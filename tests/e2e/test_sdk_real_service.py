@@ -4,9 +4,9 @@ eviction surfacing as RunEvicted with its reason, heartbeat-timeout eviction."""
 import msgspec
 import pytest
 
+from contracts.wire import TrainingBatch
 from orchestrator import LoraloomClient, RunEvicted, ValidationError
 from tests.e2e.helpers import run_config, synthetic_batch, wait_for
-from trainer_core.wire import TrainingBatch
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
 

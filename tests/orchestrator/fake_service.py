@@ -19,8 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError as PydanticValidationError
 
-from trainer_core.config import RunConfig
-from trainer_core.wire import TrainingBatch, batch_json_decoder, batch_msgpack_decoder
+from contracts.run_config import RunConfig
+from contracts.wire import TrainingBatch, batch_json_decoder, batch_msgpack_decoder
 
 
 class FakeError(Exception):

@@ -12,11 +12,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from contracts.tokenizer import CharTokenizer
+from contracts.wire import TrainingBatch
 from orchestrator.errors import Conflict, NotFound, RunEvicted
 from orchestrator.models import AdapterDownload, AdapterInfo, BatchInfo, Heartbeat, Page, Progress, Run
 from orchestrator.samplers.base import Completion
-from orchestrator.tokenizer import CharTokenizer
-from trainer_core.wire import TrainingBatch
 
 TOKENIZER = CharTokenizer()
 

@@ -11,14 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from contracts.http import parse_retry_after
+from contracts.run_config import RunConfig
+from contracts.wire import TrainingBatch, TrainingSample
 from orchestrator import errors
-from orchestrator._retry import parse_retry_after
 from orchestrator.client import AsyncLoraloomClient, LoraloomClient
 from orchestrator.models import Run
 from tests.orchestrator.fake_service import FakeService
 from tests.orchestrator.servers import FAST, FaultInjector
-from trainer_core.config import RunConfig
-from trainer_core.wire import TrainingBatch, TrainingSample
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from contracts.tokenizer import CharTokenizer, encode_prompt
 from orchestrator.envs import (
     ENV_REGISTRY,
     Agent,
@@ -20,7 +21,6 @@ from orchestrator.envs import (
     register_env,
     score_answer,
 )
-from orchestrator.tokenizer import CharTokenizer, encode_prompt
 
 
 def test_tokenizer_vocabulary_is_small_and_stable() -> None:

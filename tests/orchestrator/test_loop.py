@@ -3,6 +3,7 @@ the client itself is tested over real HTTP in test_client.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,7 @@ async def test_respects_max_async_level(tmp_path: Path) -> None:
         if looks[0] % 3 == 1 and step > 0:
             fake.adapters.setdefault(step, {"adapter_config.json": b"{}"})
         if looks[0] % 3 == 0 and step < len(fake.batches):
-            client.update(fake.run.id, progress=fake.run.progress.model_copy(update={"step": step + 1}))
+            client.update(fake.run.id, progress=dataclasses.replace(fake.run.progress, step=step + 1))
 
     client.on_get_run = slow_trainer
     original_submit = client.submit_batch
@@ -153,7 +154,7 @@ async def test_respects_max_async_level(tmp_path: Path) -> None:
 async def test_waits_for_a_fresh_enough_adapter(tmp_path: Path) -> None:
     client = FakeLoopClient()
     run_id = client.add_run(batch_size=4, max_async_level=0)
-    client.update(run_id, progress=client.runs[run_id].run.progress.model_copy(update={"step": 2}))
+    client.update(run_id, progress=dataclasses.replace(client.runs[run_id].run.progress, step=2))
     client.runs[run_id].adapters[1] = {"adapter_config.json": b"{}"}
     looks = [0]
 
@@ -232,7 +233,7 @@ async def test_stops_when_the_run_completes_and_reports_progress(tmp_path: Path)
 
     def trainer(fake: FakeRun) -> None:
         steps = len(fake.batches)
-        client.update(fake.run.id, progress=fake.run.progress.model_copy(update={"step": steps}))
+        client.update(fake.run.id, progress=dataclasses.replace(fake.run.progress, step=steps))
         if steps >= 3:
             client.update(fake.run.id, status="completed")
 

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from contracts.tokenizer import CharTokenizer  # noqa: E402
 from orchestrator.samplers.local import LocalSampler, sample_tokens  # noqa: E402
-from orchestrator.tokenizer import CharTokenizer  # noqa: E402
 
 TOK = CharTokenizer()
 

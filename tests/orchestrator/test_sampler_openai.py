@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator._retry import RetryPolicy
+from contracts.http import RetryPolicy
 from orchestrator.errors import NotFound
 from orchestrator.samplers import OpenAICompatibleSampler
 from orchestrator.samplers.openai import SamplerError

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
+from contracts.run_config import OptimSettings, SchedulerSettings
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer_core.config import OptimSettings, SchedulerSettings
 from trainer_core.optim import MultiRunOptimizer, lr_factor
 
 torch.set_num_threads(1)

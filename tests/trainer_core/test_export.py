@@ -10,10 +10,9 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 
+from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from trainer_core import export as export_mod
 from trainer_core.export import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
     adapter_files_bytes,
     adapter_tar_bytes,
     export_peft_adapter,
@@ -64,9 +63,9 @@ def trainer_logits(handle: MultiLoRA, slot: int, ids: torch.Tensor) -> torch.Ten
 def test_peft_round_trip(arch: str, tmp_path: Path) -> None:
     handle = trained_handle(arch)
     out = export_peft_adapter(handle, 1, tmp_path / "adapter", base_model_name_or_path=f"tiny-{arch}")
-    assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
+    assert sorted(p.name for p in out.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])
 
-    config = json.loads((out / CONFIG_NAME).read_text())
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
     assert (config["peft_type"], config["task_type"], config["r"], config["lora_alpha"]) == (
         "LORA",
         "CAUSAL_LM",
@@ -74,7 +73,7 @@ def test_peft_round_trip(arch: str, tmp_path: Path) -> None:
         8.0,
     )
     assert config["target_modules"] == sorted(TARGETS) and config["base_model_name_or_path"] == f"tiny-{arch}"
-    tensors = load_file(out / WEIGHTS_NAME)
+    tensors = load_file(out / ADAPTER_WEIGHTS)
     assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, 64)
     assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
     assert len(tensors) == 2 * len(handle.layers)
@@ -99,11 +98,11 @@ def test_export_is_atomic_and_refuses_to_clobber(tmp_path: Path, monkeypatch: py
     handle = trained_handle("llama")
     out = tmp_path / "step_1"
     export_peft_adapter(handle, 1, out, base_model_name_or_path="tiny")
-    first = (out / WEIGHTS_NAME).read_bytes()
+    first = (out / ADAPTER_WEIGHTS).read_bytes()
     with pytest.raises(FileExistsError):
         export_peft_adapter(handle, 1, out, base_model_name_or_path="tiny")
     export_peft_adapter(handle, 0, out, base_model_name_or_path="tiny", overwrite=True)
-    assert (out / WEIGHTS_NAME).read_bytes() != first
+    assert (out / ADAPTER_WEIGHTS).read_bytes() != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # no temporary left behind
 
     def failing_save(*args: object, **kwargs: object) -> None:
@@ -120,15 +119,15 @@ def test_export_is_byte_reproducible_and_tars(tmp_path: Path) -> None:
     a = export_peft_adapter(handle, 1, tmp_path / "a", base_model_name_or_path="tiny")
     b = export_peft_adapter(handle, 1, tmp_path / "b", base_model_name_or_path="tiny")
     assert adapter_tar_bytes(a) == adapter_tar_bytes(b)
-    assert adapter_files_bytes(a) == sum((a / n).stat().st_size for n in (CONFIG_NAME, WEIGHTS_NAME))
+    assert adapter_files_bytes(a) == sum((a / n).stat().st_size for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS))
     with tarfile.open(fileobj=BytesIO(adapter_tar_bytes(a))) as tar:
-        assert sorted(tar.getnames()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
+        assert sorted(tar.getnames()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])
 
 
 def test_export_in_bf16(tmp_path: Path) -> None:
     handle = trained_handle("mistral")
     out = export_peft_adapter(handle, 1, tmp_path / "a", base_model_name_or_path="tiny", dtype=torch.bfloat16)
-    assert {t.dtype for t in load_file(out / WEIGHTS_NAME).values()} == {torch.bfloat16}
+    assert {t.dtype for t in load_file(out / ADAPTER_WEIGHTS).values()} == {torch.bfloat16}
 
 
 def test_import_rejects_rank_above_max_rank(tmp_path: Path) -> None:
@@ -172,13 +171,13 @@ def test_import_rejects_wrong_shapes(tmp_path: Path) -> None:
 def test_import_rejects_unsupported_features_and_foreign_keys(tmp_path: Path) -> None:
     handle = trained_handle("llama")
     out = export_peft_adapter(handle, 1, tmp_path / "a", base_model_name_or_path="tiny")
-    config = json.loads((out / CONFIG_NAME).read_text())
-    (out / CONFIG_NAME).write_text(json.dumps({**config, "use_dora": True}))
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
+    (out / ADAPTER_CONFIG).write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match="use_dora"):
         import_peft_adapter(handle, 0, out)
-    (out / CONFIG_NAME).write_text(json.dumps(config))
-    tensors = load_file(out / WEIGHTS_NAME)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config))
+    tensors = load_file(out / ADAPTER_WEIGHTS)
     tensors["base_model.model.lm_head.weight"] = torch.zeros(1)
-    save_file(tensors, out / WEIGHTS_NAME)
+    save_file(tensors, out / ADAPTER_WEIGHTS)
     with pytest.raises(ValueError, match="unexpected tensor"):
         import_peft_adapter(handle, 0, out)

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from trainer_core.config import LossSettings, OptimSettings, SchedulerSettings
+from contracts.run_config import LossSettings, OptimSettings, SchedulerSettings
+from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.loss import LossStats, rl_loss
 from trainer_core.optim import MultiRunOptimizer
-from trainer_core.wire import TrainingBatch, TrainingSample
 
 lora_mod = pytest.importorskip("trainer_core.lora")
 tiny = pytest.importorskip("trainer_core.models.tiny")

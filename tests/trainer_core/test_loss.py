@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from trainer_core.config import LossSettings, OptimSettings, SchedulerSettings
+from contracts.run_config import LossSettings, OptimSettings, SchedulerSettings
 from trainer_core.loss import LossStats, compute_loss, rl_loss
 from trainer_core.optim import MultiRunOptimizer
 

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.modeling import forward_packed, packed_attention_mask
 from trainer_core.packing import MicroBatch, Packer
-from trainer_core.wire import TrainingBatch, TrainingSample
 
 torch.set_num_threads(1)
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from trainer_core.config import OptimSettings, SchedulerSettings
+from contracts.run_config import OptimSettings, SchedulerSettings
 from trainer_core.optim import MultiRunOptimizer, lr_factor
 
 torch.set_num_threads(1)

@@ -4,6 +4,7 @@ validation, layout of a row, rank balancing. Property tests live in test_packing
 import pytest
 import torch
 
+from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.packing import (
     InvalidSampleError,
     MicroBatch,
@@ -13,7 +14,6 @@ from trainer_core.packing import (
     bin_cost,
     pack_ffd,
 )
-from trainer_core.wire import TrainingBatch, TrainingSample
 
 torch.set_num_threads(1)
 

@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.packing import MicroBatch, Packer, SampleRef, assign_to_ranks, pack_ffd
-from trainer_core.wire import TrainingBatch, TrainingSample
 
 torch.set_num_threads(1)
 

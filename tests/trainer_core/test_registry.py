@@ -18,7 +18,7 @@ def test_local_path_loads_frozen_and_identical(tmp_path):
 
 
 def test_builtin_tiny_model_matches_the_sdk_tokenizer(tmp_path):
-    from orchestrator.tokenizer import CharTokenizer
+    from contracts.tokenizer import CharTokenizer
 
     model = load_base_model("loraloom-tiny", cache_dir=tmp_path)
     assert model.config.vocab_size == CharTokenizer().vocab_size

@@ -9,7 +9,7 @@ import pytest
 import tomli_w
 import torch
 
-from trainer_core.config import RunConfig
+from contracts.run_config import RunConfig
 from trainer_core.runs import (
     CONFIG_ERROR_FILE,
     EVICTED_FILE,

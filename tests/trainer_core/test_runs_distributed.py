@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer_core.config import RunConfig
+from contracts.run_config import RunConfig
 from trainer_core.runs import DirectoryRunSource, MultiRunManager
 
 RUN_A = "run_aaaaaaaaaaaa"

@@ -13,8 +13,8 @@ spread NaN to its row mate before PoolTrainer._backward_isolated existed.
 import torch
 from safetensors.torch import load as load_safetensors
 
+from contracts.run_config import RunConfig
 from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch
-from trainer_core.config import RunConfig
 from trainer_core.memory_client import MemoryPoolClient
 from trainer_core.worker import PoolTrainer, WorkerArgs
 

@@ -25,7 +25,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 # The tokenizer is the SDK's character tokenizer: the model and the envs must share one vocabulary.
-from orchestrator.tokenizer import CharTokenizer
+from contracts.tokenizer import CharTokenizer
 
 TOKENIZER = CharTokenizer()
 

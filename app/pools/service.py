@@ -17,11 +17,11 @@ from app.batches.service import extend_leases, return_pool_batches
 from app.config import Settings
 from app.db import utcnow
 from app.errors import Conflict, NotFound
-from app.ids import new_id
 from app.runs.models import Run
-from app.workers.models import Pool
-from app.workers.schemas import PoolRegister
-from trainer_core.config import RunConfig
+from app.pools.models import Pool
+from contracts.ids import new_id
+from contracts.pool_api import PoolRegister
+from contracts.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 

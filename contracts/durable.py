@@ -1,4 +1,5 @@
-"""The artifact store on local disk: durable, atomic writes under data_dir.
+"""Durable, atomic file-system writes, shared by the service's artifact store, the pool's
+checkpoints and adapter exports, and run-directory control files.
 
 Every file the service acknowledges is written to a temporary name in the same
 directory, fsynced, renamed into place, and the directory fsynced, so a crash
@@ -13,7 +14,8 @@ from pathlib import Path
 TMP_SUFFIX = ".tmp"
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a directory (a rename or a new entry is durable only once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -29,7 +31,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -46,7 +48,7 @@ def atomic_replace_dir(staging: Path, final: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(staging, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 def remove_stale_temporaries(root: Path) -> int:

@@ -4,16 +4,16 @@ from fastapi import APIRouter, Query, status
 
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
-from app.workers import service
-from app.workers.schemas import (
+from app.pools import service
+from contracts.pool_api import (
     PoolHeartbeatOut,
     PoolRef,
     PoolRegister,
     PoolRegistered,
     PoolRunState,
     PoolStateOut,
-    Progress,
 )
+from contracts.progress import Progress
 
 router = APIRouter(prefix="/v1/pool", tags=["pool"])
 

@@ -42,10 +42,10 @@ import httpx
 import typer
 from tqdm import tqdm
 
+from contracts.tokenizer import CharTokenizer
 from orchestrator.client import AsyncLoraloomClient, LoraloomClient
 from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine
 from orchestrator.loop import LoopConfig, RolloutLoop, StepReport
-from orchestrator.tokenizer import CharTokenizer
 
 ROOT = Path(".loraloom/demo")
 MODEL_CACHE = Path(".loraloom/models")
@@ -130,9 +130,8 @@ def run_demo(
     `model_cache` the built base model."""
     import torch
 
-    from app.launch import start_service_process
     from app.migrate import upgrade
-    from trainer_core.launch import launch_pool
+    from loraloom.launch import launch_pool, start_service_process
     from trainer_core.models.registry import load_base_model
 
     # Sampling the tiny model gains nothing from more threads, and the pool's rank trains at

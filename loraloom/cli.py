@@ -500,7 +500,7 @@ def demo(
     if interim:
         interim_demo()
         return
-    from orchestrator.demo import run_demo  # imports torch: only for the real demo
+    from loraloom.demo import run_demo  # imports torch: only for the real demo
 
     run_demo(steps=steps, output_dir=output_dir)
 
@@ -518,7 +518,7 @@ def worker(
     seq_len: Annotated[int, typer.Option(min=8, help="Tokens per packed micro-batch.")] = 1024,
 ) -> None:
     """Run the worker pool under torchrun (ranks talk gloo on CPU, nccl on GPU)."""
-    from trainer_core.launch import launch_pool  # torch is imported only by the ranks themselves
+    from loraloom.launch import launch_pool  # torch is imported only by the ranks themselves
 
     if not token:
         _fail("--token or LORALOOM_WORKER_TOKEN is required")

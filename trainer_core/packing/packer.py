@@ -31,116 +31,30 @@ Flow of one `Packer.pack()`:
    step 2 a pack has at most ``dp_world_size`` bins, so in practice every rank gets exactly one
    micro-batch (ranks without a bin get one filler).
 
-Sample boundaries survive packing: ``position_ids`` restart at 0 for every sample (and for the padding
-pseudo-sequence), ``seq_lens`` lists the segment lengths, and `trainer_core.modeling.forward_packed`
-makes attention block-diagonal so no token attends across samples. The first token of every sample
-never carries loss even if it is a completion token (empty prompt): the loss predicts token ``t`` from
-``logits[t − 1]``, which would belong to the previous sample.
+Row layout (sample boundaries, padding, fillers) is `trainer_core.packing.rows`; bin packing and rank
+balancing are `trainer_core.packing.bins`.
 
-The Packer only checks structure (lengths, sizes); the service validates values (vocabulary, finite
-floats) before a batch is ever stored.
+The Packer checks what training needs to be safe and exact (`contracts.wire.sample_problems` with
+``full=False``: lengths, sizes, vocabulary, a finite advantage); the service checks every rule before a
+batch is ever stored.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from trainer_core.wire import TrainingBatch, TrainingSample
+from contracts.progress import Progress
+from contracts.wire import TrainingBatch, TrainingSample, sample_problems
+from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd
+from trainer_core.packing.rows import BufferedSample, MicroBatch, RowFormat, SampleRef
 
-__all__ = [
-    "InvalidSampleError",
-    "MicroBatch",
-    "PackResult",
-    "Packer",
-    "RunPackStats",
-    "RunProgress",
-    "SampleRef",
-    "assign_to_ranks",
-    "bin_cost",
-    "pack_ffd",
-]
-
-
-# --------------------------------------------------------------------------------------------------
-# Data types
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class SampleRef:
-    """Identifies one consumed sample, so the trainer can acknowledge whole batches."""
-
-    batch_id: int
-    """The service's id of the rollout batch."""
-    index: int
-    """The sample's index inside that batch (counting the skipped leading samples too)."""
-
-
-@dataclass
-class RunProgress:
-    """A run's training progress as the Packer accounts it."""
-
-    step: int = 0
-    """Completed steps (each exactly ``batch_size`` samples)."""
-    total_tokens: int = 0
-    """Prompt + completion tokens packed so far (no padding)."""
-    total_samples: int = 0
-    """Samples packed so far (including the current, partial step)."""
-
-
-@dataclass
-class MicroBatch:
-    """One packed row: several samples (possibly of several runs) laid end to end, then padding.
-
-    All tensors are on CPU and have length ``L`` = the padded row length (≤ ``seq_len``).
-    """
-
-    input_ids: torch.Tensor
-    """(L,) long. Prompt then completion of each sample, then ``pad_token_id``."""
-    position_ids: torch.Tensor
-    """(L,) long. Restart at 0 for every sample and for the padding pseudo-sequence."""
-    loss_mask: torch.Tensor
-    """(L,) bool. True on completion tokens whose ``completion_mask`` is True, except a sample's first
-    token (the loss predicts token t from ``logits[t-1]``, which must lie in the same sample)."""
-    advantages: torch.Tensor
-    """(L,) float32. The sample's advantage on its completion tokens (scalar broadcast, or per token); 0
-    elsewhere."""
-    inference_logprobs: torch.Tensor
-    """(L,) float32. The inference policy's logprob on completion tokens; 0 elsewhere."""
-    temperatures: torch.Tensor
-    """(L,) float32. The sampling temperature of each token's batch; 1.0 on padding (safe to divide by)."""
-    teacher_logprobs: torch.Tensor | None
-    """(L,) float32 teacher logprobs on completion tokens (0 elsewhere), or None when no sample in the row
-    has any."""
-    token_slots: torch.Tensor
-    """(L,) long. The slot (run) of each token; non-decreasing. Padding takes the last slot present."""
-    sample_ids: torch.Tensor
-    """(L,) long. Index of the token's sample in ``seq_lens`` order; -1 on padding."""
-    seq_lens: list[int]
-    """Lengths of the samples in order, then the padding as a final pseudo-sequence (if any)."""
-    slot_token_counts: torch.Tensor
-    """(n_slots,) long. Tokens per slot in ascending slot order; padding is counted in the last slot
-    present (slot 0 for an empty row), so the counts sum to L."""
-    is_filler: bool = False
-    """True for a filler row that only keeps ranks in step (no loss, no samples)."""
-
-    @property
-    def num_tokens(self) -> int:
-        """L, padding included."""
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_samples(self) -> int:
-        """Real samples in the row (``seq_lens`` minus the padding pseudo-sequence, if any)."""
-        return len(self.seq_lens) - int(self.sample_ids[-1].item() < 0)
+__all__ = ["InvalidSampleError", "PackResult", "Packer", "RunPackStats"]
 
 
 @dataclass
@@ -182,165 +96,19 @@ class InvalidSampleError(ValueError):
         self.reason = reason
 
 
-# --------------------------------------------------------------------------------------------------
-# First-Fit-Decreasing
-# --------------------------------------------------------------------------------------------------
-
-
-def pack_ffd(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    """First-Fit-Decreasing bin packing: indices of ``lengths`` grouped into bins of capacity ``seq_len``.
-
-    Items are taken longest first (ties in input order) and each goes into the lowest-numbered bin with
-    room. Bins are returned in opening order; inside a bin, indices are in placement order.
-
-    O(n log n): a max segment tree over bins' remaining capacities finds the first bin with room in
-    O(log bins) by descending left whenever the left subtree can hold the item. Unopened bins hold full
-    capacity, so "no open bin fits" naturally lands on the next new bin. First Fit leaves at most one
-    bin at most half full, so there are at most ``2·⌈total/seq_len⌉ + 1`` bins (and at most n), which
-    sizes the tree.
-    """
-    n = len(lengths)
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be ≥ 1, got {seq_len}")
-    if n == 0:
-        return []
-    longest, shortest = max(lengths), min(lengths)
-    if longest > seq_len or shortest < 1:
-        raise ValueError(f"every length must be in [1, {seq_len}]; got min {shortest}, max {longest}")
-    # Python's sort is stable under reverse=True: equal lengths keep input order (deterministic output).
-    order = sorted(range(n), key=lengths.__getitem__, reverse=True)
-    max_bins = min(n, 2 * -(-sum(lengths) // seq_len) + 1)
-    leaves = 1 << (max_bins - 1).bit_length()
-    tree = [seq_len] * (2 * leaves)  # tree[1] is the root; leaves at [leaves, 2·leaves)
-    bins: list[list[int]] = []
-    for i in order:
-        size = lengths[i]
-        node = 1
-        while node < leaves:
-            node <<= 1
-            if tree[node] < size:
-                node += 1
-        b = node - leaves
-        if b == len(bins):
-            bins.append([i])
-        else:
-            bins[b].append(i)
-        tree[node] -= size
-        node >>= 1
-        while node:
-            left, right = tree[2 * node], tree[2 * node + 1]
-            best = left if left > right else right
-            if tree[node] == best:  # ancestors are unchanged too
-                break
-            tree[node] = best
-            node >>= 1
-    return bins
-
-
-def bin_cost(seq_lens: Sequence[int], padded_len: int, attention_cost_weight: float) -> float:
-    """Relative compute of one packed row, for balancing ranks.
-
-    ``padded_len + w · Σ len_i²``: the dense layers cost ∝ every token (padding included); block-diagonal
-    attention costs ∝ Σ len_i² over the samples. For a dense transformer with hidden size d, attention
-    FLOPs per layer ≈ 2·len²·d (causal) against ≈ 24·d²·len for the matmuls, so w ≈ 1 / (12·d).
-    """
-    return padded_len + attention_cost_weight * sum(s * s for s in seq_lens)
-
-
-def assign_to_ranks(costs: Sequence[float], n_ranks: int) -> list[list[int]]:
-    """Longest-processing-time greedy: indices of ``costs``, most expensive first, each to the least
-    loaded rank (ties → lower rank), with at most ``⌈len(costs) / n_ranks⌉`` per rank.
-
-    The cap keeps the pass counts even, so padding every rank to the same count needs at most
-    ``n_ranks − 1`` fillers; without it LPT may give one rank a single huge row and another many small
-    ones. Inside a rank, indices are in assignment order (most expensive first).
-    """
-    cap = max(1, -(-len(costs) // n_ranks))
-    grid: list[list[int]] = [[] for _ in range(n_ranks)]
-    heap = [(0.0, rank) for rank in range(n_ranks)]  # (load, rank)
-    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        load, rank = heapq.heappop(heap)
-        grid[rank].append(i)
-        if len(grid[rank]) < cap:  # a full rank leaves the heap for good
-            heapq.heappush(heap, (load + costs[i], rank))
-    return grid
-
-
-# --------------------------------------------------------------------------------------------------
-# The Packer
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Buffered:
-    """One buffered sample, already as arrays: converted once per batch at arrival (list → array is the
-    per-token cost; doing it in `Packer.add_batch` keeps `Packer.pack` to copies, and arrays hold a
-    token in 1–8 bytes where a Python list holds ~32)."""
-
-    ids: np.ndarray
-    """(n,) int64: prompt then completion token ids."""
-    n_prompt: int
-    completion_mask: np.ndarray
-    """(C,) bool."""
-    completion_logprobs: np.ndarray
-    """(C,) float32."""
-    advantage: float | np.ndarray
-    """A scalar, or (C,) float32."""
-    teacher_logprobs: np.ndarray | None
-    """(C,) float32, or None."""
-    temperature: float
-    """The sampling temperature of the sample's batch."""
-    ref: SampleRef
-    loss_tokens: int
-    """Tokens that will carry loss in a row (completion_mask, minus a sample-initial token)."""
-    arrived_at: float
-    """Packer clock when its batch was added (for the timeout)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return self.ids.shape[0]
-
-
 @dataclass
 class _RunState:
     """The Packer's view of one run."""
 
     batch_size: int
     """Samples per optimizer step."""
-    buffer: deque[_Buffered] = field(default_factory=deque)
+    buffer: deque[BufferedSample] = field(default_factory=deque)
     """Samples waiting, oldest first (batches in the order added, samples in batch order)."""
     buffered_tokens: int = 0
     """Sum of ``num_tokens`` over ``buffer``."""
-    progress: RunProgress = field(default_factory=RunProgress)
+    progress: Progress = field(default_factory=Progress)
     samples_consumed_this_step: int = 0
     """Samples packed towards the current (incomplete) step; always < batch_size between packs."""
-
-
-@dataclass
-class _RowLayout:
-    """Per-token layout of one row, derived from per-sample lengths."""
-
-    seq_lens: list[int]
-    """Sample lengths, then the padding length if any."""
-    lens: np.ndarray
-    """(S+1,) int64: the samples' lengths, then the padding's (possibly 0)."""
-    starts: np.ndarray
-    """(S,) int64: the first token of each real sample."""
-    positions: np.ndarray
-    """(L,) int64: position inside the token's segment."""
-    sample_ids: np.ndarray
-    """(L,) int64: sample index, -1 on padding."""
-    token_slots: np.ndarray
-    """(L,) int64."""
-    temperatures: np.ndarray
-    """(L,) float32."""
-
-
-def _scatter(is_completion: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
-    """(L,) float32: the samples' completion ``values`` on the completion tokens in order, 0 elsewhere."""
-    out = np.zeros(is_completion.shape[0], dtype=np.float32)
-    out[is_completion] = np.concatenate(values)
-    return out
 
 
 class Packer:
@@ -355,6 +123,7 @@ class Packer:
         pad_token_id: the token id of padding.
         clock: monotonic seconds; injectable for tests.
         attention_cost_weight: w in `bin_cost`, ≈ 1 / (12 · hidden_size) of the base model.
+        vocab_size: token ids must lie in [0, vocab_size) (None: only non-negative).
 
     Not thread-safe: the master rank owns it and calls it from its loop.
     """
@@ -370,6 +139,7 @@ class Packer:
         pad_token_id: int = 0,
         clock: Callable[[], float] = time.monotonic,
         attention_cost_weight: float = 1.0 / (12 * 1024),
+        vocab_size: int | None = None,
     ) -> None:
         for name, value in (
             ("n_slots", n_slots),
@@ -388,6 +158,10 @@ class Packer:
         self.timeout_s = timeout_s
         self.pad_token_id = pad_token_id
         self.attention_cost_weight = attention_cost_weight
+        self.vocab_size = vocab_size
+        self._rows = RowFormat(
+            n_slots=n_slots, seq_len=seq_len, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id
+        )
         self._clock = clock
         self._runs: dict[int, _RunState] = {}
         self._rr_next = 0  # the slot whose turn comes first in the next pack (or the next one above it)
@@ -419,13 +193,13 @@ class Packer:
     def set_progress(self, slot: int, step: int, total_tokens: int, total_samples: int) -> None:
         """Resume a run from a checkpoint (taken at a step boundary): no partial step is in progress."""
         state = self._state(slot)
-        state.progress = RunProgress(step=step, total_tokens=total_tokens, total_samples=total_samples)
+        state.progress = Progress(step=step, total_tokens=total_tokens, total_samples=total_samples)
         state.samples_consumed_this_step = 0
 
-    def progress(self, slot: int) -> RunProgress:
+    def progress(self, slot: int) -> Progress:
         """A copy of the run's progress."""
         p = self._state(slot).progress
-        return RunProgress(step=p.step, total_tokens=p.total_tokens, total_samples=p.total_samples)
+        return Progress(step=p.step, total_tokens=p.total_tokens, total_samples=p.total_samples)
 
     def samples_consumed_this_step(self, slot: int) -> int:
         return self._state(slot).samples_consumed_this_step
@@ -494,7 +268,7 @@ class Packer:
             )
             teacher = None if s.teacher_logprobs is None else np.asarray(s.teacher_logprobs, dtype=np.float32)
             state.buffer.append(
-                _Buffered(
+                BufferedSample(
                     ids=ids_all[token_at : token_at + n_prompt + n_completion],
                     n_prompt=n_prompt,
                     completion_mask=mask_all[c0:c1],
@@ -513,36 +287,10 @@ class Packer:
         return len(kept)
 
     def _check(self, slot: int, batch_id: int, index: int, sample: TrainingSample) -> None:
-        """Structure only (the service validates values before a batch is stored)."""
-
-        def bad(reason: str) -> InvalidSampleError:
-            return InvalidSampleError(slot=slot, batch_id=batch_id, index=index, reason=reason)
-
-        n_prompt, n_completion = len(sample.prompt_ids), len(sample.completion_ids)
-        num_tokens = n_prompt + n_completion
-        if num_tokens > self.seq_len:
-            raise bad(
-                f"{num_tokens} tokens (prompt {n_prompt} + completion {n_completion}) > seq_len {self.seq_len}"
-            )
-        if num_tokens == 0:
-            raise bad("empty sample (no prompt and no completion tokens)")
-        if len(sample.prompt_mask) != n_prompt:
-            raise bad(f"prompt_mask has {len(sample.prompt_mask)} entries, prompt_ids {n_prompt}")
-        for name in ("completion_mask", "completion_logprobs"):
-            if len(getattr(sample, name)) != n_completion:
-                raise bad(f"{name} has {len(getattr(sample, name))} entries, completion_ids {n_completion}")
-        if sample.teacher_logprobs is not None and len(sample.teacher_logprobs) != n_completion:
-            raise bad(
-                f"teacher_logprobs has {len(sample.teacher_logprobs)} entries, completion_ids {n_completion}"
-            )
-        advantage = sample.advantage
-        if advantage is None:
-            raise bad("advantage is missing")
-        if isinstance(advantage, list):
-            if len(advantage) != n_completion:
-                raise bad(f"advantage has {len(advantage)} entries, completion_ids {n_completion}")
-        elif not math.isfinite(advantage):
-            raise bad(f"advantage is {advantage}")
+        """What training needs to be safe and exact (contracts.wire.sample_problems, full=False)."""
+        problems = sample_problems(sample, seq_len=self.seq_len, vocab_size=self.vocab_size, full=False)
+        if problems:
+            raise InvalidSampleError(slot=slot, batch_id=batch_id, index=index, reason=problems[0][1])
 
     def buffered_tokens(self) -> int:
         """Tokens waiting in all runs' buffers."""
@@ -597,10 +345,10 @@ class Packer:
             for i, (_, _, row) in enumerate(flat):
                 by_row.setdefault(row, []).append(i)
             bins = list(by_row.values())
-        rows = [self._build_micro_batch([flat[i][:2] for i in sorted(b)]) for b in bins]
+        rows = [self._rows.build([flat[i][:2] for i in sorted(b)]) for b in bins]
         return PackResult(micro_batches=self._distribute(rows), runs=runs)
 
-    def _select_round_robin(self) -> dict[int, list[tuple[_Buffered, int]]]:
+    def _select_round_robin(self) -> dict[int, list[tuple[BufferedSample, int]]]:
         """One sample per turn across runs with work, within each run's step quota and the budget.
 
         The budget is ``dp_world_size`` rows of ``seq_len`` tokens, checked by first-fit placement
@@ -621,7 +369,7 @@ class Packer:
             for slot in turn_order
         }
         room = [self.seq_len] * self.dp_world_size  # free tokens per row
-        selected: dict[int, list[tuple[_Buffered, int]]] = {}
+        selected: dict[int, list[tuple[BufferedSample, int]]] = {}
         first_denied: int | None = None
         last_served: int | None = None
         contenders = [slot for slot in turn_order if quota[slot] > 0]
@@ -652,7 +400,7 @@ class Packer:
             self._rr_next = last_served + 1
         return selected
 
-    def _update_run_progress(self, slot: int, items: list[_Buffered]) -> RunPackStats:
+    def _update_run_progress(self, slot: int, items: list[BufferedSample]) -> RunPackStats:
         state = self._runs[slot]
         tokens = sum(item.num_tokens for item in items)
         state.progress.total_tokens += tokens
@@ -673,112 +421,6 @@ class Packer:
             consumed=[item.ref for item in items],
         )
 
-    def _padded_length(self, length: int) -> int:
-        m = self.pad_to_multiple_of
-        return min(-(-length // m) * m, self.seq_len)
-
-    def _build_micro_batch(self, members: list[tuple[int, _Buffered]]) -> MicroBatch:
-        """Lay out one bin (members in ascending slot order) as a padded row: array copies and
-        vectorised index arithmetic, no per-token Python."""
-        seq_lens = [item.num_tokens for _, item in members]
-        used = sum(seq_lens)
-        length = self._padded_length(used)
-        pad = length - used
-        layout = self._layout(
-            seq_lens,
-            [slot for slot, _ in members],
-            [item.temperature for _, item in members],
-            pad=pad,
-            pad_slot=members[-1][0],
-        )
-        input_ids = np.full(length, self.pad_token_id, dtype=np.int64)  # (L,)
-        input_ids[:used] = np.concatenate([item.ids for _, item in members])
-        # Completion tokens: a token is one when its position in its sample is past the prompt.
-        prompt_lens = [item.n_prompt for _, item in members] + [length]  # padding: never completion
-        is_completion = layout.positions >= np.repeat(
-            np.asarray(prompt_lens, dtype=np.int64), layout.lens
-        )  # (L,)
-        loss_mask = np.zeros(length, dtype=np.bool_)
-        loss_mask[is_completion] = np.concatenate([item.completion_mask for _, item in members])
-        loss_mask[layout.starts] = False  # a sample's first token has no in-sample predecessor
-        completion_lens = [item.completion_mask.shape[0] for _, item in members]
-        if all(isinstance(item.advantage, float) for _, item in members):  # the usual case: one call
-            advantages = [
-                np.repeat(np.asarray([item.advantage for _, item in members], np.float32), completion_lens)
-            ]
-        else:
-            advantages = [
-                item.advantage
-                if isinstance(item.advantage, np.ndarray)
-                else np.full(n, item.advantage, np.float32)
-                for (_, item), n in zip(members, completion_lens, strict=True)
-            ]
-        teacher = None
-        if any(item.teacher_logprobs is not None for _, item in members):
-            teacher = [
-                item.teacher_logprobs if item.teacher_logprobs is not None else np.zeros(n, np.float32)
-                for (_, item), n in zip(members, completion_lens, strict=True)
-            ]
-        logprobs = [item.completion_logprobs for _, item in members]
-        return MicroBatch(
-            input_ids=torch.from_numpy(input_ids),
-            position_ids=torch.from_numpy(layout.positions),
-            loss_mask=torch.from_numpy(loss_mask),
-            advantages=torch.from_numpy(_scatter(is_completion, advantages)),
-            inference_logprobs=torch.from_numpy(_scatter(is_completion, logprobs)),
-            temperatures=torch.from_numpy(layout.temperatures),
-            teacher_logprobs=torch.from_numpy(_scatter(is_completion, teacher))
-            if teacher is not None
-            else None,
-            token_slots=torch.from_numpy(layout.token_slots),
-            sample_ids=torch.from_numpy(layout.sample_ids),
-            seq_lens=layout.seq_lens,
-            slot_token_counts=torch.from_numpy(np.bincount(layout.token_slots, minlength=self.n_slots)),
-            is_filler=False,
-        )
-
-    def _layout(
-        self, sample_lens: list[int], slots: list[int], temperatures: list[float], *, pad: int, pad_slot: int
-    ) -> _RowLayout:
-        """Per-token layout arrays from per-sample lengths (the padding pseudo-sequence appended)."""
-        seq_lens = sample_lens + [pad] if pad else list(sample_lens)
-        lens = np.asarray(
-            seq_lens + ([] if pad else [0]), dtype=np.int64
-        )  # (S+1,): a 0-length tail if no pad
-        ends = np.cumsum(lens)
-        starts = ends - lens  # (S+1,)
-        length = int(ends[-1])
-        n = len(sample_lens)
-        return _RowLayout(
-            seq_lens=seq_lens,
-            lens=lens,
-            starts=starts[:n],
-            positions=np.arange(length, dtype=np.int64) - np.repeat(starts, lens),
-            sample_ids=np.repeat(np.append(np.arange(n, dtype=np.int64), -1), lens),
-            token_slots=np.repeat(np.asarray(slots + [pad_slot], dtype=np.int64), lens),
-            temperatures=np.repeat(np.asarray(temperatures + [1.0], dtype=np.float32), lens),
-        )
-
-    def filler_micro_batch(self) -> MicroBatch:
-        """A minimal row of padding (no samples, no loss) that keeps a rank's pass count in step."""
-        length = self._padded_length(1)
-        layout = self._layout([], [], [], pad=length, pad_slot=0)
-        zeros = torch.zeros(length, dtype=torch.float32)
-        return MicroBatch(
-            input_ids=torch.full((length,), self.pad_token_id, dtype=torch.long),
-            position_ids=torch.from_numpy(layout.positions),
-            loss_mask=torch.zeros(length, dtype=torch.bool),
-            advantages=zeros,
-            inference_logprobs=zeros.clone(),
-            temperatures=torch.from_numpy(layout.temperatures),
-            teacher_logprobs=None,
-            token_slots=torch.from_numpy(layout.token_slots),
-            sample_ids=torch.from_numpy(layout.sample_ids),
-            seq_lens=layout.seq_lens,
-            slot_token_counts=torch.from_numpy(np.bincount(layout.token_slots, minlength=self.n_slots)),
-            is_filler=True,
-        )
-
     def _distribute(self, rows: list[MicroBatch]) -> list[list[MicroBatch]]:
         """Rows to ranks by `assign_to_ranks` on `bin_cost`, then fillers so every rank has as many."""
         costs = [
@@ -788,8 +430,12 @@ class Packer:
         grid = [[rows[i] for i in assigned] for assigned in assign_to_ranks(costs, self.dp_world_size)]
         depth = max(len(g) for g in grid)
         for g in grid:
-            g.extend(self.filler_micro_batch() for _ in range(depth - len(g)))
+            g.extend(self._rows.filler() for _ in range(depth - len(g)))
         return grid
+
+    def filler_micro_batch(self) -> MicroBatch:
+        """A minimal row of padding (no samples, no loss) that keeps a rank's pass count in step."""
+        return self._rows.filler()
 
     # ---- helpers -------------------------------------------------------------------------------
 

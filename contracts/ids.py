@@ -1,0 +1,34 @@
+"""Identifiers, validated wherever they enter (they become paths and log fields).
+
+The service issues `<prefix>_` + 12 lowercase hex digits (`run_0123456789ab`). Runs made by
+hand in a directory run source may use any `run_*` name the source documents allow, as long
+as it cannot escape the output directory or smuggle odd characters into paths and logs.
+"""
+
+import re
+import secrets
+
+RUN_ID_RE = re.compile(r"run_[0-9a-f]{12}")
+"""A run id the service issued."""
+RUN_DIR_NAME_RE = re.compile(r"run_[A-Za-z0-9_-]{1,64}")
+"""Any run id that is safe as a single path component (directory runs)."""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(6)}"
+
+
+def is_run_id(value: str) -> bool:
+    """True for an id the service issued (`run_` + 12 lowercase hex)."""
+    return bool(RUN_ID_RE.fullmatch(value))
+
+
+def is_valid_run_id(run_id: str) -> bool:
+    """True for ids that are safe as a single path component (`run_` + [A-Za-z0-9_-], ≤ 68 chars)."""
+    return bool(RUN_DIR_NAME_RE.fullmatch(run_id))
+
+
+def validate_run_id(run_id: str) -> str:
+    if not is_valid_run_id(run_id):
+        raise ValueError(f"invalid run id {run_id!r}: expected 'run_' followed by 1-64 of [A-Za-z0-9_-]")
+    return run_id

@@ -1,0 +1,213 @@
+"""The pool routes' request and response bodies (docs/contracts.md).
+
+One definition for both ends: the service's FastAPI routes validate and document with
+these models, and the pool's HTTP client builds its requests and parses the answers with
+them. Torch-free and fastapi-free.
+"""
+
+from datetime import datetime
+from typing import Annotated, Any
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from contracts.progress import Progress
+from contracts.status import RunStatus
+from contracts.wire import TrainingBatch
+
+ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+PoolId = Annotated[str, StringConstraints(min_length=1, max_length=32)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Answer(BaseModel):
+    # A newer service may add fields; an older pool ignores them.
+    model_config = ConfigDict(extra="ignore")
+
+
+# --------------------------------------------------------------------------- registration
+
+
+class PoolRegister(_Request):
+    """What a pool can train: the service admits only runs that fit."""
+
+    base_model: str = Field(min_length=1, max_length=256)
+    vocab_size: int = Field(ge=1, le=10_000_000)
+    max_rank: int = Field(ge=1, le=4096)
+    target_modules: list[ModuleName] = Field(min_length=1, max_length=64)
+    """Linear layers the pool can adapt; a run may use any subset."""
+    slots: int = Field(ge=1, le=1024)
+    world_size: int = Field(ge=1, le=1_000_000)
+    max_seq_len: int = Field(ge=8, le=10_000_000)
+
+
+class PoolRegistered(_Answer):
+    pool_id: str
+    heartbeat_interval_s: float
+    lease_seconds: float
+
+
+class PoolRef(_Request):
+    pool_id: PoolId
+
+
+class PoolHeartbeatOut(_Answer):
+    status: str
+
+
+class PoolRunState(_Answer):
+    """An active run the pool should train."""
+
+    run_id: str
+    slot: int | None
+    status: RunStatus
+    config: dict[str, Any]
+    progress: Progress
+
+
+class PoolStateOut(_Answer):
+    runs: list[PoolRunState]
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    """Replace `{"$ref": "#/$defs/X"}` by X itself, so the schema stands alone inside an OpenAPI operation."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
+def _training_batch_schema() -> dict[str, Any]:
+    schema = msgspec.json.schema(TrainingBatch)
+    return dict(_inline_refs(schema, schema.get("$defs", {})))
+
+
+TRAINING_BATCH_SCHEMA: dict[str, Any] = _training_batch_schema()
+"""JSON schema of TrainingBatch (from the msgspec struct, so the docs cannot drift from the decoder)."""
+
+
+class ClaimIn(_Request):
+    pool_id: PoolId
+    max_batches: int = Field(default=16, ge=1, le=256, description="At most this many batches in one lease.")
+
+
+class ClaimedBatch(_Answer):
+    id: int
+    run_id: str
+    slot: int | None
+    sample_offset: int = Field(
+        description="Index of the batch's first sample among all of the run's samples."
+    )
+    num_samples: int
+    rollout_step: int
+    payload: dict[str, Any] = Field(json_schema_extra=TRAINING_BATCH_SCHEMA, description="The TrainingBatch.")
+
+
+class ClaimOut(_Answer):
+    lease_expires_at: datetime
+    batches: list[ClaimedBatch]
+
+
+class ClaimedBatchStruct(msgspec.Struct):
+    """`ClaimedBatch` as the pool decodes it: msgspec straight into a TrainingBatch (the payload is the
+    bulk of a claim; a pydantic dict of lists would convert every token twice)."""
+
+    id: int
+    run_id: str
+    slot: int | None
+    sample_offset: int
+    num_samples: int
+    rollout_step: int
+    payload: TrainingBatch
+
+
+class ClaimStruct(msgspec.Struct):
+    lease_expires_at: str
+    batches: list[ClaimedBatchStruct]
+
+
+class AckItem(_Request):
+    batch_id: int
+    trained_step: int = Field(
+        ge=0, description="The run step whose optimizer update used the batch's last sample."
+    )
+
+
+class AckIn(_Request):
+    pool_id: PoolId
+    acks: list[AckItem] = Field(min_length=1, max_length=4096)
+
+
+class AckOut(_Answer):
+    acked: int
+
+
+class RestartIn(_Request):
+    pool_id: PoolId
+    checkpoint_step: int = Field(ge=0)
+    total_samples: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+
+
+class RestartOut(_Answer):
+    returned: list[int] = Field(description="Ids of the batches returned to pending, in id order.")
+
+
+# --------------------------------------------------------------------------- per-run pushes
+
+
+class AdapterStored(_Answer):
+    step: int
+    size_bytes: int = Field(description="Bytes of the PEFT directory (both files).")
+    sha256: str = Field(description="Of adapter_model.safetensors; also the download's ETag.")
+
+
+class StepMetricsIn(BaseModel):
+    """What the trainer measured for one run's step. NaN/Inf are refused: a run whose loss or
+    gradients are not finite is evicted by the trainer, not reported."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    loss: float | None = None
+    entropy: float | None = None
+    mismatch_kl: float | None = None
+    masked_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    grad_norm: float | None = Field(default=None, ge=0.0)
+    lr: float | None = Field(default=None, ge=0.0)
+    tokens: int | None = Field(default=None, ge=0)
+    samples: int | None = Field(default=None, ge=0)
+    step_time_s: float | None = Field(default=None, ge=0.0)
+
+
+class StepReport(_Request):
+    step: int = Field(ge=1, le=10_000_000, description="The run step that just completed (1-based).")
+    total_tokens: int = Field(ge=0)
+    total_samples: int = Field(ge=0)
+    metrics: StepMetricsIn = Field(default_factory=StepMetricsIn)
+
+
+class CheckpointReport(_Request):
+    step: int = Field(ge=0, le=10_000_000)
+    total_samples: int = Field(ge=0, description="Samples trained in completed steps up to this checkpoint.")
+
+
+class TrainerEvict(_Request):
+    reason: str = Field(min_length=1, max_length=4096, examples=["loss is NaN at step 12"])
+
+
+class RunAfterPush(_Answer):
+    """The part of the run that the pool reads back after a step report or an eviction."""
+
+    id: str
+    status: RunStatus
+    progress: Progress

@@ -1,0 +1,41 @@
+"""What every test directory shares: the test credentials and the database backend under test.
+
+A module of its own (not a conftest), so tests import it like any module; conftests hold
+fixtures only.
+"""
+
+import os
+import uuid
+
+from sqlalchemy import create_engine, text
+
+PG_ADMIN_URL = os.environ.get(
+    "LORALOOM_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
+)
+ADMIN_KEY = "admin-test-key"
+WORKER_TOKEN = "worker-test-token"
+
+
+def backend_under_test() -> str:
+    backend = os.environ.get("LORALOOM_TEST_DB", "postgres")
+    if backend not in {"postgres", "sqlite"}:
+        raise RuntimeError(f"LORALOOM_TEST_DB must be postgres or sqlite, not {backend!r}")
+    return backend
+
+
+def create_postgres_database() -> str:
+    """A new empty database; returns its URL."""
+    name = f"loraloom_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+
+
+def drop_postgres_database(url: str) -> None:
+    name = url.rsplit("/", 1)[1]
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()

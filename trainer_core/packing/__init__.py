@@ -1,0 +1,20 @@
+"""Rollout packing for the worker pool: per-run buffers, fair selection, step accounting
+(`packer`), bin packing and rank balancing (`bins`), and the packed row layout (`rows`)."""
+
+from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd
+from trainer_core.packing.packer import InvalidSampleError, Packer, PackResult, RunPackStats
+from trainer_core.packing.rows import BufferedSample, MicroBatch, RowFormat, SampleRef
+
+__all__ = [
+    "BufferedSample",
+    "InvalidSampleError",
+    "MicroBatch",
+    "PackResult",
+    "Packer",
+    "RowFormat",
+    "RunPackStats",
+    "SampleRef",
+    "assign_to_ranks",
+    "bin_cost",
+    "pack_ffd",
+]
