@@ -155,7 +155,7 @@ def _is_eviction(code: str | None) -> bool:
     # The service says `run_evicted` (with details {reason, evicted_by}); any code naming an
     # eviction counts. Other 409s about an evicted run (e.g. `invalid_transition` when evicting
     # it twice) stay plain Conflicts: their message is not an eviction reason.
-    return bool(code) and "evict" in code.lower()
+    return code is not None and "evict" in code.lower()
 
 
 def error_from_response(response: httpx.Response) -> ApiError:
@@ -295,6 +295,7 @@ class RetryState:
 def send_with_retries(send: Callable[[], httpx.Response], policy: RetryPolicy, what: str) -> httpx.Response:
     """Call `send` until it gives a final response; retryable failures are retried per `policy`."""
     state = RetryState(policy, what)
+    delay: float | None
     while True:
         state.start_attempt()
         try:
@@ -314,6 +315,7 @@ async def send_with_retries_async(
 ) -> httpx.Response:
     """The async twin of `send_with_retries`."""
     state = RetryState(policy, what)
+    delay: float | None
     while True:
         state.start_attempt()
         try:

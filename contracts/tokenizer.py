@@ -98,17 +98,21 @@ class HFTokenizer:
 
     @property
     def bos_token_id(self) -> int | None:
-        return self._tok.bos_token_id
+        # `_tok` is untyped (transformers has no stubs): the annotations say what we rely on.
+        bos: int | None = self._tok.bos_token_id
+        return bos
 
     @property
     def eos_token_id(self) -> int:
-        return self._tok.eos_token_id
+        eos: int = self._tok.eos_token_id
+        return eos
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        text: str = self._tok.decode(list(ids), skip_special_tokens=True)
+        return text
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -2,6 +2,7 @@
 trainer, and the one definition of what a trainable sample is (`sample_problems`). Torch-free."""
 
 import math
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +109,8 @@ def _token_problems(field: str, ids: list[int], vocab_size: int | None) -> list[
 
 def _length_problems(sample: TrainingSample) -> list[tuple[str, str]]:
     n_prompt, n_completion = len(sample.prompt_ids), len(sample.completion_ids)
-    expected = {
+    # field -> (its values, None when absent; the length they must have; the field that length is of)
+    expected: dict[str, tuple[Sized | None, int, str]] = {
         "prompt_mask": (sample.prompt_mask, n_prompt, "prompt_ids"),
         "completion_mask": (sample.completion_mask, n_completion, "completion_ids"),
         "completion_logprobs": (sample.completion_logprobs, n_completion, "completion_ids"),
