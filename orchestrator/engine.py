@@ -272,17 +272,19 @@ class MultiAgentEngine:
         self, agent: str, prompts: list[list[int]], temperature: float, top_p: float
     ) -> list[Completion]:
         policy = self.policies[agent]
-        kwargs = {
-            "max_tokens": self._max_tokens(agent),
-            "temperature": temperature,
-            "top_p": top_p,
-            "stop_token_ids": [policy.tokenizer.eos_token_id],
-        }
         if all(p == prompts[0] for p in prompts):
             # The usual first turn: one prompt, a whole group of samples in one call.
-            completions = await policy.sampler.generate([prompts[0]], n=len(prompts), **kwargs)
+            distinct, n = [prompts[0]], len(prompts)
         else:
-            completions = await policy.sampler.generate(prompts, n=1, **kwargs)
+            distinct, n = prompts, 1
+        completions = await policy.sampler.generate(
+            distinct,
+            n=n,
+            max_tokens=self._max_tokens(agent),
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=[policy.tokenizer.eos_token_id],
+        )
         if len(completions) != len(prompts):
             raise RuntimeError(
                 f"sampler of {agent!r} returned {len(completions)} completions for {len(prompts)}"

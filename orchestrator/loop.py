@@ -45,9 +45,10 @@ from pathlib import Path
 from typing import Protocol
 
 from contracts.run_config import RunConfig
+from contracts.status import RunStatus
 from contracts.wire import TrainingBatch
 from orchestrator.client import BatchFormat, EvictedBy
-from orchestrator.engine import MultiAgentEngine, RunBatch, ValidationResult
+from orchestrator.engine import MultiAgentEngine, Rollouts, RunBatch, ValidationResult
 from orchestrator.errors import Conflict, RunEvicted
 from orchestrator.models import AdapterDownload, AdapterInfo, BatchInfo, Heartbeat, Page, Run
 
@@ -126,13 +127,16 @@ class RunProgress:
 
     @property
     def completed(self) -> bool:
-        return self.run.status == "completed"
+        return self.run.status == RunStatus.COMPLETED
 
     @property
     def must_wait(self) -> bool:
         if self.completed:
             return False
-        return self.run.status == "queued" or self.rollout_step - self.trained_step > self.max_async_level
+        return (
+            self.run.status == RunStatus.QUEUED
+            or self.rollout_step - self.trained_step > self.max_async_level
+        )
 
 
 @dataclass
@@ -231,7 +235,7 @@ class RolloutLoop:
             except RunEvicted as exc:
                 exc.run_id = exc.run_id or state.run_id
                 raise
-            if beat.status == "evicted":
+            if beat.status == RunStatus.EVICTED:
                 # get_run in the next refresh carries the reason; raise from there.
                 log.warning("run %s reports status evicted on heartbeat", state.run_id)
 
@@ -361,44 +365,9 @@ class RolloutLoop:
         try:
             iteration = 0
             while self.config.max_iterations is None or iteration < self.config.max_iterations:
-                started = time.monotonic()
-                await self._refresh()
-                if not self._open_runs():
-                    log.info("every run is completed")
+                report = await self._iterate(iteration, step=step_offset + iteration)
+                if report is None:
                     break
-                await self._heartbeat()
-                await self._wait_until_ready()
-                if not self._open_runs():
-                    break
-                await self._sync_adapters()
-
-                validation = None
-                if self.config.val_freq and iteration % self.config.val_freq == 0:
-                    validation = await self.engine.validate(step=iteration)
-                    self.validation_history.append(validation)
-
-                rollouts = await self.engine.generate(step=step_offset + iteration)
-                adapter_steps = {rid: s.adapter_step or 0 for rid, s in self.runs.items()}
-                built = self.engine.make_batches(rollouts, adapter_steps)
-                batches: dict[str, BatchReport] = {}
-                for run_id, run_batch in built.items():
-                    state = self.runs[run_id]
-                    if state.completed:
-                        continue
-                    batches[run_id] = await self._submit(state, run_batch)
-
-                mean_reward = rollouts.mean_final_reward()
-                for agent in self.engine.turn_order:
-                    self.reward_history[agent].append(mean_reward.get(agent, float("nan")))
-                report = StepReport(
-                    iteration=iteration,
-                    runs={rid: dataclasses.replace(s) for rid, s in self.runs.items()},
-                    batches=batches,
-                    mean_reward=mean_reward,
-                    success_rate=rollouts.success_rate(),
-                    validation=validation,
-                    elapsed_s=time.monotonic() - started,
-                )
                 self.history.append(report)
                 for callback in self.on_step:
                     callback(report)
@@ -409,6 +378,51 @@ class RolloutLoop:
                 with contextlib.suppress(asyncio.CancelledError):
                     await beat_task
         return self.history
+
+    async def _iterate(self, iteration: int, *, step: int) -> StepReport | None:
+        """One iteration (steps 1-6 of the module docstring); None once every run is completed."""
+        started = time.monotonic()
+        await self._refresh()
+        if not self._open_runs():
+            log.info("every run is completed")
+            return None
+        await self._heartbeat()
+        await self._wait_until_ready()
+        if not self._open_runs():
+            return None
+        await self._sync_adapters()
+
+        validation = None
+        if self.config.val_freq and iteration % self.config.val_freq == 0:
+            validation = await self.engine.validate(step=iteration)
+            self.validation_history.append(validation)
+
+        rollouts = await self.engine.generate(step=step)
+        batches = await self._submit_all(rollouts)
+        mean_reward = rollouts.mean_final_reward()
+        for agent in self.engine.turn_order:
+            self.reward_history[agent].append(mean_reward.get(agent, float("nan")))
+        return StepReport(
+            iteration=iteration,
+            runs={rid: dataclasses.replace(s) for rid, s in self.runs.items()},
+            batches=batches,
+            mean_reward=mean_reward,
+            success_rate=rollouts.success_rate(),
+            validation=validation,
+            elapsed_s=time.monotonic() - started,
+        )
+
+    async def _submit_all(self, rollouts: Rollouts) -> dict[str, BatchReport]:
+        """One batch per open run, sampled with the adapter step the run's sampler holds."""
+        adapter_steps = {rid: s.adapter_step or 0 for rid, s in self.runs.items()}
+        built = self.engine.make_batches(rollouts, adapter_steps)
+        batches: dict[str, BatchReport] = {}
+        for run_id, run_batch in built.items():
+            state = self.runs[run_id]
+            if state.completed:
+                continue
+            batches[run_id] = await self._submit(state, run_batch)
+        return batches
 
     def run_sync(self) -> list[StepReport]:
         """`run()` in a fresh event loop, for scripts."""

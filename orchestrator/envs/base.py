@@ -127,12 +127,22 @@ AgentT = TypeVar("AgentT", bound=type[Agent])
 
 def register_env(name: str) -> Callable[[EnvT], EnvT]:
     """Class decorator: make an `Env` subclass available to `make_env(name)`."""
-    return ENV_REGISTRY.register(name)  # type: ignore[return-value]
+
+    def decorator(cls: EnvT) -> EnvT:
+        ENV_REGISTRY.register(name)(cls)
+        return cls  # the subclass itself, not the registry's `type[Env]`
+
+    return decorator
 
 
 def register_agent(name: str) -> Callable[[AgentT], AgentT]:
     """Class decorator: make an `Agent` subclass available to `make_agent(name)`."""
-    return AGENT_REGISTRY.register(name)  # type: ignore[return-value]
+
+    def decorator(cls: AgentT) -> AgentT:
+        AGENT_REGISTRY.register(name)(cls)
+        return cls
+
+    return decorator
 
 
 def make_env(name: str, **kwargs: Any) -> Env:
