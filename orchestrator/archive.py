@@ -3,8 +3,8 @@
 An archive comes from the network, so it is treated as hostile: only regular
 files are written, never outside the destination (no absolute paths, no `..`,
 no links, no devices), with caps on size and member count. Extraction goes to a
-temporary sibling directory that replaces the destination in one rename, so a
-sampler never sees half an adapter.
+temporary sibling directory that replaces the destination in one rename
+(`contracts.durable.atomic_replace_dir`), so a sampler never sees half an adapter.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from contracts.durable import atomic_replace_dir
 from orchestrator.errors import LoraloomError
 
 log = logging.getLogger(__name__)
@@ -119,13 +120,7 @@ def extract_adapter(
                 with source, open(target, "xb") as out:
                     shutil.copyfileobj(source, out)
         (tmp / MARKER_NAME).write_text(json.dumps({"sha256": sha256, "step": step}))
-        old: Path | None = None
-        if dest.exists():
-            old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-            dest.rename(old)
-        tmp.rename(dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        atomic_replace_dir(tmp, dest)
     except (tarfile.TarError, EOFError, gzip.BadGzipFile, zlib.error, FileExistsError) as exc:
         # FileExistsError: two members that map to one file (e.g. "a" and "./a").
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,8 +18,8 @@ keeps the operation a single piece of code.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import re
 import uuid
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ import httpx
 from pydantic import TypeAdapter
 
 from contracts.http import RetryPolicy, send_with_retries, send_with_retries_async
+from contracts.ids import is_run_id
 from contracts.run_config import RunConfig
 from contracts.wire import TrainingBatch, json_encoder, msgpack_encoder
 from orchestrator.archive import extract_adapter, read_marker
@@ -51,13 +52,12 @@ BatchFormat = Literal["msgpack", "json"]
 EvictedBy = Literal["user", "orchestrator"]
 AdapterStep = int | Literal["latest"]
 
-_RUN_ID = re.compile(r"^run_[0-9a-f]{12}$")
 _USER_AGENT = "loraloom-sdk/0.1"
 
 
 def check_run_id(run_id: str) -> str:
     """Refuse anything but `run_` + 12 lowercase hex before it goes into a URL path."""
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    if not isinstance(run_id, str) or not is_run_id(run_id):
         raise ValueError(f"not a run id: {run_id!r} (expected run_ + 12 lowercase hex digits)")
     return run_id
 
@@ -257,12 +257,7 @@ def _settings(
 ) -> ClientSettings:
     policy = retry or RetryPolicy()
     if max_attempts is not None:
-        policy = RetryPolicy(
-            max_attempts=max_attempts,
-            backoff_base_s=policy.backoff_base_s,
-            backoff_max_s=policy.backoff_max_s,
-            max_retry_after_s=policy.max_retry_after_s,
-        )
+        policy = dataclasses.replace(policy, max_attempts=max_attempts)
     return ClientSettings(base_url=base_url.rstrip("/"), api_key=api_key, timeout=timeout, retry=policy)
 
 

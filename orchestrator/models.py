@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
 from contracts.progress import Progress
 from contracts.run_config import RunConfig
+from contracts.status import MOVABLE_RUN_STATUSES, RunStatus
 from orchestrator.errors import RunEvicted, RunFailed
 
-RunStatus = Literal["queued", "active", "completed", "evicted", "failed", "deleted"]
-TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "evicted", "failed", "deleted"})
+_TERMINAL_STATUSES = frozenset(RunStatus) - frozenset(MOVABLE_RUN_STATUSES)
 
 T = TypeVar("T")
 
@@ -31,6 +31,7 @@ class Run(_Model):
     tenant_id: str | None = None
     name: str
     status: str
+    """A `RunStatus` value; kept a plain string so that a newer service's new states parse."""
     slot: int | None = None
     base_model: str | None = None
     config: dict[str, Any] = {}
@@ -50,18 +51,18 @@ class Run(_Model):
 
     @property
     def is_terminal(self) -> bool:
-        return self.status in TERMINAL_STATUSES
+        return self.status in _TERMINAL_STATUSES
 
     def raise_if_stopped(self) -> None:
         """Raise `RunEvicted` (with the reason) or `RunFailed` if the run can no longer train."""
-        if self.status == "evicted":
+        if self.status == RunStatus.EVICTED:
             raise RunEvicted(
                 f"run {self.id} was evicted by {self.evicted_by or 'unknown'}: {self.eviction_reason}",
                 run_id=self.id,
                 reason=self.eviction_reason,
                 evicted_by=self.evicted_by,
             )
-        if self.status in {"failed", "deleted"}:
+        if self.status in (RunStatus.FAILED, RunStatus.DELETED):
             why = f": {self.failure_reason}" if self.failure_reason else ""
             raise RunFailed(f"run {self.id} is {self.status}{why}", run_id=self.id, run_status=self.status)
 
