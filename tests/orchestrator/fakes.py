@@ -12,10 +12,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from contracts.progress import Progress
 from contracts.tokenizer import CharTokenizer
 from contracts.wire import TrainingBatch
 from orchestrator.errors import Conflict, NotFound, RunEvicted
-from orchestrator.models import AdapterDownload, AdapterInfo, BatchInfo, Heartbeat, Page, Progress, Run
+from orchestrator.models import AdapterDownload, AdapterInfo, BatchInfo, Heartbeat, Page, Run
 from orchestrator.samplers.base import Completion
 
 TOKENIZER = CharTokenizer()

@@ -64,7 +64,9 @@ def test_single_top_level_directory_is_stripped(tmp_path: Path) -> None:
         _special("fifo", tarfile.FIFOTYPE),
     ],
 )
-def test_unsafe_members_are_refused_and_nothing_is_written(tmp_path: Path, member) -> None:
+def test_unsafe_members_are_refused_and_nothing_is_written(
+    tmp_path: Path, member: tuple[tarfile.TarInfo, bytes | None]
+) -> None:
     data = _tar([_file("adapter_config.json", b"{}"), member])
     dest = tmp_path / "inside" / "a"
     with pytest.raises(UnsafeArchive):

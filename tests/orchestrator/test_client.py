@@ -15,7 +15,7 @@ from contracts.http import parse_retry_after
 from contracts.run_config import RunConfig
 from contracts.wire import TrainingBatch, TrainingSample
 from orchestrator import errors
-from orchestrator.client import AsyncLoraloomClient, LoraloomClient
+from orchestrator.client import AsyncLoraloomClient, BatchFormat, LoraloomClient
 from orchestrator.models import Run
 from tests.orchestrator.fake_service import FakeService
 from tests.orchestrator.servers import FAST, FaultInjector
@@ -71,7 +71,7 @@ def test_create_run_idempotent_replay(client: LoraloomClient, service: FakeServi
 @pytest.mark.parametrize("fault", ["503", "500", "drop", "drop_after", "slow:0.4"])
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
 def test_submit_retries_reuse_one_key_and_store_once(
-    base_url: str, service: FakeService, faults: FaultInjector, fault: str, fmt: str
+    base_url: str, service: FakeService, faults: FaultInjector, fault: str, fmt: BatchFormat
 ) -> None:
     with LoraloomClient(base_url, service.api_key, retry=FAST, timeout=0.2) as client:
         run = client.create_run("retry", {})
@@ -191,7 +191,8 @@ def test_connection_refused_is_retried_then_exhausted() -> None:
 
 
 def test_run_ids_are_validated_before_any_request(client: LoraloomClient) -> None:
-    for bad in ["../etc", "run_XYZ", "run_0123456789ab/../x"]:
+    # A trailing newline passed the SDK's own `^...$` pattern before it used contracts.ids.
+    for bad in ["../etc", "run_XYZ", "run_0123456789ab/../x", "run_0123456789ab\n"]:
         with pytest.raises(ValueError):
             client.get_run(bad)
 

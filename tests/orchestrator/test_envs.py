@@ -99,7 +99,9 @@ def test_arithmetic_episode() -> None:
         ("7", "maybe", 0.5, 0.0, (True, False)),  # malformed verdict: no format credit either
     ],
 )
-def test_solver_checker_joint_reward(answer: str, verdict: str, solver: float, checker: float, ok) -> None:
+def test_solver_checker_joint_reward(
+    answer: str, verdict: str, solver: float, checker: float, ok: tuple[bool, bool]
+) -> None:
     env = SolverCheckerEnv()
     episode = env.new_episode(Problem("3+4", (3, 4)))
     assert not episode.step("solver", answer).done

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine
+from contracts.wire import TrainingBatch
+from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine, Specialization
 from orchestrator.errors import RunEvicted, RunFailed
 from orchestrator.loop import LoopConfig, RolloutLoop, StepReport
+from orchestrator.models import BatchInfo
 from tests.orchestrator.fakes import TOKENIZER, FakeLoopClient, FakeRun, ScriptedSampler, solve
 
 
@@ -22,7 +25,7 @@ def uniform(prompt: str, j: int) -> str:
     return solve(prompt)
 
 
-def make_engine(run_id: str, sampler: ScriptedSampler, **config) -> MultiAgentEngine:
+def make_engine(run_id: str, sampler: ScriptedSampler, **config: Any) -> MultiAgentEngine:
     config.setdefault("problems_per_step", 2)
     config.setdefault("samples_per_problem", 2)
     return MultiAgentEngine(
@@ -30,7 +33,7 @@ def make_engine(run_id: str, sampler: ScriptedSampler, **config) -> MultiAgentEn
     )
 
 
-def loop_config(tmp_path: Path, **kw) -> LoopConfig:
+def loop_config(tmp_path: Path, **kw: Any) -> LoopConfig:
     kw.setdefault("poll_interval_s", 0.001)
     kw.setdefault("heartbeat_interval_s", None)
     return LoopConfig(adapter_dir=tmp_path / "adapters", **kw)
@@ -112,7 +115,7 @@ async def test_failed_run_raises_run_failed(tmp_path: Path) -> None:
         await loop.run()
 
 
-async def test_respects_max_async_level(tmp_path: Path) -> None:
+async def test_respects_max_async_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     client = FakeLoopClient()
     run_id = client.add_run(batch_size=4, max_async_level=1)
     looks = [0]
@@ -131,11 +134,11 @@ async def test_respects_max_async_level(tmp_path: Path) -> None:
     client.on_get_run = slow_trainer
     original_submit = client.submit_batch
 
-    async def recording_submit(rid, batch, *, fmt="msgpack"):
+    async def recording_submit(rid: str, batch: TrainingBatch, *, fmt: str = "msgpack") -> BatchInfo:
         seen.append((len(client.runs[rid].batches), client.runs[rid].run.progress.step))
         return await original_submit(rid, batch, fmt=fmt)
 
-    client.submit_batch = recording_submit  # type: ignore[method-assign]
+    monkeypatch.setattr(client, "submit_batch", recording_submit)
     loop = RolloutLoop(
         client, make_engine(run_id, ScriptedSampler(varied)), loop_config(tmp_path, max_iterations=6)
     )
@@ -259,7 +262,12 @@ async def test_lora_mode_runs_get_only_their_agents_batches(tmp_path: Path) -> N
     client.runs[run_b].adapters[3] = {"adapter_config.json": b"{}"}
     solver, checker = ScriptedSampler(varied), ScriptedSampler(lambda p, j: "yn"[j % 2])
     engine = MultiAgentEngine(
-        EngineConfig(env="solver_checker", specialization="lora", problems_per_step=2, samples_per_problem=2),
+        EngineConfig(
+            env="solver_checker",
+            specialization=Specialization.LORA,
+            problems_per_step=2,
+            samples_per_problem=2,
+        ),
         {
             "solver": AgentPolicy(run_id=run_a, sampler=solver, tokenizer=TOKENIZER),
             "checker": AgentPolicy(run_id=run_b, sampler=checker, tokenizer=TOKENIZER),

@@ -4,6 +4,7 @@ until the lead's test against the real service lands)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from tests.orchestrator.fakes import TOKENIZER, ScriptedSampler, solve
 from tests.orchestrator.servers import FAST, FaultInjector
 
 
-def engine_for(run_id: str, sampler: ScriptedSampler, **config) -> MultiAgentEngine:
+def engine_for(run_id: str, sampler: ScriptedSampler, **config: Any) -> MultiAgentEngine:
     return MultiAgentEngine(
         EngineConfig(problems_per_step=2, samples_per_problem=2, **config),
         {"solver": AgentPolicy(run_id=run_id, sampler=sampler, tokenizer=TOKENIZER)},

@@ -6,14 +6,14 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import peft
 import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
-torch = pytest.importorskip("torch")
-peft = pytest.importorskip("peft")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-from contracts.tokenizer import CharTokenizer  # noqa: E402
-from orchestrator.samplers.local import LocalSampler, sample_tokens  # noqa: E402
+from contracts.tokenizer import CharTokenizer
+from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine, Specialization
+from orchestrator.samplers.local import LocalSampler, sample_tokens
 
 TOK = CharTokenizer()
 
@@ -144,12 +144,13 @@ async def test_load_adapter_from_a_peft_directory(base: LlamaForCausalLM, tmp_pa
 
 
 async def test_engine_rollouts_with_a_local_sampler(base: LlamaForCausalLM) -> None:
-    from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine
-
     sampler = LocalSampler(copy.deepcopy(base), eos_token_id=TOK.eos_token_id, seed=4)
     engine = MultiAgentEngine(
         EngineConfig(
-            env="solver_checker", specialization="prompt", problems_per_step=2, samples_per_problem=3
+            env="solver_checker",
+            specialization=Specialization.PROMPT,
+            problems_per_step=2,
+            samples_per_problem=3,
         ),
         {
             "solver": AgentPolicy(run_id="run_aaaaaaaaaaaa", sampler=sampler, tokenizer=TOK),
