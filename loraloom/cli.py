@@ -5,6 +5,7 @@ service over HTTP (--url / LORALOOM_URL), with the admin key (LORALOOM_ADMIN_KEY
 tenant API key (LORALOOM_API_KEY) as --key.
 """
 
+import functools
 import json
 import secrets
 import shutil
@@ -410,16 +411,16 @@ def interim_demo(root: Path = Path(".loraloom/demo")) -> None:
 
     with background_server(create_app(settings)) as url:
         say(f"service on {url}: SQLite in {root}/, 2 slots for the base model loraloom-tiny")
-        admin = {"url": url, "key": admin_key, "key_env": "LORALOOM_ADMIN_KEY"}
+        admin_api = functools.partial(api, url=url, key=admin_key, key_env="LORALOOM_ADMIN_KEY")
 
         say("the admin creates two tenants and an API key for each")
         keys: dict[str, str] = {}
         for name, quota in (("acme", 2), ("globex", 1)):
             cmd(f"tenants create {name} --quota {quota}")
-            t = api("POST", "/v1/tenants", json_body={"name": name, "max_concurrent_runs": quota}, **admin)
+            t = admin_api("POST", "/v1/tenants", json_body={"name": name, "max_concurrent_runs": quota})
             typer.echo(f"tenant {name}: {t['id']} (quota {quota})")
             cmd(f"keys create {t['id']}")
-            keys[name] = api("POST", f"/v1/tenants/{t['id']}/keys", **admin)["key"]
+            keys[name] = admin_api("POST", f"/v1/tenants/{t['id']}/keys")["key"]
             typer.echo(f"API key for {name}: {keys[name][:12]}… (shown once)")
 
         def create(tenant: str, run_name: str, max_steps: int) -> dict[str, Any]:

@@ -29,23 +29,26 @@ recovers.
 
 import asyncio
 import copy
+import dataclasses
 import json
 import os
 import secrets
 import shutil
 import subprocess
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypedDict
 
 import httpx
 import typer
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the dev dependencies (types-tqdm)
 
 from contracts.tokenizer import CharTokenizer
 from orchestrator.client import AsyncLoraloomClient, LoraloomClient
-from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine
-from orchestrator.loop import LoopConfig, RolloutLoop, StepReport
+from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine, Specialization
+from orchestrator.loop import LoopConfig, RolloutLoop, StepCallback, StepReport
 
 ROOT = Path(".loraloom/demo")
 MODEL_CACHE = Path(".loraloom/models")
@@ -72,7 +75,35 @@ class DemoSystem:
     """agent → run name"""
 
 
-def _run_config(*, max_steps: int, batch_size: int, seed: int) -> dict:
+SystemLoop = tuple[DemoSystem, RolloutLoop]
+Say = Callable[[str], None]
+
+
+class Scores(TypedDict):
+    """One system's validation: per agent."""
+
+    mean_reward: dict[str, float]
+    success_rate: dict[str, float]
+
+
+class RunResult(TypedDict):
+    """What the demo reports per run (results.json, the table, the plot)."""
+
+    agent: str
+    before: float
+    """Validation reward before the first step (base model)."""
+    after: float
+    """Validation reward on the final adapter."""
+    success_before: float
+    success_after: float
+    train_first3: float
+    """Mean training reward of the first 3 steps."""
+    train_last3: float
+    curve: list[float]
+    """Mean training reward per step."""
+
+
+def _run_config(*, max_steps: int, batch_size: int, seed: int) -> dict[str, Any]:
     return {
         "base_model": "loraloom-tiny",
         "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": list(LORA_TARGETS)},
@@ -90,25 +121,27 @@ def _run_config(*, max_steps: int, batch_size: int, seed: int) -> dict:
 
 
 def _systems(problems: int, group: int) -> list[DemoSystem]:
-    common = {
-        "problems_per_step": problems,
-        "samples_per_problem": group,
-        "val_problems": VAL_PROBLEMS,
-        "val_samples_per_problem": VAL_SAMPLES,
-        "val_temperature": 1.0,
-    }
+    # The arith-grpo system's engine; the other two differ from it only where named.
+    base = EngineConfig(
+        env="arithmetic",
+        problems_per_step=problems,
+        samples_per_problem=group,
+        val_problems=VAL_PROBLEMS,
+        val_samples_per_problem=VAL_SAMPLES,
+        val_temperature=1.0,
+    )
     return [
-        DemoSystem("alice", "arith-grpo", EngineConfig(env="arithmetic", **common), {"solver": "arith-grpo"}),
+        DemoSystem("alice", "arith-grpo", base, {"solver": "arith-grpo"}),
         DemoSystem(
             "alice",
             "arith-rloo",
-            EngineConfig(env="arithmetic", advantage="rloo", seed=1, **common),
+            dataclasses.replace(base, advantage="rloo", seed=1),
             {"solver": "arith-rloo"},
         ),
         DemoSystem(
             "bob",
             "duo",
-            EngineConfig(env="solver_checker", specialization="lora", seed=2, **common),
+            dataclasses.replace(base, env="solver_checker", specialization=Specialization.LORA, seed=2),
             {"solver": "duo-solver", "checker": "duo-checker"},
         ),
     ]
@@ -123,8 +156,8 @@ def run_demo(
     port: int = 8765,
     state_dir: Path = ROOT,
     model_cache: Path = MODEL_CACHE,
-) -> dict:
-    """Run the demo; returns {run: {"agent", "before", "after", "curve", ...}} (see `_report`).
+) -> dict[str, RunResult]:
+    """Run the demo; returns {run name: its `RunResult`}.
 
     `state_dir` (wiped first) holds the SQLite database, the service's artifacts and the logs;
     `model_cache` the built base model."""
@@ -132,6 +165,7 @@ def run_demo(
 
     from app.migrate import upgrade
     from loraloom.launch import launch_pool, start_service_process
+    from orchestrator.samplers.local import LocalSampler
     from trainer_core.models.registry import load_base_model
 
     # Sampling the tiny model gains nothing from more threads, and the pool's rank trains at
@@ -200,20 +234,18 @@ def run_demo(
         systems = _systems(problems, group)
         tokenizer = CharTokenizer()
         run_ids: dict[str, str] = {}
-        loops: list[tuple[DemoSystem, RolloutLoop]] = []
+        loops: list[SystemLoop] = []
         bars: dict[str, tqdm] = {}
         sampler_seed = 0
         for i, system in enumerate(systems):
             client = LoraloomClient(url, keys[system.tenant])
-            policies = {}
+            policies: dict[str, AgentPolicy] = {}
             for agent, run_name in system.runs.items():
                 run = client.create_run(
                     run_name, _run_config(max_steps=steps, batch_size=problems * group, seed=i)
                 )
                 run_ids[run_name] = run.id
                 say(f"[demo] {system.tenant} created run {run_name} ({run.id}): {run.status}")
-                from orchestrator.samplers.local import LocalSampler
-
                 # One seed per sampler: two agents sampling from the same random stream would
                 # draw correlated actions (the checker's verdict tied to the solver's luck).
                 sampler = LocalSampler(
@@ -238,7 +270,7 @@ def run_demo(
             loops.append((system, loop))
 
         started = time.monotonic()
-        validation: dict[str, dict] = {}
+        validation: dict[str, dict[str, Scores]] = {}
 
         async def _all() -> None:
             say(f"[demo] validation before training ({VAL_PROBLEMS} problems x {VAL_SAMPLES} samples)")
@@ -268,7 +300,7 @@ def run_demo(
         service.wait(timeout=20)
 
 
-def _progress(system: DemoSystem, bars: dict[str, tqdm]):
+def _progress(system: DemoSystem, bars: dict[str, tqdm]) -> StepCallback:
     def update(report: StepReport) -> None:
         for agent, run_name in system.runs.items():
             bar = bars[run_name]
@@ -280,16 +312,16 @@ def _progress(system: DemoSystem, bars: dict[str, tqdm]):
     return update
 
 
-async def _validate(loops) -> dict[str, dict]:
-    """{system label: ValidationResult as a dict} on each engine's fixed validation set."""
-    out = {}
+async def _validate(loops: Sequence[SystemLoop]) -> dict[str, Scores]:
+    """{system label: its scores} on each engine's fixed validation set."""
+    out: dict[str, Scores] = {}
     for system, loop in loops:
         result = await loop.engine.validate()
         out[system.label] = {"mean_reward": result.mean_reward, "success_rate": result.success_rate}
     return out
 
 
-async def _load_final_adapters(loops, steps: int, timeout_s: float = 120.0) -> None:
+async def _load_final_adapters(loops: Sequence[SystemLoop], steps: int, timeout_s: float = 120.0) -> None:
     """Load every run's step-`steps` adapter into its samplers (the loop ends before the trainer
     has trained its last batch)."""
     for _, loop in loops:
@@ -316,10 +348,12 @@ def _window_mean(values: list[float], *, first: bool, k: int = 3) -> float:
     return sum(window) / max(len(window), 1)
 
 
-def _report(loops, validation: dict, output_dir: Path, say) -> dict:
+def _report(
+    loops: Sequence[SystemLoop], validation: Mapping[str, Mapping[str, Scores]], output_dir: Path, say: Say
+) -> dict[str, RunResult]:
     """Per run: validation reward (and success rate) before/after, the training curve and
     the mean training reward of its first and last 3 steps."""
-    results: dict[str, dict] = {}
+    results: dict[str, RunResult] = {}
     say("")
     say(
         f"{'system':10s} {'agent':8s} {'run':12s} {'reward before':>14s} {'reward after':>13s} {'change':>8s}"
@@ -354,7 +388,7 @@ def _report(loops, validation: dict, output_dir: Path, say) -> dict:
     return results
 
 
-def _plot(results: dict, path: Path) -> None:
+def _plot(results: Mapping[str, RunResult], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -375,7 +409,14 @@ def _plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _download_adapters(url, keys, systems, run_ids, output_dir: Path, say) -> None:
+def _download_adapters(
+    url: str,
+    keys: Mapping[str, str],
+    systems: Sequence[DemoSystem],
+    run_ids: Mapping[str, str],
+    output_dir: Path,
+    say: Say,
+) -> None:
     for system in systems:
         with LoraloomClient(url, keys[system.tenant]) as client:
             for run_name in system.runs.values():

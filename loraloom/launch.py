@@ -28,7 +28,7 @@ def start_service_process(
     log_path: Path | None = None,
     workers: int = 1,
     timeout_s: float = 60.0,
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[subprocess.Popen[bytes], str]:
     """Start uvicorn on 127.0.0.1:`port` in its own process group; return once /readyz answers.
 
     `env` is the child's whole environment (LORALOOM_* settings included). Raises RuntimeError,
@@ -79,9 +79,9 @@ def launch_pool(
     nproc_per_node: int,
     worker_args: Sequence[str],
     master_port: int | None = None,
-    env: dict | None = None,
+    env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
-) -> subprocess.Popen:
+) -> subprocess.Popen[bytes]:
     """Start the pool in its own process group; its ranks die with it (see worker._die_with_parent)."""
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child inherits it
     try:
