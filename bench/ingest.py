@@ -41,9 +41,9 @@ from sqlalchemy import create_engine, text
 from app import migrate
 from app.auth import hash_key, new_api_key
 from app.db import make_engine, make_session_factory
+from app.pools.models import Pool
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
-from app.pools.models import Pool
 from contracts.ids import new_id
 from contracts.run_config import RunConfig
 from contracts.wire import TrainingBatch, TrainingSample, json_encoder, msgpack_encoder
@@ -188,7 +188,7 @@ def seed(database_url: str, *, seq_len: int, runs: int) -> tuple[str, list[str]]
 
 def start_service(
     database_url: str, data_dir: Path, log_path: Path, workers: int
-) -> tuple[subprocess.Popen, str]:
+) -> tuple[subprocess.Popen[bytes], str]:
     env = os.environ | {
         "LORALOOM_DATABASE_URL": database_url,
         "LORALOOM_DATA_DIR": str(data_dir),
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="loraloom-bench-ingest-"))
     database_url = create_database(args.pg_admin_url)
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen[bytes] | None = None
     configs = [(fmt, c) for fmt in formats for c in clients_list]
     raw = Result("raw files", "msgpack", 1, 0, 0, 0, 0, 0.0, [])
     service_results = [Result("service", fmt, c, 0, 0, 0, 0, 0.0, []) for fmt, c in configs]

@@ -31,9 +31,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from trainer_core.lora import PathName
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -96,7 +100,7 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def multi_step_fn(args: argparse.Namespace, n: int, path: str) -> tuple[Callable[[], None], str]:
+def multi_step_fn(args: argparse.Namespace, n: int, path: "PathName") -> tuple[Callable[[], None], str]:
     from trainer_core.lora import SegmentLayout, apply_multi_lora
 
     model = build(args)

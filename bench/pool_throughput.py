@@ -18,8 +18,10 @@ import random
 import shutil
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -34,8 +36,8 @@ from trainer_core.worker import PoolTrainer, WorkerArgs
 ADMIN, WORKER = "bench-admin", "bench-worker"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--runs", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (one batch per step)")
@@ -49,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(args, directory: Path) -> Path:
+def build_model(args: argparse.Namespace, directory: Path) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -65,12 +67,12 @@ def build_model(args, directory: Path) -> Path:
     return directory
 
 
-def make_payloads(args) -> list[list[dict]]:
+def make_payloads(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
     """payloads[run][step]: one TrainingBatch (as JSON) per step."""
     rng = random.Random(0)
     out = []
     for _ in range(args.runs):
-        batches = []
+        batches: list[dict[str, Any]] = []
         for step in range(args.steps):
             examples = []
             for _ in range(args.batch_size):
@@ -91,7 +93,7 @@ def make_payloads(args) -> list[list[dict]]:
     return out
 
 
-def run_config(args) -> dict:
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
     return RunConfig(
         base_model="bench-model",
         batch_size=args.batch_size,
@@ -108,10 +110,10 @@ class TimedClient(PoolServiceClient):
     def __init__(self, url: str, token: str, timing: Timing) -> None:
         super().__init__(url, token)
         self.timing = timing
-        self.request_seconds: Counter[str] = Counter()
+        self.request_seconds: defaultdict[str, float] = defaultdict(float)
         self.request_counts: Counter[str] = Counter()
 
-    def _request(self, method: str, path: str, **kwargs):
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         started = time.perf_counter()
         try:
             return super()._request(method, path, **kwargs)
@@ -122,13 +124,15 @@ class TimedClient(PoolServiceClient):
             self.request_seconds[f"{method} {route}"] += time.perf_counter() - started
             self.request_counts[f"{method} {route}"] += 1
 
-    def claim(self, max_batches: int) -> list[dict]:
+    def claim(self, max_batches: int) -> list[dict[str, Any]]:
         batches = super().claim(max_batches)
         if batches:
             self.timing.first_claim = self.timing.first_claim or time.perf_counter()
         return batches
 
-    def report_step(self, run_id, *, step, total_tokens, total_samples, metrics) -> dict:
+    def report_step(
+        self, run_id: str, *, step: int, total_tokens: int, total_samples: int, metrics: dict[str, Any]
+    ) -> dict[str, Any]:
         out = super().report_step(
             run_id, step=step, total_tokens=total_tokens, total_samples=total_samples, metrics=metrics
         )
@@ -137,7 +141,9 @@ class TimedClient(PoolServiceClient):
         return out
 
 
-def train(args, model_dir: Path, work: Path, client) -> None:
+def train(args: argparse.Namespace, model_dir: Path, work: Path, client: Any) -> None:
+    """`client`: a `PoolServiceClient`, or `MemoryPoolClient`, which has its methods but is not one
+    (hence Any: `PoolTrainer` names the HTTP class)."""
     worker_args = WorkerArgs(
         url="unused",
         token="unused",
@@ -158,7 +164,9 @@ def train(args, model_dir: Path, work: Path, client) -> None:
         trainer.close()
 
 
-def via_service(args, model_dir: Path, payloads, work: Path) -> tuple[Timing, TimedClient]:
+def via_service(
+    args: argparse.Namespace, model_dir: Path, payloads: list[list[dict[str, Any]]], work: Path
+) -> tuple[Timing, TimedClient]:
     db = create_database(args.pg_admin_url)
     from app.migrate import upgrade
 
@@ -194,7 +202,7 @@ def via_service(args, model_dir: Path, payloads, work: Path) -> tuple[Timing, Ti
         drop_database(args.pg_admin_url, db)
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -205,7 +213,8 @@ def main(argv=None) -> None:
         payloads = make_payloads(args)
         # memory, service, memory: the two memory passes bracket the service pass, so start-up
         # effects and machine load show up as their spread.
-        timings = []
+        timings: list[tuple[str, Timing]] = []
+        client: TimedClient | None = None
         for label in ("memory (1st)", "service", "memory (2nd)"):
             if label == "service":
                 timing, client = via_service(args, model_dir, payloads, work)
@@ -214,8 +223,11 @@ def main(argv=None) -> None:
                 t = Timing()
                 train(args, model_dir, work / label[:6], MemoryPoolClient(payloads, run_config(args), t))
                 timings.append((label, t))
-        rows = []
+        assert client is not None  # the service pass ran
+        rows: list[tuple[str, int, float, float]] = []
         for name, t in timings:
+            if t.first_claim is None or t.last_step is None:
+                raise RuntimeError(f"{name}: the trainer claimed no batch or finished no step")
             seconds = t.last_step - t.first_claim
             rows.append((name, t.tokens, seconds, t.tokens / seconds))
         print(
@@ -234,7 +246,7 @@ def main(argv=None) -> None:
         )
         service_seconds = rows[1][2]
         print("\n| request (master rank, blocking) | calls | seconds |\n|---|---:|---:|")
-        for route, seconds in client.request_seconds.most_common():
+        for route, seconds in sorted(client.request_seconds.items(), key=lambda item: -item[1]):
             print(f"| {route} | {client.request_counts[route]} | {seconds:.2f} |")
         print(
             f"\ntrainer blocked on the service: {blocked:.2f} s of {service_seconds:.1f} s "
