@@ -45,6 +45,7 @@ import httpx
 import typer
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the dev dependencies (types-tqdm)
 
+from contracts.layout import step_dir_name
 from contracts.tokenizer import CharTokenizer
 from orchestrator.client import AsyncLoraloomClient, LoraloomClient
 from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine, Specialization
@@ -337,7 +338,7 @@ async def _load_final_adapters(loops: Sequence[SystemLoop], steps: int, timeout_
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"run {run_id}: no adapter for step {target} after {timeout_s:.0f} s")
                 await asyncio.sleep(0.2)
-            dest = loop.config.adapter_dir / run_id / f"step_{newest}"
+            dest = loop.config.adapter_dir / run_id / step_dir_name(newest)
             download = await loop.client.fetch_adapter(run_id, newest, dest)
             for sampler in loop.engine.samplers_of(run_id):
                 await sampler.load_adapter(download.path, f"{run_id}-step-{newest}", newest)

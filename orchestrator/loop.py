@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from contracts.layout import step_dir_name
 from contracts.run_config import RunConfig
 from contracts.status import RunStatus
 from contracts.wire import TrainingBatch
@@ -280,7 +281,7 @@ class RolloutLoop:
         if state.adapter_step is not None and newest <= state.adapter_step:
             return
         run_dir = self.config.adapter_dir / state.run_id
-        download = await self.client.fetch_adapter(state.run_id, newest, run_dir / f"step_{newest}")
+        download = await self.client.fetch_adapter(state.run_id, newest, run_dir / step_dir_name(newest))
         for sampler in self.engine.samplers_of(state.run_id):
             await sampler.load_adapter(download.path, f"{state.run_id}-step-{newest}", newest)
         state.adapter_step = newest
