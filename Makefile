@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	# torch first, pinned: the machine's pip finds a local CPU build of exactly this version;
 	# anything else would pull gigabytes of CUDA packages.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	# then the package, editable, with every extra (worker: transformers, peft; plot: matplotlib).
+	$(PIP) install -q -e '.[dev,all]'
 	touch $@
 
 install: $(VENV)/.installed
