@@ -1,4 +1,4 @@
-"""Worker-facing batch routes: claim, ack, restart-from-checkpoint (worker token only)."""
+"""Pool-facing batch routes: claim, ack, restart-from-checkpoint (worker token only)."""
 
 from typing import Annotated
 
@@ -9,7 +9,16 @@ from app.auth import SettingsDep, WorkerDep
 from app.batches import service
 from app.batches.schemas import MSGPACK_CONTENT_TYPES
 from app.db import SessionDep, utcnow
-from contracts.pool_api import AckIn, AckOut, ClaimIn, ClaimOut, RestartIn, RestartOut
+from contracts.pool_api import (
+    AckIn,
+    AckOut,
+    ClaimedBatchStruct,
+    ClaimIn,
+    ClaimOut,
+    ClaimStruct,
+    RestartIn,
+    RestartOut,
+)
 
 router = APIRouter(tags=["pool"])
 
@@ -27,6 +36,7 @@ _msgpack_encoder = msgspec.msgpack.Encoder()
             "`Accept: application/msgpack`).",
             "content": {"application/msgpack": {}},
         },
+        404: {"description": "pool_not_found: the pool never registered; register first."},
         409: {"description": "The pool is dead or was replaced (pool_dead, pool_stopped); register again."},
     },
 )
@@ -41,23 +51,25 @@ def claim_batches(
     claim = service.claim_batches(
         session, settings=settings, pool_id=body.pool_id, max_batches=body.max_batches, now=utcnow()
     )
-    # Encoded here with msgspec rather than through the pydantic model: the payloads are
-    # large lists of numbers and already msgspec structs.
-    content = {
-        "lease_expires_at": claim.lease_expires_at,
-        "batches": [
-            {
-                "id": item.batch.id,
-                "run_id": item.batch.run_id,
-                "slot": item.slot,
-                "sample_offset": item.batch.sample_offset,
-                "num_samples": item.batch.num_samples,
-                "rollout_step": item.batch.rollout_step,
-                "payload": item.payload,
-            }
+    # Encoded with msgspec rather than through the pydantic ClaimOut: the payloads are large lists
+    # of numbers and already msgspec structs. ClaimStruct is the shape ClaimOut documents, and the
+    # one the pool decodes.
+    content = ClaimStruct(
+        # The string msgspec writes for a datetime, so JSON and msgpack carry the same text.
+        lease_expires_at=msgspec.to_builtins(claim.lease_expires_at),
+        batches=[
+            ClaimedBatchStruct(
+                id=item.batch.id,
+                run_id=item.batch.run_id,
+                slot=item.slot,
+                sample_offset=item.batch.sample_offset,
+                num_samples=item.batch.num_samples,
+                rollout_step=item.batch.rollout_step,
+                payload=item.payload,
+            )
             for item in claim.items
         ],
-    }
+    )
     wants_msgpack = accept is not None and any(t in accept for t in MSGPACK_CONTENT_TYPES)
     if wants_msgpack:
         return Response(_msgpack_encoder.encode(content), media_type="application/msgpack")
