@@ -6,7 +6,7 @@ import msgspec
 from fastapi import APIRouter, Header, Path, Response
 
 from app.auth import SettingsDep, WorkerDep
-from app.batches import service
+from app.batches import claims
 from app.batches.schemas import MSGPACK_CONTENT_TYPES
 from app.db import SessionDep, utcnow
 from contracts.pool_api import (
@@ -48,7 +48,7 @@ def claim_batches(
     accept: Annotated[str | None, Header()] = None,
 ) -> Response:
     """Lease up to `max_batches` pending batches of active runs (fair across runs, each run's in id order)."""
-    claim = service.claim_batches(
+    claim = claims.claim_batches(
         session, settings=settings, pool_id=body.pool_id, max_batches=body.max_batches, now=utcnow()
     )
     # Encoded with msgspec rather than through the pydantic ClaimOut: the payloads are large lists
@@ -86,10 +86,10 @@ def claim_batches(
 )
 def ack_batches(body: AckIn, _: WorkerDep, session: SessionDep) -> AckOut:
     """Mark batches trained, after the optimizer step that used them. All or nothing."""
-    acked = service.ack_batches(
+    acked = claims.ack_batches(
         session,
         pool_id=body.pool_id,
-        acks=[service.AckRequest(batch_id=a.batch_id, trained_step=a.trained_step) for a in body.acks],
+        acks=[claims.AckRequest(batch_id=a.batch_id, trained_step=a.trained_step) for a in body.acks],
         now=utcnow(),
     )
     return AckOut(acked=acked)
@@ -106,7 +106,7 @@ def restart_run_from_checkpoint(
 ) -> RestartOut:
     """The pool restarts a run from a checkpoint: batches consumed after it (and claimed ones) return to
     pending and the run's progress is set back to the checkpoint's (DESIGN §4.3)."""
-    returned = service.restart_run_from_checkpoint(
+    returned = claims.restart_run_from_checkpoint(
         session,
         run_id=run_id,
         pool_id=body.pool_id,

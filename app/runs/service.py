@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 
 def get_run(session: Session, *, run_id: str) -> Run:
+    """The run, or a 404; a malformed id is not found either (run ids become paths, so no other
+    shape gets near the disk)."""
     run = session.get(Run, run_id) if is_run_id(run_id) else None
     if run is None:
         raise NotFound(f"run {run_id} not found")
