@@ -36,7 +36,8 @@ class TenantPrincipal:
 
 
 def get_settings_from_app(request: Request) -> Settings:
-    return request.app.state.settings
+    settings: Settings = request.app.state.settings
+    return settings
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings_from_app)]

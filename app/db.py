@@ -2,11 +2,11 @@
 
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
-from sqlalchemy import MetaData, create_engine, event
-from sqlalchemy.engine import Engine
+from sqlalchemy import CursorResult, Delete, MetaData, Update, create_engine, event
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 # Stable constraint names, so Alembic migrations and autogenerate agree on every backend.
@@ -27,12 +27,19 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def rows_changed(session: Session, stmt: Update | Delete) -> int:
+    """Execute an UPDATE or DELETE; returns how many rows it changed."""
+    result = session.execute(stmt)
+    assert isinstance(result, CursorResult)  # what DML returns; the declared type is the general Result
+    return result.rowcount
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record):  # pragma: no cover - trivial
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:  # pragma: no cover - trivial
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA journal_mode=WAL")
@@ -43,7 +50,7 @@ def make_engine(url: str) -> Engine:
             dbapi_conn.isolation_level = None
 
         @event.listens_for(engine, "begin")
-        def _sqlite_begin(conn):  # pragma: no cover - trivial
+        def _sqlite_begin(conn: Connection) -> None:  # pragma: no cover - trivial
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine

@@ -6,13 +6,14 @@ import contextlib
 from fastapi import FastAPI
 
 from app.batches.storage import remove_orphan_payloads
+from app.config import Settings
 from app.projection import rebuild_all
 from app.sweeper import run_sweeper
 from contracts.durable import remove_stale_temporaries
 
 
 async def on_startup(app: FastAPI) -> None:
-    settings = app.state.settings
+    settings: Settings = app.state.settings
     settings.runs_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(settings.runs_dir)
     with app.state.session_factory() as session:
@@ -24,7 +25,7 @@ async def on_startup(app: FastAPI) -> None:
 
 
 async def on_shutdown(app: FastAPI) -> None:
-    task: asyncio.Task | None = getattr(app.state, "sweeper_task", None)
+    task: asyncio.Task[None] | None = getattr(app.state, "sweeper_task", None)
     if task is not None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

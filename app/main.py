@@ -1,7 +1,9 @@
 """create_app(): settings, database, lifespan, routers, and the one error format."""
 
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -10,20 +12,22 @@ from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.adapters.pool_router import router as pool_adapters_router
 from app.adapters.router import router as adapters_router
 from app.batches.pool_router import router as pool_batches_router
 from app.batches.router import router as batches_router
 from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
 from app.errors import AppError
+from app.lifecycle import on_shutdown, on_startup
+from app.pools.router import router as pools_router
 from app.runs.router import router as runs_router
 from app.tenants.router import router as tenants_router
-from app.pools.router import router as pools_router
 
 log = logging.getLogger("loraloom")
 
 
-def error_body(code: str, message: str, details=None) -> dict:
+def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, "details": details}}
 
 
@@ -105,9 +109,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     engine = make_engine(settings.database_url)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        from app.lifecycle import on_shutdown, on_startup
-
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await on_startup(app)
         try:
             yield
@@ -127,7 +129,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["health"], operation_id="healthz")
-    def healthz() -> dict:
+    def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["health"], operation_id="readyz")
@@ -146,6 +148,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         batches_router,
         pool_batches_router,
         adapters_router,
+        pool_adapters_router,
         pools_router,
     ):
         app.include_router(router)

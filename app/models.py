@@ -3,9 +3,10 @@
 from app.adapters.models import Adapter, Checkpoint, StepMetrics
 from app.batches.models import Batch
 from app.db import Base
-from app.runs.models import Event, Run
-from app.tenants.models import ApiKey, Tenant
+from app.events.models import Event
 from app.pools.models import Pool
+from app.runs.models import Run
+from app.tenants.models import ApiKey, Tenant
 
 __all__ = [
     "Adapter",

@@ -35,6 +35,7 @@ from contracts.layout import (
     ORCH_CONFIG_FILE,
     ROLLOUTS_DIR,
 )
+from contracts.status import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def _remove_file(path: Path) -> None:
 
 def project_run(run: Run, settings: Settings) -> None:
     """Make the run's directory match its row (a deleted run's directory is removed)."""
-    if run.status == "deleted":
+    if run.status == RunStatus.DELETED:
         remove_run_dir(run.id, settings)
         return
     root = run_dir(settings, run.id)
@@ -87,11 +88,11 @@ def project_run(run: Run, settings: Settings) -> None:
         (root / sub).mkdir(parents=True, exist_ok=True)
     control = root / CONTROL_DIR
     _write_if_changed(control / ORCH_CONFIG_FILE, config_toml(run.config))
-    if run.status == "evicted":
+    if run.status == RunStatus.EVICTED:
         _write_if_changed(control / EVICTED_FILE, (run.eviction_reason or "evicted") + "\n")
     else:
         _remove_file(control / EVICTED_FILE)
-    if run.status == "failed":
+    if run.status == RunStatus.FAILED:
         _write_if_changed(control / CONFIG_ERROR_FILE, (run.failure_reason or "failed") + "\n")
     else:
         _remove_file(control / CONFIG_ERROR_FILE)

@@ -15,11 +15,11 @@ from typing import TypeVar
 from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.batches.service import expire_leases
+from app.batches.leases import expire_leases
 from app.config import Settings
 from app.db import utcnow
-from app.runs.service import evict_silent_runs
 from app.pools.service import declare_dead_pools
+from app.runs.service import evict_silent_runs
 
 log = logging.getLogger(__name__)
 

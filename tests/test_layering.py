@@ -93,3 +93,26 @@ def test_the_contracts_load_no_part_and_no_framework() -> None:
     assert not loaded & {"torch", "fastapi", "sqlalchemy", "app", "trainer_core", "orchestrator"}, sorted(
         loaded
     )
+
+
+def test_app_modules_import_each_other_at_module_level_only() -> None:
+    """An import of an app module inside a function hides an import cycle between services; the
+    design has none (events, capabilities and leases are where shared pieces live instead)."""
+    hidden: set[str] = set()
+    for path in modules_of("app"):
+        for func in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                hidden.update(
+                    f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+                    for name in names
+                    if name == "app" or name.startswith("app.")
+                )
+    assert not hidden, "\n".join(sorted(hidden))

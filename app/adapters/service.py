@@ -1,23 +1,19 @@
 """What the trainer pushes back per run (adapters, step metrics, checkpoint commits) and
 what users read of it.
 
-Adapters arrive as an uncompressed tar of a PEFT directory. Nothing of an upload is
-trusted: members are read one by one (never `extractall`), only the two PEFT files are
-accepted, both are checked, and the directory appears under `broadcast/step_N/` in one
-rename, so a reader sees the old adapter or the new one, never half of one.
+Adapters arrive as an uncompressed tar of a PEFT directory, checked whole (upload.py) in a
+staging directory that appears under `broadcast/step_N/` in one rename, so a reader sees the
+old adapter or the new one, never half of one.
 """
 
 import gzip
-import hashlib
-import json
 import logging
-import math
 import os
 import shutil
 import tarfile
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -25,60 +21,36 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from app.adapters.models import Adapter, Checkpoint, StepMetrics
+from app.adapters.upload import extract_adapter_tar
 from app.config import Settings
-from app.db import Base, utcnow
-from app.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed
+from app.db import utcnow
+from app.errors import Conflict, NotFound
 from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.runs.service import complete_run, evict_run, get_run
-from contracts.durable import TMP_SUFFIX, atomic_replace_dir, fsync_path
-from contracts.ids import is_run_id
-from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS, BROADCAST_DIR, step_dir_name
+from contracts.durable import TMP_SUFFIX, atomic_replace_dir
+from contracts.layout import ADAPTER_FILES, BROADCAST_DIR, step_dir_name
 from contracts.pool_api import StepReport
 from contracts.run_config import RunConfig
+from contracts.status import RunStatus
 
 log = logging.getLogger(__name__)
 
-MAX_CONFIG_BYTES = 1024 * 1024
-MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
-"""The safetensors library refuses larger headers too."""
-
-_COPY_CHUNK = 1024 * 1024
-
-# Bytes per element of every safetensors dtype, to check that each tensor's byte range
-# matches its shape (a header that lies about sizes is a corrupt file).
-_DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-
 # A run that was never admitted has nothing to push; a deleted run keeps nothing new.
-_NO_ARTIFACTS_STATUSES = ("queued", "deleted")
-
-
-def _invalid(message: str, *, field: str = "body") -> ValidationFailed:
-    return ValidationFailed(message, code="invalid_adapter", details=[{"loc": [field], "msg": message}])
+_NO_ARTIFACTS_STATUSES = (RunStatus.QUEUED, RunStatus.DELETED)
 
 
 # ---------------------------------------------------------------- helpers
 
 
-def _upsert(session: Session, model: type[Base], *, values: dict[str, Any], key: tuple[str, ...]) -> None:
-    """INSERT … ON CONFLICT (key) DO UPDATE: a retried or repeated report replaces the row,
+_RunStepRow = TypeVar("_RunStepRow", Adapter, StepMetrics, Checkpoint)
+"""A row keyed by (run_id, step)."""
+
+
+def _upsert(session: Session, model: type[_RunStepRow], *, values: dict[str, Any]) -> None:
+    """INSERT … ON CONFLICT (run_id, step) DO UPDATE: a retried or repeated report replaces the row,
     and two concurrent ones cannot both insert."""
+    key = ("run_id", "step")
     insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
     stmt = insert(model).values(**values)
     stmt = stmt.on_conflict_do_update(
@@ -87,18 +59,12 @@ def _upsert(session: Session, model: type[Base], *, values: dict[str, Any], key:
     session.execute(stmt)
 
 
-def _one(session: Session, model: type[Base], *, run_id: str, step: int) -> Any:
+def _one(session: Session, model: type[_RunStepRow], *, run_id: str, step: int) -> _RunStepRow:
     # populate_existing: the upsert bypassed the identity map, which may hold the old row.
     return session.scalars(
         select(model).where(model.run_id == run_id, model.step == step),
         execution_options={"populate_existing": True},
     ).one()
-
-
-def _pool_run(session: Session, *, run_id: str) -> Run:
-    if not is_run_id(run_id):  # run ids become paths: never let another shape near the disk
-        raise NotFound(f"run {run_id!r} not found")
-    return get_run(session, run_id=run_id)
 
 
 def _require_artifacts_allowed(run: Run, what: str) -> None:
@@ -117,122 +83,6 @@ def broadcast_dir(settings: Settings, run_id: str) -> Path:
 # ---------------------------------------------------------------- adapter upload
 
 
-def _copy_member(src: IO[bytes], dest: Path, *, limit: int, name: str) -> tuple[int, str]:
-    """Copy one tar member to `dest`, fsynced; returns (bytes, sha256)."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(dest, "wb") as out:
-        while chunk := src.read(_COPY_CHUNK):
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"{name} exceeds {limit} bytes")
-            digest.update(chunk)
-            out.write(chunk)
-        out.flush()
-        os.fsync(out.fileno())
-    return size, digest.hexdigest()
-
-
-def _check_adapter_config(path: Path) -> None:
-    try:
-        config = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _invalid(f"{ADAPTER_CONFIG} is not valid JSON: {exc}", field=ADAPTER_CONFIG) from exc
-    if not isinstance(config, dict):
-        raise _invalid(f"{ADAPTER_CONFIG} must be a JSON object", field=ADAPTER_CONFIG)
-
-
-def check_safetensors(path: Path) -> int:
-    """Parse and check a safetensors header: every tensor has a known dtype, a shape, and a
-    byte range inside the file that matches them. Returns the number of tensors."""
-
-    def bad(problem: str) -> ValidationFailed:
-        return _invalid(
-            f"{ADAPTER_WEIGHTS} is not a valid safetensors file: {problem}", field=ADAPTER_WEIGHTS
-        )
-
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise bad("shorter than its 8-byte header length")
-        header_len = int.from_bytes(prefix, "little")
-        if header_len > min(size - 8, MAX_SAFETENSORS_HEADER_BYTES):
-            raise bad(f"header length {header_len} is larger than the file or {MAX_SAFETENSORS_HEADER_BYTES}")
-        raw = f.read(header_len)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"header is not JSON ({exc})") from exc
-    if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
-    data_len = size - 8 - header_len
-    tensors = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
-                raise bad("__metadata__ must map strings to strings")
-            continue
-        if not isinstance(info, dict):
-            raise bad(f"tensor {name!r} has no description")
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _DTYPE_BYTES:
-            raise bad(f"tensor {name!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise bad(f"tensor {name!r} has a malformed shape")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= data_len
-        ):
-            raise bad(f"tensor {name!r} has data_offsets outside the file")
-        if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
-            raise bad(f"tensor {name!r}: data_offsets do not match shape {shape} and dtype {dtype}")
-        tensors += 1
-    if tensors == 0:
-        raise bad("it holds no tensors")
-    return tensors
-
-
-def _extract_adapter_tar(body: IO[bytes], staging: Path, *, max_bytes: int) -> tuple[int, str]:
-    """Validate the uploaded tar and write its two files into `staging`.
-    Returns (total bytes, sha256 of the safetensors file)."""
-    sizes: dict[str, int] = {}
-    weights_sha = ""
-    try:
-        with tarfile.open(fileobj=body, mode="r:") as tar:
-            for member in tar:
-                # Tools that tar a directory's contents write "./name"; nothing else is accepted.
-                name = member.name.removeprefix("./")
-                if name not in ADAPTER_FILES:
-                    raise _invalid(
-                        f"unexpected archive member {member.name!r}: the tar must hold exactly "
-                        f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
-                    )
-                if not member.isreg() or member.issparse():
-                    raise _invalid(f"archive member {member.name!r} is not a regular file")
-                if name in sizes:
-                    raise _invalid(f"archive member {name!r} appears twice")
-                limit = MAX_CONFIG_BYTES if name == ADAPTER_CONFIG else max_bytes
-                if member.size > limit:
-                    raise PayloadTooLarge(f"{name} is {member.size} bytes; the limit is {limit}")
-                src = tar.extractfile(member)
-                assert src is not None  # a regular file always has data
-                sizes[name], digest = _copy_member(src, staging / name, limit=limit, name=name)
-                if name == ADAPTER_WEIGHTS:
-                    weights_sha = digest
-    except (tarfile.TarError, EOFError) as exc:
-        raise _invalid(f"the body is not a valid uncompressed tar archive: {exc}") from exc
-    missing = [n for n in ADAPTER_FILES if n not in sizes]
-    if missing:
-        raise _invalid(f"the tar lacks {', '.join(missing)}")
-    _check_adapter_config(staging / ADAPTER_CONFIG)
-    check_safetensors(staging / ADAPTER_WEIGHTS)
-    fsync_path(staging)
-    return sum(sizes.values()), weights_sha
-
-
 def store_adapter(
     session: Session, *, run_id: str, step: int, body: IO[bytes], settings: Settings
 ) -> Adapter:
@@ -241,7 +91,7 @@ def store_adapter(
     A second upload of a step (a trainer restarted from an earlier checkpoint trains the
     step again) replaces the first: files and row.
     """
-    run = _pool_run(session, run_id=run_id)
+    run = get_run(session, run_id=run_id)
     _require_artifacts_allowed(run, "adapters")
     parent = broadcast_dir(settings, run.id)
     parent.mkdir(parents=True, exist_ok=True)
@@ -249,7 +99,7 @@ def store_adapter(
     staging = parent / f".step_{step}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
     staging.mkdir()
     try:
-        size, sha = _extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
+        size, sha = extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
         final = parent / step_dir_name(step)
         atomic_replace_dir(staging, final)
     finally:
@@ -265,7 +115,6 @@ def store_adapter(
             "sha256": sha,
             "created_at": utcnow(),
         },
-        key=("run_id", "step"),
     )
     log.info("run %s: adapter for step %s stored (%s bytes, sha256 %s)", run.id, step, size, sha[:12])
     return _one(session, Adapter, run_id=run.id, step=step)
@@ -351,7 +200,7 @@ def adapter_archive(adapter: Adapter, *, settings: Settings) -> Path:
 def record_step(session: Session, *, run_id: str, report: StepReport, settings: Settings) -> Run:
     """Record one completed step of a run: its metrics row and the run's progress.
     The step that reaches `max_steps` completes the run, which frees its slot."""
-    run = _pool_run(session, run_id=run_id)
+    run = get_run(session, run_id=run_id)
     max_steps = RunConfig.model_validate(run.config).max_steps
     completes = report.step >= max_steps
     if completes:
@@ -359,7 +208,7 @@ def record_step(session: Session, *, run_id: str, report: StepReport, settings: 
         # lock before the run row. Other steps lock only the run row and leave admission free.
         lock_admission(session)
     session.refresh(run, with_for_update=True)
-    if run.status != "active":
+    if run.status != RunStatus.ACTIVE:
         already = session.scalar(
             select(StepMetrics.id).where(StepMetrics.run_id == run.id, StepMetrics.step == report.step)
         )
@@ -380,7 +229,6 @@ def record_step(session: Session, *, run_id: str, report: StepReport, settings: 
             "values": report.metrics.model_dump(mode="json"),
             "created_at": utcnow(),
         },
-        key=("run_id", "step"),
     )
     # A report older than the run's progress (a late duplicate) updates its metrics only;
     # progress goes back only through the restart route.
@@ -405,19 +253,18 @@ def list_metrics(session: Session, *, run_id: str) -> list[StepMetrics]:
 
 def record_checkpoint(session: Session, *, run_id: str, step: int, total_samples: int) -> Checkpoint:
     """Commit a trainer checkpoint (the trainer wrote it atomically before reporting it)."""
-    run = _pool_run(session, run_id=run_id)
+    run = get_run(session, run_id=run_id)
     _require_artifacts_allowed(run, "checkpoints")
     _upsert(
         session,
         Checkpoint,
         values={"run_id": run.id, "step": step, "total_samples": total_samples, "created_at": utcnow()},
-        key=("run_id", "step"),
     )
     return _one(session, Checkpoint, run_id=run.id, step=step)
 
 
 def evict_by_trainer(session: Session, *, run_id: str, reason: str, settings: Settings) -> Run:
     """The trainer evicts a run it cannot train on (NaN/Inf, data that should not have passed)."""
-    run = _pool_run(session, run_id=run_id)
+    run = get_run(session, run_id=run_id)
     evict_run(session, run=run, reason=reason, evicted_by="trainer", actor="trainer", settings=settings)
     return run

@@ -6,8 +6,7 @@ from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, Integer, String,
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
-
-BATCH_STATES = ("pending", "claimed", "trained")
+from contracts.status import BatchState
 
 
 class Batch(Base):
@@ -32,7 +31,8 @@ class Batch(Base):
     """Relative to data_dir."""
     payload_bytes: Mapped[int] = mapped_column(Integer)
     payload_sha256: Mapped[str] = mapped_column(String(64))
-    state: Mapped[str] = mapped_column(String(16), default="pending")
+    state: Mapped[str] = mapped_column(String(16), default=BatchState.PENDING)
+    """A contracts.status.BatchState value."""
     pool_id: Mapped[str | None] = mapped_column(String(32), default=None)
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     trained_step: Mapped[int | None] = mapped_column(Integer, default=None)

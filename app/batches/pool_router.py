@@ -1,4 +1,4 @@
-"""Worker-facing batch routes: claim, ack, restart-from-checkpoint (worker token only)."""
+"""Pool-facing batch routes: claim, ack, restart-from-checkpoint (worker token only)."""
 
 from typing import Annotated
 
@@ -6,10 +6,19 @@ import msgspec
 from fastapi import APIRouter, Header, Path, Response
 
 from app.auth import SettingsDep, WorkerDep
-from app.batches import service
+from app.batches import claims
 from app.batches.schemas import MSGPACK_CONTENT_TYPES
 from app.db import SessionDep, utcnow
-from contracts.pool_api import AckIn, AckOut, ClaimIn, ClaimOut, RestartIn, RestartOut
+from contracts.pool_api import (
+    AckIn,
+    AckOut,
+    ClaimedBatchStruct,
+    ClaimIn,
+    ClaimOut,
+    ClaimStruct,
+    RestartIn,
+    RestartOut,
+)
 
 router = APIRouter(tags=["pool"])
 
@@ -27,6 +36,7 @@ _msgpack_encoder = msgspec.msgpack.Encoder()
             "`Accept: application/msgpack`).",
             "content": {"application/msgpack": {}},
         },
+        404: {"description": "pool_not_found: the pool never registered; register first."},
         409: {"description": "The pool is dead or was replaced (pool_dead, pool_stopped); register again."},
     },
 )
@@ -38,26 +48,28 @@ def claim_batches(
     accept: Annotated[str | None, Header()] = None,
 ) -> Response:
     """Lease up to `max_batches` pending batches of active runs (fair across runs, each run's in id order)."""
-    claim = service.claim_batches(
+    claim = claims.claim_batches(
         session, settings=settings, pool_id=body.pool_id, max_batches=body.max_batches, now=utcnow()
     )
-    # Encoded here with msgspec rather than through the pydantic model: the payloads are
-    # large lists of numbers and already msgspec structs.
-    content = {
-        "lease_expires_at": claim.lease_expires_at,
-        "batches": [
-            {
-                "id": item.batch.id,
-                "run_id": item.batch.run_id,
-                "slot": item.slot,
-                "sample_offset": item.batch.sample_offset,
-                "num_samples": item.batch.num_samples,
-                "rollout_step": item.batch.rollout_step,
-                "payload": item.payload,
-            }
+    # Encoded with msgspec rather than through the pydantic ClaimOut: the payloads are large lists
+    # of numbers and already msgspec structs. ClaimStruct is the shape ClaimOut documents, and the
+    # one the pool decodes.
+    content = ClaimStruct(
+        # The string msgspec writes for a datetime, so JSON and msgpack carry the same text.
+        lease_expires_at=msgspec.to_builtins(claim.lease_expires_at),
+        batches=[
+            ClaimedBatchStruct(
+                id=item.batch.id,
+                run_id=item.batch.run_id,
+                slot=item.slot,
+                sample_offset=item.batch.sample_offset,
+                num_samples=item.batch.num_samples,
+                rollout_step=item.batch.rollout_step,
+                payload=item.payload,
+            )
             for item in claim.items
         ],
-    }
+    )
     wants_msgpack = accept is not None and any(t in accept for t in MSGPACK_CONTENT_TYPES)
     if wants_msgpack:
         return Response(_msgpack_encoder.encode(content), media_type="application/msgpack")
@@ -74,10 +86,10 @@ def claim_batches(
 )
 def ack_batches(body: AckIn, _: WorkerDep, session: SessionDep) -> AckOut:
     """Mark batches trained, after the optimizer step that used them. All or nothing."""
-    acked = service.ack_batches(
+    acked = claims.ack_batches(
         session,
         pool_id=body.pool_id,
-        acks=[service.AckRequest(batch_id=a.batch_id, trained_step=a.trained_step) for a in body.acks],
+        acks=[claims.AckRequest(batch_id=a.batch_id, trained_step=a.trained_step) for a in body.acks],
         now=utcnow(),
     )
     return AckOut(acked=acked)
@@ -94,7 +106,7 @@ def restart_run_from_checkpoint(
 ) -> RestartOut:
     """The pool restarts a run from a checkpoint: batches consumed after it (and claimed ones) return to
     pending and the run's progress is set back to the checkpoint's (DESIGN §4.3)."""
-    returned = service.restart_run_from_checkpoint(
+    returned = claims.restart_run_from_checkpoint(
         session,
         run_id=run_id,
         pool_id=body.pool_id,

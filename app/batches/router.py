@@ -2,9 +2,9 @@
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
-from app.auth import SettingsDep, TenantDep
+from app.auth import SettingsDep
 from app.batches import service
 from app.batches.schemas import (
     JSON_CONTENT_TYPES,
@@ -12,14 +12,13 @@ from app.batches.schemas import (
     SUBMIT_BATCH_OPENAPI,
     BatchOut,
     BatchPage,
-    BatchState,
 )
 from app.db import SessionDep
 from app.errors import UnsupportedMediaType, ValidationFailed
+from app.runs.deps import OwnedRunDep
+from contracts.status import BatchState
 
 router = APIRouter(tags=["batches"])
-
-RunIdPath = Annotated[str, Path(max_length=32, description="The run's id (`run_` + 12 hex digits).")]
 
 
 async def _body(request: Request) -> bytes:
@@ -60,8 +59,8 @@ async def _is_msgpack(request: Request) -> bool:
     },
 )
 def submit_batch(
-    run_id: RunIdPath,
-    principal: TenantDep,  # before the body: an unauthenticated caller gets a 401, not a 415
+    # First: an unauthenticated caller gets a 401 and another tenant's run a 404, whatever the body.
+    run: OwnedRunDep,
     msgpack: Annotated[bool, Depends(_is_msgpack)],
     body: Annotated[bytes, Depends(_body)],
     session: SessionDep,
@@ -83,8 +82,7 @@ def submit_batch(
     result = service.submit_batch(
         session,
         settings=settings,
-        tenant_id=principal.tenant_id,
-        run_id=run_id,
+        run=run,
         body=body,
         msgpack=msgpack,
         idempotency_key=idempotency_key,
@@ -96,8 +94,7 @@ def submit_batch(
 
 @router.get("/v1/runs/{run_id}/batches", operation_id="listBatches", response_model=BatchPage)
 def list_batches(
-    run_id: RunIdPath,
-    principal: TenantDep,
+    run: OwnedRunDep,
     session: SessionDep,
     state: Annotated[BatchState | None, Query(description="Only batches in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
@@ -114,9 +111,7 @@ def list_batches(
                 details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],
             )
         after = int(cursor)
-    rows, next_id = service.list_batches(
-        session, tenant_id=principal.tenant_id, run_id=run_id, state=state, limit=limit, cursor=after
-    )
+    rows, next_id = service.list_batches(session, run_id=run.id, state=state, limit=limit, cursor=after)
     return BatchPage(
         items=[BatchOut.model_validate(r) for r in rows],
         next_cursor=None if next_id is None else str(next_id),

@@ -1,13 +1,12 @@
 """Request and response shapes of the batch routes (docs/contracts.md)."""
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.timestamps import UtcDatetime
 from contracts.pool_api import TRAINING_BATCH_SCHEMA
-
-BatchState = Literal["pending", "claimed", "trained"]
+from contracts.status import BatchState
 
 MSGPACK_CONTENT_TYPES = frozenset({"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"})
 JSON_CONTENT_TYPES = frozenset({"application/json", ""})

@@ -1,4 +1,4 @@
-"""Rollout batches: validated, durable ingestion; leases for the worker pool; exactly-once across restarts.
+"""Rollout batches from the tenant's side: validated, durable ingestion, and listing.
 
 Ingestion (DESIGN §4.3, §4.4): a batch is decoded, validated whole (one bad sample
 rejects it, nothing stored), written as a file (atomic, fsynced) and only then gets
@@ -8,41 +8,28 @@ added, so concurrent submissions get disjoint `sample_offset`s, and the insert i
 `ON CONFLICT (run_id, idempotency_key) DO NOTHING`, so a repeated Idempotency-Key
 finds the first batch instead of storing a second one.
 
-Leases: the pool claims the oldest pending batches of active runs, round-robin
-across runs; a claim lasts `lease_seconds`, is extended by the pool's heartbeat and
-ends with an ack (trained) or goes back to pending (expiry, dead pool, restart).
+The pool's side (claims, acks, restarts) is in claims.py.
 """
 
 import hashlib
-import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from functools import lru_cache
 
-from sqlalchemy import ColumnElement, Insert, Select, Update, and_, or_, select, update
+from sqlalchemy import Insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from app.batches.models import Batch
-from app.batches.storage import PayloadUnreadable, discard_payload, read_payload, write_payload
+from app.batches.storage import StoredPayload, discard_payload, write_payload
 from app.batches.validation import batch_num_tokens, decode_and_validate, decode_batch
 from app.config import Settings
-from app.errors import Conflict, NotFound, ValidationFailed
-from app.runs.models import Run
+from app.errors import Conflict, ValidationFailed
 from app.pools.models import Pool
-from contracts.ids import is_run_id
+from app.runs.models import Run
 from contracts.run_config import RunConfig
+from contracts.status import BatchState, PoolStatus, RunStatus
 from contracts.wire import TrainingBatch, msgpack_encoder
-
-log = logging.getLogger("loraloom.batches")
-
-DEFAULT_LEASE_SECONDS: float = Settings.model_fields["lease_seconds"].default
-"""Used by `extend_leases` when the caller does not pass the configured lease length."""
-
-_CLAIM_ROUNDS = 3
-"""A claimer that loses its candidates to a concurrent claimer (SKIP LOCKED) looks again this often."""
 
 
 @dataclass(frozen=True)
@@ -52,48 +39,15 @@ class SubmitResult:
     """False on an idempotent replay (the batch stored by an earlier request with the same key)."""
 
 
-@dataclass(frozen=True)
-class ClaimedItem:
-    batch: Batch
-    slot: int | None
-    payload: TrainingBatch
-
-
-@dataclass(frozen=True)
-class Claim:
-    lease_expires_at: datetime
-    items: list[ClaimedItem]
-
-
-# --------------------------------------------------------------------------- lookups
-
-
-# Runs are looked up here rather than through app.runs.service: the pool and sweeper code import
-# this module, and the runs service imports theirs (an import cycle). Same semantics as its
-# get_run / get_run_for_tenant: another tenant's run is reported exactly like a missing one.
-def _get_run(session: Session, *, run_id: str, tenant_id: str | None = None, lock: bool = False) -> Run:
-    """The run (the tenant's, if tenant_id is given), optionally row-locked and re-read; else a 404."""
-    run = session.get(Run, run_id) if is_run_id(run_id) else None
-    if run is None or (tenant_id is not None and run.tenant_id != tenant_id):
-        raise NotFound(f"run {run_id} not found")
-    if lock:
-        session.refresh(run, with_for_update=True)
-    return run
-
-
-def _vocab_size_of(base_model: str | ColumnElement[str]) -> Select[tuple[int]]:
-    return (
-        select(Pool.vocab_size)
-        .where(Pool.base_model == base_model)
-        .order_by((Pool.status == "alive").desc(), Pool.registered_at.desc())
-        .limit(1)
-    )
-
-
 def vocab_size_for(session: Session, *, base_model: str) -> int | None:
     """The vocabulary size of `base_model` as reported by its pool (the live one first); None if no pool
     ever registered for it (token ids are then only checked to be non-negative)."""
-    return session.scalar(_vocab_size_of(base_model))
+    return session.scalar(
+        select(Pool.vocab_size)
+        .where(Pool.base_model == base_model)
+        .order_by((Pool.status == PoolStatus.ALIVE).desc(), Pool.registered_at.desc())
+        .limit(1)
+    )
 
 
 # --------------------------------------------------------------------------- ingestion
@@ -109,15 +63,19 @@ class _RunState:
     eviction_reason: str | None
     evicted_by: str | None
 
+    @classmethod
+    def of(cls, run: Run) -> "_RunState":
+        return cls(run.id, run.status, run.step, run.eviction_reason, run.evicted_by)
+
 
 def _check_status(run: _RunState) -> None:
-    if run.status == "evicted":
+    if run.status == RunStatus.EVICTED:
         raise Conflict(
             f"run {run.id} was evicted by {run.evicted_by}: {run.eviction_reason}",
             code="run_evicted",
             details={"reason": run.eviction_reason, "evicted_by": run.evicted_by},
         )
-    if run.status != "active":
+    if run.status != RunStatus.ACTIVE:
         raise Conflict(
             f"run {run.id} is {run.status}; only active runs take batches",
             code="run_not_active",
@@ -189,121 +147,126 @@ def submit_batch(
     session: Session,
     *,
     settings: Settings,
-    tenant_id: str,
-    run_id: str,
+    run: Run,
     body: bytes,
     msgpack: bool,
     idempotency_key: str | None,
 ) -> SubmitResult:
-    """Validate and store one rollout batch (a TrainingBatch, JSON or msgpack `body`) of the tenant's run.
+    """Validate and store one rollout batch (a TrainingBatch, JSON or msgpack `body`) of `run`.
 
-    Raises NotFound (not the tenant's run), Conflict (run_evicted, run_not_active, stale_batch,
-    idempotency_conflict) or ValidationFailed (details: [{sample, field, problem}]); nothing is
-    stored then. A request repeating an earlier Idempotency-Key and body returns the earlier batch
-    (created=False), whatever happened to the run since.
+    Raises Conflict (run_evicted, run_not_active, stale_batch, idempotency_conflict) or
+    ValidationFailed (details: [{sample, field, problem}]); nothing is stored then. A request
+    repeating an earlier Idempotency-Key and body returns the earlier batch (created=False),
+    whatever happened to the run since.
     """
-    found = (
-        session.execute(
-            select(Run, _vocab_size_of(Run.base_model).scalar_subquery()).where(Run.id == run_id)
-        ).one_or_none()
-        if is_run_id(run_id)
-        else None
-    )
-    if found is None or found[0].tenant_id != tenant_id:
-        raise NotFound(f"run {run_id} not found")
-    run, vocab_size = found
-    state = _RunState(run.id, run.status, run.step, run.eviction_reason, run.evicted_by)
+    state = _RunState.of(run)
     config = RunConfig.model_validate(run.config)
-
     try:
         _check_status(state)
     except Conflict:
         # A retry of a request that was accepted before the run stopped gets its batch back.
         if idempotency_key is not None and (
             existing := _replay_of_body(
-                session, run_id=run_id, idempotency_key=idempotency_key, body=body, msgpack=msgpack
+                session, run_id=run.id, idempotency_key=idempotency_key, body=body, msgpack=msgpack
             )
         ):
             return SubmitResult(existing, created=False)
         raise
+    vocab_size = vocab_size_for(session, base_model=run.base_model)
     batch = decode_and_validate(body, msgpack=msgpack, seq_len=config.seq_len, vocab_size=vocab_size)
     data, digest = _canonical(batch)
     try:
         _check_fresh(state, batch, config)
     except Conflict:
         if idempotency_key is not None:
-            existing = _replay(session, run_id=run_id, idempotency_key=idempotency_key, request_hash=digest)
+            existing = _replay(session, run_id=run.id, idempotency_key=idempotency_key, request_hash=digest)
             if existing is not None:
                 return SubmitResult(existing, created=False)
         raise
 
     # The file goes first and outside the run lock (its name does not depend on the offset):
     # a crash before the commit leaves an unreferenced file, never a row without a file.
-    stored = write_payload(settings, run_id=run_id, rollout_step=batch.step, data=data, sha256=digest)
-    num_samples = len(batch.examples)
+    stored = write_payload(settings, run_id=run.id, rollout_step=batch.step, data=data, sha256=digest)
     try:
-        # One statement takes the run row lock (held to the commit, so concurrent submissions get
-        # disjoint offsets), reserves this batch's sample range and re-reads the run's state.
-        locked = session.execute(
-            update(Run)
-            .where(Run.id == run_id)
-            .values(submitted_samples=Run.submitted_samples + num_samples)
-            .returning(Run.submitted_samples, Run.status, Run.step, Run.eviction_reason, Run.evicted_by)
-            .execution_options(synchronize_session=False)
-        ).one()
-        session.expire(run)
-        state = _RunState(run_id, locked.status, locked.step, locked.eviction_reason, locked.evicted_by)
-        _check_status(state)  # the run may have moved while the file was written
-        _check_fresh(state, batch, config)
-
-        row = _insert_new(
-            session,
-            {
-                "run_id": run_id,
-                "idempotency_key": idempotency_key,
-                "request_hash": digest,
-                "rollout_step": batch.step,
-                "num_samples": num_samples,
-                "num_tokens": batch_num_tokens(batch),
-                "sample_offset": locked.submitted_samples - num_samples,
-                "payload_path": stored.relative_path,
-                "payload_bytes": stored.size_bytes,
-                "payload_sha256": stored.sha256,
-                "state": "pending",
-            },
+        result = _add_row(
+            session, run=run, batch=batch, config=config, stored=stored, idempotency_key=idempotency_key
         )
-        if row is None:
-            # An earlier request with this key (a retry, or a concurrent twin that committed
-            # while we waited for the lock): give back the sample range, answer with its batch.
-            assert idempotency_key is not None  # rows without a key never conflict
-            session.execute(
-                update(Run)
-                .where(Run.id == run_id)
-                .values(submitted_samples=Run.submitted_samples - num_samples)
-                .execution_options(synchronize_session=False)
-            )
-            existing = _replay(session, run_id=run_id, idempotency_key=idempotency_key, request_hash=digest)
-            if existing is None:  # pragma: no cover - the conflict says it exists
-                raise RuntimeError("idempotency conflict without a batch")
-            discard_payload(settings, stored.relative_path)
-            return SubmitResult(existing, created=False)
     except BaseException:
         discard_payload(settings, stored.relative_path)
         raise
-    return SubmitResult(row, created=True)
+    if not result.created:  # the earlier request's file holds this batch
+        discard_payload(settings, stored.relative_path)
+    return result
+
+
+def _add_row(
+    session: Session,
+    *,
+    run: Run,
+    batch: TrainingBatch,
+    config: RunConfig,
+    stored: StoredPayload,
+    idempotency_key: str | None,
+) -> SubmitResult:
+    """The batch's row, under the run row lock; or, if a batch with this key was stored meanwhile, that one."""
+    num_samples = len(batch.examples)
+    # One statement takes the run row lock (held to the commit, so concurrent submissions get
+    # disjoint offsets), reserves this batch's sample range and re-reads the run's state.
+    locked = session.execute(
+        update(Run)
+        .where(Run.id == run.id)
+        .values(submitted_samples=Run.submitted_samples + num_samples)
+        .returning(Run.submitted_samples, Run.status, Run.step, Run.eviction_reason, Run.evicted_by)
+        .execution_options(synchronize_session=False)
+    ).one()
+    run_id = run.id
+    session.expire(run)
+    state = _RunState(run_id, locked.status, locked.step, locked.eviction_reason, locked.evicted_by)
+    _check_status(state)  # the run may have moved while the file was written
+    _check_fresh(state, batch, config)
+
+    row = _insert_new(
+        session,
+        {
+            "run_id": run_id,
+            "idempotency_key": idempotency_key,
+            "request_hash": stored.sha256,
+            "rollout_step": batch.step,
+            "num_samples": num_samples,
+            "num_tokens": batch_num_tokens(batch),
+            "sample_offset": locked.submitted_samples - num_samples,
+            "payload_path": stored.relative_path,
+            "payload_bytes": stored.size_bytes,
+            "payload_sha256": stored.sha256,
+            "state": BatchState.PENDING,
+        },
+    )
+    if row is not None:
+        return SubmitResult(row, created=True)
+    # An earlier request with this key (a retry, or a concurrent twin that committed while we
+    # waited for the lock): give back the sample range, answer with its batch.
+    assert idempotency_key is not None  # rows without a key never conflict
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(submitted_samples=Run.submitted_samples - num_samples)
+        .execution_options(synchronize_session=False)
+    )
+    existing = _replay(session, run_id=run_id, idempotency_key=idempotency_key, request_hash=stored.sha256)
+    if existing is None:  # pragma: no cover - the conflict says it exists
+        raise RuntimeError("idempotency conflict without a batch")
+    return SubmitResult(existing, created=False)
 
 
 def list_batches(
     session: Session,
     *,
-    tenant_id: str,
     run_id: str,
-    state: str | None = None,
+    state: BatchState | None = None,
     limit: int = 50,
     cursor: int | None = None,
 ) -> tuple[list[Batch], int | None]:
     """The run's batches in id order, after `cursor` (a batch id); returns (page, next cursor or None)."""
-    _get_run(session, tenant_id=tenant_id, run_id=run_id)
     stmt = select(Batch).where(Batch.run_id == run_id)
     if state is not None:
         stmt = stmt.where(Batch.state == state)
@@ -314,242 +277,3 @@ def list_batches(
         return rows, None
     rows = rows[:limit]
     return rows, rows[-1].id
-
-
-# --------------------------------------------------------------------------- leases
-
-
-def _release(*conditions: ColumnElement[bool]) -> Update:
-    return (
-        update(Batch)
-        .where(*conditions)
-        .values(state="pending", pool_id=None, lease_expires_at=None, claimed_at=None)
-        .execution_options(synchronize_session=False)
-    )
-
-
-def expire_leases(session: Session, *, now: datetime) -> int:
-    """Claimed batches whose lease ran out → pending. Returns how many."""
-    result = session.execute(_release(Batch.state == "claimed", Batch.lease_expires_at < now))
-    if result.rowcount:
-        log.info("%s batch lease(s) expired; returned to pending", result.rowcount)
-    return result.rowcount
-
-
-def return_pool_batches(session: Session, *, pool_id: str) -> int:
-    """Every batch a (dead or replaced) pool holds → pending. Returns how many."""
-    return session.execute(_release(Batch.state == "claimed", Batch.pool_id == pool_id)).rowcount
-
-
-def extend_leases(
-    session: Session, *, pool_id: str, now: datetime, lease_seconds: float = DEFAULT_LEASE_SECONDS
-) -> int:
-    """Push the lease of every batch the pool holds to now + lease_seconds (pool heartbeat). Returns how many."""
-    result = session.execute(
-        update(Batch)
-        .where(Batch.state == "claimed", Batch.pool_id == pool_id)
-        .values(lease_expires_at=now + timedelta(seconds=lease_seconds))
-        .execution_options(synchronize_session=False)
-    )
-    return result.rowcount
-
-
-def _claimable_runs(session: Session, *, pool_id: str) -> list[tuple[str, int | None]]:
-    """(run id, slot) of the active runs this pool may train."""
-    stmt = select(Run.id, Run.slot).where(Run.status == "active")
-    pool = session.get(Pool, pool_id)
-    if pool is not None:
-        if pool.status != "alive":
-            raise Conflict(
-                f"pool {pool_id} is {pool.status}; register again",
-                code="pool_dead" if pool.status == "dead" else "pool_stopped",
-                details={"pool_id": pool_id, "status": pool.status},
-            )
-        stmt = stmt.where(Run.base_model == pool.base_model)
-    return [(r.id, r.slot) for r in session.execute(stmt.order_by(Run.id))]
-
-
-def _fair_candidates(session: Session, *, run_ids: Sequence[str], limit: int, exclude: set[int]) -> list[int]:
-    """Up to `limit` pending batch ids, round-robin across runs: every run's oldest first, then
-    every run's second oldest, …; each run's batches stay in id order (the order they are trained in)."""
-    queues: list[list[int]] = []
-    for run_id in run_ids:
-        stmt = select(Batch.id).where(Batch.run_id == run_id, Batch.state == "pending")
-        if exclude:
-            stmt = stmt.where(Batch.id.not_in(exclude))
-        ids = list(session.scalars(stmt.order_by(Batch.id).limit(limit)))
-        if ids:
-            queues.append(ids)
-    picked: list[int] = []
-    for rank in range(limit):
-        layer = sorted(q[rank] for q in queues if rank < len(q))
-        if not layer:
-            break
-        picked.extend(layer)
-    return picked[:limit]
-
-
-def claim_batches(
-    session: Session, *, settings: Settings, pool_id: str, max_batches: int, now: datetime
-) -> Claim:
-    """Lease up to `max_batches` pending batches of the pool's active runs, with their payloads.
-
-    Fair across runs (one flooding run cannot starve another), each run's batches in id
-    order. FOR UPDATE SKIP LOCKED: two concurrent claimers never get the same batch.
-    """
-    expire_leases(session, now=now)
-    runs = _claimable_runs(session, pool_id=pool_id)
-    slots = dict(runs)
-    lease_expires_at = now + timedelta(seconds=settings.lease_seconds)
-    items: list[ClaimedItem] = []
-    seen: set[int] = set()
-    broken_runs: set[str] = set()
-    for _ in range(_CLAIM_ROUNDS):
-        wanted = max_batches - len(items)
-        run_ids = [run_id for run_id, _slot in runs if run_id not in broken_runs]
-        candidates = _fair_candidates(session, run_ids=run_ids, limit=wanted, exclude=seen)
-        if not candidates:
-            break
-        seen.update(candidates)
-        locked = {
-            b.id: b
-            for b in session.scalars(
-                select(Batch)
-                .where(Batch.id.in_(candidates), Batch.state == "pending")
-                .with_for_update(skip_locked=True)
-                .execution_options(populate_existing=True)
-            )
-        }
-        for batch_id in candidates:
-            batch = locked.get(batch_id)
-            if batch is None or batch.run_id in broken_runs:
-                continue
-            try:
-                payload = read_payload(settings, batch)
-            except PayloadUnreadable as exc:
-                # Stop serving this run (its batches are trained in order and this one cannot be),
-                # but keep serving every other run.
-                log.error("run %s: %s; its batches are held back", batch.run_id, exc.message)
-                broken_runs.add(batch.run_id)
-                continue
-            batch.state = "claimed"
-            batch.pool_id = pool_id
-            batch.lease_expires_at = lease_expires_at
-            batch.claimed_at = now
-            items.append(ClaimedItem(batch=batch, slot=slots.get(batch.run_id), payload=payload))
-        if len(locked) == len(candidates) or len(items) >= max_batches:
-            break
-    session.flush()
-    return Claim(lease_expires_at=lease_expires_at, items=items)
-
-
-@dataclass(frozen=True)
-class AckRequest:
-    batch_id: int
-    trained_step: int
-
-
-def ack_batches(session: Session, *, pool_id: str, acks: Sequence[AckRequest], now: datetime) -> int:
-    """Mark batches trained (after the optimizer step that used them). All or nothing: a batch that is
-    unknown, or not held by this pool, is a 409 naming it and nothing is acked. Re-acking a batch this
-    pool already acked with the same step is a no-op (a retried request). Returns len(acks)."""
-    wanted: dict[int, int] = {}
-    problems: list[dict[str, object]] = []
-    for ack in acks:
-        if wanted.setdefault(ack.batch_id, ack.trained_step) != ack.trained_step:
-            problems.append({"batch_id": ack.batch_id, "problem": "acked twice with different trained_step"})
-    rows = {
-        b.id: b
-        for b in session.scalars(
-            select(Batch).where(Batch.id.in_(wanted)).order_by(Batch.id).with_for_update()
-        )
-    }
-    for batch_id, trained_step in wanted.items():
-        batch = rows.get(batch_id)
-        if batch is None:
-            problems.append({"batch_id": batch_id, "problem": "no such batch"})
-        elif batch.pool_id != pool_id:
-            problems.append(
-                {"batch_id": batch_id, "problem": f"not held by pool {pool_id} (state {batch.state})"}
-            )
-        elif batch.state == "trained" and batch.trained_step != trained_step:
-            problems.append(
-                {"batch_id": batch_id, "problem": f"already acked with trained_step {batch.trained_step}"}
-            )
-        elif batch.state not in ("claimed", "trained"):
-            problems.append({"batch_id": batch_id, "problem": f"not claimed (state {batch.state})"})
-    if problems:
-        ids = ", ".join(str(p["batch_id"]) for p in problems)
-        raise Conflict(f"cannot ack batch(es) {ids}", code="ack_rejected", details=problems)
-    for batch_id, trained_step in wanted.items():
-        batch = rows[batch_id]
-        if batch.state == "claimed":
-            batch.state = "trained"
-            batch.trained_step = trained_step
-            batch.trained_at = now
-            batch.lease_expires_at = None
-    session.flush()
-    return len(acks)
-
-
-def restart_run_from_checkpoint(
-    session: Session,
-    *,
-    run_id: str,
-    pool_id: str,
-    checkpoint_step: int,
-    total_samples: int,
-    total_tokens: int,
-) -> list[int]:
-    """The trainer restarts the run from a checkpoint (DESIGN §4.3): every batch of the run that is claimed,
-    or was trained into a step after `checkpoint_step`, goes back to pending, and the run's progress is set
-    back to the checkpoint's. Returns the returned batch ids in id order."""
-    from app.runs.service import record_event  # see _get_run: not at module level
-
-    run = _get_run(session, run_id=run_id, lock=True)
-    if run.status != "active":
-        raise Conflict(
-            f"run {run_id} is {run.status}; only active runs restart",
-            code="run_not_active",
-            details={"status": run.status},
-        )
-    batches = session.scalars(
-        select(Batch)
-        .where(
-            Batch.run_id == run_id,
-            or_(
-                Batch.state == "claimed", and_(Batch.state == "trained", Batch.trained_step > checkpoint_step)
-            ),
-        )
-        .order_by(Batch.id)
-        .with_for_update()
-    ).all()
-    for batch in batches:
-        batch.state = "pending"
-        batch.pool_id = None
-        batch.lease_expires_at = None
-        batch.claimed_at = None
-        batch.trained_step = None
-        batch.trained_at = None
-    returned = [b.id for b in batches]
-    previous = {"step": run.step, "total_samples": run.total_samples, "total_tokens": run.total_tokens}
-    run.step = checkpoint_step
-    run.total_samples = total_samples
-    run.total_tokens = total_tokens
-    record_event(
-        session,
-        action="run.restart_from_checkpoint",
-        actor="trainer",
-        tenant_id=run.tenant_id,
-        run_id=run_id,
-        details={
-            "pool_id": pool_id,
-            "checkpoint_step": checkpoint_step,
-            "total_samples": total_samples,
-            "total_tokens": total_tokens,
-            "previous": previous,
-            "returned_batches": returned,
-        },
-    )
-    session.flush()
-    return returned

@@ -17,7 +17,8 @@ import re
 import sys
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Annotated
+from types import GenericAlias
+from typing import Annotated, TypeAlias
 
 import msgspec
 
@@ -94,22 +95,20 @@ _Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS)]
 
 
 @lru_cache(maxsize=64)
-def _constrained_decoders(vocab_size: int | None) -> tuple[msgspec.json.Decoder, msgspec.msgpack.Decoder]:
+def _constrained_decoders(
+    vocab_size: int | None,
+) -> tuple[msgspec.json.Decoder[TrainingBatch], msgspec.msgpack.Decoder[TrainingBatch]]:
     """Decoders for subclasses of TrainingSample/TrainingBatch that only narrow field types.
 
     Subclasses keep the wire structs' fields, order, defaults and encoding, so what they decode
     is a TrainingBatch (isinstance holds) and encodes to the same bytes.
     """
-    token = (
-        Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]
-        if vocab_size is not None
-        else Annotated[int, msgspec.Meta(ge=0)]
-    )
+    Token: TypeAlias = Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]  # lt=None: no upper bound
     sample = msgspec.defstruct(
         "TrainingSample",
         [
-            ("prompt_ids", list[token]),
-            ("completion_ids", list[token]),
+            ("prompt_ids", list[Token]),
+            ("completion_ids", list[Token]),
             ("completion_logprobs", list[_LogProb]),
             ("advantage", _Finite | list[_Finite] | None, None),
             ("teacher_logprobs", list[_LogProb] | None, None),
@@ -117,13 +116,14 @@ def _constrained_decoders(vocab_size: int | None) -> tuple[msgspec.json.Decoder,
         bases=(TrainingSample,),
         forbid_unknown_fields=True,
     )
+    # GenericAlias spells list[sample]: a class made at run time is not a type to a static checker.
+    examples: object = Annotated[
+        GenericAlias(list, (sample,)), msgspec.Meta(min_length=1, max_length=MAX_EXAMPLES_PER_BATCH)
+    ]
     batch = msgspec.defstruct(
         "TrainingBatch",
         [
-            (
-                "examples",
-                Annotated[list[sample], msgspec.Meta(min_length=1, max_length=MAX_EXAMPLES_PER_BATCH)],
-            ),
+            ("examples", examples),
             ("temperature", _Temperature, 1.0),
             ("step", Annotated[int, msgspec.Meta(ge=0)], 0),
             ("env", _Label | None, None),

@@ -2,6 +2,7 @@
 (set by app.migrate), else LORALOOM_DATABASE_URL."""
 
 from alembic import context
+from sqlalchemy.engine import Connection
 
 from app.config import get_settings
 from app.db import make_engine
@@ -32,7 +33,7 @@ def run_migrations_online() -> None:
     engine.dispose()
 
 
-def _run(connection) -> None:
+def _run(connection: Connection) -> None:
     # render_as_batch: SQLite cannot ALTER most things; batch mode rebuilds tables there.
     context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
     with context.begin_transaction():

@@ -6,6 +6,7 @@ from sqlalchemy import JSON, DateTime, Integer, String
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
+from contracts.status import PoolStatus
 
 
 class Pool(Base):
@@ -20,7 +21,7 @@ class Pool(Base):
     world_size: Mapped[int] = mapped_column(Integer)
     max_seq_len: Mapped[int] = mapped_column(Integer)
     """Longest sample (prompt + completion) the pool packs; runs with a larger seq_len are refused."""
-    status: Mapped[str] = mapped_column(String(16), default="alive")
-    """alive | dead (silent past the timeout) | stopped"""
+    status: Mapped[str] = mapped_column(String(16), default=PoolStatus.ALIVE)
+    """A contracts.status.PoolStatus value: alive | dead (silent past the timeout) | stopped (replaced)."""
     registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

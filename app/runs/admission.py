@@ -1,5 +1,5 @@
-"""Slot admission: how many slots a base model has, who may take one, and the lock that
-makes the decision safe under concurrency.
+"""Slot admission: how many slots a base model has, whether its pool can train a run, and the
+lock that makes these decisions safe under concurrency.
 
 Every decision that moves a run into or out of a slot runs under one admission lock
 (a transaction-scoped advisory lock on Postgres; on SQLite every transaction already
@@ -11,15 +11,21 @@ uq_runs_active_slot is the last line of defence for slots.
 Lock order, to stay deadlock-free: the admission lock first, then tenant and run rows.
 Code outside this package that locks run rows and then calls into the run service should
 take `lock_admission` first.
+
+Admission reads pools directly (the Pool rows and the pure capability check), never the pools
+service: that service calls admission when a pool registers.
 """
 
 import hashlib
+from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from app.config import Settings
-from app.pools.service import live_pool_slots
+from app.pools.capabilities import stored_config_problems, untrainable_reason
+from app.pools.models import Pool
+from contracts.status import PoolStatus
 
 # A fixed 64-bit key for pg_advisory_xact_lock, derived from a readable name.
 ADMISSION_LOCK_KEY = int.from_bytes(hashlib.sha256(b"loraloom.admission").digest()[:8], "big", signed=True)
@@ -31,16 +37,39 @@ def lock_admission(session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK_KEY})
 
 
-def slots_for(session: Session, *, base_model: str, settings: Settings) -> int:
-    """How many runs of `base_model` may be active at once (one pool per base model)."""
-    return live_pool_slots(session, base_model=base_model) or settings.max_concurrent_runs
+def live_pool(session: Session, *, base_model: str) -> Pool | None:
+    """The pool currently serving `base_model`, if any (one live pool per base model)."""
+    return session.scalar(
+        select(Pool)
+        .where(Pool.base_model == base_model, Pool.status == PoolStatus.ALIVE)
+        .order_by(Pool.registered_at.desc(), Pool.id.desc())
+        .limit(1)
+    )
 
 
-def admission_problems(session: Session, *, config: dict, settings: Settings) -> list[str]:
-    """Why a run with this config cannot be trained by its pool (empty: it can).
+def live_pool_slots(session: Session, *, base_model: str) -> int | None:
+    """The slot count of the live pool for `base_model`; None while no pool serves it."""
+    pool = live_pool(session, base_model=base_model)
+    return None if pool is None else pool.slots
 
-    Checked when a run is admitted; a problem moves the run to `failed` and is written to
-    control/config_validation_error.txt. Nothing to check until pools register their
-    capabilities (base model, maximum rank, target modules).
+
+def slot_count(pool: Pool | None, *, settings: Settings) -> int:
+    """How many runs of a base model may be active at once: its live pool's slots, or
+    settings.max_concurrent_runs while no pool serves it (DESIGN §10)."""
+    return settings.max_concurrent_runs if pool is None else pool.slots
+
+
+def admission_problems(session: Session, *, config: dict[str, Any]) -> list[str]:
+    """Why the live pool of the config's base model cannot train a run with `config`.
+
+    Empty when it can, or when no pool serves that base model yet (the run then waits).
     """
-    return []
+    pool = live_pool(session, base_model=str(config.get("base_model", "")))
+    return [] if pool is None else stored_config_problems(config, pool)
+
+
+def refusal_reason(session: Session, *, config: dict[str, Any]) -> str | None:
+    """`admission_problems` worded as the failure reason of a run that is refused
+    (control/config_validation_error.txt); None if the run may wait for or take a slot."""
+    pool = live_pool(session, base_model=str(config.get("base_model", "")))
+    return None if pool is None else untrainable_reason(config, pool)

@@ -1,4 +1,4 @@
-"""Runs and the audit log of what happened to them."""
+"""Runs: one RL experiment of a tenant, its slot, progress and fate."""
 
 from datetime import datetime
 from typing import Any
@@ -18,8 +18,8 @@ from sqlalchemy import (
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
+from contracts.status import RunStatus
 
-RUN_STATUSES = ("queued", "active", "completed", "evicted", "failed", "deleted")
 EVICTED_BY = ("user", "trainer", "orchestrator", "heartbeat")
 
 
@@ -47,7 +47,8 @@ class Run(Base):
     """The validated RunConfig, as JSON."""
     base_model: Mapped[str] = mapped_column(String(256))
     """Copied out of the config: slots are per base model (one pool per base model)."""
-    status: Mapped[str] = mapped_column(String(16), default="queued")
+    status: Mapped[str] = mapped_column(String(16), default=RunStatus.QUEUED)
+    """A contracts.status.RunStatus value."""
     slot: Mapped[int | None] = mapped_column(Integer, default=None)
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -64,19 +65,3 @@ class Run(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     last_heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
-
-
-class Event(Base):
-    """Audit log: who did what to which run, when, from which key."""
-
-    __tablename__ = "events"
-
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
-    tenant_id: Mapped[str | None] = mapped_column(String(32), index=True, default=None)
-    run_id: Mapped[str | None] = mapped_column(String(16), index=True, default=None)
-    actor: Mapped[str] = mapped_column(String(32))
-    """admin | tenant | trainer | orchestrator | heartbeat | system"""
-    api_key_id: Mapped[str | None] = mapped_column(String(32), default=None)
-    action: Mapped[str] = mapped_column(String(64))
-    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

@@ -1,42 +1,25 @@
-"""Tenant routes for runs (thin: parse, call the service, shape the response).
+"""Tenant routes for runs (thin: parse, call the service, shape the response)."""
 
-`OwnedRunDep` resolves `{run_id}` to the caller's run, or a 404 for a malformed id, a
-missing run and another tenant's run alike. As a dependency it runs before the body is
-validated, so another tenant's run is a 404 whatever the body; other routers under
-/v1/runs/{run_id} should use it too.
-"""
+from typing import Annotated, Any
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Header, Path, Request, Response, status
+from fastapi import APIRouter, Depends, Header, Request, Response, status
 
 from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
 from app.pagination import DEFAULT_LIMIT, CursorQuery, LimitQuery
 from app.runs import service
-from app.runs.models import Run
+from app.runs.deps import OwnedRunDep
 from app.runs.schemas import (
     EvictRequest,
     HeartbeatOut,
     RunCreate,
     RunList,
     RunOut,
-    RunStatus,
     parse_run_create,
 )
+from contracts.status import RunStatus
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
-
-RunIdPath = Annotated[
-    str, Path(description="`run_` + 12 lowercase hex digits.", examples=["run_0123456789ab"], max_length=64)
-]
-
-
-def get_owned_run(run_id: RunIdPath, principal: TenantDep, session: SessionDep) -> Run:
-    return service.get_run_for_tenant(session, tenant_id=principal.tenant_id, run_id=run_id)
-
-
-OwnedRunDep = Annotated[Run, Depends(get_owned_run)]
 
 
 async def _raw_body(request: Request) -> bytes:
@@ -44,7 +27,7 @@ async def _raw_body(request: Request) -> bytes:
     return await request.body()
 
 
-def _create_body_openapi() -> dict:
+def _create_body_openapi() -> dict[str, Any]:
     # The body is parsed by hand (JSON or TOML), so document it explicitly. Nested models
     # are referenced from components, where RunOut.config puts them.
     schema = RunCreate.model_json_schema(ref_template="#/components/schemas/{model}")

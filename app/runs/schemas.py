@@ -3,18 +3,16 @@
 import hashlib
 import json
 import tomllib
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import UnsupportedMediaType, ValidationFailed
-from app.runs.models import RUN_STATUSES, Run
+from app.runs.models import Run
 from app.timestamps import UtcDatetime
 from contracts.progress import Progress
 from contracts.run_config import RunConfig
-
-RunStatus = Literal["queued", "active", "completed", "evicted", "failed", "deleted"]
-assert set(get_args(RunStatus)) == set(RUN_STATUSES), "RunStatus out of sync with the model"
+from contracts.status import RunStatus
 
 TOML_CONTENT_TYPES = frozenset({"application/toml", "text/toml", "text/x-toml"})
 JSON_CONTENT_TYPES = frozenset({"application/json", ""})

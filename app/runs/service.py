@@ -10,65 +10,38 @@ lock first (see admission.py). Keyword-only, raises domain errors, never commits
 """
 
 import logging
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
 
-from sqlalchemy import event, func, select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.db import utcnow
 from app.errors import Conflict, NotFound
+from app.events.after_commit import call_after_commit
+from app.events.service import record_event
 from app.pagination import paginate
+from app.pools.capabilities import untrainable_reason
 from app.projection import project_run, remove_run_dir
-from app.runs.admission import admission_problems, lock_admission, slots_for
-from app.runs.models import EVICTED_BY, Event, Run
+from app.runs.admission import live_pool, lock_admission, refusal_reason, slot_count
+from app.runs.models import EVICTED_BY, Run
 from app.runs.schemas import RunCreate
 from app.tenants.models import Tenant
 from app.timestamps import as_utc
 from contracts.ids import is_run_id, new_id
+from contracts.status import MOVABLE_RUN_STATUSES, RunStatus
 
 log = logging.getLogger(__name__)
-
-MOVABLE = ("queued", "active")
-ACTORS = ("admin", "tenant", "trainer", "orchestrator", "heartbeat", "system")
-
-
-# --- audit log -------------------------------------------------------------------------
-
-
-def record_event(
-    session: Session,
-    *,
-    action: str,
-    actor: str,
-    tenant_id: str | None = None,
-    run_id: str | None = None,
-    api_key_id: str | None = None,
-    details: dict[str, Any] | None = None,
-) -> Event:
-    """Append to the audit log (in the caller's transaction). Never pass secrets in `details`."""
-    if actor not in ACTORS:
-        raise ValueError(f"unknown actor {actor!r}")
-    ev = Event(
-        at=utcnow(),
-        action=action,
-        actor=actor,
-        tenant_id=tenant_id,
-        run_id=run_id,
-        api_key_id=api_key_id,
-        details=details or {},
-    )
-    session.add(ev)
-    return ev
 
 
 # --- lookups ---------------------------------------------------------------------------
 
 
 def get_run(session: Session, *, run_id: str) -> Run:
+    """The run, or a 404; a malformed id is not found either (run ids become paths, so no other
+    shape gets near the disk)."""
     run = session.get(Run, run_id) if is_run_id(run_id) else None
     if run is None:
         raise NotFound(f"run {run_id} not found")
@@ -84,11 +57,11 @@ def get_run_for_tenant(session: Session, *, tenant_id: str, run_id: str) -> Run:
 
 
 def list_runs(
-    session: Session, *, tenant_id: str, status: str | None, limit: int, cursor: str | None
+    session: Session, *, tenant_id: str, status: RunStatus | None, limit: int, cursor: str | None
 ) -> tuple[list[Run], str | None]:
     """The tenant's runs, newest first; deleted runs only when asked for by status."""
     stmt = select(Run).where(Run.tenant_id == tenant_id)
-    stmt = stmt.where(Run.status == status) if status else stmt.where(Run.status != "deleted")
+    stmt = stmt.where(Run.status == status) if status else stmt.where(Run.status != RunStatus.DELETED)
     return paginate(session, stmt, created_col=Run.created_at, id_col=Run.id, limit=limit, cursor=cursor)
 
 
@@ -105,32 +78,28 @@ def create_run(
     settings: Settings,
 ) -> tuple[Run, bool]:
     """Create a run and admit it if a slot and the quota allow. Returns (run, created):
-    created is False for an idempotent replay (same key, same body)."""
+    created is False for an idempotent replay (same key, same body).
+
+    A run the live pool of its base model cannot train is failed at once, with the reason.
+    """
     request_hash = body.request_hash()
     lock_admission(session)
     # The tenant row lock also serialises this tenant's idempotent replays.
     if session.scalar(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update()) is None:
         raise NotFound(f"tenant {tenant_id} not found")
     if idempotency_key is not None:
-        existing = session.scalar(
-            select(Run).where(Run.tenant_id == tenant_id, Run.idempotency_key == idempotency_key)
+        existing = _replay(
+            session, tenant_id=tenant_id, idempotency_key=idempotency_key, request_hash=request_hash
         )
         if existing is not None:
-            if existing.request_hash != request_hash:
-                raise Conflict(
-                    "Idempotency-Key was already used with a different body",
-                    details={"run_id": existing.id},
-                    code="idempotency_conflict",
-                )
             return existing, False
-    config = body.config.model_dump(mode="json")
     run = Run(
         id=new_id("run"),
         tenant_id=tenant_id,
         name=body.name,
-        config=config,
+        config=body.config.model_dump(mode="json"),
         base_model=body.config.base_model,
-        status="queued",
+        status=RunStatus.QUEUED,
         idempotency_key=idempotency_key,
         request_hash=request_hash,
     )
@@ -145,52 +114,98 @@ def create_run(
         api_key_id=api_key_id,
         details={"name": body.name, "base_model": run.base_model},
     )
-    # The new run joins the queue and admission takes the queue in order, so it never
-    # overtakes an older queued run that fits.
-    admit_queued_runs(session, base_model=run.base_model, settings=settings)
+    reason = refusal_reason(session, config=run.config)
+    if reason is not None:
+        # Failed now rather than after waiting in the queue for a slot it could not use.
+        fail_run(session, run=run, reason=reason, settings=settings)
+    else:
+        # The new run joins the queue and admission takes the queue in order, so it never
+        # overtakes an older queued run that fits.
+        admit_queued_runs(session, base_model=run.base_model, settings=settings)
     project_run(run, settings)
     return run, True
 
 
+def _replay(session: Session, *, tenant_id: str, idempotency_key: str, request_hash: str) -> Run | None:
+    """The run an earlier request with this key created, or None; 409 if that request's body differed."""
+    existing = session.scalar(
+        select(Run).where(Run.tenant_id == tenant_id, Run.idempotency_key == idempotency_key)
+    )
+    if existing is not None and existing.request_hash != request_hash:
+        raise Conflict(
+            "Idempotency-Key was already used with a different body",
+            details={"run_id": existing.id},
+            code="idempotency_conflict",
+        )
+    return existing
+
+
+@dataclass
+class _TenantQuotas:
+    """Active runs per tenant against their quotas, for one admission round. A tenant's quota row
+    is locked when first read, so a concurrent quota change waits for the round to end."""
+
+    session: Session
+    active: dict[str, int]
+    limits: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, session: Session) -> "_TenantQuotas":
+        counts = session.execute(
+            select(Run.tenant_id, func.count()).where(Run.status == RunStatus.ACTIVE).group_by(Run.tenant_id)
+        ).tuples()
+        return cls(session=session, active=dict(counts.all()))
+
+    def has_room(self, tenant_id: str) -> bool:
+        if tenant_id not in self.limits:
+            limit = self.session.scalar(
+                select(Tenant.max_concurrent_runs).where(Tenant.id == tenant_id).with_for_update()
+            )
+            self.limits[tenant_id] = limit or 0
+        return self.active.get(tenant_id, 0) < self.limits[tenant_id]
+
+    def take(self, tenant_id: str) -> None:
+        self.active[tenant_id] = self.active.get(tenant_id, 0) + 1
+
+
+def _free_slots(session: Session, *, base_model: str, slots: int) -> list[int]:
+    used = set(
+        session.scalars(select(Run.slot).where(Run.base_model == base_model, Run.status == RunStatus.ACTIVE))
+    )
+    return [i for i in range(slots) if i not in used]
+
+
 def admit_queued_runs(session: Session, *, base_model: str, settings: Settings) -> list[Run]:
-    """Give free slots of `base_model` to queued runs, oldest first, within their tenants' quotas."""
+    """Give free slots of `base_model` to queued runs, oldest first, within their tenants' quotas.
+
+    Before a run gets a slot, the live pool of its base model must be able to train it (the
+    capability check); a run it cannot train is failed with the reason instead.
+    """
     lock_admission(session)
-    slots = slots_for(session, base_model=base_model, settings=settings)
-    used = set(session.scalars(select(Run.slot).where(Run.base_model == base_model, Run.status == "active")))
-    free = [i for i in range(slots) if i not in used]
+    pool = live_pool(session, base_model=base_model)
+    free = _free_slots(session, base_model=base_model, slots=slot_count(pool, settings=settings))
     admitted: list[Run] = []
     if not free:
         return admitted
     queued = session.scalars(
         select(Run)
-        .where(Run.base_model == base_model, Run.status == "queued")
+        .where(Run.base_model == base_model, Run.status == RunStatus.QUEUED)
         .order_by(Run.created_at, Run.id)
     ).all()
-    active_by_tenant: dict[str, int] = dict(
-        session.execute(
-            select(Run.tenant_id, func.count()).where(Run.status == "active").group_by(Run.tenant_id)
-        )
-        .tuples()
-        .all()
-    )
-    quota: dict[str, int] = {}
+    quotas = _TenantQuotas.read(session)
     for run in queued:
         if not free:
             break
-        if run.tenant_id not in quota:
-            quota[run.tenant_id] = session.scalar(
-                select(Tenant.max_concurrent_runs).where(Tenant.id == run.tenant_id).with_for_update()
-            )
-        if active_by_tenant.get(run.tenant_id, 0) >= quota[run.tenant_id]:
+        if not quotas.has_room(run.tenant_id):
             continue
-        problems = admission_problems(session, config=run.config, settings=settings)
-        if problems:
-            fail_run(session, run=run, reason="; ".join(problems), settings=settings)
+        reason = None if pool is None else untrainable_reason(run.config, pool)
+        if reason is not None:
+            fail_run(session, run=run, reason=reason, settings=settings)
             continue
         slot = free.pop(0)
         if not _take_slot(session, run=run, slot=slot):
             continue
-        active_by_tenant[run.tenant_id] = active_by_tenant.get(run.tenant_id, 0) + 1
+        quotas.take(run.tenant_id)
         admitted.append(run)
         record_event(
             session,
@@ -209,7 +224,7 @@ def _take_slot(session: Session, *, run: Run, slot: int) -> bool:
     to be taken after all, the run stays queued (a savepoint keeps the transaction usable)."""
     try:
         with session.begin_nested():
-            run.status = "active"
+            run.status = RunStatus.ACTIVE
             run.slot = slot
             run.started_at = utcnow()
             session.flush()
@@ -225,14 +240,16 @@ def _release(session: Session, *, run: Run, settings: Settings) -> None:
     quota may let the tenant's runs queued on other base models in."""
     others = set(
         session.scalars(
-            select(Run.base_model).where(Run.tenant_id == run.tenant_id, Run.status == "queued").distinct()
+            select(Run.base_model)
+            .where(Run.tenant_id == run.tenant_id, Run.status == RunStatus.QUEUED)
+            .distinct()
         )
     )
     for base_model in [run.base_model, *sorted(others - {run.base_model})]:
         admit_queued_runs(session, base_model=base_model, settings=settings)
 
 
-def _lock_for_transition(session: Session, *, run: Run, action: str, allowed: tuple[str, ...]) -> None:
+def _lock_for_transition(session: Session, *, run: Run, action: str, allowed: tuple[RunStatus, ...]) -> None:
     """Take the admission lock, re-read the run under a row lock, and check it may move."""
     lock_admission(session)
     session.flush()
@@ -246,9 +263,9 @@ def _lock_for_transition(session: Session, *, run: Run, action: str, allowed: tu
         )
 
 
-def _finish(session: Session, *, run: Run, status: str) -> bool:
+def _finish(session: Session, *, run: Run, status: RunStatus) -> bool:
     """Leave the lifecycle; returns whether the run held a slot."""
-    was_active = run.status == "active"
+    was_active = run.status == RunStatus.ACTIVE
     run.status = status
     run.slot = None
     run.finished_at = utcnow()
@@ -272,11 +289,11 @@ def evict_run(
     """Evict a queued or active run (reason kept, evicted.txt written); its slot goes to the queue."""
     if evicted_by not in EVICTED_BY:
         raise ValueError(f"evicted_by must be one of {EVICTED_BY}, not {evicted_by!r}")
-    _lock_for_transition(session, run=run, action="evicted", allowed=MOVABLE)
+    _lock_for_transition(session, run=run, action="evicted", allowed=MOVABLE_RUN_STATUSES)
     slot = run.slot
     run.eviction_reason = reason
     run.evicted_by = evicted_by
-    was_active = _finish(session, run=run, status="evicted")
+    was_active = _finish(session, run=run, status=RunStatus.EVICTED)
     record_event(
         session,
         action="run.evicted",
@@ -294,9 +311,9 @@ def evict_run(
 
 def complete_run(session: Session, *, run: Run, settings: Settings) -> Run:
     """The run reached max_steps: completed, and its slot goes to the queue."""
-    _lock_for_transition(session, run=run, action="completed", allowed=("active",))
+    _lock_for_transition(session, run=run, action="completed", allowed=(RunStatus.ACTIVE,))
     slot = run.slot
-    _finish(session, run=run, status="completed")
+    _finish(session, run=run, status=RunStatus.COMPLETED)
     record_event(
         session,
         action="run.completed",
@@ -313,9 +330,9 @@ def complete_run(session: Session, *, run: Run, settings: Settings) -> Run:
 def fail_run(session: Session, *, run: Run, reason: str, settings: Settings) -> Run:
     """The run cannot be trained (e.g. its config does not fit the pool): failed, with the
     reason in control/config_validation_error.txt."""
-    _lock_for_transition(session, run=run, action="failed", allowed=MOVABLE)
+    _lock_for_transition(session, run=run, action="failed", allowed=MOVABLE_RUN_STATUSES)
     run.failure_reason = reason
-    was_active = _finish(session, run=run, status="failed")
+    was_active = _finish(session, run=run, status=RunStatus.FAILED)
     record_event(
         session,
         action="run.failed",
@@ -335,12 +352,11 @@ def delete_run(
 ) -> Run:
     """Delete a run in any state but deleted. The row stays (status `deleted`, for the audit
     trail); its directory is removed once the deletion is committed."""
-    _lock_for_transition(
-        session, run=run, action="deleted", allowed=("queued", "active", "completed", "evicted", "failed")
-    )
+    not_deleted = tuple(status for status in RunStatus if status != RunStatus.DELETED)
+    _lock_for_transition(session, run=run, action="deleted", allowed=not_deleted)
     previous = run.status
-    was_active = previous == "active"
-    run.status = "deleted"
+    was_active = previous == RunStatus.ACTIVE
+    run.status = RunStatus.DELETED
     run.slot = None
     if run.finished_at is None:
         run.finished_at = utcnow()
@@ -369,35 +385,36 @@ def delete_run(
 def heartbeat(session: Session, *, run: Run) -> Run:
     """The orchestrator is alive. Terminal runs report their status unchanged, so an
     orchestrator learns from its heartbeat that it has been evicted."""
-    if run.status in MOVABLE:
+    if run.status in MOVABLE_RUN_STATUSES:
         run.last_heartbeat_at = utcnow()
         session.flush()
     return run
 
 
+def _is_silent(run: Run, *, now: datetime) -> bool:
+    """Whether a queued or active run with a heartbeat_timeout has given no sign of life for longer
+    than that: its last heartbeat, or if none its start, or while queued its creation."""
+    timeout: float | None = run.config.get("heartbeat_timeout")
+    if not timeout or run.status not in MOVABLE_RUN_STATUSES:
+        return False
+    last_sign = run.last_heartbeat_at or run.started_at or run.created_at
+    return now - as_utc(last_sign) > timedelta(seconds=timeout)
+
+
 def evict_silent_runs(session: Session, *, now: datetime, settings: Settings) -> list[Run]:
-    """Evict queued or active runs whose config sets heartbeat_timeout and whose last heartbeat
-    (or, if none, their start, or creation while queued) is older than that."""
+    """Evict queued or active runs whose orchestrator went silent (see `_is_silent`)."""
     now = as_utc(now)
-
-    def silent(run: Run) -> bool:
-        timeout = run.config.get("heartbeat_timeout")
-        last_sign = run.last_heartbeat_at or run.started_at or run.created_at
-        return (
-            bool(timeout) and run.status in MOVABLE and now - as_utc(last_sign) > timedelta(seconds=timeout)
-        )
-
     candidates = session.scalars(
-        select(Run).where(Run.status.in_(MOVABLE)).order_by(Run.created_at, Run.id)
+        select(Run).where(Run.status.in_(MOVABLE_RUN_STATUSES)).order_by(Run.created_at, Run.id)
     ).all()
-    due = [run for run in candidates if silent(run)]
+    due = [run for run in candidates if _is_silent(run, now=now)]
     if not due:  # the common case takes no lock (the sweeper calls this every few seconds)
         return []
     lock_admission(session)
     evicted: list[Run] = []
     for run in due:
         session.refresh(run)  # a heartbeat may have arrived before we held the lock
-        if not silent(run):
+        if not _is_silent(run, now=now):
             continue
         timeout = run.config["heartbeat_timeout"]
         evict_run(
@@ -410,35 +427,3 @@ def evict_silent_runs(session: Session, *, now: datetime, settings: Settings) ->
         )
         evicted.append(run)
     return evicted
-
-
-# --- after-commit work -----------------------------------------------------------------
-
-_PENDING = "loraloom.after_commit"
-
-
-def call_after_commit(session: Session, fn: Callable[[], None]) -> None:
-    """Run `fn` once the session's outermost transaction commits; drop it on rollback."""
-    pending: list[Callable[[], None]] | None = session.info.get(_PENDING)
-    if pending is None:
-        pending = session.info[_PENDING] = []
-        event.listen(session, "after_commit", _run_pending)
-        event.listen(session, "after_rollback", _drop_pending)
-    pending.append(fn)
-
-
-def _run_pending(session: Session) -> None:
-    if session.in_nested_transaction():  # a savepoint released; the real commit is still to come
-        return
-    pending = session.info.get(_PENDING, [])
-    todo, pending[:] = list(pending), []
-    for fn in todo:
-        try:
-            fn()
-        except Exception:  # the commit stands; the start-up rebuild repairs the projection
-            log.exception("after-commit work failed")
-
-
-def _drop_pending(session: Session) -> None:
-    if not session.in_nested_transaction():
-        session.info.get(_PENDING, []).clear()

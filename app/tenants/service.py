@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 from app.auth import hash_key, new_api_key
 from app.db import utcnow
 from app.errors import Conflict, NotFound
-from app.runs.service import record_event
+from app.events.service import record_event
 from app.tenants.models import ApiKey, Tenant
 from contracts.ids import new_id
 

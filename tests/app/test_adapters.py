@@ -11,18 +11,16 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file, save
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.adapters.models import Adapter
 from app.config import Settings
 from app.main import create_app
-from tests.app.conftest import TenantHandle, create_run, new_tenant
-from tests.common import WORKER_TOKEN
+from tests.app.api import WORKER_HEADERS, TenantHandle, create_run, new_tenant
 from trainer_core.models.tiny import build_model
 
-WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -64,7 +62,7 @@ def upload(client: TestClient, run_id: str, step: int, body: bytes):
     return client.put(
         f"/v1/pool/runs/{run_id}/adapters/{step}",
         content=body,
-        headers=WORKER | {"Content-Type": "application/x-tar"},
+        headers=WORKER_HEADERS | {"Content-Type": "application/x-tar"},
     )
 
 
@@ -140,8 +138,6 @@ def test_etag_and_not_modified(client: TestClient, tenant: TenantHandle, peft_di
 
 def _reencode_safetensors(data: bytes) -> bytes:
     """The same tensors, scaled: a different but valid safetensors file."""
-    from safetensors.torch import load, save
-
     return save({k: v * 2 for k, v in load(data).items()})
 
 

@@ -4,10 +4,12 @@ nothing is stored (row counts and files unchanged)."""
 import pytest
 from fastapi.testclient import TestClient
 
+from app.events.models import Event
 from app.main import create_app
-from app.runs.models import Event, Run
+from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
-from tests.app.conftest import ADMIN_HEADERS, create_run, new_tenant, row_counts
+from tests.app.api import ADMIN_HEADERS, create_run, new_tenant
+from tests.app.factories import row_counts
 
 JSON = {"Content-Type": "application/json"}
 TOML = {"Content-Type": "application/toml"}

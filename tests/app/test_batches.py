@@ -1,176 +1,34 @@
 """Rollout batch ingestion: POST/GET /v1/runs/{run_id}/batches (JSON and msgpack), validation,
-idempotency, run-state conflicts. Real Postgres (or SQLite) through the fixtures.
-
-The helpers at the top are shared with the other batch test modules."""
+idempotency, run-state conflicts. Real Postgres (or SQLite) through the fixtures."""
 
 import hashlib
+import os
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from fastapi.testclient import TestClient
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import select
 
 from app.batches.models import Batch
-from app.config import Settings
-from app.db import make_engine, make_session_factory
-from app.main import create_app
-from app.pools.models import Pool
+from app.batches.service import vocab_size_for
+from app.batches.storage import remove_orphan_payloads, rollouts_dir
+from app.batches.validation import decode_and_validate
 from app.runs.models import Run
-from contracts.ids import new_id
 from contracts.run_config import RunConfig
-from contracts.wire import MAX_EXAMPLES_PER_BATCH, batch_msgpack_decoder
-from tests.app.factories import make_run, make_tenant
-from tests.common import WORKER_TOKEN
-
-MSGPACK = "application/msgpack"
-
-# --------------------------------------------------------------------------- shared helpers
-
-
-@contextmanager
-def db(settings: Settings) -> Iterator[Session]:
-    """A committed-on-exit session on the test database."""
-    engine = make_engine(settings.database_url)
-    try:
-        with make_session_factory(engine)() as session:
-            yield session
-            session.commit()
-    finally:
-        engine.dispose()
-
-
-@dataclass(frozen=True)
-class Seeded:
-    tenant_id: str
-    secret: str
-    run_id: str
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.secret}"}
-
-
-def seed_run(
-    settings: Settings,
-    *,
-    status: str = "active",
-    config: RunConfig | None = None,
-    tenant_id: str | None = None,
-    **fields: Any,
-) -> Seeded:
-    """A tenant (new unless tenant_id is given; then the secret is empty) and one run in `status`
-    (active runs get the next free slot of their base model)."""
-    with db(settings) as session:
-        base_model = (config or RunConfig()).base_model
-        used = session.scalar(
-            select(func.max(Run.slot)).where(Run.status == "active", Run.base_model == base_model)
-        )
-        slot = 0 if used is None else used + 1
-        secret = ""
-        if tenant_id is None:
-            tenant, secret = make_tenant(session)
-        else:
-            from app.tenants.models import Tenant
-
-            tenant = session.get(Tenant, tenant_id)
-        run = make_run(session, tenant, status=status, slot=slot, config=config)
-        for name, value in fields.items():
-            setattr(run, name, value)
-        return Seeded(tenant_id=tenant.id, secret=secret, run_id=run.id)
-
-
-def add_pool(
-    settings: Settings, *, base_model: str = "loraloom-tiny", vocab_size: int = 1000, status: str = "alive"
-):
-    with db(settings) as session:
-        pool = Pool(
-            id=new_id("pool"),
-            base_model=base_model,
-            vocab_size=vocab_size,
-            max_rank=64,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-            slots=4,
-            world_size=1,
-            max_seq_len=4096,
-            status=status,
-        )
-        session.add(pool)
-        return pool.id
-
-
-def sample(
-    prompt_len: int = 4, completion_len: int = 3, *, seed: int = 0, **overrides: Any
-) -> dict[str, Any]:
-    """A valid TrainingSample as a plain dict (so tests can break it freely)."""
-    out: dict[str, Any] = {
-        "prompt_ids": [(seed * 7 + i) % 50 + 1 for i in range(prompt_len)],
-        "prompt_mask": [False] * prompt_len,
-        "completion_ids": [(seed * 11 + i) % 50 + 2 for i in range(completion_len)],
-        "completion_mask": [True] * completion_len,
-        "completion_logprobs": [-0.5 - 0.01 * i for i in range(completion_len)],
-        "advantage": 0.25 + seed,
-    }
-    out.update(overrides)
-    return out
-
-
-def batch_body(n: int = 3, *, step: int = 0, seed: int = 0, **overrides: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "examples": [sample(seed=seed + i) for i in range(n)],
-        "temperature": 1.0,
-        "step": step,
-    }
-    out.update(overrides)
-    return out
-
-
-def post_batch(
-    client: TestClient, seeded: Seeded, body: dict[str, Any], *, msgpack: bool = False, key: str | None = None
-):
-    headers = dict(seeded.headers)
-    if key is not None:
-        headers["Idempotency-Key"] = key
-    if msgpack:
-        headers["Content-Type"] = MSGPACK
-        return client.post(
-            f"/v1/runs/{seeded.run_id}/batches", content=msgspec.msgpack.encode(body), headers=headers
-        )
-    return client.post(f"/v1/runs/{seeded.run_id}/batches", json=body, headers=headers)
-
-
-def worker_headers() -> dict[str, str]:
-    return {"Authorization": f"Bearer {WORKER_TOKEN}"}
-
-
-def batch_count(settings: Settings) -> int:
-    with db(settings) as session:
-        return session.scalar(select(func.count()).select_from(Batch)) or 0
-
-
-def rollout_files(settings: Settings) -> list[Path]:
-    """Everything under any run's rollouts/ (temporaries included)."""
-    return sorted(p for p in settings.runs_dir.glob("*/rollouts/**/*") if p.is_file())
-
-
-def as_plain(body: dict[str, Any]) -> dict[str, Any]:
-    """What a body decodes to (defaults filled in, ints in float fields as floats)."""
-    from contracts.wire import batch_json_decoder
-
-    return msgspec.to_builtins(batch_json_decoder.decode(msgspec.json.encode(body)))
-
-
-@pytest.fixture
-def client(settings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as c:
-        yield c
-
+from contracts.wire import (
+    MAX_EXAMPLES_PER_BATCH,
+    TrainingBatch,
+    TrainingSample,
+    batch_json_decoder,
+    batch_msgpack_decoder,
+    msgpack_encoder,
+)
+from tests.app.api import MSGPACK, WORKER_HEADERS, as_plain, batch_body, post_batch, sample
+from tests.app.factories import Seeded, add_pool, batch_count, committed, rollout_files, seed_run
 
 # --------------------------------------------------------------------------- happy path
 
@@ -207,7 +65,7 @@ def test_submit_stores_payload_and_row(settings, client, msgpack):
         }
         ids.append(out["id"])
 
-    with db(settings) as session:
+    with committed(settings) as session:
         rows = session.scalars(select(Batch).order_by(Batch.id)).all()
         assert [r.id for r in rows] == ids
         assert [r.sample_offset for r in rows] == [0, 3]
@@ -226,7 +84,7 @@ def test_submit_stores_payload_and_row(settings, client, msgpack):
 def test_list_batches_state_filter_and_pagination(settings, client):
     seeded = seed_run(settings)
     ids = [post_batch(client, seeded, batch_body(1, seed=i)).json()["id"] for i in range(5)]
-    with db(settings) as session:
+    with committed(settings) as session:
         first = session.get(Batch, ids[0])
         first.state, first.trained_step = "trained", 1
         session.get(Batch, ids[1]).state = "claimed"
@@ -267,7 +125,7 @@ def test_other_tenant_and_auth(settings, client):
         assert resp.json()["error"]["code"] == "not_found"
     assert client.post(url, json=batch_body()).status_code == 401
     # The worker token is not a tenant key.
-    assert client.post(url, json=batch_body(), headers=worker_headers()).status_code == 401
+    assert client.post(url, json=batch_body(), headers=WORKER_HEADERS).status_code == 401
     assert batch_count(settings) == 0
 
 
@@ -417,7 +275,7 @@ def test_bad_input_rejected_whole_and_nothing_stored(settings, client, validatin
     assert all(d["problem"] for d in error["details"])
     assert batch_count(settings) == rows_before
     assert rollout_files(settings) == files_before
-    with db(settings) as session:
+    with committed(settings) as session:
         assert session.get(Run, seeded.run_id).submitted_samples == 2
     # A corrected retry with the same key is a new request, not a replay of the rejected one.
     assert post_batch(client, seeded, batch_body(3), key=f"bad-{case.name}").status_code == 201
@@ -515,7 +373,7 @@ def test_repeated_key_stores_once(settings, client):
     as_msgpack = post_batch(client, seeded, body, key="k-1", msgpack=True)
     assert as_msgpack.status_code == 200 and as_msgpack.json() == first.json()
     assert batch_count(settings) == 1 and len(rollout_files(settings)) == 1
-    with db(settings) as session:
+    with committed(settings) as session:
         assert session.get(Run, seeded.run_id).submitted_samples == 3
 
     other = post_batch(client, seeded, batch_body(3, seed=5), key="k-1")
@@ -536,7 +394,7 @@ def test_repeated_key_stores_once(settings, client):
 def test_replay_after_eviction_returns_the_stored_batch(settings, client):
     seeded = seed_run(settings)
     first = post_batch(client, seeded, batch_body(), key="k")
-    with db(settings) as session:
+    with committed(settings) as session:
         run = session.get(Run, seeded.run_id)
         run.status, run.eviction_reason, run.evicted_by = "evicted", "done", "user"
     again = post_batch(client, seeded, batch_body(), key="k")
@@ -565,7 +423,7 @@ def test_concurrent_identical_requests_store_once(settings, client):
     assert len({r.json()["id"] for r in responses}) == 1
     assert batch_count(settings) == 1
     assert len(rollout_files(settings)) == 1  # the losers' files were discarded
-    with db(settings) as session:
+    with committed(settings) as session:
         assert session.get(Run, seeded.run_id).submitted_samples == 4
 
 
@@ -586,7 +444,7 @@ def test_concurrent_submissions_get_disjoint_offsets(settings, client):
     for t in threads:
         t.join()
     assert codes == [201] * n
-    with db(settings) as session:
+    with committed(settings) as session:
         rows = session.scalars(select(Batch).order_by(Batch.id)).all()
         offset = 0
         for row in rows:  # contiguous, in id order
@@ -600,9 +458,6 @@ def test_concurrent_submissions_get_disjoint_offsets(settings, client):
 
 def test_constrained_decode_is_the_wire_type():
     """The fast-path decoder only narrows types: same fields, same struct, same bytes."""
-    from app.batches.validation import decode_and_validate
-    from contracts.wire import TrainingBatch, TrainingSample, batch_json_decoder, msgpack_encoder
-
     body = batch_body(3)
     body["examples"][1]["advantage"] = [0.5, -0.5, 1.0]
     body["examples"][2]["teacher_logprobs"] = [-0.1, -0.2, -0.3]
@@ -620,26 +475,19 @@ def test_constrained_decode_is_the_wire_type():
 
 
 def test_vocab_size_for_prefers_the_live_pool(settings):
-    from app.batches.service import vocab_size_for
-
-    with db(settings) as session:
+    with committed(settings) as session:
         assert vocab_size_for(session, base_model="loraloom-tiny") is None
     add_pool(settings, vocab_size=500, status="dead")
-    with db(settings) as session:
+    with committed(settings) as session:
         assert vocab_size_for(session, base_model="loraloom-tiny") == 500
     add_pool(settings, vocab_size=700)
     add_pool(settings, vocab_size=900, status="stopped")
-    with db(settings) as session:
+    with committed(settings) as session:
         assert vocab_size_for(session, base_model="loraloom-tiny") == 700
         assert vocab_size_for(session, base_model="other") is None
 
 
 def test_orphan_payloads_are_removed_only_when_old(settings, client):
-    import os
-    import time
-
-    from app.batches.storage import remove_orphan_payloads, rollouts_dir
-
     seeded = seed_run(settings)
     assert post_batch(client, seeded, batch_body()).status_code == 201
     orphan_dir = rollouts_dir(settings, seeded.run_id) / "step_0"
@@ -649,7 +497,7 @@ def test_orphan_payloads_are_removed_only_when_old(settings, client):
     young.write_bytes(b"a request still in flight on another replica")
     past = time.time() - 7200
     os.utime(old, (past, past))
-    with db(settings) as session:
+    with committed(settings) as session:
         assert remove_orphan_payloads(session, settings=settings) == 1
     assert not old.exists() and young.exists()
     assert len([p for p in rollout_files(settings) if p != young]) == 1  # the committed batch's file stays
@@ -658,13 +506,13 @@ def test_orphan_payloads_are_removed_only_when_old(settings, client):
 def test_replay_after_the_run_moved_on(settings, client):
     seeded = seed_run(settings, config=RunConfig(max_async_level=1))
     first = post_batch(client, seeded, batch_body(step=0), key="k")
-    with db(settings) as session:
+    with committed(settings) as session:
         session.get(Run, seeded.run_id).step = 5
     # Stale now, but a retry of the accepted request is still its replay; a new one is refused.
     again = post_batch(client, seeded, batch_body(step=0), key="k")
     assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
     assert post_batch(client, seeded, batch_body(step=0), key="k2").json()["error"]["code"] == "stale_batch"
-    with db(settings) as session:
+    with committed(settings) as session:
         session.get(Run, seeded.run_id).status = "completed"
     # A stopped run answers 409 (not 422) even to a body it cannot decode.
     resp = client.post(

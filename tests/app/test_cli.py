@@ -1,6 +1,7 @@
 """The CLI against a live service (uvicorn in a thread), as the README uses it."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -86,8 +87,6 @@ def test_interim_demo(tmp_path, capsys):
 
 
 def test_readme_gives_the_two_commands_and_the_curl_walkthrough():
-    from pathlib import Path
-
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme
     for call in (

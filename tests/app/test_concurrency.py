@@ -12,8 +12,9 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+from app.main import create_app
 from app.runs.models import Run
-from tests.app.conftest import LiveServer, TenantHandle, new_tenant
+from tests.app.api import LiveServer, TenantHandle, new_tenant
 
 pytestmark = pytest.mark.postgres_only
 
@@ -52,8 +53,6 @@ def _check_invariants(db, tenants: list[TenantHandle], quotas: dict[str, int]) -
 
 def test_concurrent_creates_and_evictions(settings, db):
     app_settings = settings.model_copy(update={"max_concurrent_runs": SLOTS})
-    from app.main import create_app
-
     with (
         LiveServer(create_app(app_settings)) as server,
         httpx.Client(base_url=server.url, timeout=60) as admin,

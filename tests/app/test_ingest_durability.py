@@ -22,7 +22,8 @@ from contracts.durable import TMP_SUFFIX
 from contracts.run_config import RunConfig
 from contracts.wire import batch_msgpack_decoder
 from loraloom.launch import free_port, start_service_process
-from tests.app.test_batches import Seeded, db, seed_run
+from tests.app.api import as_plain
+from tests.app.factories import Seeded, committed, seed_run
 from tests.common import ADMIN_KEY, WORKER_TOKEN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,12 +119,6 @@ def _stream(url: str, seeded: Seeded, writer: int, stream: Stream, stop: threadi
             seq += 1
 
 
-def _expected(body: dict) -> dict:
-    from contracts.wire import batch_json_decoder
-
-    return msgspec.to_builtins(batch_json_decoder.decode(msgspec.json.encode(body)))
-
-
 @pytest.mark.slow
 @pytest.mark.postgres_only
 def test_kill_9_during_ingestion_loses_nothing_acknowledged(settings, tmp_path):
@@ -151,7 +146,7 @@ def test_kill_9_during_ingestion_loses_nothing_acknowledged(settings, tmp_path):
         service.start()
 
         # 1. Every acknowledged batch is there: row, file, digest, content.
-        with db(settings) as session:
+        with committed(settings) as session:
             rows = {b.idempotency_key: b for b in session.scalars(select(Batch).order_by(Batch.id))}
             for key, (body, out) in acked_at_kill.items():
                 row = rows.get(key)
@@ -159,7 +154,7 @@ def test_kill_9_during_ingestion_loses_nothing_acknowledged(settings, tmp_path):
                 assert row.id == out["id"]
                 data = (settings.data_dir / row.payload_path).read_bytes()
                 assert hashlib.sha256(data).hexdigest() == row.payload_sha256
-                assert msgspec.to_builtins(batch_msgpack_decoder.decode(data)) == _expected(body)
+                assert msgspec.to_builtins(batch_msgpack_decoder.decode(data)) == as_plain(body)
             # 2. Nothing half-written is visible: every row's file is complete; no temporaries remain.
             for row in rows.values():
                 assert not row.payload_path.endswith(TMP_SUFFIX)
@@ -181,7 +176,7 @@ def test_kill_9_during_ingestion_loses_nothing_acknowledged(settings, tmp_path):
                 f"/v1/runs/{seeded.run_id}/batches", json=body, headers={"Idempotency-Key": key}
             )
             assert replay.status_code == 200 and replay.json()["id"] == out["id"]
-        with db(settings) as session:
+        with committed(settings) as session:
             rows = session.scalars(select(Batch).order_by(Batch.id)).all()
             keys = [b.idempotency_key for b in rows]
             assert len(keys) == len(set(keys))

@@ -11,9 +11,11 @@ import pytest
 from sqlalchemy import select
 
 from app.config import Settings
+from app.events.models import Event
 from app.main import create_app
-from app.runs.models import Event, Run
-from tests.app.conftest import ADMIN_HEADERS, create_run, new_tenant, row_counts
+from app.runs.models import Run
+from tests.app.api import ADMIN_HEADERS, create_run, new_tenant
+from tests.app.factories import row_counts
 
 BODY_METHODS = {"POST", "PUT", "PATCH"}
 # Values for path parameters other than run_id; anything else gets "1".

@@ -9,10 +9,7 @@ from sqlalchemy.orm import Session
 
 from app.adapters.models import Checkpoint
 from app.config import Settings
-from tests.app.conftest import TenantHandle, create_run, new_tenant
-from tests.common import WORKER_TOKEN
-
-WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+from tests.app.api import WORKER_HEADERS, TenantHandle, create_run, new_tenant
 
 
 def metrics(step: int) -> dict:
@@ -36,7 +33,7 @@ def report(client: TestClient, run_id: str, step: int, **extra):
         "total_samples": 8 * step,
         "metrics": metrics(step),
     } | extra
-    return client.post(f"/v1/pool/runs/{run_id}/steps", json=body, headers=WORKER)
+    return client.post(f"/v1/pool/runs/{run_id}/steps", json=body, headers=WORKER_HEADERS)
 
 
 def test_steps_are_listed_as_metrics(client: TestClient, tenant: TenantHandle) -> None:
@@ -78,7 +75,7 @@ def test_bad_step_reports(client: TestClient, tenant: TenantHandle) -> None:
         r = client.post(
             f"/v1/pool/runs/{run['id']}/steps",
             content=json.dumps(body),
-            headers=WORKER | {"Content-Type": "application/json"},
+            headers=WORKER_HEADERS | {"Content-Type": "application/json"},
         )
         assert r.status_code == 422, body
     assert client.get(f"/v1/runs/{run['id']}/metrics", headers=tenant.headers).json() == {"items": []}
@@ -116,22 +113,24 @@ def test_max_steps_completes_the_run_and_frees_its_slot(client: TestClient, sett
 def test_checkpoints(client: TestClient, tenant: TenantHandle, db: Session) -> None:
     run = create_run(client, tenant)
     url = f"/v1/pool/runs/{run['id']}/checkpoints"
-    r = client.post(url, json={"step": 5, "total_samples": 40}, headers=WORKER)
+    r = client.post(url, json={"step": 5, "total_samples": 40}, headers=WORKER_HEADERS)
     assert r.status_code == 201, r.text
     assert r.json()["run_id"] == run["id"]
     assert (r.json()["step"], r.json()["total_samples"]) == (5, 40)
     # Reported again (a trainer that restarted before its report was acknowledged): one row.
-    assert client.post(url, json={"step": 5, "total_samples": 40}, headers=WORKER).status_code == 201
-    assert client.post(url, json={"step": 10, "total_samples": 80}, headers=WORKER).status_code == 201
+    assert client.post(url, json={"step": 5, "total_samples": 40}, headers=WORKER_HEADERS).status_code == 201
+    assert client.post(url, json={"step": 10, "total_samples": 80}, headers=WORKER_HEADERS).status_code == 201
     rows = db.scalars(
         select(Checkpoint).where(Checkpoint.run_id == run["id"]).order_by(Checkpoint.step)
     ).all()
     assert [(c.step, c.total_samples) for c in rows] == [(5, 40), (10, 80)]
     db.commit()  # end the read: on SQLite an open transaction holds the write lock
-    assert client.post(url, json={"step": -1, "total_samples": 0}, headers=WORKER).status_code == 422
+    assert client.post(url, json={"step": -1, "total_samples": 0}, headers=WORKER_HEADERS).status_code == 422
     assert (
         client.post(
-            "/v1/pool/runs/run_000000000000/checkpoints", json={"step": 1, "total_samples": 1}, headers=WORKER
+            "/v1/pool/runs/run_000000000000/checkpoints",
+            json={"step": 1, "total_samples": 1},
+            headers=WORKER_HEADERS,
         )
     ).status_code == 404
 
@@ -139,7 +138,7 @@ def test_checkpoints(client: TestClient, tenant: TenantHandle, db: Session) -> N
 def test_trainer_evicts_a_run(client: TestClient, tenant: TenantHandle, settings: Settings) -> None:
     run = create_run(client, tenant)
     url = f"/v1/pool/runs/{run['id']}/evict"
-    r = client.post(url, json={"reason": "loss is NaN at step 4"}, headers=WORKER)
+    r = client.post(url, json={"reason": "loss is NaN at step 4"}, headers=WORKER_HEADERS)
     assert r.status_code == 200, r.text
     out = r.json()
     assert (out["status"], out["evicted_by"], out["eviction_reason"]) == (
@@ -150,7 +149,7 @@ def test_trainer_evicts_a_run(client: TestClient, tenant: TenantHandle, settings
     assert (
         settings.runs_dir / run["id"] / "control" / "evicted.txt"
     ).read_text().strip() == "loss is NaN at step 4"
-    assert client.post(url, json={"reason": "again"}, headers=WORKER).status_code == 409
-    assert client.post(url, json={"reason": ""}, headers=WORKER).status_code == 422
+    assert client.post(url, json={"reason": "again"}, headers=WORKER_HEADERS).status_code == 409
+    assert client.post(url, json={"reason": ""}, headers=WORKER_HEADERS).status_code == 422
     # The step in flight when the run was evicted is refused too.
     assert report(client, run["id"], 1).status_code == 409

@@ -3,76 +3,23 @@ dead pools, restart-from-checkpoint (exactly-once, DESIGN §4.3)."""
 
 import threading
 import time
-from datetime import timedelta
-from typing import Any
+from datetime import UTC, datetime, timedelta
 
 import msgspec
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app.batches import service
+from app.batches import leases
 from app.batches.models import Batch
 from app.db import utcnow
+from app.events.models import Event
 from app.main import create_app
-from app.runs.models import Event, Run
+from app.runs.models import Run
+from contracts.pool_api import ClaimStruct
 from contracts.run_config import RunConfig
-from tests.app.test_batches import (
-    add_pool,
-    as_plain,
-    batch_body,
-    db,
-    post_batch,
-    seed_run,
-    worker_headers,
-)
-
-
-@pytest.fixture
-def client(settings):
-    with TestClient(create_app(settings)) as c:
-        yield c
-
-
-def claim(client: TestClient, pool_id: str, max_batches: int = 16) -> dict[str, Any]:
-    resp = client.post(
-        "/v1/pool/batches/claim",
-        json={"pool_id": pool_id, "max_batches": max_batches},
-        headers=worker_headers(),
-    )
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def ack(client: TestClient, pool_id: str, acks: list[tuple[int, int]]):
-    return client.post(
-        "/v1/pool/batches/ack",
-        json={"pool_id": pool_id, "acks": [{"batch_id": b, "trained_step": s} for b, s in acks]},
-        headers=worker_headers(),
-    )
-
-
-def restart(
-    client: TestClient, run_id: str, pool_id: str, checkpoint_step: int, total_samples: int, total_tokens: int
-):
-    return client.post(
-        f"/v1/pool/runs/{run_id}/restart",
-        json={
-            "pool_id": pool_id,
-            "checkpoint_step": checkpoint_step,
-            "total_samples": total_samples,
-            "total_tokens": total_tokens,
-        },
-        headers=worker_headers(),
-    )
-
-
-def states(settings) -> dict[int, tuple[str, str | None, int | None]]:
-    with db(settings) as session:
-        return {
-            b.id: (b.state, b.pool_id, b.trained_step)
-            for b in session.scalars(select(Batch).order_by(Batch.id))
-        }
+from tests.app.api import WORKER_HEADERS, ack, as_plain, batch_body, claim, post_batch, restart
+from tests.app.factories import add_pool, batch_states, committed, seed_run
 
 
 def test_pool_routes_refuse_tenant_keys(settings, client):
@@ -113,7 +60,7 @@ def test_claim_and_ack(settings, client):
     assert resp.status_code == 200 and resp.json() == {"acked": 2}
     # A retried ack is a no-op, not an error.
     assert ack(client, pool_id, [(ids[0], 1)]).json() == {"acked": 1}
-    assert states(settings) == {
+    assert batch_states(settings) == {
         ids[0]: ("trained", pool_id, 1),
         ids[1]: ("trained", pool_id, 1),
         ids[2]: ("claimed", pool_id, None),
@@ -127,16 +74,54 @@ def test_claim_and_ack(settings, client):
 
 
 def test_claim_msgpack_response(settings, client):
+    pool_id = add_pool(settings)
     seeded = seed_run(settings)
     body = batch_body(2)
     post_batch(client, seeded, body)
     resp = client.post(
         "/v1/pool/batches/claim",
-        json={"pool_id": "pool_x", "max_batches": 4},
-        headers=worker_headers() | {"Accept": "application/msgpack"},
+        json={"pool_id": pool_id, "max_batches": 4},
+        headers=WORKER_HEADERS | {"Accept": "application/msgpack"},
     )
     assert resp.headers["content-type"] == "application/msgpack"
     assert msgspec.msgpack.decode(resp.content)["batches"][0]["payload"] == as_plain(body)
+
+
+@pytest.mark.parametrize("accept", ["application/json", "application/msgpack"])
+def test_claim_decodes_as_the_pools_structs(settings, client, accept):
+    """The pool decodes claims with contracts.pool_api.ClaimStruct: both encodings must fit it."""
+    pool_id = add_pool(settings)
+    seeded = seed_run(settings)
+    body = batch_body(2, seed=3)
+    batch_id = post_batch(client, seeded, body).json()["id"]
+    resp = client.post(
+        "/v1/pool/batches/claim",
+        json={"pool_id": pool_id, "max_batches": 4},
+        headers=WORKER_HEADERS | {"Accept": accept},
+    )
+    assert resp.status_code == 200, resp.text
+    decode = msgspec.msgpack.decode if accept == "application/msgpack" else msgspec.json.decode
+    claimed = decode(resp.content, type=ClaimStruct)
+    assert datetime.fromisoformat(claimed.lease_expires_at) > datetime.now(UTC)
+    [item] = claimed.batches
+    assert (item.id, item.run_id, item.slot, item.sample_offset, item.num_samples) == (
+        batch_id,
+        seeded.run_id,
+        0,
+        0,
+        2,
+    )
+    assert msgspec.to_builtins(item.payload) == as_plain(body)
+
+
+def test_unregistered_pool_cannot_claim(settings, client):
+    seeded = seed_run(settings)
+    post_batch(client, seeded, batch_body(1))
+    resp = client.post(
+        "/v1/pool/batches/claim", json={"pool_id": "pool_x", "max_batches": 4}, headers=WORKER_HEADERS
+    )
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "pool_not_found"
+    assert {state for state, _, _ in batch_states(settings).values()} == {"pending"}
 
 
 def test_ack_rejections_name_the_batch_and_change_nothing(settings, client):
@@ -160,7 +145,7 @@ def test_ack_rejections_name_the_batch_and_change_nothing(settings, client):
     resp = ack(client, pool_b, [(ids[0], 1)])
     assert resp.status_code == 409 and resp.json()["error"]["details"][0]["batch_id"] == ids[0]
     assert ack(client, pool_a, [(ids[0], 1), (ids[0], 2)]).status_code == 409
-    assert [s[0] for s in states(settings).values()] == ["claimed", "claimed", "pending"]
+    assert [s[0] for s in batch_states(settings).values()] == ["claimed", "claimed", "pending"]
 
     assert ack(client, pool_a, [(ids[0], 3)]).status_code == 200
     resp = ack(client, pool_a, [(ids[0], 4)])  # already acked with another step
@@ -189,7 +174,7 @@ def test_claim_only_active_runs_of_the_pool_base_model(settings, client):
     post_batch(client, mine, batch_body(1))
     other_id = post_batch(client, other_model, batch_body(1)).json()["id"]
     post_batch(client, stopped, batch_body(1))
-    with db(settings) as session:
+    with committed(settings) as session:
         run = session.get(Run, stopped.run_id)
         run.status, run.slot, run.eviction_reason, run.evicted_by = "evicted", None, "bye", "user"
 
@@ -201,7 +186,7 @@ def test_claim_only_active_runs_of_the_pool_base_model(settings, client):
 def test_dead_pool_cannot_claim(settings, client, status, code):
     pool_id = add_pool(settings, status=status)
     resp = client.post(
-        "/v1/pool/batches/claim", json={"pool_id": pool_id, "max_batches": 1}, headers=worker_headers()
+        "/v1/pool/batches/claim", json={"pool_id": pool_id, "max_batches": 1}, headers=WORKER_HEADERS
     )
     assert resp.status_code == 409 and resp.json()["error"]["code"] == code
 
@@ -230,20 +215,20 @@ def test_lease_service_functions(settings, client):
     claim(client, pool_a, max_batches=2)
     claim(client, pool_b, max_batches=1)
     now = utcnow()
-    with db(settings) as session:
-        assert service.expire_leases(session, now=now) == 0
-        assert service.extend_leases(session, pool_id=pool_a, now=now + timedelta(hours=1)) == 2
+    with committed(settings) as session:
+        assert leases.expire_leases(session, now=now) == 0
+        assert leases.extend_leases(session, pool_id=pool_a, now=now + timedelta(hours=1)) == 2
         # B's lease (120 s) is over in two hours; A's was pushed to 1 h + 120 s.
-        assert service.expire_leases(session, now=now + timedelta(hours=1)) == 1
-    assert states(settings) == {
+        assert leases.expire_leases(session, now=now + timedelta(hours=1)) == 1
+    assert batch_states(settings) == {
         ids[0]: ("claimed", pool_a, None),
         ids[1]: ("claimed", pool_a, None),
         ids[2]: ("pending", None, None),
     }
-    with db(settings) as session:
-        assert service.return_pool_batches(session, pool_id=pool_a) == 2
-        assert service.return_pool_batches(session, pool_id=pool_a) == 0
-    assert {s[0] for s in states(settings).values()} == {"pending"}
+    with committed(settings) as session:
+        assert leases.return_pool_batches(session, pool_id=pool_a) == 2
+        assert leases.return_pool_batches(session, pool_id=pool_a) == 0
+    assert {s[0] for s in batch_states(settings).values()} == {"pending"}
     # Returned batches are claimed again in id order.
     assert [b["id"] for b in claim(client, pool_b)["batches"]] == ids
 
@@ -274,7 +259,7 @@ def test_concurrent_claimers_never_share_a_batch(settings, client):
     flat = [b for ids in got for b in ids]
     assert len(flat) == len(set(flat)), "a batch was claimed twice"
     assert set(flat) == all_ids
-    assert {s[0] for s in states(settings).values()} == {"claimed"}
+    assert {s[0] for s in batch_states(settings).values()} == {"claimed"}
 
 
 def test_restart_returns_exactly_the_batches_after_the_checkpoint(settings, client):
@@ -290,7 +275,7 @@ def test_restart_returns_exactly_the_batches_after_the_checkpoint(settings, clie
         == 200
     )
     assert ack(client, pool_id, [(other_ids[0], 1), (other_ids[1], 5)]).status_code == 200
-    with db(settings) as session:
+    with committed(settings) as session:
         run = session.get(Run, seeded.run_id)
         run.step, run.total_samples, run.total_tokens = 3, 12, 999
 
@@ -298,12 +283,12 @@ def test_restart_returns_exactly_the_batches_after_the_checkpoint(settings, clie
     assert resp.status_code == 200, resp.text
     assert resp.json() == {"returned": [ids[2], ids[3], ids[4], ids[5]]}
 
-    after = states(settings)
+    after = batch_states(settings)
     assert after[ids[0]] == ("trained", pool_id, 1) and after[ids[1]] == ("trained", pool_id, 1)
     assert all(after[i] == ("pending", None, None) for i in ids[2:])
     # Another run is untouched.
     assert after[other_ids[0]] == ("trained", pool_id, 1) and after[other_ids[1]] == ("trained", pool_id, 5)
-    with db(settings) as session:
+    with committed(settings) as session:
         run = session.get(Run, seeded.run_id)
         assert (run.step, run.total_samples, run.total_tokens) == (1, 4, 100)
         event = session.scalar(select(Event).where(Event.run_id == seeded.run_id))
@@ -335,11 +320,14 @@ def test_unreadable_payload_holds_back_only_its_run(settings, client):
     healthy = seed_run(settings)
     broken_ids = [post_batch(client, broken, batch_body(1, seed=i)).json()["id"] for i in range(3)]
     healthy_id = post_batch(client, healthy, batch_body(1)).json()["id"]
-    with db(settings) as session:
+    with committed(settings) as session:
         row = session.get(Batch, broken_ids[1])
         (settings.data_dir / row.payload_path).write_bytes(b"corrupted")
 
     got = [b["id"] for b in claim(client, pool_id)["batches"]]
     # The broken run's first batch is fine; its later ones wait behind the corrupt one (in-order training).
     assert sorted(got) == sorted([broken_ids[0], healthy_id])
-    assert states(settings)[broken_ids[1]][0] == "pending" and states(settings)[broken_ids[2]][0] == "pending"
+    assert (
+        batch_states(settings)[broken_ids[1]][0] == "pending"
+        and batch_states(settings)[broken_ids[2]][0] == "pending"
+    )

@@ -10,82 +10,28 @@ from sqlalchemy.orm import Session
 from app.batches.models import Batch
 from app.config import Settings
 from app.pools.models import Pool
-from app.pools.service import declare_dead_pools, live_pool_slots, pool_capability_problems
-from app.runs.models import Run
-from tests.app.conftest import TenantHandle, create_run, new_tenant
-from tests.common import WORKER_TOKEN
-
-WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
-POOL_SPEC = {
-    "base_model": "loraloom-tiny",
-    "vocab_size": 256,
-    "max_rank": 16,
-    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "slots": 2,
-    "world_size": 2,
-    "max_seq_len": 1024,
-}
-
-
-def register(client: TestClient, **overrides) -> str:
-    r = client.post("/v1/pool/register", json=POOL_SPEC | overrides, headers=WORKER)
-    assert r.status_code == 201, r.text
-    return r.json()["pool_id"]
-
-
-def end_read(db: Session) -> None:
-    """End the test session's transaction before the app writes: on SQLite an open one holds the
-    database's write lock (the app's sessions begin IMMEDIATE). The factory does not expire on
-    commit, so the rows read stay readable."""
-    db.commit()
-
-
-def run_row(db: Session, run_id: str) -> Run:
-    db.expire_all()
-    run = db.get(Run, run_id)
-    assert run is not None
-    end_read(db)
-    return run
-
-
-def claimed_batch(db: Session, *, run_id: str, pool_id: str, lease_expires_at: datetime) -> int:
-    """A batch leased to a pool, written directly (the claim path has its own tests)."""
-    batch = Batch(
-        run_id=run_id,
-        request_hash="0" * 64,
-        rollout_step=0,
-        num_samples=1,
-        num_tokens=8,
-        sample_offset=0,
-        payload_path=f"runs/{run_id}/rollouts/x.msgpack",
-        payload_bytes=1,
-        payload_sha256="0" * 64,
-        state="claimed",
-        pool_id=pool_id,
-        lease_expires_at=lease_expires_at,
-        claimed_at=datetime.now(UTC),
-    )
-    db.add(batch)
-    db.commit()
-    return batch.id
+from app.pools.service import declare_dead_pools
+from app.runs.admission import admission_problems, live_pool_slots
+from tests.app.api import POOL_SPEC, WORKER_HEADERS, TenantHandle, create_run, new_tenant, register
+from tests.app.factories import claimed_batch, end_read, run_row
 
 
 def test_register_heartbeat_and_state(client: TestClient, tenant: TenantHandle, settings: Settings) -> None:
     mine = create_run(client, tenant, name="a", max_steps=3)
     other_model = create_run(client, tenant, name="b", base_model="some-other-model")
 
-    r = client.post("/v1/pool/register", json=POOL_SPEC, headers=WORKER)
+    r = client.post("/v1/pool/register", json=POOL_SPEC, headers=WORKER_HEADERS)
     assert r.status_code == 201, r.text
     body = r.json()
     assert body["pool_id"].startswith("pool_")
     assert body["lease_seconds"] == settings.lease_seconds
     assert 0 < body["heartbeat_interval_s"] < settings.pool_timeout_seconds
 
-    r = client.post("/v1/pool/heartbeat", json={"pool_id": body["pool_id"]}, headers=WORKER)
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": body["pool_id"]}, headers=WORKER_HEADERS)
     assert r.status_code == 200, r.text
     assert r.json() == {"status": "alive"}
 
-    r = client.get("/v1/pool/state", params={"pool_id": body["pool_id"]}, headers=WORKER)
+    r = client.get("/v1/pool/state", params={"pool_id": body["pool_id"]}, headers=WORKER_HEADERS)
     assert r.status_code == 200, r.text
     runs = r.json()["runs"]
     # Only the pool's base model; the other model's run waits for its own pool.
@@ -98,20 +44,24 @@ def test_register_heartbeat_and_state(client: TestClient, tenant: TenantHandle, 
 
 
 def test_register_validates_its_body(client: TestClient) -> None:
-    r = client.post("/v1/pool/register", json=POOL_SPEC | {"slots": 0, "max_rank": "x"}, headers=WORKER)
+    r = client.post(
+        "/v1/pool/register", json=POOL_SPEC | {"slots": 0, "max_rank": "x"}, headers=WORKER_HEADERS
+    )
     assert r.status_code == 422
     fields = {tuple(p["loc"]) for p in r.json()["error"]["details"]}
     assert ("body", "slots") in fields and ("body", "max_rank") in fields
     bad = {k: v for k, v in POOL_SPEC.items() if k != "max_seq_len"}
-    assert client.post("/v1/pool/register", json=bad, headers=WORKER).status_code == 422
+    assert client.post("/v1/pool/register", json=bad, headers=WORKER_HEADERS).status_code == 422
 
 
 def test_unknown_pool(client: TestClient) -> None:
-    r = client.post("/v1/pool/heartbeat", json={"pool_id": "pool_000000000000"}, headers=WORKER)
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": "pool_000000000000"}, headers=WORKER_HEADERS)
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "pool_not_found"
     assert (
-        client.get("/v1/pool/state", params={"pool_id": "pool_000000000000"}, headers=WORKER).status_code
+        client.get(
+            "/v1/pool/state", params={"pool_id": "pool_000000000000"}, headers=WORKER_HEADERS
+        ).status_code
         == 404
     )
 
@@ -188,20 +138,20 @@ def test_runs_the_pool_cannot_train_fail_with_a_reason(
     # The trainable run got a freed slot; a run whose base model has no pool is left alone.
     assert client.get(f"/v1/runs/{fine['id']}", headers=tenant.headers).json()["status"] == "active"
     assert client.get(f"/v1/runs/{waits['id']}", headers=tenant.headers).json()["status"] == "active"
-    state = client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER).json()
+    state = client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER_HEADERS).json()
     assert [x["run_id"] for x in state["runs"]] == [fine["id"]]
 
 
 def test_pool_capability_problems_for_admission(client: TestClient, db: Session) -> None:
     config = {"base_model": "loraloom-tiny", "lora": {"rank": 64}, "seq_len": 2048}
-    assert pool_capability_problems(db, config=config) == []  # no pool yet: the run waits
+    assert admission_problems(db, config=config) == []  # no pool yet: the run waits
     end_read(db)
     register(client)
     db.expire_all()
-    problems = pool_capability_problems(db, config=config)
+    problems = admission_problems(db, config=config)
     assert len(problems) == 2
     assert "max_rank 16" in problems[0] and "max_seq_len 1024" in problems[1]
-    assert pool_capability_problems(db, config={"base_model": "loraloom-tiny"}) == []
+    assert admission_problems(db, config={"base_model": "loraloom-tiny"}) == []
 
 
 def test_state_fails_an_untrainable_active_run(client: TestClient, tenant: TenantHandle, db: Session) -> None:
@@ -213,10 +163,40 @@ def test_state_fails_an_untrainable_active_run(client: TestClient, tenant: Tenan
     row = run_row(db, run["id"])
     row.config = row.config | {"lora": row.config["lora"] | {"rank": 128}}
     db.commit()
-    r = client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER)
+    r = client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER_HEADERS)
     assert r.status_code == 200
     assert r.json()["runs"] == []
     assert run_row(db, run["id"]).status == "failed"
+
+
+def test_a_run_the_live_pool_cannot_train_fails_at_creation(client: TestClient, tenant: TenantHandle) -> None:
+    """Even with every slot taken: it would never be trained, so it does not wait in the queue."""
+    pool_id = register(client, slots=1)
+    assert create_run(client, tenant, name="fits")["status"] == "active"
+    bad = create_run(client, tenant, name="too-big", lora={"rank": 64}, seq_len=2048)
+    assert bad["status"] == "failed"
+    assert pool_id in bad["failure_reason"]
+    assert "max_rank 16" in bad["failure_reason"] and "max_seq_len 1024" in bad["failure_reason"]
+    assert create_run(client, tenant, name="waits")["status"] == "queued"
+
+
+def test_admission_fails_a_queued_run_the_pool_cannot_train(
+    client: TestClient, tenant: TenantHandle, db: Session
+) -> None:
+    """The capability check runs again when a slot is handed out, so nothing untrainable gets one."""
+    pool_id = register(client, slots=1)
+    first = create_run(client, tenant, name="first")
+    waiting = create_run(client, tenant, name="waiting")
+    assert waiting["status"] == "queued"
+    row = run_row(db, waiting["id"])  # its config changes while it waits (as in the state test)
+    row.config = row.config | {"lora": row.config["lora"] | {"rank": 128}}
+    db.commit()
+
+    r = client.post(f"/v1/runs/{first['id']}/evict", json={"reason": "done"}, headers=tenant.headers)
+    assert r.status_code == 200, r.text
+    got = client.get(f"/v1/runs/{waiting['id']}", headers=tenant.headers).json()
+    assert got["status"] == "failed" and got["slot"] is None
+    assert pool_id in got["failure_reason"] and "lora.rank 128 exceeds" in got["failure_reason"]
 
 
 def test_heartbeat_extends_the_pools_leases(
@@ -227,7 +207,10 @@ def test_heartbeat_extends_the_pools_leases(
     soon = datetime.now(UTC) + timedelta(seconds=1)
     batch_id = claimed_batch(db, run_id=run["id"], pool_id=pool_id, lease_expires_at=soon)
     before = datetime.now(UTC)
-    assert client.post("/v1/pool/heartbeat", json={"pool_id": pool_id}, headers=WORKER).status_code == 200
+    assert (
+        client.post("/v1/pool/heartbeat", json={"pool_id": pool_id}, headers=WORKER_HEADERS).status_code
+        == 200
+    )
     db.expire_all()
     lease = db.get(Batch, batch_id).lease_expires_at
     lease = lease if lease.tzinfo else lease.replace(tzinfo=UTC)
@@ -254,16 +237,18 @@ def test_dead_pool(client: TestClient, tenant: TenantHandle, db: Session, settin
     assert (batch.state, batch.pool_id, batch.lease_expires_at) == ("pending", None, None)
     end_read(db)
 
-    r = client.post("/v1/pool/heartbeat", json={"pool_id": pool_id}, headers=WORKER)
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": pool_id}, headers=WORKER_HEADERS)
     assert r.status_code == 409
     assert r.json()["error"]["code"] == "pool_dead"
-    assert client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER).status_code == 409
+    assert (
+        client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER_HEADERS).status_code == 409
+    )
     # Its runs wait (still active) for the next pool, which takes over the base model.
     assert live_pool_slots(db, base_model="loraloom-tiny") is None
     end_read(db)
     assert client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()["status"] == "active"
     new_pool = register(client)
-    state = client.get("/v1/pool/state", params={"pool_id": new_pool}, headers=WORKER).json()
+    state = client.get("/v1/pool/state", params={"pool_id": new_pool}, headers=WORKER_HEADERS).json()
     assert [x["run_id"] for x in state["runs"]] == [run["id"]]
 
 
@@ -282,10 +267,10 @@ def test_reregistration_replaces_the_previous_pool(
     assert db.get(Pool, other_model).status == "alive"
     assert db.get(Batch, batch_id).state == "pending"
     end_read(db)
-    r = client.post("/v1/pool/heartbeat", json={"pool_id": old}, headers=WORKER)
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": old}, headers=WORKER_HEADERS)
     assert r.status_code == 409
     assert r.json()["error"]["code"] == "pool_stopped"
-    assert client.post("/v1/pool/heartbeat", json={"pool_id": new}, headers=WORKER).json() == {
+    assert client.post("/v1/pool/heartbeat", json={"pool_id": new}, headers=WORKER_HEADERS).json() == {
         "status": "alive"
     }
     alive = db.scalars(

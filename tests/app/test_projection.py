@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.projection import RUN_SUBDIRS, config_toml, run_dir
 from contracts.run_config import RunConfig
-from tests.app.conftest import create_run, new_tenant
+from tests.app.api import create_run, new_tenant
 
 
 def test_layout_and_orch_toml(client, tenant, settings):

@@ -1,15 +1,19 @@
 """The run lifecycle and slot admission, end to end over HTTP (DESIGN §3)."""
 
 import tomllib
+from datetime import timedelta
 
 import httpx
 import pytest
 from sqlalchemy import select
 
+from app.db import utcnow
 from app.errors import Conflict
+from app.events.models import Event
 from app.runs import service
-from app.runs.models import Event, Run
-from tests.app.conftest import TenantHandle, create_run, new_tenant
+from app.runs.models import Run
+from tests.app.api import TenantHandle, create_run, new_tenant, register
+from tests.app.factories import make_run, make_tenant
 
 
 def _get(http: httpx.Client, tenant: TenantHandle, run_id: str) -> dict:
@@ -227,13 +231,9 @@ def test_fail_run_frees_slot_and_writes_the_error(client, tenant, settings, db):
     assert client.get(f"/v1/runs/{waiting['id']}", headers=other.headers).json()["status"] == "active"
 
 
-def test_admission_problem_fails_the_run(client, tenant, settings, monkeypatch):
-    # The pool-capability check is a hook the pool work fills in; here it refuses big ranks.
-    def problems(session, *, config, settings):
-        rank = config["lora"]["rank"]
-        return [f"lora.rank {rank} exceeds the pool's max_rank 16"] if rank > 16 else []
-
-    monkeypatch.setattr(service, "admission_problems", problems)
+def test_admission_problem_fails_the_run(client, tenant, settings):
+    # Admission asks the live pool of the run's base model what it can train (max_rank 16).
+    register(client, max_rank=16)
     ok = create_run(client, tenant, lora={"rank": 8})
     bad = create_run(client, tenant, lora={"rank": 32})
     assert ok["status"] == "active"
@@ -256,10 +256,6 @@ def test_heartbeat(client, tenant):
 
 
 def test_evict_silent_runs(client, tenant, settings, db):
-    from datetime import timedelta
-
-    from app.db import utcnow
-
     silent = create_run(client, tenant, heartbeat_timeout=30)
     alive = create_run(client, tenant, heartbeat_timeout=30)
     untimed_tenant = new_tenant(client)
@@ -288,8 +284,6 @@ def test_evict_silent_runs(client, tenant, settings, db):
 
 def test_slot_index_backstop_keeps_run_queued(settings, db):
     """If a slot turns out to be taken, the unique index refuses it and the run stays queued."""
-    from tests.app.factories import make_run, make_tenant
-
     tenant, _ = make_tenant(db)
     make_run(db, tenant, status="active", slot=0)
     waiting = make_run(db, tenant, status="queued")

@@ -14,8 +14,8 @@ from app.db import make_engine, make_session_factory
 from app.main import create_app
 from app.pools.models import Pool
 from app.runs.models import Run
-from tests.app.conftest import TenantHandle, create_run, new_tenant
-from tests.app.test_pool_registration import WORKER, claimed_batch, end_read, register
+from tests.app.api import WORKER_HEADERS, TenantHandle, create_run, new_tenant, register
+from tests.app.factories import claimed_batch, end_read
 
 
 @pytest.fixture
@@ -51,7 +51,10 @@ def test_sweep_once(
 
     # A minute on: the other pool heartbeats, the first does not; the run's orchestrator is silent.
     later = now + timedelta(seconds=settings.pool_timeout_seconds + 1)
-    assert client.post("/v1/pool/heartbeat", json={"pool_id": other_pool}, headers=WORKER).status_code == 200
+    assert (
+        client.post("/v1/pool/heartbeat", json={"pool_id": other_pool}, headers=WORKER_HEADERS).status_code
+        == 200
+    )
     with factory() as s:  # the heartbeat above stamped the real clock; move it to `later`
         s.get(Pool, other_pool).last_heartbeat_at = later
         s.commit()
@@ -111,7 +114,9 @@ def test_background_loop_declares_a_silent_pool_dead(settings: Settings, monkeyp
         deadline = time.monotonic() + 30
         status = 200
         while time.monotonic() < deadline:
-            status = client.get("/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER).status_code
+            status = client.get(
+                "/v1/pool/state", params={"pool_id": pool_id}, headers=WORKER_HEADERS
+            ).status_code
             if status == 409:
                 break
             time.sleep(0.1)

@@ -6,9 +6,9 @@ import pytest
 from sqlalchemy import select
 
 from app.auth import hash_key
-from app.runs.models import Event
+from app.events.models import Event
 from app.tenants.models import ApiKey, Tenant
-from tests.app.conftest import ADMIN_HEADERS, new_tenant
+from tests.app.api import ADMIN_HEADERS, new_tenant
 
 
 def test_create_and_list_tenants(client):

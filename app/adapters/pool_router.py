@@ -1,0 +1,93 @@
+"""Pool-facing routes of what the trainer pushes back per run: adapters, step reports, checkpoint
+commits, evictions (worker token only; thin: parse, call the service, shape the response)."""
+
+import tempfile
+from collections.abc import AsyncIterator
+from typing import IO, Annotated
+
+from fastapi import APIRouter, Depends, Request, status
+from fastapi import Path as PathParam
+
+from app.adapters import service
+from app.adapters.schemas import CheckpointOut
+from app.auth import SettingsDep, WorkerDep
+from app.db import SessionDep
+from app.runs.schemas import RunOut
+from contracts.pool_api import AdapterStored, CheckpointReport, StepReport, TrainerEvict
+
+router = APIRouter(tags=["pool"])
+
+# Uploads up to this size stay in memory; larger ones spill to a temporary file.
+_SPOOL_MEMORY_BYTES = 8 * 1024 * 1024
+
+StepParam = Annotated[int, PathParam(ge=0, le=10_000_000)]
+
+
+async def _upload_body(request: Request) -> AsyncIterator[IO[bytes]]:
+    """The raw request body, streamed into a spooled file (BodySizeLimit caps its size), so
+    the synchronous handler can read it as a file without holding a large adapter twice."""
+    with tempfile.SpooledTemporaryFile(max_size=_SPOOL_MEMORY_BYTES) as spool:
+        async for chunk in request.stream():
+            spool.write(chunk)
+        spool.seek(0)
+        yield spool
+
+
+UploadBody = Annotated[IO[bytes], Depends(_upload_body)]
+
+
+@router.put(
+    "/v1/pool/runs/{run_id}/adapters/{step}",
+    status_code=status.HTTP_201_CREATED,
+    response_model=AdapterStored,
+    operation_id="uploadAdapter",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "Uncompressed tar holding exactly adapter_config.json and adapter_model.safetensors.",
+            "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+)
+def upload_adapter(
+    # The worker token first: dependencies resolve in order, and the body is only read once it passed.
+    _: WorkerDep,
+    run_id: str,
+    step: StepParam,
+    body: UploadBody,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> AdapterStored:
+    adapter = service.store_adapter(session, run_id=run_id, step=step, body=body, settings=settings)
+    return AdapterStored(step=adapter.step, size_bytes=adapter.size_bytes, sha256=adapter.sha256)
+
+
+@router.post("/v1/pool/runs/{run_id}/steps", response_model=RunOut, operation_id="reportStep")
+def report_step(
+    run_id: str, body: StepReport, session: SessionDep, settings: SettingsDep, _: WorkerDep
+) -> RunOut:
+    run = service.record_step(session, run_id=run_id, report=body, settings=settings)
+    return RunOut.from_run(run)
+
+
+@router.post(
+    "/v1/pool/runs/{run_id}/checkpoints",
+    status_code=status.HTTP_201_CREATED,
+    response_model=CheckpointOut,
+    operation_id="reportCheckpoint",
+)
+def report_checkpoint(
+    run_id: str, body: CheckpointReport, session: SessionDep, _: WorkerDep
+) -> CheckpointOut:
+    ckpt = service.record_checkpoint(session, run_id=run_id, step=body.step, total_samples=body.total_samples)
+    return CheckpointOut(
+        run_id=ckpt.run_id, step=ckpt.step, total_samples=ckpt.total_samples, created_at=ckpt.created_at
+    )
+
+
+@router.post("/v1/pool/runs/{run_id}/evict", response_model=RunOut, operation_id="trainerEvictRun")
+def trainer_evict(
+    run_id: str, body: TrainerEvict, session: SessionDep, settings: SettingsDep, _: WorkerDep
+) -> RunOut:
+    run = service.evict_by_trainer(session, run_id=run_id, reason=body.reason, settings=settings)
+    return RunOut.from_run(run)

@@ -1,0 +1,176 @@
+"""An uploaded adapter, checked before anything of it is kept.
+
+Nothing of an upload is trusted: the tar's members are read one by one (never `extractall`),
+only the two PEFT files are accepted, each within its size limit, the config must be a JSON
+object and the weights a well-formed safetensors file whose header matches its data.
+"""
+
+import hashlib
+import json
+import math
+import os
+import tarfile
+from pathlib import Path
+from typing import IO, Any, TypeGuard
+
+from app.errors import PayloadTooLarge, ValidationFailed
+from contracts.durable import fsync_path
+from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
+
+MAX_CONFIG_BYTES = 1024 * 1024
+MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
+"""The safetensors library refuses larger headers too."""
+
+_COPY_CHUNK = 1024 * 1024
+
+# Bytes per element of every safetensors dtype, to check that each tensor's byte range
+# matches its shape (a header that lies about sizes is a corrupt file).
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+
+def _invalid(message: str, *, field: str = "body") -> ValidationFailed:
+    return ValidationFailed(message, code="invalid_adapter", details=[{"loc": [field], "msg": message}])
+
+
+def _copy_member(src: IO[bytes], dest: Path, *, limit: int, name: str) -> tuple[int, str]:
+    """Copy one tar member to `dest`, fsynced; returns (bytes, sha256)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(dest, "wb") as out:
+        while chunk := src.read(_COPY_CHUNK):
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"{name} exceeds {limit} bytes")
+            digest.update(chunk)
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return size, digest.hexdigest()
+
+
+def _check_adapter_config(path: Path) -> None:
+    try:
+        config = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _invalid(f"{ADAPTER_CONFIG} is not valid JSON: {exc}", field=ADAPTER_CONFIG) from exc
+    if not isinstance(config, dict):
+        raise _invalid(f"{ADAPTER_CONFIG} must be a JSON object", field=ADAPTER_CONFIG)
+
+
+def _bad_safetensors(problem: str) -> ValidationFailed:
+    return _invalid(f"{ADAPTER_WEIGHTS} is not a valid safetensors file: {problem}", field=ADAPTER_WEIGHTS)
+
+
+def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The header of a safetensors file (8-byte little-endian length, then that much JSON) and the
+    length of the data after it."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise _bad_safetensors("shorter than its 8-byte header length")
+        header_len = int.from_bytes(prefix, "little")
+        if header_len > min(size - 8, MAX_SAFETENSORS_HEADER_BYTES):
+            raise _bad_safetensors(
+                f"header length {header_len} is larger than the file or {MAX_SAFETENSORS_HEADER_BYTES}"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad_safetensors(f"header is not JSON ({exc})") from exc
+    if not isinstance(header, dict):
+        raise _bad_safetensors("header is not a JSON object")
+    return header, size - 8 - header_len
+
+
+def _valid_offsets(offsets: object, data_len: int) -> TypeGuard[list[int]]:
+    return (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1] <= data_len
+    )
+
+
+def _check_tensor(name: str, info: object, data_len: int) -> None:
+    """One tensor's entry: a known dtype, a shape, and a byte range inside the data that matches them."""
+    if not isinstance(info, dict):
+        raise _bad_safetensors(f"tensor {name!r} has no description")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        raise _bad_safetensors(f"tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise _bad_safetensors(f"tensor {name!r} has a malformed shape")
+    if not _valid_offsets(offsets, data_len):
+        raise _bad_safetensors(f"tensor {name!r} has data_offsets outside the file")
+    if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        raise _bad_safetensors(f"tensor {name!r}: data_offsets do not match shape {shape} and dtype {dtype}")
+
+
+def check_safetensors(path: Path) -> int:
+    """Parse and check a safetensors header: every tensor has a known dtype, a shape, and a
+    byte range inside the file that matches them. Returns the number of tensors."""
+    header, data_len = _read_safetensors_header(path)
+    metadata = header.pop("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise _bad_safetensors("__metadata__ must map strings to strings")
+    for name, info in header.items():
+        _check_tensor(name, info, data_len)
+    if not header:
+        raise _bad_safetensors("it holds no tensors")
+    return len(header)
+
+
+def extract_adapter_tar(body: IO[bytes], staging: Path, *, max_bytes: int) -> tuple[int, str]:
+    """Validate the uploaded tar and write its two files into `staging`.
+    Returns (total bytes, sha256 of the safetensors file)."""
+    sizes: dict[str, int] = {}
+    weights_sha = ""
+    try:
+        with tarfile.open(fileobj=body, mode="r:") as tar:
+            for member in tar:
+                # Tools that tar a directory's contents write "./name"; nothing else is accepted.
+                name = member.name.removeprefix("./")
+                if name not in ADAPTER_FILES:
+                    raise _invalid(
+                        f"unexpected archive member {member.name!r}: the tar must hold exactly "
+                        f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
+                    )
+                if not member.isreg() or member.issparse():
+                    raise _invalid(f"archive member {member.name!r} is not a regular file")
+                if name in sizes:
+                    raise _invalid(f"archive member {name!r} appears twice")
+                limit = MAX_CONFIG_BYTES if name == ADAPTER_CONFIG else max_bytes
+                if member.size > limit:
+                    raise PayloadTooLarge(f"{name} is {member.size} bytes; the limit is {limit}")
+                src = tar.extractfile(member)
+                assert src is not None  # a regular file always has data
+                sizes[name], digest = _copy_member(src, staging / name, limit=limit, name=name)
+                if name == ADAPTER_WEIGHTS:
+                    weights_sha = digest
+    except (tarfile.TarError, EOFError) as exc:
+        raise _invalid(f"the body is not a valid uncompressed tar archive: {exc}") from exc
+    missing = [n for n in ADAPTER_FILES if n not in sizes]
+    if missing:
+        raise _invalid(f"the tar lacks {', '.join(missing)}")
+    _check_adapter_config(staging / ADAPTER_CONFIG)
+    check_safetensors(staging / ADAPTER_WEIGHTS)
+    fsync_path(staging)
+    return sum(sizes.values()), weights_sha

@@ -1,0 +1,34 @@
+"""Appending to the audit log. Every service records its events here, in the caller's transaction."""
+
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from app.db import utcnow
+from app.events.models import ACTORS, Event
+
+
+def record_event(
+    session: Session,
+    *,
+    action: str,
+    actor: str,
+    tenant_id: str | None = None,
+    run_id: str | None = None,
+    api_key_id: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> Event:
+    """Append to the audit log (in the caller's transaction). Never pass secrets in `details`."""
+    if actor not in ACTORS:
+        raise ValueError(f"unknown actor {actor!r}")
+    event = Event(
+        at=utcnow(),
+        action=action,
+        actor=actor,
+        tenant_id=tenant_id,
+        run_id=run_id,
+        api_key_id=api_key_id,
+        details=details or {},
+    )
+    session.add(event)
+    return event
