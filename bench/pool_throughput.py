@@ -26,7 +26,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.ingest import create_database, drop_database, start_service
+from contracts.pool_api import ClaimedBatchStruct, PoolRegister
 from contracts.run_config import RunConfig
+from trainer_core.dist import World
+from trainer_core.http_source import HttpRunSource
 from trainer_core.memory_client import MemoryPoolClient, Timing
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.worker import PoolTrainer, WorkerArgs
@@ -122,18 +125,16 @@ class TimedClient(PoolServiceClient):
             self.request_seconds[f"{method} {route}"] += time.perf_counter() - started
             self.request_counts[f"{method} {route}"] += 1
 
-    def claim(self, max_batches: int) -> list[dict]:
+    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
         batches = super().claim(max_batches)
         if batches:
             self.timing.first_claim = self.timing.first_claim or time.perf_counter()
         return batches
 
-    def report_step(self, run_id, *, step, total_tokens, total_samples, metrics) -> dict:
-        out = super().report_step(
-            run_id, step=step, total_tokens=total_tokens, total_samples=total_samples, metrics=metrics
-        )
+    def report_step(self, run_id, report):
+        out = super().report_step(run_id, report)
         self.timing.last_step = time.perf_counter()
-        self.timing.tokens += metrics["tokens"]
+        self.timing.tokens += report.metrics.tokens
         return out
 
 
@@ -151,7 +152,7 @@ def train(args, model_dir: Path, work: Path, client) -> None:
         exit_when_idle_s=0.5,
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    trainer = PoolTrainer(worker_args, rank=0, world_size=1, device=device, client=client)
+    trainer = PoolTrainer(worker_args, world=World(), device=device, source=HttpRunSource(client))
     try:
         trainer.run()
     finally:
@@ -173,13 +174,15 @@ def via_service(args, model_dir: Path, payloads, work: Path) -> tuple[Timing, Ti
         client = TimedClient(url, WORKER, timing)
         # Register first so that runs are admitted to this pool's base model and vocabulary.
         client.register(
-            base_model=str(model_dir),
-            vocab_size=args.vocab,
-            max_rank=16,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-            slots=args.runs,
-            world_size=1,
-            max_seq_len=args.seq_len,
+            PoolRegister(
+                base_model=str(model_dir),
+                vocab_size=args.vocab,
+                max_rank=16,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                slots=args.runs,
+                world_size=1,
+                max_seq_len=args.seq_len,
+            )
         )
         config = run_config(args) | {"base_model": str(model_dir)}
         for i, batches in enumerate(payloads):
@@ -212,7 +215,8 @@ def main(argv=None) -> None:
                 timings.append((label, timing))
             else:
                 t = Timing()
-                train(args, model_dir, work / label[:6], MemoryPoolClient(payloads, run_config(args), t))
+                config = run_config(args) | {"base_model": str(model_dir)}  # the pool checks it
+                train(args, model_dir, work / label[:6], MemoryPoolClient(payloads, config, t))
                 timings.append((label, t))
         rows = []
         for name, t in timings:

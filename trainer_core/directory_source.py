@@ -97,8 +97,8 @@ class _RunFeed:
     """The highest rollout step read."""
     files: deque[tuple[int, Path]] = field(default_factory=deque)
     """Batches of the steps read, not handed out yet: (rollout step, file)."""
-    ignored_steps: set[int] = field(default_factory=set)
-    """Steps that turned stable after a later one was read (warned about once)."""
+    known_steps: set[int] = field(default_factory=set)
+    """Steps read, and steps that turned stable after a later one was read (ignored, warned about once)."""
 
 
 class DirectoryRunSource:
@@ -281,9 +281,9 @@ class DirectoryRunSource:
                 m = _STEP_DIR.fullmatch(entry.name)
                 if m and (entry / STABLE_MARKER).is_file():
                     stable.append(int(m.group(1)))
-        late = sorted(s for s in stable if s < feed.last_step and s not in feed.ignored_steps)
+        late = sorted(s for s in stable if s < feed.last_step and s not in feed.known_steps)
         if late:
-            feed.ignored_steps.update(late)
+            feed.known_steps.update(late)
             log.warning(
                 "run %s: rollout steps %s turned stable after step %d was read; they are not trained",
                 run_id,
@@ -300,6 +300,7 @@ class DirectoryRunSource:
         )
         feed.files.extend((step, p) for p in files)
         feed.last_step = step
+        feed.known_steps.add(step)
         return True
 
     def _load(self, run_id: str, step: int, path: Path) -> TrainingBatch | None:
@@ -351,13 +352,4 @@ class DirectoryRunSource:
         return None  # the checkpoint is in the run's own directory already
 
     def report_step(self, run_id: str, report: StepReport) -> None:
-        m = report.metrics
-        log.info(
-            "run %s step %d: loss %s, grad norm %s, %s samples, %d total samples",
-            run_id,
-            report.step,
-            m.loss,
-            m.grad_norm,
-            m.samples,
-            report.total_samples,
-        )
+        return None  # the adapter in broadcast/ is the record; the pool logs the step's metrics

@@ -86,7 +86,16 @@ class Publisher:
             ),
         )
         self.source.ack(run.ledger.step_completed(step))
-        log.info("run %s step %d: loss %.4f, %d samples", run.run_id, step, metrics.loss, metrics.samples)
+        log.info(
+            "run %s step %d: loss %.4f, entropy %.4f, grad norm %.4f, lr %.3g, %d samples",
+            run.run_id,
+            step,
+            metrics.loss,
+            metrics.entropy,
+            step_stats.grad_norm,
+            step_stats.lr,
+            metrics.samples,
+        )
 
     def checkpoint(self, run: RunSlot, step: int) -> None:
         """The run's adapter, optimizer and progress at the end of `step`, then its record at the source.

@@ -58,7 +58,10 @@ def tags(claimed: list) -> list[tuple[str, int, int, int]]:
     ]
 
 
-def test_stable_steps_in_order_files_by_name_and_runs_in_turn(tmp_path: Path) -> None:
+def test_stable_steps_in_order_files_by_name_and_runs_in_turn(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
     source = make_source(tmp_path, RUN_A, RUN_B)
     write_rollout_step(tmp_path / RUN_A, 0, [batch(2, tag=1), batch(3, tag=2)])
     write_rollout_step(tmp_path / RUN_A, 1, [batch(1, tag=3)])
@@ -84,6 +87,7 @@ def test_stable_steps_in_order_files_by_name_and_runs_in_turn(tmp_path: Path) ->
     source.release_run(RUN_A)
     write_rollout_step(tmp_path / RUN_A, 2, [batch(1)])
     assert source.claim(10) == []
+    assert caplog.text == ""  # steps read in order are not "late"
 
 
 def test_a_restart_hands_out_the_batches_after_the_checkpoint_again(tmp_path: Path) -> None:
