@@ -216,7 +216,9 @@ def main(argv=None) -> None:
             else:
                 t = Timing()
                 config = run_config(args) | {"base_model": str(model_dir)}  # the pool checks it
-                train(args, model_dir, work / label[:6], MemoryPoolClient(payloads, config, t))
+                # A directory per pass: the pool checkpoints each run's last step, and the second pass
+                # must not resume from the first one's checkpoints.
+                train(args, model_dir, work / label.replace(" ", "_"), MemoryPoolClient(payloads, config, t))
                 timings.append((label, t))
         rows = []
         for name, t in timings:

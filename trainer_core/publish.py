@@ -97,6 +97,16 @@ class Publisher:
             metrics.samples,
         )
 
+    def report_completed(self, run: RunSlot) -> None:
+        """Report the run's last step again, from its checkpoint (its metrics were not kept)."""
+        progress = run.progress
+        self.source.report_step(
+            run.run_id,
+            StepReport(
+                step=progress.step, total_tokens=progress.total_tokens, total_samples=progress.total_samples
+            ),
+        )
+
     def checkpoint(self, run: RunSlot, step: int) -> None:
         """The run's adapter, optimizer and progress at the end of `step`, then its record at the source.
 

@@ -169,6 +169,9 @@ class _Master:
 
 
 class PoolTrainer:
+    """The pool on one rank: `__init__` (base model, LoRA slots, optimizers; on the master also the run
+    source, the packer and the publisher), `run()` (the loop of the module docstring), `close()`."""
+
     def __init__(
         self, args: WorkerArgs, *, world: World, device: torch.device, source: RunSource | None = None
     ) -> None:
@@ -272,6 +275,11 @@ class PoolTrainer:
             self.master.source.restart_run(run_id, progress)
             self.master.packer.add_run(slot, batch_size=config.batch_size, progress=run.progress)
         log.info("rank %d: run %s in slot %d from step %d", self.world.rank, run_id, slot, progress.step)
+        if self.master and progress.step >= config.max_steps:
+            # Checkpointed at its last step, yet still listed: the pool stopped before the source got
+            # that step's report. Nothing is left to train; report it again so the run completes.
+            self.master.publisher.report_completed(run)
+            run.leaving = f"completed its {progress.step} steps (report repeated after a restart)"
 
     def release_slot(self, slot: int) -> None:
         """Forget the run in `slot`: adapter, optimizer and gradients, buffered samples, ledger, metrics.
