@@ -28,7 +28,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.ingest import create_database, drop_database, start_service
+from contracts.pool_api import ClaimedBatchStruct, PoolRegister, RunAfterPush, StepReport
 from contracts.run_config import RunConfig
+from trainer_core.dist import World
+from trainer_core.http_source import HttpRunSource
 from trainer_core.memory_client import MemoryPoolClient, Timing
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.worker import PoolTrainer, WorkerArgs
@@ -124,20 +127,16 @@ class TimedClient(PoolServiceClient):
             self.request_seconds[f"{method} {route}"] += time.perf_counter() - started
             self.request_counts[f"{method} {route}"] += 1
 
-    def claim(self, max_batches: int) -> list[dict[str, Any]]:
+    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
         batches = super().claim(max_batches)
         if batches:
             self.timing.first_claim = self.timing.first_claim or time.perf_counter()
         return batches
 
-    def report_step(
-        self, run_id: str, *, step: int, total_tokens: int, total_samples: int, metrics: dict[str, Any]
-    ) -> dict[str, Any]:
-        out = super().report_step(
-            run_id, step=step, total_tokens=total_tokens, total_samples=total_samples, metrics=metrics
-        )
+    def report_step(self, run_id: str, report: StepReport) -> RunAfterPush:
+        out = super().report_step(run_id, report)
         self.timing.last_step = time.perf_counter()
-        self.timing.tokens += metrics["tokens"]
+        self.timing.tokens += report.metrics.tokens
         return out
 
 
@@ -157,7 +156,7 @@ def train(args: argparse.Namespace, model_dir: Path, work: Path, client: Any) ->
         exit_when_idle_s=0.5,
     )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    trainer = PoolTrainer(worker_args, rank=0, world_size=1, device=device, client=client)
+    trainer = PoolTrainer(worker_args, world=World(), device=device, source=HttpRunSource(client))
     try:
         trainer.run()
     finally:
@@ -181,13 +180,15 @@ def via_service(
         client = TimedClient(url, WORKER, timing)
         # Register first so that runs are admitted to this pool's base model and vocabulary.
         client.register(
-            base_model=str(model_dir),
-            vocab_size=args.vocab,
-            max_rank=16,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-            slots=args.runs,
-            world_size=1,
-            max_seq_len=args.seq_len,
+            PoolRegister(
+                base_model=str(model_dir),
+                vocab_size=args.vocab,
+                max_rank=16,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                slots=args.runs,
+                world_size=1,
+                max_seq_len=args.seq_len,
+            )
         )
         config = run_config(args) | {"base_model": str(model_dir)}
         for i, batches in enumerate(payloads):
@@ -221,7 +222,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 timings.append((label, timing))
             else:
                 t = Timing()
-                train(args, model_dir, work / label[:6], MemoryPoolClient(payloads, run_config(args), t))
+                config = run_config(args) | {"base_model": str(model_dir)}  # the pool checks it
+                # A directory per pass: the pool checkpoints each run's last step, and the second pass
+                # must not resume from the first one's checkpoints.
+                train(args, model_dir, work / label.replace(" ", "_"), MemoryPoolClient(payloads, config, t))
                 timings.append((label, t))
         assert client is not None  # the service pass ran
         rows: list[tuple[str, int, float, float]] = []

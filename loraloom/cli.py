@@ -7,15 +7,18 @@ tenant API key (LORALOOM_API_KEY) as --key.
 
 import functools
 import json
+import os
 import secrets
 import shutil
+import signal
 import socket
 import threading
 import time
 import tomllib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
+from types import FrameType
 from typing import Annotated, Any, NoReturn
 
 import httpx
@@ -512,22 +515,46 @@ def worker(
     token: Annotated[
         str | None, typer.Option(envvar="LORALOOM_WORKER_TOKEN", help="The service's worker token.")
     ] = None,
+    runs_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--runs-dir",
+            help="Train the run_* directories under DIR (control/orch.toml, rollouts/step_N/) without "
+            "the service; adapters go to each run's broadcast/step_N/, checkpoints to its checkpoints/.",
+        ),
+    ] = None,
     nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, help="Ranks (processes).")] = 1,
     base_model: Annotated[str, typer.Option(help="Hub id, local path, or loraloom-tiny.")] = "loraloom-tiny",
     max_rank: Annotated[int, typer.Option(min=1, max=256, help="Largest LoRA rank a run may ask for.")] = 16,
     slots: Annotated[int, typer.Option(min=1, help="Concurrent runs (LoRA slots).")] = 4,
     seq_len: Annotated[int, typer.Option(min=8, help="Tokens per packed micro-batch.")] = 1024,
+    model_cache_dir: Annotated[
+        Path | None, typer.Option(help="Where base models are cached.", show_default="./.loraloom/models")
+    ] = None,
+    pack_timeout: Annotated[
+        float | None,
+        typer.Option(min=0, help="Seconds buffered work waits for a full pack.", show_default="2"),
+    ] = None,
+    poll_interval: Annotated[
+        float | None, typer.Option(min=0, help="Seconds between polls when idle.", show_default="0.2")
+    ] = None,
+    exit_when_idle: Annotated[
+        float | None,
+        typer.Option(min=0, help="Exit after this many seconds with no active run and nothing buffered."),
+    ] = None,
+    master_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1, max=65535, help="Port the ranks meet on (one pool per port).", show_default="29517"
+        ),
+    ] = None,
 ) -> None:
     """Run the worker pool under torchrun (ranks talk gloo on CPU, nccl on GPU)."""
     from loraloom.launch import launch_pool  # torch is imported only by the ranks themselves
 
-    if not token:
-        _fail("--token or LORALOOM_WORKER_TOKEN is required")
+    if not token and runs_dir is None:
+        _fail("--token or LORALOOM_WORKER_TOKEN is required (or --runs-dir DIR to train without the service)")
     args = [
-        "--url",
-        url,
-        "--token",
-        token,
         "--base-model",
         base_model,
         "--max-rank",
@@ -537,8 +564,29 @@ def worker(
         "--seq-len",
         str(seq_len),
     ]
-    typer.echo(f"starting {nproc_per_node} rank(s) of the worker pool against {url}")
-    raise typer.Exit(launch_pool(nproc_per_node=nproc_per_node, worker_args=args).wait())
+    optional = {
+        "--runs-dir": runs_dir,
+        "--url": None if runs_dir is not None else url,
+        "--model-cache-dir": model_cache_dir,
+        "--pack-timeout": pack_timeout,
+        "--poll-interval": poll_interval,
+        "--exit-when-idle": exit_when_idle,
+    }
+    args += [item for flag, value in optional.items() if value is not None for item in (flag, str(value))]
+    # The token travels in the environment, not on the command line of every rank (`ps` shows those).
+    env = {"LORALOOM_WORKER_TOKEN": token} if token and runs_dir is None else {}
+    where = runs_dir if runs_dir is not None else url
+    typer.echo(f"starting {nproc_per_node} rank(s) of the worker pool on {where}")
+    pool = launch_pool(nproc_per_node=nproc_per_node, worker_args=args, master_port=master_port, env=env)
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        # The pool runs in its own process group: pass Ctrl-C / SIGTERM on, so torchrun stops its ranks.
+        with suppress(ProcessLookupError):
+            os.killpg(pool.pid, signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    raise typer.Exit(pool.wait())
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from contracts.durable import fsync_path
 from contracts.layout import STABLE_MARKER, step_dir_name
+from contracts.progress import Progress
 
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -183,6 +184,12 @@ def save_checkpoint(
     for _, old in stable[:-keep_last]:
         _discard(old, ckpt_root)
     return final
+
+
+def checkpoint_progress(path: Path) -> Progress:
+    """The progress recorded in a stable checkpoint, without loading its tensors."""
+    meta = json.loads((Path(path) / PROGRESS_FILE).read_text(encoding="utf-8"))
+    return Progress(**meta["progress"])
 
 
 def load_checkpoint(path: Path) -> CheckpointData:

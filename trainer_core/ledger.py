@@ -1,8 +1,9 @@
-"""Which rollout batches a step used, so that each is acknowledged exactly when the
+"""Which rollout batches a run's step used, so that each is acknowledged exactly when the
 optimizer step that trained its last sample has happened (DESIGN §4.3)."""
 
-from collections import defaultdict
 from dataclasses import dataclass, field
+
+from contracts.pool_api import AckItem
 
 
 @dataclass
@@ -13,50 +14,47 @@ class _OpenBatch:
 
 
 @dataclass
-class BatchLedger:
-    """Master-rank bookkeeping: batches fed to the packer, per slot, in order."""
+class RunLedger:
+    """One run's batches as the master fed them to the packer, in order."""
 
-    open: dict[int, list[_OpenBatch]] = field(default_factory=lambda: defaultdict(list))
-    awaiting_step: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
+    next_sample: int = 0
+    """Index (among all the run's samples) of the next sample the packer should receive: the
+    run's trained samples when it was admitted, then the end of the last batch claimed."""
+    open: list[_OpenBatch] = field(default_factory=list)
+    """Batches with samples still buffered in the packer."""
+    awaiting_step: list[int] = field(default_factory=list)
     """Batches fully packed whose step has not completed yet."""
-    next_sample: dict[int, int] = field(default_factory=dict)
-    """Index (among all the run's samples) of the next sample the packer should receive."""
 
-    def reset_slot(self, slot: int, *, next_sample: int) -> None:
-        self.open.pop(slot, None)
-        self.awaiting_step.pop(slot, None)
-        self.next_sample[slot] = next_sample
-
-    def samples_to_skip(self, slot: int, *, sample_offset: int) -> int:
+    def samples_to_skip(self, *, sample_offset: int) -> int:
         """Leading samples of a batch that were already trained (before the checkpoint we resumed from)."""
-        return max(0, self.next_sample.get(slot, 0) - sample_offset)
+        return max(0, self.next_sample - sample_offset)
 
-    def add(self, slot: int, *, batch_id: int, sample_offset: int, num_samples: int) -> int:
+    def add(self, *, batch_id: int, sample_offset: int, num_samples: int) -> int:
         """Record a claimed batch; returns how many of its samples go to the packer."""
-        skip = self.samples_to_skip(slot, sample_offset=sample_offset)
+        skip = self.samples_to_skip(sample_offset=sample_offset)
         fresh = max(0, num_samples - skip)
-        self.next_sample[slot] = max(self.next_sample.get(slot, 0), sample_offset + num_samples)
+        self.next_sample = max(self.next_sample, sample_offset + num_samples)
         if fresh == 0:
             # Entirely trained before the checkpoint: acknowledge with the next completed step.
-            self.awaiting_step[slot].append(batch_id)
+            self.awaiting_step.append(batch_id)
         else:
-            self.open[slot].append(_OpenBatch(batch_id, fresh))
+            self.open.append(_OpenBatch(batch_id, fresh))
         return fresh
 
-    def consumed(self, slot: int, batch_ids: list[int]) -> None:
+    def consumed(self, batch_ids: list[int]) -> None:
         """The packer took these samples (one batch id per sample, in packing order)."""
         for batch_id in batch_ids:
-            for entry in self.open[slot]:
+            for entry in self.open:
                 if entry.batch_id == batch_id:
                     entry.remaining -= 1
                     break
             else:
-                raise KeyError(f"slot {slot}: sample of unknown batch {batch_id}")
-        done = [b for b in self.open[slot] if b.remaining == 0]
-        self.open[slot] = [b for b in self.open[slot] if b.remaining > 0]
-        self.awaiting_step[slot].extend(b.batch_id for b in done)
+                raise KeyError(f"sample of unknown batch {batch_id}")
+        self.awaiting_step.extend(b.batch_id for b in self.open if b.remaining == 0)
+        self.open = [b for b in self.open if b.remaining > 0]
 
-    def step_completed(self, slot: int, step: int) -> list[tuple[int, int]]:
-        """(batch_id, trained_step) pairs to acknowledge now."""
-        ids = self.awaiting_step.pop(slot, [])
-        return [(batch_id, step) for batch_id in ids]
+    def step_completed(self, step: int) -> list[AckItem]:
+        """The acknowledgements due now that `step` completed."""
+        acks = [AckItem(batch_id=batch_id, trained_step=step) for batch_id in self.awaiting_step]
+        self.awaiting_step = []
+        return acks

@@ -39,7 +39,9 @@ PathName = Literal["grouped", "loop", "auto"]
 Counts = Tensor | Sequence[int]
 
 # torch >= 2.9 exposes the public op; older releases only the private one. Same signature.
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GROUPED_MM: Callable[..., Tensor] | None = getattr(F, "grouped_mm", None) or getattr(
+    torch, "_grouped_mm", None
+)
 
 # Dtypes for which "auto" picks the grouped kernel, per device type (other devices: loop).
 # - cuda: the kernel is documented for bf16 on SM >= 80 (checked below); there it replaces the
@@ -139,11 +141,11 @@ class _ContiguousGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:  # type: ignore[override]
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
         return grad.contiguous()
 
 
@@ -193,6 +195,9 @@ class MultiLoRALinear(nn.Module):
             reference) or "auto" (grouped where it runs and pays off, see `_GROUPED_DTYPES`).
     """
 
+    lora_scaling: Tensor
+    """(n_slots, max_rank) buffer: alpha_s / r_s on a slot's first r_s entries, 0 beyond."""
+
     def __init__(
         self,
         base: nn.Linear,
@@ -215,16 +220,20 @@ class MultiLoRALinear(nn.Module):
         self.max_rank = max_rank
         self.segment_context = segment_context
         self.path: PathName = path
-        factory = {"device": base.weight.device, "dtype": dtype or base.weight.dtype}
+        device, dtype = base.weight.device, dtype or base.weight.dtype
         self.lora_A = nn.ParameterList(
-            nn.Parameter(torch.zeros(max_rank, self.in_features, **factory)) for _ in range(n_slots)
+            nn.Parameter(torch.zeros(max_rank, self.in_features, device=device, dtype=dtype))
+            for _ in range(n_slots)
         )
         self.lora_B = nn.ParameterList(
-            nn.Parameter(torch.zeros(self.out_features, max_rank, **factory)) for _ in range(n_slots)
+            nn.Parameter(torch.zeros(self.out_features, max_rank, device=device, dtype=dtype))
+            for _ in range(n_slots)
         )
         # (n_slots, max_rank): alpha_s / r_s on the first r_s entries, 0 beyond. Derived from the
         # slot configs (which checkpoints store), hence not persistent.
-        self.register_buffer("lora_scaling", torch.zeros(n_slots, max_rank, **factory), persistent=False)
+        self.register_buffer(
+            "lora_scaling", torch.zeros(n_slots, max_rank, device=device, dtype=dtype), persistent=False
+        )
         self._configs: list[SlotConfig] = []
         for slot in range(n_slots):
             self._configs.append(SlotConfig(max_rank, float(max_rank), dropout))
@@ -340,6 +349,7 @@ class MultiLoRALinear(nn.Module):
 
     def _delta_grouped(self, x: Tensor, layout: SegmentLayout) -> Tensor:
         """All active segments in two grouped GEMMs: h = x A_gᵀ, y = h (c_g ⊙ B_g)ᵀ."""
+        assert _GROUPED_MM is not None  # resolve_path picks "grouped" only where the op exists
         slots = layout.active
         offs = layout.offsets(x.device)  # (G,)
         a = torch.stack([self.lora_A[s] for s in slots])  # (G, R, in)

@@ -146,6 +146,32 @@ class LossStats:
             f, i, f.clone(), f.clone(), i.clone(), torch.zeros(n_slots, dtype=torch.bool, device=device)
         )
 
+    def only(self, slot: int) -> "LossStats":
+        """These statistics with every slot but ``slot`` zeroed."""
+        keep = torch.zeros_like(self.nonfinite)
+        keep[slot] = True
+        return LossStats(
+            loss_sum=torch.where(keep, self.loss_sum, 0.0),
+            loss_tokens=torch.where(keep, self.loss_tokens, 0),
+            entropy_sum=torch.where(keep, self.entropy_sum, 0.0),
+            mismatch_kl_sum=torch.where(keep, self.mismatch_kl_sum, 0.0),
+            masked_tokens=torch.where(keep, self.masked_tokens, 0),
+            nonfinite=self.nonfinite & keep,
+        )
+
+    def flag_nonfinite(self, slot: int) -> "LossStats":
+        """These statistics with ``slot`` marked non-finite (its gradients overflowed)."""
+        nonfinite = self.nonfinite.clone()
+        nonfinite[slot] = True
+        return LossStats(
+            self.loss_sum,
+            self.loss_tokens,
+            self.entropy_sum,
+            self.mismatch_kl_sum,
+            self.masked_tokens,
+            nonfinite,
+        )
+
     def slot(self, slot: int) -> SlotLossStats:
         """One slot's numbers (synchronises with the device)."""
         return SlotLossStats(

@@ -8,9 +8,26 @@ against the real service; this is only the trainer's input.
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 from contracts.layout import ADAPTER_WEIGHTS
-from trainer_core.service_client import PoolRegistration
+from contracts.pool_api import (
+    AckItem,
+    AdapterStored,
+    CheckpointReport,
+    ClaimedBatchStruct,
+    PoolHeartbeatOut,
+    PoolRegister,
+    PoolRegistered,
+    PoolRunState,
+    RunAfterPush,
+    StepReport,
+)
+from contracts.progress import Progress
+from contracts.status import RunStatus
+from contracts.wire import TrainingBatch
 
 
 @dataclass
@@ -22,72 +39,93 @@ class Timing:
     tokens: int = 0
 
 
+@dataclass
+class _MemoryRun:
+    slot: int
+    step: int = 0
+
+
 class MemoryPoolClient:
     """The pool's service client, in memory: the trainer alone, nothing persisted."""
 
-    def __init__(self, payloads: list[list[dict]], config: dict, timing: Timing | None = None) -> None:
+    def __init__(
+        self, payloads: list[list[dict[str, Any]]], config: dict[str, Any], timing: Timing | None = None
+    ) -> None:
         """`payloads[run][k]`: the k-th TrainingBatch (JSON) of run `run_<run as 12 hex>`, all with `config`."""
         self.timing = timing or Timing()
         self.config = config
-        self.runs = {f"run_{i:012x}": {"slot": i, "step": 0} for i in range(len(payloads))}
+        self.runs = {f"run_{i:012x}": _MemoryRun(slot=i) for i in range(len(payloads))}
         self.evictions: dict[str, str] = {}
         self.adapters: dict[str, bytes] = {}
         """Each run's latest uploaded adapter_model.safetensors."""
         self.pending = [
-            {
-                "id": i * 1000 + s,
-                "run_id": f"run_{i:012x}",
-                "slot": i,
-                "sample_offset": s * len(b["examples"]),
-                "num_samples": len(b["examples"]),
-                "rollout_step": s,
-                "payload": b,
-            }
+            ClaimedBatchStruct(
+                id=i * 1000 + s,
+                run_id=f"run_{i:012x}",
+                slot=i,
+                sample_offset=sum(len(b["examples"]) for b in batches[:s]),
+                num_samples=len(batches[s]["examples"]),
+                rollout_step=s,
+                payload=msgspec.convert(batches[s], TrainingBatch),
+            )
             for s in range(len(payloads[0]))
             for i, batches in enumerate(payloads)
-            for b in [batches[s]]
         ]
         self.pool_id = "pool_memory"
 
-    def register(self, **_caps) -> PoolRegistration:
-        return PoolRegistration(self.pool_id, 3600.0, 3600.0)
+    def register(self, capabilities: PoolRegister) -> PoolRegistered:
+        return PoolRegistered(pool_id=self.pool_id, heartbeat_interval_s=3600.0, lease_seconds=3600.0)
 
-    def heartbeat(self) -> None: ...
+    def heartbeat(self) -> PoolHeartbeatOut:
+        return PoolHeartbeatOut(status="alive")
 
-    def state(self) -> list[dict]:
+    def state(self) -> list[PoolRunState]:
         return [
-            {
-                "run_id": r,
-                "slot": v["slot"],
-                "config": self.config,
-                "progress": {"step": v["step"], "total_tokens": 0, "total_samples": 0},
-            }
-            for r, v in self.runs.items()
-            if v["step"] < self.config["max_steps"] and r not in self.evictions
+            PoolRunState(
+                run_id=run_id,
+                slot=run.slot,
+                status=RunStatus.ACTIVE,
+                config=self.config,
+                progress=Progress(step=run.step),
+            )
+            for run_id, run in self.runs.items()
+            if run.step < self.config["max_steps"] and run_id not in self.evictions
         ]
 
-    def claim(self, max_batches: int) -> list[dict]:
+    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
         self.timing.first_claim = self.timing.first_claim or time.perf_counter()
         taken, self.pending = self.pending[:max_batches], self.pending[max_batches:]
         return taken
 
-    def ack(self, acks) -> None: ...
+    def ack(self, acks: list[AckItem]) -> int:
+        return len(acks)
 
-    def restart_run(self, run_id, **_kw) -> list[int]:
+    def restart_run(
+        self, run_id: str, *, checkpoint_step: int, total_samples: int, total_tokens: int
+    ) -> list[int]:
         return []
 
-    def upload_adapter(self, run_id, step, adapter_dir: Path) -> None:
+    def upload_adapter(self, run_id: str, step: int, adapter_dir: Path) -> AdapterStored:
         self.adapters[run_id] = (adapter_dir / ADAPTER_WEIGHTS).read_bytes()
+        return AdapterStored(step=step, size_bytes=len(self.adapters[run_id]), sha256="")
 
-    def report_step(self, run_id, *, step, total_tokens, total_samples, metrics) -> dict:
-        self.runs[run_id]["step"] = step
+    def report_step(self, run_id: str, report: StepReport) -> RunAfterPush:
+        self.runs[run_id].step = report.step
         self.timing.last_step = time.perf_counter()
-        self.timing.tokens += metrics["tokens"]
-        return {}
+        self.timing.tokens += report.metrics.tokens or 0
+        done = report.step >= self.config["max_steps"]
+        return RunAfterPush(
+            id=run_id,
+            status=RunStatus.COMPLETED if done else RunStatus.ACTIVE,
+            progress=Progress(
+                step=report.step, total_tokens=report.total_tokens, total_samples=report.total_samples
+            ),
+        )
 
-    def report_checkpoint(self, run_id, **_kw) -> None: ...
+    def report_checkpoint(self, run_id: str, report: CheckpointReport) -> None: ...
 
-    def evict(self, run_id, reason) -> None:
+    def evict(self, run_id: str, reason: str) -> RunAfterPush | None:
         self.evictions[run_id] = reason
+        return None
 
     def close(self) -> None: ...

@@ -1,38 +1,51 @@
 """The worker pool's side of the service API (only the master rank talks to the service).
 
-Retries follow the SDK's policy (contracts.http); an error answer raises ServiceError.
-Never logs the token.
+Every request and answer is a model of `contracts.pool_api` (the service's routes use the same
+ones); the claim is decoded by msgspec straight into `TrainingBatch` payloads. Retries follow the
+SDK's policy (`contracts.http`); an error answer raises the typed error of `contracts.http`
+(`Conflict`, `NotFound`, ... all `ApiError`s carrying the service's `code`). Never logs the token.
 """
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
-from contracts.http import RetryPolicy, send_with_retries
+from contracts.http import Conflict, RetryPolicy, error_from_response, send_with_retries
+from contracts.pool_api import (
+    AckIn,
+    AckItem,
+    AckOut,
+    AdapterStored,
+    CheckpointReport,
+    ClaimedBatchStruct,
+    ClaimIn,
+    ClaimStruct,
+    PoolHeartbeatOut,
+    PoolRef,
+    PoolRegister,
+    PoolRegistered,
+    PoolRunState,
+    PoolStateOut,
+    RestartIn,
+    RestartOut,
+    RunAfterPush,
+    StepReport,
+    TrainerEvict,
+)
 from trainer_core.export import adapter_tar_bytes
 
 log = logging.getLogger("loraloom.worker")
 
-
-class ServiceError(RuntimeError):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"{status} {code}: {message}")
-        self.status = status
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True)
-class PoolRegistration:
-    pool_id: str
-    heartbeat_interval_s: float
-    lease_seconds: float
+_claim_decoder = msgspec.json.Decoder(ClaimStruct)
 
 
 class PoolServiceClient:
+    """The pool routes over HTTP (docs/contracts.md). Not thread-safe apart from `heartbeat`, which
+    the heartbeat thread calls while the loop makes the other calls (httpx.Client allows that)."""
+
     def __init__(self, url: str, token: str, *, timeout_s: float = 30.0, max_attempts: int = 6) -> None:
         self._http = httpx.Client(
             base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
@@ -52,91 +65,81 @@ class PoolServiceClient:
             lambda: self._http.request(method, path, **kwargs), self._retry, f"{method} {path}"
         )
         if response.status_code >= 400:
-            raise _service_error(response)
+            raise error_from_response(response)
         return response
 
-    def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return self._request(method, path, **kwargs).json()
+    def _pool_id(self) -> str:
+        if self.pool_id is None:
+            raise RuntimeError("register the pool first")
+        return self.pool_id
 
     # -- pool ------------------------------------------------------------------------------------
 
-    def register(self, **capabilities: Any) -> PoolRegistration:
-        body = self._json("POST", "/v1/pool/register", json=capabilities)
-        self.pool_id = body["pool_id"]
-        return PoolRegistration(
-            body["pool_id"], float(body["heartbeat_interval_s"]), float(body["lease_seconds"])
-        )
+    def register(self, capabilities: PoolRegister) -> PoolRegistered:
+        response = self._request("POST", "/v1/pool/register", json=capabilities.model_dump(mode="json"))
+        registered = PoolRegistered.model_validate_json(response.content)
+        self.pool_id = registered.pool_id
+        return registered
 
-    def heartbeat(self) -> None:
-        self._json("POST", "/v1/pool/heartbeat", json={"pool_id": self.pool_id})
+    def heartbeat(self) -> PoolHeartbeatOut:
+        body = PoolRef(pool_id=self._pool_id())
+        response = self._request("POST", "/v1/pool/heartbeat", json=body.model_dump(mode="json"))
+        return PoolHeartbeatOut.model_validate_json(response.content)
 
-    def state(self) -> list[dict[str, Any]]:
-        return self._json("GET", "/v1/pool/state", params={"pool_id": self.pool_id})["runs"]
+    def state(self) -> list[PoolRunState]:
+        response = self._request("GET", "/v1/pool/state", params={"pool_id": self._pool_id()})
+        return PoolStateOut.model_validate_json(response.content).runs
 
-    def claim(self, max_batches: int) -> list[dict[str, Any]]:
-        body = self._json(
-            "POST", "/v1/pool/batches/claim", json={"pool_id": self.pool_id, "max_batches": max_batches}
-        )
-        return body["batches"]
+    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
+        body = ClaimIn(pool_id=self._pool_id(), max_batches=max_batches)
+        response = self._request("POST", "/v1/pool/batches/claim", json=body.model_dump(mode="json"))
+        return _claim_decoder.decode(response.content).batches
 
-    def ack(self, acks: list[tuple[int, int]]) -> None:
-        if acks:
-            payload = [{"batch_id": b, "trained_step": s} for b, s in acks]
-            self._json("POST", "/v1/pool/batches/ack", json={"pool_id": self.pool_id, "acks": payload})
+    def ack(self, acks: list[AckItem]) -> int:
+        """Acknowledge trained batches; returns how many the service marked (0 for no acks)."""
+        if not acks:
+            return 0
+        body = AckIn(pool_id=self._pool_id(), acks=acks)
+        response = self._request("POST", "/v1/pool/batches/ack", json=body.model_dump(mode="json"))
+        return AckOut.model_validate_json(response.content).acked
 
     def restart_run(
         self, run_id: str, *, checkpoint_step: int, total_samples: int, total_tokens: int
     ) -> list[int]:
-        body = self._json(
-            "POST",
-            f"/v1/pool/runs/{run_id}/restart",
-            json={
-                "pool_id": self.pool_id,
-                "checkpoint_step": checkpoint_step,
-                "total_samples": total_samples,
-                "total_tokens": total_tokens,
-            },
+        """The run restarts from a checkpoint: the ids of the batches the service returned to pending."""
+        body = RestartIn(
+            pool_id=self._pool_id(),
+            checkpoint_step=checkpoint_step,
+            total_samples=total_samples,
+            total_tokens=total_tokens,
         )
-        return list(body["returned"])
+        response = self._request("POST", f"/v1/pool/runs/{run_id}/restart", json=body.model_dump(mode="json"))
+        return RestartOut.model_validate_json(response.content).returned
 
-    def upload_adapter(self, run_id: str, step: int, adapter_dir: Path) -> None:
-        self._request(
+    def upload_adapter(self, run_id: str, step: int, adapter_dir: Path) -> AdapterStored:
+        response = self._request(
             "PUT",
             f"/v1/pool/runs/{run_id}/adapters/{step}",
             content=adapter_tar_bytes(adapter_dir),
             headers={"Content-Type": "application/x-tar"},
         )
+        return AdapterStored.model_validate_json(response.content)
 
-    def report_step(
-        self, run_id: str, *, step: int, total_tokens: int, total_samples: int, metrics: dict
-    ) -> dict:
-        return self._json(
-            "POST",
-            f"/v1/pool/runs/{run_id}/steps",
-            json={
-                "step": step,
-                "total_tokens": total_tokens,
-                "total_samples": total_samples,
-                "metrics": metrics,
-            },
-        )
+    def report_step(self, run_id: str, report: StepReport) -> RunAfterPush:
+        response = self._request("POST", f"/v1/pool/runs/{run_id}/steps", json=report.model_dump(mode="json"))
+        return RunAfterPush.model_validate_json(response.content)
 
-    def report_checkpoint(self, run_id: str, *, step: int, total_samples: int) -> None:
-        self._json(
-            "POST", f"/v1/pool/runs/{run_id}/checkpoints", json={"step": step, "total_samples": total_samples}
-        )
+    def report_checkpoint(self, run_id: str, report: CheckpointReport) -> None:
+        # The answer is the service's own record of the checkpoint; the pool needs nothing from it.
+        self._request("POST", f"/v1/pool/runs/{run_id}/checkpoints", json=report.model_dump(mode="json"))
 
-    def evict(self, run_id: str, reason: str) -> None:
+    def evict(self, run_id: str, reason: str) -> RunAfterPush | None:
+        """Evict a run; None when it had already stopped (evicted, completed, deleted: a 409)."""
+        body = TrainerEvict(reason=reason)
         try:
-            self._json("POST", f"/v1/pool/runs/{run_id}/evict", json={"reason": reason})
-        except ServiceError as exc:
-            if exc.status != 409:  # already evicted/completed: nothing left to do
-                raise
-
-
-def _service_error(response: httpx.Response) -> ServiceError:
-    try:
-        err = response.json()["error"]
-        return ServiceError(response.status_code, err.get("code", "error"), err.get("message", ""))
-    except Exception:
-        return ServiceError(response.status_code, "error", response.text[:200])
+            response = self._request(
+                "POST", f"/v1/pool/runs/{run_id}/evict", json=body.model_dump(mode="json")
+            )
+        except Conflict:
+            return None
+        return RunAfterPush.model_validate_json(response.content)

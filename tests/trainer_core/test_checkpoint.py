@@ -168,6 +168,7 @@ def _kill_mid_write(root: Path, pause_at: int, size: int) -> str:
     try:
         wanted = "paused" if pause_at > 0 else "started 2"
         lines = []
+        assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.strip())
             if lines[-1] == wanted:
@@ -181,7 +182,8 @@ def _kill_mid_write(root: Path, pause_at: int, size: int) -> str:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        proc.stdout.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def _assert_loadable(root: Path, allowed_steps: set[int]) -> int:

@@ -19,7 +19,7 @@ from trainer_core.export import (
     import_peft_adapter,
 )
 from trainer_core.lora import MultiLoRA, apply_multi_lora
-from trainer_core.models.tiny import ARCHS, build_model
+from trainer_core.models.tiny import ARCHS, Arch, build_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
@@ -27,7 +27,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 SEQ = 12
 
 
-def trained_handle(arch: str, *, slot: int = 1, n_slots: int = 3, targets: list[str] = TARGETS) -> MultiLoRA:
+def trained_handle(arch: Arch, *, slot: int = 1, n_slots: int = 3, targets: list[str] = TARGETS) -> MultiLoRA:
     """A model whose `slot` (rank 4 of 8, alpha 8) took a few AdamW steps; other slots random too."""
     model = build_model(arch, seed=0)
     handle = apply_multi_lora(model, targets, n_slots=n_slots, max_rank=8)
@@ -60,7 +60,7 @@ def trainer_logits(handle: MultiLoRA, slot: int, ids: torch.Tensor) -> torch.Ten
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_peft_round_trip(arch: str, tmp_path: Path) -> None:
+def test_peft_round_trip(arch: Arch, tmp_path: Path) -> None:
     handle = trained_handle(arch)
     out = export_peft_adapter(handle, 1, tmp_path / "adapter", base_model_name_or_path=f"tiny-{arch}")
     assert sorted(p.name for p in out.iterdir()) == sorted([ADAPTER_CONFIG, ADAPTER_WEIGHTS])

@@ -1,10 +1,11 @@
 """DESIGN §4.1, the headline invariant: training run A next to other runs gives A the same adapter
 as training A alone on the same batches; a run that turns NaN is evicted and A is unchanged.
 
-Everything here is the real thing: the tiny Llama, `apply_multi_lora`, the `Packer`,
-`forward_packed` (block-diagonal attention), `rl_loss` and `MultiRunOptimizer`. Two
-data-parallel ranks are emulated in one process by running both ranks' micro-batches before
-the step (the sum that a gradient all-reduce would produce).
+Everything here is the real thing: the tiny Llama, `apply_multi_lora`, the `Packer` and the pool's
+own training step, `trainer_core.step.train_step` (`forward_packed` with block-diagonal attention,
+`rl_loss`, the per-run NaN isolation and `MultiRunOptimizer`). Two data-parallel ranks are emulated
+in one process by handing both ranks' micro-batches to one step (the sum that a gradient all-reduce
+would produce).
 """
 
 from dataclasses import dataclass, field
@@ -14,13 +15,12 @@ import torch
 
 from contracts.run_config import LossSettings, OptimSettings, SchedulerSettings
 from contracts.wire import TrainingBatch, TrainingSample
-from trainer_core.loss import LossStats, rl_loss
+from trainer_core.dist import World
+from trainer_core.lora import apply_multi_lora
+from trainer_core.models.tiny import build_model
 from trainer_core.optim import MultiRunOptimizer
-
-lora_mod = pytest.importorskip("trainer_core.lora")
-tiny = pytest.importorskip("trainer_core.models.tiny")
-packing = pytest.importorskip("trainer_core.packing")
-modeling = pytest.importorskip("trainer_core.modeling")
+from trainer_core.packing import Packer
+from trainer_core.step import train_step
 
 torch.set_num_threads(1)
 
@@ -123,10 +123,10 @@ class Outcome:
 
 def train(placement: dict[int, RunSpec], *, steps_of: str = "A", n_steps: int = A_STEPS) -> Outcome:
     """Train the runs in their slots until run ``steps_of`` has completed ``n_steps`` steps."""
-    model = tiny.build_model("llama", seed=0, vocab_size=VOCAB)
-    lora = lora_mod.apply_multi_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], N_SLOTS, MAX_RANK)
+    model = build_model("llama", seed=0, vocab_size=VOCAB)
+    lora = apply_multi_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], N_SLOTS, MAX_RANK)
     opt = MultiRunOptimizer(N_SLOTS)
-    packer = packing.Packer(n_slots=N_SLOTS, seq_len=SEQ_LEN, dp_world_size=2)
+    packer = Packer(n_slots=N_SLOTS, seq_len=SEQ_LEN, dp_world_size=2)
     for slot, spec in placement.items():
         lora.configure_slot(slot, rank=spec.rank, alpha=spec.alpha)
         lora.reset_slot(slot, seed=ord(spec.name))  # the init depends on the run, not the slot
@@ -140,7 +140,6 @@ def train(placement: dict[int, RunSpec], *, steps_of: str = "A", n_steps: int = 
         packer.add_run(slot, batch_size=spec.batch_size)
         for step in range(spec.max_steps):
             packer.add_batch(slot, make_batch(spec, step), batch_id=step)
-    settings = {slot: spec.loss for slot, spec in placement.items()}
     slot_of = {spec.name: slot for slot, spec in placement.items()}
     active = dict(placement)
     steps = dict.fromkeys(slot_of, 0)
@@ -150,28 +149,27 @@ def train(placement: dict[int, RunSpec], *, steps_of: str = "A", n_steps: int = 
     while steps[steps_of] < n_steps:
         packed = packer.pack(force=True)
         assert packed is not None, "ran out of data"
-        stats = LossStats.zeros(N_SLOTS)
-        for rank_rows in packed.micro_batches:  # both emulated ranks, then one "all-reduce"
-            for mb in rank_rows:
-                if mb.is_filler:
-                    continue
-                counts = mb.slot_token_counts
-                shared += int(counts[slot_of[steps_of]] > 0 and (counts > 0).sum() > 1)
-                with lora.segments(counts):
-                    logits = modeling.forward_packed(model, mb)
-                    result = rl_loss(logits, mb, slot_settings=settings, n_slots=N_SLOTS)
-                    result.total.backward()
-                stats = stats + result.stats
-        for slot in active:
-            opt.add_loss_tokens(slot, stats.loss_tokens[slot])
-        ready = packer.take_ready()
-        for slot in [s for s in list(active) if bool(stats.nonfinite[s])]:
+        both_ranks = [mb for rank_rows in packed.micro_batches for mb in rank_rows]
+        for mb in both_ranks:
+            counts = mb.slot_token_counts
+            shared += int(not mb.is_filler and counts[slot_of[steps_of]] > 0 and (counts > 0).sum() > 1)
+        result = train_step(
+            model=model,
+            lora=lora,
+            optimizer=opt,
+            micro_batches=both_ranks,
+            loss_settings={slot: spec.loss for slot, spec in active.items()},
+            completing=[s for s in packer.take_ready() if s in active],
+            world=World(),
+            device=torch.device("cpu"),
+        )
+        for slot in sorted(result.nonfinite):
             # Eviction as the worker does it: the run leaves, its slot is reset.
             evicted.append(active.pop(slot).name)
             opt.remove(slot)
             lora.reset_slot(slot)
             packer.remove_run(slot)
-        for slot, st in opt.step([s for s in ready if s in active]).items():
+        for slot, st in result.stepped.items():
             assert not st.nonfinite
             steps[active[slot].name] += 1
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contracts.wire import TrainingBatch, TrainingSample
-from trainer_core.packing import MicroBatch, Packer, SampleRef, assign_to_ranks, pack_ffd
+from trainer_core.packing import MicroBatch, Packer, PackResult, SampleRef, assign_to_ranks, pack_ffd
 
 torch.set_num_threads(1)
 
@@ -152,6 +152,7 @@ def check_row(mb: MicroBatch, packer: Packer, samples: dict[int, TrainingSample]
         adv = s.advantage if isinstance(s.advantage, list) else [s.advantage] * c
         assert torch.allclose(mb.advantages[seg], torch.tensor([0.0] * p + adv))
         if s.teacher_logprobs is not None:
+            assert mb.teacher_logprobs is not None
             assert torch.allclose(mb.teacher_logprobs[seg], torch.tensor([0.0] * p + s.teacher_logprobs))
         elif mb.teacher_logprobs is not None:
             assert not mb.teacher_logprobs[seg].any()
@@ -161,31 +162,61 @@ def check_row(mb: MicroBatch, packer: Packer, samples: dict[int, TrainingSample]
         assert mb.num_samples == 0 and not mb.loss_mask.any()
 
 
-@SETTINGS
-@given(scenarios())
-def test_packer_invariants(scenario):
-    config, batch_sizes, actions = scenario
-    packer = Packer(**config)
-    for slot, size in batch_sizes.items():
-        packer.add_run(slot, batch_size=size)
+class PackerModel:
+    """The Packer under test beside what it should hold: every sample added, by uid, and which are
+    still buffered. `add` and `pack` check the Packer against it after every action."""
 
-    samples: dict[int, TrainingSample] = {}
-    uid_of: dict[SampleRef, int] = {}
-    slot_of: dict[int, int] = {}
-    expected_buffered: set[int] = set()
-    consumed: dict[int, int] = dict.fromkeys(batch_sizes, 0)
-    packed_uids: list[int] = []
-    next_uid = 1
-    batch_id = 0
+    def __init__(self, config: dict, batch_sizes: dict[int, int]) -> None:
+        self.packer = Packer(**config)
+        self.batch_sizes = batch_sizes
+        for slot, size in batch_sizes.items():
+            self.packer.add_run(slot, batch_size=size)
+        self.samples: dict[int, TrainingSample] = {}
+        self.uid_of: dict[SampleRef, int] = {}
+        self.slot_of: dict[int, int] = {}
+        self.expected_buffered: set[int] = set()
+        self.consumed: dict[int, int] = dict.fromkeys(batch_sizes, 0)
+        self.packed_uids: list[int] = []
+        self.next_uid = 1
+        self.batch_id = 0
 
-    def do_pack() -> bool:
-        before = {slot: packer.samples_consumed_this_step(slot) for slot in batch_sizes}
-        steps_before = {slot: packer.progress(slot).step for slot in batch_sizes}
+    def add(self, slot: int, shapes: list, skip: int) -> None:
+        packer = self.packer
+        self.batch_id += 1
+        batch_samples = []
+        for index, shape in enumerate(shapes):
+            s = make_sample(self.next_uid, *shape)
+            self.samples[self.next_uid] = s
+            self.uid_of[SampleRef(self.batch_id, index)] = self.next_uid
+            self.slot_of[self.next_uid] = slot
+            if index >= skip:
+                self.expected_buffered.add(self.next_uid)
+            batch_samples.append(s)
+            self.next_uid += 1
+        added = packer.add_batch(
+            slot, TrainingBatch(examples=batch_samples), batch_id=self.batch_id, skip=skip
+        )
+        assert added == max(0, len(shapes) - skip)
+        assert packer.buffered_tokens() == sum(self.samples[u].num_tokens for u in self.expected_buffered)
+
+    def pack(self) -> bool:
+        packer = self.packer
+        before = {slot: packer.samples_consumed_this_step(slot) for slot in self.batch_sizes}
+        steps_before = {slot: packer.progress(slot).step for slot in self.batch_sizes}
         result = packer.pack(force=True)
         if result is None:
-            assert not expected_buffered
+            assert not self.expected_buffered
             return False
-        grid = result.micro_batches
+        seen = self._check_grid(result.micro_batches)
+        self._check_accounting(result, seen, before, steps_before)
+        for u in seen:
+            self.expected_buffered.remove(u)
+        self.packed_uids.extend(seen)
+        return True
+
+    def _check_grid(self, grid: list[list[MicroBatch]]) -> list[int]:
+        """The rows of one pack; returns the uids of their samples."""
+        packer = self.packer
         assert len(grid) == packer.dp_world_size
         assert len({len(rank) for rank in grid}) == 1, "every rank holds the same number of micro-batches"
         assert sum(mb.is_filler for rank in grid for mb in rank) <= packer.dp_world_size - 1
@@ -193,58 +224,52 @@ def test_packer_invariants(scenario):
         seen: list[int] = []
         for rank in grid:
             for mb in rank:
-                check_row(mb, packer, samples, seen)
+                check_row(mb, packer, self.samples, seen)
         assert len(seen) == len(set(seen))
-        real_tokens = sum(samples[u].num_tokens for u in seen)
+        real_tokens = sum(self.samples[u].num_tokens for u in seen)
         assert real_tokens <= packer.token_budget
+        return seen
 
-        # The consumed refs are exactly the packed samples; step accounting by batch_size.
+    def _check_accounting(
+        self, result: PackResult, seen: list[int], before: dict[int, int], steps_before: dict[int, int]
+    ) -> None:
+        """The consumed refs are exactly the packed samples; step accounting by batch_size."""
+        packer, uid_of = self.packer, self.uid_of
         refs = [ref for stats in result.runs.values() for ref in stats.consumed]
         assert sorted(uid_of[r] for r in refs) == sorted(seen)
         for slot, stats in result.runs.items():
-            size = batch_sizes[slot]
+            size = self.batch_sizes[slot]
             assert 1 <= stats.samples <= size - before[slot], "never more than the step still needs"
             assert stats.samples == len(stats.consumed)
-            assert stats.tokens == sum(samples[uid_of[r]].num_tokens for r in stats.consumed)
-            assert all(slot_of[uid_of[r]] == slot for r in stats.consumed)
+            assert stats.tokens == sum(self.samples[uid_of[r]].num_tokens for r in stats.consumed)
+            assert all(self.slot_of[uid_of[r]] == slot for r in stats.consumed)
             assert stats.step - steps_before[slot] == int(stats.step_completed) <= 1
-            consumed[slot] += stats.samples
-        loss_tokens = sum(int(mb.loss_mask.sum()) for rank in grid for mb in rank)
+            self.consumed[slot] += stats.samples
+        loss_tokens = sum(int(mb.loss_mask.sum()) for rank in result.micro_batches for mb in rank)
         assert loss_tokens == sum(stats.loss_tokens for stats in result.runs.values())
-        for slot in batch_sizes:
+        for slot in self.batch_sizes:
             progress = packer.progress(slot)
-            assert progress.total_samples == consumed[slot]
-            assert progress.step == consumed[slot] // batch_sizes[slot]
-            assert packer.samples_consumed_this_step(slot) == consumed[slot] % batch_sizes[slot]
-        for u in seen:
-            expected_buffered.remove(u)
-        packed_uids.extend(seen)
-        return True
+            assert progress.total_samples == self.consumed[slot]
+            assert progress.step == self.consumed[slot] // self.batch_sizes[slot]
+            assert packer.samples_consumed_this_step(slot) == self.consumed[slot] % self.batch_sizes[slot]
 
+
+@SETTINGS
+@given(scenarios())
+def test_packer_invariants(scenario):
+    config, batch_sizes, actions = scenario
+    model = PackerModel(config, batch_sizes)
     for action in actions:
         if action[0] == "pack":
-            do_pack()
-            continue
-        _, slot, shapes, skip = action
-        batch_id += 1
-        batch_samples = []
-        for index, shape in enumerate(shapes):
-            s = make_sample(next_uid, *shape)
-            samples[next_uid] = s
-            uid_of[SampleRef(batch_id, index)] = next_uid
-            slot_of[next_uid] = slot
-            if index >= skip:
-                expected_buffered.add(next_uid)
-            batch_samples.append(s)
-            next_uid += 1
-        added = packer.add_batch(slot, TrainingBatch(examples=batch_samples), batch_id=batch_id, skip=skip)
-        assert added == max(0, len(shapes) - skip)
-        assert packer.buffered_tokens() == sum(samples[u].num_tokens for u in expected_buffered)
+            model.pack()
+        else:
+            _, slot, shapes, skip = action
+            model.add(slot, shapes, skip)
 
     # Drain: every buffered sample is packed exactly once, then nothing is left.
     for _ in range(10_000):
-        if not do_pack():
+        if not model.pack():
             break
-    assert not expected_buffered
-    assert packer.buffered_tokens() == 0
-    assert len(packed_uids) == len(set(packed_uids))
+    assert not model.expected_buffered
+    assert model.packer.buffered_tokens() == 0
+    assert len(model.packed_uids) == len(set(model.packed_uids))

@@ -1,7 +1,6 @@
-"""Two real processes in a gloo group: synchronize_state() makes both ranks agree, and
-each rank runs the hooks in the documented order (issue 3 acceptance)."""
+"""Two real processes in a gloo group: synchronize_state() makes both ranks agree, and every
+rank gets the same releases and admissions, in the documented order (issue 3 acceptance)."""
 
-import dataclasses
 import json
 import os
 import shutil
@@ -18,7 +17,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from contracts.run_config import RunConfig
-from trainer_core.runs import DirectoryRunSource, MultiRunManager
+from trainer_core.directory_source import DirectoryRunSource
+from trainer_core.dist import World, barrier
+from trainer_core.runs import MultiRunManager, SlotChanges
 
 RUN_A = "run_aaaaaaaaaaaa"
 RUN_B = "run_bbbbbbbbbbbb"
@@ -34,12 +35,10 @@ def _make_run(root: Path, run_id: str, config: dict[str, Any]) -> None:
 
 def _snapshot(m: MultiRunManager) -> dict[str, Any]:
     return {
-        "idx_2_id": {str(k): v for k, v in sorted(m.idx_2_id.items())},
-        "id_2_idx": dict(sorted(m.id_2_idx.items())),
+        "run_ids": {str(k): v for k, v in sorted(m.run_ids.items())},
+        "slots": dict(sorted(m.slots.items())),
         "config": {str(k): c.model_dump(mode="json") for k, c in sorted(m.config.items())},
-        "progress": {str(k): dataclasses.asdict(p) for k, p in sorted(m.progress.items())},
-        "ready_to_update_idxs": m.ready_to_update_idxs,
-        "unused_idxs": m.unused_idxs,
+        "free_slots": m.free_slots,
     }
 
 
@@ -60,29 +59,30 @@ def _worker(rank: int, init_method: str, root: Path, out_dir: Path) -> None:
 
 
 def _run_rounds(rank: int, root: Path, out_dir: Path) -> None:
-    # Only the master talks to the source, as with the service.
-    m = MultiRunManager(DirectoryRunSource(root) if rank == 0 else None, 2, rank=rank, world_size=WORLD_SIZE)
     log: list[list[Any]] = []
 
-    def validate(config: RunConfig) -> tuple[bool, str]:
+    def validate(config: RunConfig) -> list[str]:
         log.append(["validation", config.batch_size])
-        return True, ""
+        return []
 
-    def create(idx: int, run_id: str) -> None:
-        log.append(["creation", idx, run_id])
-        dist.barrier()  # hooks run in lockstep on every rank, so collectives inside them work
+    def apply(changes: SlotChanges) -> None:
+        # What the trainer does with the changes: release, then admit, in the order given. Both
+        # ranks do it in lockstep, so collectives inside work.
+        for slot, run_id in changes.released:
+            log.append(["release", slot, run_id])
+        for slot, run_id, _ in changes.admitted:
+            log.append(["admit", slot, run_id])
+            barrier(world)
 
-    m.forgotten_hooks.append(lambda i, r: log.append(["forgotten", i, r]))
-    m.config_validation_hooks.append(validate)
-    m.discovered_hooks.append(lambda i, r, c: log.append(["discovered", i, r]))
-    m.deletion_hooks.append(lambda i, r: log.append(["deletion", i, r]))
-    m.creation_hooks.append(create)
+    # Only the master talks to the source, as with the service.
+    world = World(rank=rank, world_size=WORLD_SIZE)
+    m = MultiRunManager(DirectoryRunSource(root) if rank == 0 else None, 2, world=world, check=validate)
 
     snapshots = []
     log.append(["round", 1])
     if rank == 0:
         m.discover_runs()
-    m.synchronize_state()
+    apply(m.synchronize_state())
     snapshots.append(_snapshot(m))
 
     log.append(["round", 2])
@@ -90,11 +90,7 @@ def _run_rounds(rank: int, root: Path, out_dir: Path) -> None:
         shutil.rmtree(root / RUN_A)
         _make_run(root, RUN_C, {"batch_size": 3, "lora": {"rank": 4}})
         m.discover_runs()
-        # What the packer does on the master between discovery and synchronisation.
-        b = m.id_2_idx[RUN_B]
-        m.progress[b].step, m.progress[b].total_tokens, m.progress[b].total_samples = 1, 40, 2
-        m.ready_to_update[b] = True
-    m.synchronize_state()
+    apply(m.synchronize_state())
     snapshots.append(_snapshot(m))
 
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"snapshots": snapshots, "log": log}))
@@ -108,7 +104,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_two_gloo_ranks_agree_and_run_hooks_in_order(tmp_path: Path) -> None:
+def test_two_gloo_ranks_agree_and_change_slots_in_order(tmp_path: Path) -> None:
     root, out_dir = tmp_path / "outputs", tmp_path / "out"
     out_dir.mkdir()
     _make_run(root, RUN_A, {"batch_size": 1})
@@ -135,41 +131,31 @@ def test_two_gloo_ranks_agree_and_run_hooks_in_order(tmp_path: Path) -> None:
     assert first == second
 
     round1, round2 = first
-    assert round1["idx_2_id"] == {"0": RUN_A, "1": RUN_B}
+    assert round1["run_ids"] == {"0": RUN_A, "1": RUN_B}
     assert round1["config"]["1"] == RunConfig(batch_size=2, optim={"lr": 0.001}).model_dump(mode="json")
-    assert round1["ready_to_update_idxs"] == []
-    assert round2["idx_2_id"] == {"0": RUN_C, "1": RUN_B}
-    assert round2["id_2_idx"] == {RUN_B: 1, RUN_C: 0}
+    assert round2["run_ids"] == {"0": RUN_C, "1": RUN_B}
+    assert round2["slots"] == {RUN_B: 1, RUN_C: 0}
     assert round2["config"]["0"]["batch_size"] == 3 and round2["config"]["0"]["lora"]["rank"] == 4
-    assert round2["progress"] == {
-        "0": {"step": 0, "total_tokens": 0, "total_samples": 0},
-        "1": {"step": 1, "total_tokens": 40, "total_samples": 2},
-    }
-    assert round2["ready_to_update_idxs"] == [1]
-    assert round2["unused_idxs"] == []
+    assert round2["free_slots"] == []
 
     master_log, worker_log = (r["log"] for r in results)
     assert master_log == [
         ["round", 1],
         ["validation", 1],
         ["validation", 2],
-        ["discovered", 0, RUN_A],
-        ["discovered", 1, RUN_B],
-        ["creation", 0, RUN_A],
-        ["creation", 1, RUN_B],
+        ["admit", 0, RUN_A],
+        ["admit", 1, RUN_B],
         ["round", 2],
-        ["forgotten", 0, RUN_A],
         ["validation", 3],
-        ["discovered", 0, RUN_C],
-        ["deletion", 0, RUN_A],
-        ["creation", 0, RUN_C],
+        ["release", 0, RUN_A],
+        ["admit", 0, RUN_C],
     ]
-    # Master-only hooks never run on the other rank; deletion precedes creation there too.
+    # Validation is the master's alone; the other rank releases before it admits, as the master does.
     assert worker_log == [
         ["round", 1],
-        ["creation", 0, RUN_A],
-        ["creation", 1, RUN_B],
+        ["admit", 0, RUN_A],
+        ["admit", 1, RUN_B],
         ["round", 2],
-        ["deletion", 0, RUN_A],
-        ["creation", 0, RUN_C],
+        ["release", 0, RUN_A],
+        ["admit", 0, RUN_C],
     ]

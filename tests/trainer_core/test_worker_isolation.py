@@ -7,19 +7,23 @@ Runs the real PoolTrainer, fed from memory (the service is tested end to end els
 Which guard catches the broken run depends on how its tokens are packed (its loss sum, the
 backward re-run per run, or the optimizer's gradient check); the two-rank end-to-end test
 (tests/e2e/test_pool_e2e.py) is the one whose packing overflowed in the backward pass and
-spread NaN to its row mate before PoolTrainer._backward_isolated existed.
+spread NaN to its row mate before `trainer_core.step.backward_isolated` existed.
 """
+
+from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
 
 from contracts.run_config import RunConfig
 from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch
+from trainer_core.dist import World
+from trainer_core.http_source import HttpRunSource
 from trainer_core.memory_client import MemoryPoolClient
 from trainer_core.worker import PoolTrainer, WorkerArgs
 
 
-def _train(payloads, tmp_path) -> MemoryPoolClient:
+def _train(payloads: list[list[dict]], tmp_path: Path) -> MemoryPoolClient:
     config = RunConfig.model_validate(run_config(max_steps=2, seed=5)).model_dump(mode="json")
     client = MemoryPoolClient(payloads, config)
     args = WorkerArgs(
@@ -34,7 +38,7 @@ def _train(payloads, tmp_path) -> MemoryPoolClient:
         poll_interval_s=0.01,
         exit_when_idle_s=0.3,
     )
-    trainer = PoolTrainer(args, rank=0, world_size=1, device=torch.device("cpu"), client=client)
+    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
     try:
         trainer.run()
     finally:
@@ -42,7 +46,7 @@ def _train(payloads, tmp_path) -> MemoryPoolClient:
     return client
 
 
-def test_overflowing_run_is_evicted_and_its_row_mate_is_untouched(tmp_path):
+def test_overflowing_run_is_evicted_and_its_row_mate_is_untouched(tmp_path: Path) -> None:
     good = [synthetic_batch(1, n_samples=4), synthetic_batch(2, n_samples=4)]
     # Finite advantages (the service accepts them) whose loss or gradients overflow in float32.
     broken = [

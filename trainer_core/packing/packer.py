@@ -171,14 +171,21 @@ class Packer:
 
     # ---- runs ----------------------------------------------------------------------------------
 
-    def add_run(self, slot: int, *, batch_size: int) -> None:
-        """Start accounting for a run in ``slot`` (progress from zero; see `set_progress` to resume)."""
+    def add_run(self, slot: int, *, batch_size: int, progress: Progress | None = None) -> None:
+        """Start accounting for a run in ``slot``, at a step boundary.
+
+        ``progress``: the run's progress object, which the Packer then advances in place as it packs
+        (the trainer passes its own, so that the run's progress exists once); None starts a new one
+        at zero. See `set_progress` to move it to a checkpoint later.
+        """
         self._check_slot_range(slot)
         if slot in self._runs:
             raise ValueError(f"slot {slot} already has a run")
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
-        self._runs[slot] = _RunState(batch_size=batch_size)
+        self._runs[slot] = _RunState(
+            batch_size=batch_size, progress=progress if progress is not None else Progress()
+        )
         self.ready_to_update[slot] = False
 
     def remove_run(self, slot: int) -> None:
@@ -193,7 +200,9 @@ class Packer:
     def set_progress(self, slot: int, step: int, total_tokens: int, total_samples: int) -> None:
         """Resume a run from a checkpoint (taken at a step boundary): no partial step is in progress."""
         state = self._state(slot)
-        state.progress = Progress(step=step, total_tokens=total_tokens, total_samples=total_samples)
+        # In place: whoever passed the object to `add_run` sees the change.
+        state.progress.step, state.progress.total_tokens = step, total_tokens
+        state.progress.total_samples = total_samples
         state.samples_consumed_this_step = 0
 
     def progress(self, slot: int) -> Progress:

@@ -1,0 +1,158 @@
+"""The runs the service says this pool should train, over HTTP (`RunSource` for `loraloom worker --url`).
+
+The service owns the runs: it assigns slots, keeps batches leased to this pool (the heartbeat
+thread keeps the pool and its leases alive even while a long step runs), returns a restarted run's
+batches after its checkpoint to the queue, and stores adapters, metrics and checkpoints' records.
+"""
+
+import logging
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from contracts.http import ApiError
+from contracts.pool_api import (
+    AckItem,
+    AdapterStored,
+    CheckpointReport,
+    ClaimedBatchStruct,
+    PoolHeartbeatOut,
+    PoolRegister,
+    PoolRegistered,
+    PoolRunState,
+    RunAfterPush,
+    StepReport,
+)
+from contracts.progress import Progress
+from trainer_core.runs import RunRecord
+
+log = logging.getLogger("loraloom.worker")
+
+MAX_REASON_CHARS = 4096
+"""The service's limit on an eviction reason (`TrainerEvict.reason`)."""
+
+
+class PoolClient(Protocol):
+    """`PoolServiceClient`'s methods (`MemoryPoolClient` stands in for it in tests and benchmarks)."""
+
+    def register(self, capabilities: PoolRegister) -> PoolRegistered: ...
+    def heartbeat(self) -> PoolHeartbeatOut: ...
+    def state(self) -> list[PoolRunState]: ...
+    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]: ...
+    def ack(self, acks: list[AckItem]) -> int: ...
+    def restart_run(
+        self, run_id: str, *, checkpoint_step: int, total_samples: int, total_tokens: int
+    ) -> list[int]: ...
+    def upload_adapter(self, run_id: str, step: int, adapter_dir: Path) -> AdapterStored: ...
+    def report_step(self, run_id: str, report: StepReport) -> RunAfterPush: ...
+    def report_checkpoint(self, run_id: str, report: CheckpointReport) -> None: ...
+    def evict(self, run_id: str, reason: str) -> RunAfterPush | None: ...
+    def close(self) -> None: ...
+
+
+class HttpRunSource:
+    """RunSource over the service's pool routes (docs/contracts.md)."""
+
+    def __init__(self, client: PoolClient) -> None:
+        self.client = client
+        self._heartbeat: _Heartbeat | None = None
+
+    @property
+    def lost(self) -> bool:
+        """The service no longer knows this pool (declared dead or replaced): training on would
+        duplicate work that it has handed to another pool."""
+        return self._heartbeat is not None and self._heartbeat.lost
+
+    def open(self, capabilities: PoolRegister) -> None:
+        registered = self.client.register(capabilities)
+        log.info(
+            "registered pool %s (%d slots, world size %d)",
+            registered.pool_id,
+            capabilities.slots,
+            capabilities.world_size,
+        )
+        self._heartbeat = _Heartbeat(self.client, registered.heartbeat_interval_s)
+        self._heartbeat.start()
+
+    def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self.client.close()
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    def list_runs(self) -> list[RunRecord]:
+        return [
+            RunRecord(run.run_id, run.config, slot_hint=run.slot, progress=run.progress)
+            for run in self.client.state()
+        ]
+
+    def evict(self, run_id: str, reason: str) -> None:
+        self.client.evict(run_id, reason[:MAX_REASON_CHARS])
+
+    def report_invalid_config(self, run_id: str, message: str) -> None:
+        self.evict(run_id, f"invalid config: {message}")
+
+    def clear_invalid_config(self, run_id: str) -> None:
+        return None  # an invalid run is evicted: there is nothing to withdraw
+
+    # -- batches ---------------------------------------------------------------------------------
+
+    def restart_run(self, run_id: str, progress: Progress) -> None:
+        # Exactly-once: everything the service handed out after this checkpoint comes back.
+        self.client.restart_run(
+            run_id,
+            checkpoint_step=progress.step,
+            total_samples=progress.total_samples,
+            total_tokens=progress.total_tokens,
+        )
+
+    def release_run(self, run_id: str) -> None:
+        return None  # the service returns the run's leased batches itself (lease expiry, restart)
+
+    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
+        return self.client.claim(max_batches)
+
+    def ack(self, acks: list[AckItem]) -> None:
+        self.client.ack(acks)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def publish_adapter(self, run_id: str, step: int, adapter_dir: Path) -> None:
+        self.client.upload_adapter(run_id, step, adapter_dir)
+
+    def report_checkpoint(self, run_id: str, report: CheckpointReport) -> None:
+        self.client.report_checkpoint(run_id, report)
+
+    def report_step(self, run_id: str, report: StepReport) -> None:
+        self.client.report_step(run_id, report)
+
+
+class _Heartbeat(threading.Thread):
+    """Keeps the pool alive (and its leases extended) even while a long step runs."""
+
+    def __init__(self, client: PoolClient, interval_s: float) -> None:
+        super().__init__(name="pool-heartbeat", daemon=True)
+        self._client = client
+        self._interval = interval_s
+        self._stopped = threading.Event()
+        self.lost = False
+        """Set when the service no longer knows this pool."""
+
+    def run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                self._client.heartbeat()
+            except ApiError as exc:
+                if exc.code in ("pool_dead", "pool_stopped"):
+                    # The service gave our leases away (or another pool replaced us): training on
+                    # would duplicate work. Stop; a restarted pool resumes from checkpoints.
+                    log.error("pool no longer registered (%s); stopping", exc.code)
+                    self.lost = True
+                    return
+                log.warning("heartbeat failed: %s", exc)
+            except Exception as exc:  # transient (connection errors after retries): the next beat retries
+                log.warning("heartbeat failed: %s", exc)
+
+    def stop(self) -> None:
+        self._stopped.set()

@@ -1,0 +1,89 @@
+"""What the pool holds for one active run: its `RunSlot`.
+
+A run gets a slot when the pool admits it and gives it back when the pool releases it (both
+explicit calls of `PoolTrainer`, on every rank in the same order). The record keeps the run's
+config, its progress (the one copy: the master's Packer advances it as it packs), its step's
+metrics and its batch ledger. The slot's adapter and optimizer live in the shared `MultiLoRA` and
+`MultiRunOptimizer` under the same slot index.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from contracts.pool_api import StepMetricsIn
+from contracts.progress import Progress
+from contracts.run_config import RunConfig
+from trainer_core.ledger import RunLedger
+from trainer_core.loss import SlotLossStats
+from trainer_core.optim import StepStats
+from trainer_core.packing import RunPackStats
+
+
+@dataclass
+class StepAccumulator:
+    """A run's loss statistics and sizes summed over the packs of its current step (master only)."""
+
+    started: float = field(default_factory=time.monotonic)
+    loss_sum: float = 0.0
+    loss_tokens: int = 0
+    """Tokens that carried loss (the loss's normaliser)."""
+    masked_tokens: int = 0
+    """Loss-mask tokens whose importance ratio left the bounds (no loss, but scored)."""
+    entropy_sum: float = 0.0
+    """Summed over every scored token: the loss tokens and the masked ones."""
+    mismatch_kl_sum: float = 0.0
+    """Summed over every scored token, as `entropy_sum`."""
+    tokens: int = 0
+    samples: int = 0
+
+    def add_pack(self, pack: RunPackStats) -> None:
+        self.tokens += pack.tokens
+        self.samples += pack.samples
+
+    def add_loss(self, stats: SlotLossStats) -> None:
+        self.loss_sum += stats.loss_sum
+        self.loss_tokens += stats.loss_tokens
+        self.masked_tokens += stats.masked_tokens
+        self.entropy_sum += stats.entropy_sum
+        self.mismatch_kl_sum += stats.mismatch_kl_sum
+
+    def metrics(self, step: StepStats) -> StepMetricsIn:
+        """The step's metrics: the loss is a mean over the tokens that carried loss; entropy and
+        mismatch KL are means over every scored token (they are summed over masked tokens too)."""
+        scored = self.loss_tokens + self.masked_tokens
+        return StepMetricsIn(
+            loss=self.loss_sum / max(self.loss_tokens, 1),
+            entropy=self.entropy_sum / max(scored, 1),
+            mismatch_kl=self.mismatch_kl_sum / max(scored, 1),
+            masked_fraction=self.masked_tokens / max(scored, 1),
+            grad_norm=step.grad_norm,
+            lr=step.lr,
+            tokens=self.tokens,
+            samples=self.samples,
+            step_time_s=time.monotonic() - self.started,
+        )
+
+
+@dataclass
+class RunSlot:
+    """One active run in one slot."""
+
+    slot: int
+    run_id: str
+    config: RunConfig
+    progress: Progress
+    """Where the run stands: from its checkpoint when admitted; on the master the Packer advances
+    this very object as it packs (other ranks do not need it)."""
+    ledger: RunLedger = field(default_factory=RunLedger)
+    """Master: the batches fed to the packer and not yet acknowledged."""
+    step_metrics: StepAccumulator = field(default_factory=StepAccumulator)
+    """Master: the current step's metrics so far."""
+    leaving: str | None = None
+    """Master: why this run no longer trains (evicted, completed); its slot is released on every
+    rank at the next synchronisation, and nothing more is fed or published for it until then."""
+
+    def finish_step(self, step: StepStats) -> StepMetricsIn:
+        """The metrics of the step that just completed; the next step accumulates from zero."""
+        metrics = self.step_metrics.metrics(step)
+        self.step_metrics = StepAccumulator()
+        return metrics
