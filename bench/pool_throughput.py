@@ -136,7 +136,7 @@ class TimedClient(PoolServiceClient):
     def report_step(self, run_id: str, report: StepReport) -> RunAfterPush:
         out = super().report_step(run_id, report)
         self.timing.last_step = time.perf_counter()
-        self.timing.tokens += report.metrics.tokens
+        self.timing.tokens += report.metrics.tokens or 0
         return out
 
 

@@ -216,7 +216,9 @@ def test_reupload_replaces_the_step(
     second = client.get(f"/v1/runs/{run['id']}/adapters/1", headers=tenant.headers)
     assert second.headers["etag"] != first.headers["etag"]
     with tarfile.open(fileobj=io.BytesIO(second.content), mode="r:gz") as tar:
-        assert tar.extractfile(FILES[1]).read() == changed
+        member = tar.extractfile(FILES[1])
+        assert member is not None
+        assert member.read() == changed
     assert len(client.get(f"/v1/runs/{run['id']}/adapters", headers=tenant.headers).json()["items"]) == 1
     broadcast = settings.runs_dir / run["id"] / "broadcast"
     assert [p.name for p in broadcast.iterdir()] == ["step_1"]  # no staging or replaced leftovers

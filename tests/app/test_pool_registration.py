@@ -212,10 +212,11 @@ def test_heartbeat_extends_the_pools_leases(
         == 200
     )
     db.expire_all()
-    lease = db.get(Batch, batch_id).lease_expires_at
+    lease = db.get_one(Batch, batch_id).lease_expires_at
+    assert lease is not None
     lease = lease if lease.tzinfo else lease.replace(tzinfo=UTC)
     assert lease >= before + timedelta(seconds=settings.lease_seconds - 1)
-    pool = db.get(Pool, pool_id)
+    pool = db.get_one(Pool, pool_id)
     assert pool.status == "alive"
 
 
@@ -232,8 +233,8 @@ def test_dead_pool(client: TestClient, tenant: TenantHandle, db: Session, settin
     db.commit()
 
     db.expire_all()
-    assert db.get(Pool, pool_id).status == "dead"
-    batch = db.get(Batch, batch_id)
+    assert db.get_one(Pool, pool_id).status == "dead"
+    batch = db.get_one(Batch, batch_id)
     assert (batch.state, batch.pool_id, batch.lease_expires_at) == ("pending", None, None)
     end_read(db)
 
@@ -263,9 +264,9 @@ def test_reregistration_replaces_the_previous_pool(
 
     new = register(client)  # the same base model: a restarted pool
     db.expire_all()
-    assert db.get(Pool, old).status == "stopped"
-    assert db.get(Pool, other_model).status == "alive"
-    assert db.get(Batch, batch_id).state == "pending"
+    assert db.get_one(Pool, old).status == "stopped"
+    assert db.get_one(Pool, other_model).status == "alive"
+    assert db.get_one(Batch, batch_id).state == "pending"
     end_read(db)
     r = client.post("/v1/pool/heartbeat", json={"pool_id": old}, headers=WORKER_HEADERS)
     assert r.status_code == 409

@@ -45,8 +45,8 @@ def test_sweep_once(
     assert result.errors == []
     assert (result.expired_leases, result.dead_pools, result.evicted_runs) == (1, [], [])
     db.expire_all()
-    assert db.get(Batch, expired).state == "pending"
-    assert db.get(Batch, leased_by_dead).state == "claimed"
+    assert db.get_one(Batch, expired).state == "pending"
+    assert db.get_one(Batch, leased_by_dead).state == "claimed"
     end_read(db)
 
     # A minute on: the other pool heartbeats, the first does not; the run's orchestrator is silent.
@@ -56,20 +56,20 @@ def test_sweep_once(
         == 200
     )
     with factory() as s:  # the heartbeat above stamped the real clock; move it to `later`
-        s.get(Pool, other_pool).last_heartbeat_at = later
+        s.get_one(Pool, other_pool).last_heartbeat_at = later
         s.commit()
     result = sweeper.sweep_once(factory, settings=settings, now=later)
     assert result.errors == []
     assert result.dead_pools == [pool_id]
     assert result.evicted_runs == [run["id"]]
     db.expire_all()
-    assert db.get(Pool, pool_id).status == "dead"
-    assert db.get(Pool, other_pool).status == "alive"
-    batch = db.get(Batch, leased_by_dead)
+    assert db.get_one(Pool, pool_id).status == "dead"
+    assert db.get_one(Pool, other_pool).status == "alive"
+    batch = db.get_one(Batch, leased_by_dead)
     assert (batch.state, batch.pool_id) == ("pending", None)
-    evicted = db.get(Run, run["id"])
+    evicted = db.get_one(Run, run["id"])
     assert (evicted.status, evicted.evicted_by) == ("evicted", "heartbeat")
-    assert db.get(Run, quiet["id"]).status == "active"
+    assert db.get_one(Run, quiet["id"]).status == "active"
 
 
 def test_a_failing_job_does_not_stop_the_others(
@@ -122,6 +122,6 @@ def test_background_loop_declares_a_silent_pool_dead(settings: Settings, monkeyp
             time.sleep(0.1)
         assert status == 409, "the sweeper never declared the silent pool dead"
         with make_session_factory(engine)() as db:
-            assert db.get(Batch, batch_id).state == "pending"
+            assert db.get_one(Batch, batch_id).state == "pending"
         engine.dispose()
     assert calls["n"] >= 2
