@@ -22,6 +22,16 @@ class TrainingSample(msgspec.Struct, forbid_unknown_fields=True):
     advantage: float | list[float] | None = None
     """A scalar for the whole completion, or one per completion token. Required by the service."""
     teacher_logprobs: list[float] | None = None
+    reward: float | None = None
+    """The sample's scalar reward, as the orchestrator scored it: the service aggregates it per rollout
+    step into the run's metrics; a run with GAE advantages places it at the last completion token."""
+    token_rewards: list[float] | None = None
+    """One reward per completion token (runs with GAE advantages); overrides `reward` for training."""
+    weights: list[float] | None = None
+    """One loss weight (>= 0) per completion token, for SFT (`cross_entropy`); default: completion_mask."""
+    metrics: dict[str, float] | None = None
+    """Free per-sample measurements (e.g. `{"format_ok": 1.0}`), aggregated per rollout step like
+    `reward`; at most MAX_SAMPLE_METRICS names of at most MAX_LABEL_CHARS characters."""
 
     @property
     def num_tokens(self) -> int:
@@ -51,7 +61,10 @@ MAX_EXAMPLES_PER_BATCH = 4096
 """A cap on samples per batch; bigger rollout steps are split into several batches."""
 
 MAX_LABEL_CHARS = 256
-"""Longest `env` / `agent` label."""
+"""Longest `env` / `agent` label, and longest per-sample metric name."""
+
+MAX_SAMPLE_METRICS = 16
+"""Most names in one sample's `metrics`."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +133,8 @@ def _length_problems(sample: TrainingSample) -> list[tuple[str, str]]:
             "completion_ids",
         ),
         "teacher_logprobs": (sample.teacher_logprobs, n_completion, "completion_ids"),
+        "token_rewards": (sample.token_rewards, n_completion, "completion_ids"),
+        "weights": (sample.weights, n_completion, "completion_ids"),
     }
     return [
         (field, f"{field} has {len(values)} entries, {of} {n}")
@@ -146,6 +161,7 @@ def sample_problems(
     out += _token_problems("prompt_ids", sample.prompt_ids, vocab_size)
     out += _token_problems("completion_ids", sample.completion_ids, vocab_size)
     out += _advantage_value_problems(sample.advantage)
+    out += _optional_value_problems(sample)
     if full:
         out += _logprob_problems("completion_logprobs", sample.completion_logprobs)
         if sample.teacher_logprobs is not None:
@@ -179,6 +195,33 @@ def _shape_problems(sample: TrainingSample, *, seq_len: int, full: bool) -> list
     out += _length_problems(sample)
     if sample.advantage is None:
         out.append(("advantage", "advantage is missing (a number, or one per completion token)"))
+    return out
+
+
+def _finite_list_problems(field: str, values: list[float] | None) -> list[tuple[str, str]]:
+    bad = None if values is None else _first_non_finite(values)
+    if values is None or bad is None:
+        return []
+    return [(field, f"{field} value {values[bad]!r} at position {bad} is not finite")]
+
+
+def _optional_value_problems(sample: TrainingSample) -> list[tuple[str, str]]:
+    """Rewards, weights and metrics: finite; weights >= 0; metrics bounded."""
+    out = _finite_list_problems("token_rewards", sample.token_rewards)
+    out += _finite_list_problems("weights", sample.weights)
+    if sample.weights and not out and min(sample.weights) < 0.0:
+        pos = next(i for i, w in enumerate(sample.weights) if w < 0.0)
+        out.append(("weights", f"weights value {sample.weights[pos]!r} at position {pos} is negative"))
+    if sample.reward is not None and not math.isfinite(sample.reward):
+        out.append(("reward", f"reward is {sample.reward!r}"))
+    metrics = sample.metrics or {}
+    if len(metrics) > MAX_SAMPLE_METRICS:
+        out.append(("metrics", f"metrics has {len(metrics)} names; at most {MAX_SAMPLE_METRICS}"))
+    for name, value in metrics.items():
+        if not name or len(name) > MAX_LABEL_CHARS:
+            out.append(("metrics", f"metric name {name[:40]!r} must have 1 to {MAX_LABEL_CHARS} characters"))
+        elif not math.isfinite(value):
+            out.append(("metrics", f"metric {name!r} is {value!r}"))
     return out
 
 

@@ -26,6 +26,7 @@ from app.errors import ValidationFailed
 from contracts.wire import (
     MAX_EXAMPLES_PER_BATCH,
     MAX_LABEL_CHARS,
+    MAX_SAMPLE_METRICS,
     Problem,
     TrainingBatch,
     TrainingSample,
@@ -92,6 +93,9 @@ _Finite = Annotated[float, msgspec.Meta(ge=-_MAX_FLOAT, le=_MAX_FLOAT)]
 _LogProb = Annotated[float, msgspec.Meta(ge=-_MAX_FLOAT, le=0.0)]
 _Temperature = Annotated[float, msgspec.Meta(gt=0.0, le=_MAX_FLOAT)]
 _Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS)]
+_Weight = Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_FLOAT)]
+_MetricName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LABEL_CHARS)]
+_SampleMetrics = Annotated[dict[_MetricName, _Finite], msgspec.Meta(max_length=MAX_SAMPLE_METRICS)]
 
 
 @lru_cache(maxsize=64)
@@ -112,6 +116,10 @@ def _constrained_decoders(
             ("completion_logprobs", list[_LogProb]),
             ("advantage", _Finite | list[_Finite] | None, None),
             ("teacher_logprobs", list[_LogProb] | None, None),
+            ("reward", _Finite | None, None),
+            ("token_rewards", list[_Finite] | None, None),
+            ("weights", list[_Weight] | None, None),
+            ("metrics", _SampleMetrics | None, None),
         ],
         bases=(TrainingSample,),
         forbid_unknown_fields=True,

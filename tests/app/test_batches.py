@@ -241,7 +241,15 @@ BAD_INPUTS = [
     Bad("completion_token_outside_vocab", _set_sample(1, completion_ids=[1, 2, 10**6]), 1, "completion_ids"),
     Bad("token_wrong_type", _set_sample(1, prompt_ids=[1, "a", 2, 3]), 1, "prompt_ids"),
     Bad("mask_wrong_type", _set_sample(1, prompt_mask=[0, 0, 0, 0]), 1, "prompt_mask"),
-    Bad("unknown_sample_field", _set_sample(1, reward=1.0), 1, "reward"),
+    Bad("reward_nan", _set_sample(1, reward=NAN), 1, "reward", msgpack=True),
+    Bad("token_rewards_length", _set_sample(1, token_rewards=[1.0]), 1, "token_rewards"),
+    Bad("token_rewards_inf", _set_sample(1, token_rewards=[0.0, INF, 0.0]), 1, "token_rewards", msgpack=True),
+    Bad("weights_length", _set_sample(1, weights=[1.0, 1.0]), 1, "weights"),
+    Bad("weights_negative", _set_sample(1, weights=[1.0, -0.5, 1.0]), 1, "weights"),
+    Bad("metrics_too_many", _set_sample(1, metrics={f"m{i}": 1.0 for i in range(17)}), 1, "metrics"),
+    Bad("metric_name_empty", _set_sample(1, metrics={"": 1.0}), 1, "metrics"),
+    Bad("metric_nan", _set_sample(1, metrics={"ok": NAN}), 1, "metrics", msgpack=True),
+    Bad("unknown_sample_field", _set_sample(1, score=1.0), 1, "score"),
     Bad("missing_sample_field", _del_sample(1, "completion_mask"), 1, "completion_mask"),
     Bad("unknown_batch_field", _set_batch(rewards=[1]), None, "rewards"),
     Bad("temperature_wrong_type", _set_batch(temperature="hot"), None, "temperature"),
@@ -314,6 +322,20 @@ def test_every_problem_is_listed(settings, client):
         (2, "prompt_mask"),
         (3, "advantage"),
     ]
+
+
+def test_rewards_weights_and_metrics_are_stored_as_sent(settings, client):
+    seeded = seed_run(settings)
+    body = batch_body(2)
+    body["examples"][0] |= {"reward": 0.75, "metrics": {"format_ok": 1.0}, "weights": [1.0, 0.5, 0.0]}
+    body["examples"][1] |= {"token_rewards": [0.0, 0.0, 1.0]}
+    assert post_batch(client, seeded, body).status_code == 201
+    with committed(settings) as session:
+        batch = session.scalars(select(Batch)).one()
+        stored = batch_msgpack_decoder.decode((settings.data_dir / batch.payload_path).read_bytes())
+    first, second = stored.examples
+    assert (first.reward, first.metrics, first.weights) == (0.75, {"format_ok": 1.0}, [1.0, 0.5, 0.0])
+    assert (second.reward, second.token_rewards) == (None, [0.0, 0.0, 1.0])
 
 
 def test_no_pool_means_no_upper_vocab_bound(settings, client):
