@@ -12,8 +12,8 @@ exactly as if it ran alone:
 
   * `PACKED_ATTENTION` (``"loraloom_packed"``, the default on CPU, and on GPU without flash-attention):
     the row's segment lengths go to `trainer_core.models.attention.packed_attention_forward` as
-    ``packed_seq_lens``; it runs SDPA with ``is_causal=True`` on each sample's slice, so cost and memory
-    follow Σ Lᵢ² and no mask is built. The attention mask passed is an all-ones (1, L) padding mask: with
+    ``packed_segments``; it runs SDPA with ``is_causal=True`` per sample (short samples several to a
+    call, padded), so cost and memory follow Σ Lᵢ² and no mask is built. The attention mask passed is an all-ones (1, L) padding mask: with
     it transformers neither infers packing from the restarting positions (which would build a dense
     mask) nor builds a causal one (SDPA's mask builder skips an all-ones mask).
   * ``"flash_attention_2"`` / ``"flash_attention_3"`` (GPU): no mask; the row's ``cu_seqlens`` (from
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer_core.models.attention import PACKED_ATTENTION
+from trainer_core.models.attention import PACKED_ATTENTION, PackedSegments
 from trainer_core.packing import MicroBatch
 
 __all__ = ["forward_packed", "packed_attention_mask", "segment_ids"]
@@ -92,7 +92,7 @@ def forward_packed(model: nn.Module, micro_batch: MicroBatch, **model_kwargs: An
     impl = getattr(model.config, "_attn_implementation", None)
     attention_mask: torch.Tensor | None
     if impl == PACKED_ATTENTION:
-        model_kwargs["packed_seq_lens"] = tuple(micro_batch.seq_lens)
+        model_kwargs["packed_segments"] = PackedSegments(micro_batch.seq_lens)
         attention_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=device)  # (1, L)
     elif _is_flash(impl):
         lens = torch.tensor(micro_batch.seq_lens, dtype=torch.int32, device=device)  # (S,)

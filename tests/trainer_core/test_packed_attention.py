@@ -2,7 +2,6 @@
 samples' run alone, for every architecture the pool serves, without any L×L mask."""
 
 import copy
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -13,7 +12,12 @@ from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core import modeling
 from trainer_core.lora import apply_multi_lora
 from trainer_core.models import attention
-from trainer_core.models.attention import PACKED_ATTENTION, segment_attention
+from trainer_core.models.attention import (
+    CALL_COST_TOKENS,
+    PACKED_ATTENTION,
+    PackedSegments,
+    segment_attention,
+)
 from trainer_core.models.tiny import ARCHS, Arch, build_model, tiny_config
 from trainer_core.packing import MicroBatch, Packer
 
@@ -117,10 +121,10 @@ def test_every_layer_attends_per_segment_and_no_mask_is_built(monkeypatch):
     real = attention.segment_attention
 
     def spy(
-        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens: Sequence[int], **kwargs: Any
+        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: PackedSegments, **kwargs: Any
     ) -> torch.Tensor:
-        calls.append(tuple(seq_lens))
-        return real(query, key, value, seq_lens, **kwargs)
+        calls.append(segments.seq_lens)
+        return real(query, key, value, segments, **kwargs)
 
     def no_dense_mask(*args, **kwargs):
         raise AssertionError("the packed path built the dense mask")
@@ -209,10 +213,76 @@ def test_unpacked_calls_are_plain_sdpa_padding_included():
     torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
+LENGTHS = {
+    "long_and_short": [300, 290, 130, 64, 64, 7, 1],
+    "one_segment": [37],
+    "one_long_one_short": [200, 3],
+    "equal": [48, 48, 48],
+}
+
+
+@pytest.mark.parametrize("lens", LENGTHS.values(), ids=list(LENGTHS))
+def test_segment_attention_equals_sdpa_on_each_segment(lens):
+    """Calls shared by padded short segments and sliced long ones: outputs and gradients as per segment."""
+    g = torch.Generator().manual_seed(len(lens))
+    length = sum(lens)
+    q = torch.randn(1, 6, length, 16, generator=g).requires_grad_(True)
+    k = torch.randn(1, 2, length, 16, generator=g).requires_grad_(True)
+    v = torch.randn(1, 2, length, 16, generator=g).requires_grad_(True)
+    upstream = torch.randn(length, 6, 16, generator=g)
+    out = segment_attention(q, k, v, lens, scaling=0.3)  # (L, H, D)
+    grads = torch.autograd.grad((out * upstream).sum(), (q, k, v))
+    refs, start = [], 0
+    for n in lens:
+        s = slice(start, start + n)
+        refs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, s], k[:, :, s], v[:, :, s], scale=0.3, is_causal=True, enable_gqa=True
+            )[0].transpose(0, 1)
+        )
+        start += n
+    ref = torch.cat(refs)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), (q, k, v))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("lens", LENGTHS.values(), ids=list(LENGTHS))
+def test_a_segment_shares_a_call_only_when_padding_costs_less_than_a_call(lens):
+    budget = CALL_COST_TOKENS**2
+    plan = PackedSegments(lens).plan(torch.device("cpu"), None)
+    ordered = sorted(lens, reverse=True)
+    assert [b.count for b in plan.buckets] and sum(b.count for b in plan.buckets) == len(lens)
+    start = 0
+    for bucket, following in zip(plan.buckets, [*plan.buckets[1:], None], strict=True):
+        members = ordered[start : start + bucket.count]
+        assert bucket.width == members[0]
+        assert all(bucket.width**2 <= n**2 + budget for n in members)
+        if following is not None:  # the next call's longest did not fit in this one
+            assert bucket.width**2 > following.width**2 + budget
+        start += bucket.count
+
+
+def test_calls_in_practice():
+    cpu = torch.device("cpu")
+    lens = LENGTHS["long_and_short"]  # 300, 290, 130, 64, 64, 7, 1
+    plan = PackedSegments(lens).plan(cpu, None)
+    assert (plan.buckets[0].count, plan.buckets[0].width) == (1, 300)  # long: alone, sliced
+    assert plan.buckets[0].gather is None
+    assert (plan.buckets[-1].count, plan.buckets[-1].width) == (4, 64)  # short: together, padded
+    assert plan.buckets[-1].gather is not None
+    windowed = PackedSegments(lens).plan(cpu, 100)  # longer than the window: alone, whatever the cost
+    assert [b.count for b in windowed.buckets if b.width > 100] == [1, 1, 1]
+    assert PackedSegments([5]).plan(cpu, None).inverse is None  # one segment: no reordering
+    equal = PackedSegments(LENGTHS["equal"]).plan(cpu, None)  # one call on a view of the row, in order
+    assert [(b.count, b.gather) for b in equal.buckets] == [(3, None)] and equal.inverse is None
+
+
 def test_segment_attention_rejects_a_layout_that_does_not_cover_the_row():
     q = torch.randn(1, 4, 10, 8)
     kv = torch.randn(1, 2, 10, 8)
-    with pytest.raises(ValueError, match="sum to the row length 10"):
+    with pytest.raises(ValueError, match="sum to 9, not to the row length 10"):
         segment_attention(q, kv, kv, [4, 5])
     with pytest.raises(ValueError, match="must be positive"):
         segment_attention(q, kv, kv, [10, 0])
