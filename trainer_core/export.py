@@ -26,6 +26,7 @@ from torch import Tensor
 from contracts.durable import fsync_path
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 from trainer_core.lora import MultiLoRA
+from trainer_core.models.precision import parse_dtype
 
 _PREFIX = "base_model.model."
 _SUFFIXES = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B"}
@@ -58,13 +59,20 @@ def peft_adapter_config(handle: MultiLoRA, slot: int, *, base_model_name_or_path
     }
 
 
-def peft_state_dict(handle: MultiLoRA, slot: int, *, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """The slot's tensors under PEFT key names, on the CPU, contiguous."""
+def peft_state_dict(
+    handle: MultiLoRA, slot: int, *, dtype: torch.dtype | str | None = torch.float32
+) -> dict[str, Tensor]:
+    """The slot's tensors under PEFT key names, on the CPU, contiguous, in ``dtype``.
+
+    ``dtype``: fp32 by default (exact: the trainer's master weights are fp32), ``"bf16"``/``"fp16"`` (or a
+    torch dtype) on request, ``None`` for the parameters' own dtype.
+    """
+    target = None if dtype is None else parse_dtype(dtype)
     out: dict[str, Tensor] = {}
     for key, tensor in handle.slot_state_dict(slot).items():
         module, _, factor = key.rpartition(".")
         out[f"{_PREFIX}{module}.{factor}.weight"] = tensor.to(
-            device="cpu", dtype=dtype or tensor.dtype
+            device="cpu", dtype=target or tensor.dtype
         ).contiguous()
     return out
 
@@ -75,10 +83,12 @@ def export_peft_adapter(
     out_dir: str | os.PathLike[str],
     *,
     base_model_name_or_path: str,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = torch.float32,
     overwrite: bool = False,
 ) -> Path:
     """Write `slot` as a PEFT adapter directory at `out_dir`, atomically; returns its path.
+
+    The tensors are written in ``dtype`` (see `peft_state_dict`: fp32 unless asked otherwise).
 
     The files are written to a temporary directory next to `out_dir`, flushed to disk, then
     renamed into place, so a reader sees either no directory or a complete one. An existing

@@ -27,7 +27,7 @@ activations are recomputed) and restores it on exit. Nothing lives at module lev
 import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -189,8 +189,10 @@ class MultiLoRALinear(nn.Module):
         max_rank: rows of A / columns of B stored per slot.
         dropout: initial dropout of every slot (see `configure_slot`).
         segment_context: where the counts come from when `forward` is called without them.
-        dtype: dtype of the LoRA parameters (default: the base weight's); the delta is computed
-            in it and cast to the output's dtype.
+        dtype: dtype of the LoRA parameters (default: the base weight's). The delta is computed in
+            the activations' dtype (the base's): with fp32 parameters on a bf16 base the parameters
+            are master weights, cast to bf16 for the matmuls, and their gradients and optimizer state
+            stay fp32 (mixed precision as torch.autocast does it).
         path: "grouped" (one grouped matmul per factor), "loop" (per-segment matmuls, the
             reference) or "auto" (grouped where it runs and pays off, see `_GROUPED_DTYPES`).
     """
@@ -220,19 +222,19 @@ class MultiLoRALinear(nn.Module):
         self.max_rank = max_rank
         self.segment_context = segment_context
         self.path: PathName = path
-        device, dtype = base.weight.device, dtype or base.weight.dtype
+        device, param_dtype = base.weight.device, dtype or base.weight.dtype
         self.lora_A = nn.ParameterList(
-            nn.Parameter(torch.zeros(max_rank, self.in_features, device=device, dtype=dtype))
+            nn.Parameter(torch.zeros(max_rank, self.in_features, device=device, dtype=param_dtype))
             for _ in range(n_slots)
         )
         self.lora_B = nn.ParameterList(
-            nn.Parameter(torch.zeros(self.out_features, max_rank, device=device, dtype=dtype))
+            nn.Parameter(torch.zeros(self.out_features, max_rank, device=device, dtype=param_dtype))
             for _ in range(n_slots)
         )
         # (n_slots, max_rank): alpha_s / r_s on the first r_s entries, 0 beyond. Derived from the
         # slot configs (which checkpoints store), hence not persistent.
         self.register_buffer(
-            "lora_scaling", torch.zeros(n_slots, max_rank, device=device, dtype=dtype), persistent=False
+            "lora_scaling", torch.zeros(n_slots, max_rank, device=device, dtype=param_dtype), persistent=False
         )
         self._configs: list[SlotConfig] = []
         for slot in range(n_slots):
@@ -306,7 +308,7 @@ class MultiLoRALinear(nn.Module):
             )
         if not layout.active:
             return out
-        x_flat = x.reshape(n_tokens, self.in_features).to(self.lora_A[0].dtype)  # (T, in)
+        x_flat = x.reshape(n_tokens, self.in_features)  # (T, in), in the compute dtype
         x_flat = self._segment_dropout(x_flat, layout)
         if self.resolve_path(x_flat.device, x_flat.dtype, layout, path) == "grouped":
             delta = self._delta_grouped(x_flat, layout)
@@ -349,13 +351,14 @@ class MultiLoRALinear(nn.Module):
 
     def _delta_grouped(self, x: Tensor, layout: SegmentLayout) -> Tensor:
         """All active segments in two grouped GEMMs: h = x A_gᵀ, y = h (c_g ⊙ B_g)ᵀ."""
-        assert _GROUPED_MM is not None  # resolve_path picks "grouped" only where the op exists
         slots = layout.active
         offs = layout.offsets(x.device)  # (G,)
-        a = torch.stack([self.lora_A[s] for s in slots])  # (G, R, in)
+        dtype = x.dtype  # the compute dtype; a no-op cast when the parameters are in it already
+        a = torch.stack([self.lora_A[s] for s in slots]).to(dtype)  # (G, R, in)
         # Scaling folded into B; its zero entries beyond each slot's rank cut those gradients.
-        scale = self.lora_scaling.index_select(0, layout.active_index(x.device))  # (G, R)
-        b = torch.stack([self.lora_B[s] for s in slots]) * scale[:, None, :]  # (G, out, R)
+        scale = self.lora_scaling.index_select(0, layout.active_index(x.device)).to(dtype)  # (G, R)
+        b = torch.stack([self.lora_B[s] for s in slots]).to(dtype) * scale[:, None, :]  # (G, out, R)
+        assert _GROUPED_MM is not None  # resolve_path chose "grouped" only where it exists
         h = _GROUPED_MM(x.contiguous(), a.transpose(1, 2), offs=offs)  # (T, R)
         y = _GROUPED_MM(h, b.transpose(1, 2), offs=offs)  # (T, out)
         return _ContiguousGrad.apply(y)
@@ -366,8 +369,8 @@ class MultiLoRALinear(nn.Module):
         deltas = []
         for slot, part in zip(layout.active, parts, strict=True):
             cfg = self._configs[slot]
-            a = self.lora_A[slot][: cfg.rank]  # (r, in)
-            b = self.lora_B[slot][:, : cfg.rank]  # (out, r)
+            a = self.lora_A[slot][: cfg.rank].to(x.dtype)  # (r, in), in the compute dtype
+            b = self.lora_B[slot][:, : cfg.rank].to(x.dtype)  # (out, r)
             deltas.append((part @ a.T) @ b.T * cfg.scaling)  # (T_s, out)
         return torch.cat(deltas) if len(deltas) > 1 else deltas[0]
 
@@ -414,16 +417,51 @@ class MultiLoRA:
     def segments(self, counts: Counts) -> Iterator[SegmentLayout]:
         """Route the model's tokens to slots for the forward (and backward) run inside the block.
 
-        Wrap the backward too when activations are recomputed (gradient checkpointing): the
-        recomputation calls the layers again and must see the same counts.
+        With gradient checkpointing enabled through `enable_gradient_checkpointing`, the backward may
+        also run after the block: each recomputation restores the layout its forward saw.
         """
         layout = SegmentLayout.from_counts(counts, self.n_slots)
+        with self._layout(layout):
+            yield layout
+
+    @contextmanager
+    def _layout(self, layout: SegmentLayout | None) -> Iterator[None]:
         previous = self.context.layout
         self.context.layout = layout
         try:
-            yield layout
+            yield
         finally:
             self.context.layout = previous
+
+    def recompute_context(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        """``context_fn`` of `torch.utils.checkpoint.checkpoint` (non-reentrant): called when a checkpointed
+        layer runs forward, it captures the segment layout in force; the second context re-installs it
+        around that layer's recomputation in the backward (which may run outside `segments`, or inside
+        another micro-batch's), so the recomputed forward routes tokens to the same slots."""
+        return nullcontext(), self._layout(self.context.layout)
+
+    def enable_gradient_checkpointing(self, *, every_n_layers: int = 1) -> None:
+        """Recompute each decoder layer's activations in the backward instead of keeping them.
+
+        transformers' activation checkpointing (non-reentrant, with `recompute_context`), active while
+        the model is in training mode. Memory per layer drops to its input; compute grows by about one
+        forward. Gradients are unchanged (dropout replays the same RNG state).
+        """
+        enable = getattr(self.model, "activation_checkpointing_enable", None) or getattr(
+            self.model, "gradient_checkpointing_enable", None
+        )
+        if enable is None:
+            raise TypeError(f"{type(self.model).__name__} does not support activation checkpointing")
+        kwargs = {"use_reentrant": False, "context_fn": self.recompute_context}
+        if every_n_layers != 1:
+            enable(kwargs, every_n_layers=every_n_layers)
+        else:
+            enable(kwargs)
+        # transformers makes the embeddings' output require grad for *reentrant* checkpointing; the
+        # non-reentrant kind does not need it, and it would add a backward into the embeddings.
+        disable_input_grads = getattr(self.model, "disable_input_require_grads", None)
+        if disable_input_grads is not None:
+            disable_input_grads()
 
     def configure_slot(self, slot: int, *, rank: int, alpha: float, dropout: float = 0.0) -> None:
         for layer in self.layers.values():

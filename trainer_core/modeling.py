@@ -10,21 +10,28 @@ exactly as if it ran alone:
   sample (or the padding pseudo-sequence) and j ≤ i. How, per attention implementation
   (``model.config._attn_implementation``):
 
-  * ``"eager"`` / ``"sdpa"`` (CPU, and GPU without flash-attention): an explicit additive 4-D mask
-    (`packed_attention_mask`, shape (1, 1, L, L), 0 where allowed and the dtype's minimum elsewhere).
-    transformers 5.x (``masking_utils._preprocess_mask_arguments``) passes any 4-D tensor mask through
-    untouched; eager adds it to the scores, SDPA takes it as ``attn_mask``. Memory is O(L²) per row
-    (256 MiB for L = 8192 in fp32), fine on CPU and for short rows; long rows on GPU want the next path.
+  * `PACKED_ATTENTION` (``"loraloom_packed"``, the default on CPU, and on GPU without flash-attention):
+    the row's segment lengths go to `trainer_core.models.attention.packed_attention_forward` as
+    ``packed_segments``; it runs SDPA with ``is_causal=True`` per sample (short samples several to a
+    call, padded), so cost and memory follow Σ Lᵢ² and no mask is built. The attention mask passed is an all-ones (1, L) padding mask: with
+    it transformers neither infers packing from the restarting positions (which would build a dense
+    mask) nor builds a causal one (SDPA's mask builder skips an all-ones mask).
   * ``"flash_attention_2"`` / ``"flash_attention_3"`` (GPU): no mask; the row's ``cu_seqlens`` (from
     ``seq_lens``) and max length go to transformers' flash path as ``cu_seq_lens_q/k`` and
     ``max_length_q/k``, which calls ``flash_attn_varlen_func`` — O(L) memory and no wasted FLOPs on
-    masked blocks. Selected automatically; it is not exercised by the CPU test-suite.
+    masked blocks. Selected by default on CUDA when ``flash_attn`` is installed; it is not exercised by
+    the CPU test-suite.
+  * ``"eager"`` / ``"sdpa"`` (the old path, kept for comparison): an explicit additive 4-D mask
+    (`packed_attention_mask`, shape (1, 1, L, L), 0 where allowed and the dtype's minimum elsewhere).
+    transformers 5.x (``masking_utils._preprocess_mask_arguments``) passes any 4-D tensor mask through
+    untouched; eager adds it to the scores, SDPA takes it as ``attn_mask``. Time and memory are O(L²)
+    per row whatever the samples' lengths (eager stores (1, heads, L, L) scores per layer).
   * ``"flex_attention"``: no mask; transformers derives a packed BlockMask from the restarting
     ``position_ids`` itself (``find_packed_sequence_indices``).
 
-Why an explicit mask rather than relying on that detection for eager/SDPA too: transformers only infers
+Why explicit layouts rather than relying on that detection for every path: transformers only infers
 packing when no mask *and no cache* is passed — a model in eval mode defaults to ``use_cache=True``,
-which silently turns it off and lets samples attend across each other. The explicit mask (and
+which silently turns it off and lets samples attend across each other. The explicit layout (and
 ``use_cache=False``) does not depend on that heuristic; the tests check that both agree.
 """
 
@@ -36,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer_core.models.attention import PACKED_ATTENTION, PackedSegments
 from trainer_core.packing import MicroBatch
 
 __all__ = ["forward_packed", "packed_attention_mask", "segment_ids"]
@@ -68,7 +76,7 @@ def packed_attention_mask(
 
 
 def _is_flash(impl: str | None) -> bool:
-    return bool(impl) and "flash_attention" in impl
+    return impl is not None and "flash_attention" in impl
 
 
 def forward_packed(model: nn.Module, micro_batch: MicroBatch, **model_kwargs: Any) -> torch.Tensor:
@@ -82,7 +90,11 @@ def forward_packed(model: nn.Module, micro_batch: MicroBatch, **model_kwargs: An
     input_ids = micro_batch.input_ids.to(device)[None]  # (1, L)
     position_ids = micro_batch.position_ids.to(device)[None]  # (1, L)
     impl = getattr(model.config, "_attn_implementation", None)
-    if _is_flash(impl):
+    attention_mask: torch.Tensor | None
+    if impl == PACKED_ATTENTION:
+        model_kwargs["packed_segments"] = PackedSegments(micro_batch.seq_lens)
+        attention_mask = torch.ones(input_ids.shape, dtype=torch.bool, device=device)  # (1, L)
+    elif _is_flash(impl):
         lens = torch.tensor(micro_batch.seq_lens, dtype=torch.int32, device=device)  # (S,)
         cu_seqlens = torch.nn.functional.pad(torch.cumsum(lens, 0, dtype=torch.int32), (1, 0))  # (S+1,)
         longest = max(micro_batch.seq_lens)

@@ -1,5 +1,7 @@
 """The packed forward: a sample's logits packed among others equal its logits alone."""
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -8,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.modeling import forward_packed, packed_attention_mask
+from trainer_core.models.attention import PACKED_ATTENTION
 from trainer_core.packing import MicroBatch, Packer
 
 torch.set_num_threads(1)
@@ -17,7 +20,8 @@ VOCAB = 128
 
 def tiny_llama(attn_implementation: str, num_key_value_heads: int = 4) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(  # type: ignore[call-arg]  # the stubs leave out PretrainedConfig's own kwargs
+    attention: dict[str, Any] = {"attn_implementation": attn_implementation}  # undeclared in LlamaConfig
+    config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -25,12 +29,12 @@ def tiny_llama(attn_implementation: str, num_key_value_heads: int = 4) -> LlamaF
         num_attention_heads=4,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=256,
-        attn_implementation=attn_implementation,
+        **attention,
     )
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.fixture(scope="module", params=["eager", "sdpa"])
+@pytest.fixture(scope="module", params=["eager", "sdpa", PACKED_ATTENTION])
 def model(request) -> LlamaForCausalLM:
     return tiny_llama(request.param)
 

@@ -20,12 +20,14 @@ import math
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 # The tokenizer is the SDK's character tokenizer: the model and the envs must share one vocabulary.
 from contracts.tokenizer import CharTokenizer
+from trainer_core.models.attention import PACKED_ATTENTION
 
 TOKENIZER = CharTokenizer()
 
@@ -45,6 +47,11 @@ WARMUP_LR = 3e-3
 """Phase 1 peak lr (linear warm-up over 50 steps, then cosine to 0); phase 2 starts at a tenth."""
 
 
+# A PretrainedConfig keyword LlamaConfig does not declare. Eager: the warm-up's padded batches need
+# no packing, and the cached weights were built with it.
+_EAGER: dict[str, Any] = {"attn_implementation": "eager"}
+
+
 def tiny_llama_config() -> LlamaConfig:
     return LlamaConfig(
         vocab_size=TOKENIZER.vocab_size,
@@ -59,7 +66,7 @@ def tiny_llama_config() -> LlamaConfig:
         bos_token_id=TOKENIZER.bos_token_id,
         eos_token_id=TOKENIZER.eos_token_id,
         pad_token_id=TOKENIZER.pad_token_id,
-        attn_implementation="eager",
+        **_EAGER,
     )
 
 
@@ -140,8 +147,14 @@ def cached_path(cache_dir: Path) -> Path:
     return cache_dir / f"{NAME}-v{VERSION}"
 
 
-def load(cache_dir: Path) -> PreTrainedModel:
-    """Load the built-in model, building and caching it on first use."""
+def load(
+    cache_dir: Path, *, dtype: torch.dtype = torch.float32, attn_implementation: str = PACKED_ATTENTION
+) -> PreTrainedModel:
+    """Load the built-in model, building and caching it on first use.
+
+    The weights are built and cached in fp32 with eager attention (the warm-up's padded batches); the
+    copy returned is in ``dtype`` with ``attn_implementation`` (see `trainer_core.models.precision`).
+    """
     path = cached_path(cache_dir)
     marker = path / "BUILT"
     if not marker.exists():
@@ -154,4 +167,4 @@ def load(cache_dir: Path) -> PreTrainedModel:
         # If another process finished first, theirs is identical (seeded): keep it.
         with contextlib.suppress(OSError):
             os.replace(tmp, path)
-    return LlamaForCausalLM.from_pretrained(path, attn_implementation="eager")
+    return LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)

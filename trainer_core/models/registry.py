@@ -4,29 +4,46 @@ import os
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer_core.models import builtin
+from trainer_core.models.precision import resolve_attn_implementation, resolve_dtype
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("LORALOOM_MODEL_CACHE", "./.loraloom/models"))
 
 
 def load_base_model(
-    name_or_path: str, *, cache_dir: Path = DEFAULT_CACHE_DIR, dtype: torch.dtype = torch.float32
+    name_or_path: str,
+    *,
+    cache_dir: Path = DEFAULT_CACHE_DIR,
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str | None = None,
+    device: torch.device | str | None = None,
 ) -> PreTrainedModel:
-    """The frozen base model every rank trains adapters on.
+    """The frozen base model every rank trains adapters on, on the CPU (the caller moves it).
 
     A local directory loads as it is; any other name except the built-in one is a hub id,
     which transformers resolves (downloading unless HF_HUB_OFFLINE=1 and it is cached).
+
+    ``device`` is where the model will run: it only picks the defaults. ``dtype``: ``None``/``"auto"``
+    (bf16 on CUDA, fp32 otherwise), ``"fp32"``, ``"bf16"`` or a torch dtype. ``attn_implementation``:
+    ``None``/``"auto"`` (flash-attention 2 on CUDA when installed, else packed per-sample SDPA),
+    ``"packed"``, ``"flash_attention_2"``, ``"sdpa"``, ``"eager"`` (the last two pack with a dense
+    mask). See `trainer_core.models.precision`.
     """
+    dtype = resolve_dtype(dtype, device)
+    attn_implementation = resolve_attn_implementation(attn_implementation, device, dtype)
     if name_or_path == builtin.NAME:
-        model = builtin.load(cache_dir)
+        model = builtin.load(cache_dir, dtype=dtype, attn_implementation=attn_implementation)
     else:
         local = Path(name_or_path).expanduser()
         source = str(local) if local.is_dir() else name_or_path
-        # eager attention accepts the packed block-diagonal mask on every device.
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="eager")
-    model.to(dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation
+        )
+    # Also casts what a checkpoint keeps in fp32 (transformers' `_keep_in_fp32_modules`): one dtype.
+    nn.Module.to(model, dtype)
     for p in model.parameters():
         p.requires_grad_(False)
     return model

@@ -3,13 +3,15 @@
 No download: the weights are random, drawn from a seed, so two `build_model(arch, seed=s)`
 calls give bit-identical models (a PEFT round trip loads an adapter onto a second copy).
 
-Attention is "sdpa": a prepared 4D mask of shape (batch, 1, q_len, kv_len) is passed to
-`torch.nn.functional.scaled_dot_product_attention` unchanged, and that accepts both an additive
-float mask (0 = attend, a large negative value = masked) and a boolean one (True = attend). The
-packer's block-diagonal masks for packed samples therefore work in either form ("eager" would
-add a boolean mask to the scores as 0/1, silently wrong).
+Attention is the pool's: `PACKED_ATTENTION` (per-sample SDPA on packed rows, plain SDPA otherwise,
+see `trainer_core.models.attention`), so tests and benchmarks run what the worker runs. Pass
+``attn_implementation="sdpa"`` for the dense-mask path: a prepared 4D mask of shape (batch, 1, q_len,
+kv_len) is passed to `torch.nn.functional.scaled_dot_product_attention` unchanged, and that accepts
+both an additive float mask (0 = attend, a large negative value = masked) and a boolean one (True =
+attend) ("eager" would add a boolean mask to the scores as 0/1, silently wrong).
 """
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -23,11 +25,14 @@ from transformers import (
     Qwen3Config,
 )
 
+from trainer_core.models.attention import PACKED_ATTENTION
+
 Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
 ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral")
-ATTN_IMPLEMENTATION = "sdpa"
+ATTN_IMPLEMENTATION = PACKED_ATTENTION
 
-_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+# Callables rather than type[PretrainedConfig]: the base class does not declare the model fields.
+_CONFIG_CLASSES: dict[str, Callable[..., PretrainedConfig]] = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
@@ -73,14 +78,20 @@ def tiny_config(
 
 
 def build_model(
-    arch: Arch, *, seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any
+    arch: Arch,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
+    **config_overrides: Any,
 ) -> PreTrainedModel:
     """A randomly initialised causal LM of `arch` (see `tiny_config` for the overrides), in eval mode.
 
-    Deterministic in `seed`; the global RNG state is left as it was.
+    Deterministic in `seed` (whatever the dtype: drawn in fp32, then cast); the global RNG state is left
+    as it was.
     """
     config = tiny_config(arch, **config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(dtype).eval()
