@@ -6,26 +6,36 @@ tenant API key (LORALOOM_API_KEY) as --key.
 """
 
 import functools
+import importlib.metadata
 import json
-import os
 import secrets
 import shutil
-import signal
 import socket
 import threading
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import Annotated, Any, NoReturn
 
 import httpx
 import tomli_w
 import typer
 
-cli = typer.Typer(help="loraloom: multi-tenant RL training service for LoRA adapters.", no_args_is_help=True)
+from loraloom.commands import observe
+from loraloom.commands.errors import CliError, ErrorHandlingGroup, ExitCode
+from loraloom.commands.http import DEFAULT_URL, AdminKeyOpt, JsonOpt, KeyOpt, UrlOpt, api
+from loraloom.commands.http import echo_json as _echo_json
+from loraloom.commands.http import table as _table
+from loraloom.commands.worker import worker
+
+cli = typer.Typer(
+    cls=ErrorHandlingGroup,
+    help="loraloom: multi-tenant RL training service for LoRA adapters.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 db_cli = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 tenants_cli = typer.Typer(help="Tenants (admin key).", no_args_is_help=True)
 keys_cli = typer.Typer(help="Tenants' API keys (admin key).", no_args_is_help=True)
@@ -34,81 +44,41 @@ cli.add_typer(db_cli, name="db")
 cli.add_typer(tenants_cli, name="tenants")
 cli.add_typer(keys_cli, name="keys")
 cli.add_typer(runs_cli, name="runs")
-
-DEFAULT_URL = "http://127.0.0.1:8000"
-
-UrlOpt = Annotated[str, typer.Option("--url", envvar="LORALOOM_URL", help="Base URL of the service.")]
-KeyOpt = Annotated[
-    str | None, typer.Option("--key", envvar="LORALOOM_API_KEY", help="Tenant API key.", show_default=False)
-]
-AdminKeyOpt = Annotated[
-    str | None, typer.Option("--key", envvar="LORALOOM_ADMIN_KEY", help="Admin key.", show_default=False)
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the JSON response as it is.")]
+cli.add_typer(observe.adapters_cli, name="adapters")
+cli.add_typer(observe.pools_cli, name="pools")
+cli.command("metrics")(observe.metrics)
+runs_cli.command("watch")(observe.runs_watch)
+cli.command("worker")(worker)
 
 
-# --- HTTP plumbing ---------------------------------------------------------------------
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(code=1)
-
-
-def api(
-    method: str,
-    path: str,
-    *,
-    url: str,
-    key: str | None,
-    key_env: str = "LORALOOM_API_KEY",
-    json_body: Any = None,
-    content: bytes | None = None,
-    headers: dict[str, str] | None = None,
-    params: dict[str, Any] | None = None,
-) -> Any:
-    """One request; the JSON answer, None for a 204, or a readable error and exit code 1."""
-    if not key:
-        _fail(f"no key: pass --key or set {key_env}")
-    all_headers = {"Authorization": f"Bearer {key}", **(headers or {})}
+def _version() -> str:
     try:
-        with httpx.Client(base_url=url, timeout=30.0) as client:
-            r = client.request(
-                method, path, json=json_body, content=content, headers=all_headers, params=params
-            )
-    except httpx.HTTPError as exc:
-        _fail(f"cannot reach {url}: {exc}")
-    if r.status_code >= 400:
-        try:
-            err = r.json()["error"]
-        except (ValueError, KeyError, TypeError):
-            _fail(f"HTTP {r.status_code}: {r.text[:500]}")
-        lines = [f"HTTP {r.status_code} {err.get('code')}: {err.get('message')}"]
-        details = err.get("details")
-        if isinstance(details, list):
-            lines += [
-                f"  {'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}"
-                for d in details
-                if isinstance(d, dict)
-            ]
-        elif details:
-            lines.append(f"  {json.dumps(details)}")
-        _fail("\n".join(lines))
-    return None if r.status_code == 204 else r.json()
+        return importlib.metadata.version("loraloom")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
 
 
-def _echo_json(data: Any) -> None:
-    typer.echo(json.dumps(data, indent=2))
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"loraloom {_version()}")
+        raise typer.Exit()
 
 
-def _table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
-    """Rows as a plain aligned table; `columns` are (heading, key)."""
-    cells = [[h for h, _ in columns]] + [
-        ["-" if r.get(k) is None else str(r.get(k)) for _, k in columns] for r in rows
-    ]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    for row in cells:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+@cli.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+    debug: Annotated[
+        bool, typer.Option("--debug", envvar="LORALOOM_DEBUG", help="Show tracebacks of failures.")
+    ] = False,
+) -> None:
+    """loraloom: multi-tenant RL training service for LoRA adapters."""
+
+
+def _fail(message: str, kind: ExitCode = ExitCode.USAGE) -> NoReturn:
+    raise CliError(message, kind=kind)
 
 
 def _print_run(run: dict[str, Any]) -> None:
@@ -148,7 +118,7 @@ def _print_run_details(run: dict[str, Any]) -> None:
 @cli.command()
 def version() -> None:
     """Print the version."""
-    typer.echo("loraloom 0.1.0")
+    typer.echo(f"loraloom {_version()}")
 
 
 @cli.command()
@@ -165,10 +135,20 @@ def serve(
 @db_cli.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
     """Migrate the database (LORALOOM_DATABASE_URL) to the newest schema."""
+    from sqlalchemy.exc import OperationalError
+
     from app import migrate
     from app.config import Settings
 
-    migrate.upgrade(Settings().database_url, revision)
+    url = Settings().database_url
+    try:
+        migrate.upgrade(url, revision)
+    except OperationalError as exc:
+        raise CliError(
+            f"cannot reach the database: {str(exc.orig).strip().splitlines()[0]}",
+            kind=ExitCode.UNAVAILABLE,
+            hint="is the database running? check LORALOOM_DATABASE_URL",
+        ) from None
     typer.echo(f"database migrated to {revision}")
 
 
@@ -243,17 +223,25 @@ def keys_revoke(
 
 
 def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
-    """A create-run body from a file, and its format ("toml" or "json"). The file holds either
-    the whole body (`name` and `config`) or only the config; the name then defaults to the
-    file's stem. --name overrides either."""
+    """A create-run body from a file, and its format ("toml", "yaml" or "json", by the suffix).
+    The file holds either the whole body (`name` and `config`) or only the config; the name then
+    defaults to the file's stem. --name overrides either."""
+    import yaml
+
     text = path.read_text()
-    fmt = "toml" if path.suffix.lower() == ".toml" else "json"
+    suffix = path.suffix.lower()
+    fmt = "toml" if suffix == ".toml" else "yaml" if suffix in (".yaml", ".yml") else "json"
     try:
-        doc = tomllib.loads(text) if fmt == "toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        if fmt == "toml":
+            doc = tomllib.loads(text)
+        elif fmt == "yaml":
+            doc = yaml.safe_load(text)
+        else:
+            doc = json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
         _fail(f"{path}: not valid {fmt.upper()}: {exc}")
     if not isinstance(doc, dict):
-        _fail(f"{path}: expected a table/object at the top level")
+        _fail(f"{path}: expected a table/mapping/object at the top level")
     body = doc if isinstance(doc.get("config"), dict) else {"config": doc}
     body = {"name": name or body.get("name") or path.stem, **{k: v for k, v in body.items() if k != "name"}}
     return body, fmt
@@ -262,7 +250,7 @@ def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
 @runs_cli.command("create")
 def runs_create(
     config_file: Annotated[
-        Path, typer.Argument(help="CONFIG.toml or CONFIG.json.", exists=True, dir_okay=False)
+        Path, typer.Argument(help="CONFIG.toml, CONFIG.yaml or CONFIG.json.", exists=True, dir_okay=False)
     ],
     name: Annotated[str | None, typer.Option("--name", help="Run name (default: from the file).")] = None,
     idempotency_key: Annotated[
@@ -507,86 +495,6 @@ def demo(
     from loraloom.demo import run_demo  # imports torch: only for the real demo
 
     run_demo(steps=steps, output_dir=output_dir)
-
-
-@cli.command()
-def worker(
-    url: UrlOpt = DEFAULT_URL,
-    token: Annotated[
-        str | None, typer.Option(envvar="LORALOOM_WORKER_TOKEN", help="The service's worker token.")
-    ] = None,
-    runs_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--runs-dir",
-            help="Train the run_* directories under DIR (control/orch.toml, rollouts/step_N/) without "
-            "the service; adapters go to each run's broadcast/step_N/, checkpoints to its checkpoints/.",
-        ),
-    ] = None,
-    nproc_per_node: Annotated[int, typer.Option("--nproc-per-node", min=1, help="Ranks (processes).")] = 1,
-    base_model: Annotated[str, typer.Option(help="Hub id, local path, or loraloom-tiny.")] = "loraloom-tiny",
-    max_rank: Annotated[int, typer.Option(min=1, max=256, help="Largest LoRA rank a run may ask for.")] = 16,
-    slots: Annotated[int, typer.Option(min=1, help="Concurrent runs (LoRA slots).")] = 4,
-    seq_len: Annotated[int, typer.Option(min=8, help="Tokens per packed micro-batch.")] = 1024,
-    model_cache_dir: Annotated[
-        Path | None, typer.Option(help="Where base models are cached.", show_default="./.loraloom/models")
-    ] = None,
-    pack_timeout: Annotated[
-        float | None,
-        typer.Option(min=0, help="Seconds buffered work waits for a full pack.", show_default="2"),
-    ] = None,
-    poll_interval: Annotated[
-        float | None, typer.Option(min=0, help="Seconds between polls when idle.", show_default="0.2")
-    ] = None,
-    exit_when_idle: Annotated[
-        float | None,
-        typer.Option(min=0, help="Exit after this many seconds with no active run and nothing buffered."),
-    ] = None,
-    master_port: Annotated[
-        int | None,
-        typer.Option(
-            min=1, max=65535, help="Port the ranks meet on (one pool per port).", show_default="29517"
-        ),
-    ] = None,
-) -> None:
-    """Run the worker pool under torchrun (ranks talk gloo on CPU, nccl on GPU)."""
-    from loraloom.launch import launch_pool  # torch is imported only by the ranks themselves
-
-    if not token and runs_dir is None:
-        _fail("--token or LORALOOM_WORKER_TOKEN is required (or --runs-dir DIR to train without the service)")
-    args = [
-        "--base-model",
-        base_model,
-        "--max-rank",
-        str(max_rank),
-        "--slots",
-        str(slots),
-        "--seq-len",
-        str(seq_len),
-    ]
-    optional = {
-        "--runs-dir": runs_dir,
-        "--url": None if runs_dir is not None else url,
-        "--model-cache-dir": model_cache_dir,
-        "--pack-timeout": pack_timeout,
-        "--poll-interval": poll_interval,
-        "--exit-when-idle": exit_when_idle,
-    }
-    args += [item for flag, value in optional.items() if value is not None for item in (flag, str(value))]
-    # The token travels in the environment, not on the command line of every rank (`ps` shows those).
-    env = {"LORALOOM_WORKER_TOKEN": token} if token and runs_dir is None else {}
-    where = runs_dir if runs_dir is not None else url
-    typer.echo(f"starting {nproc_per_node} rank(s) of the worker pool on {where}")
-    pool = launch_pool(nproc_per_node=nproc_per_node, worker_args=args, master_port=master_port, env=env)
-
-    def forward(signum: int, _frame: FrameType | None) -> None:
-        # The pool runs in its own process group: pass Ctrl-C / SIGTERM on, so torchrun stops its ranks.
-        with suppress(ProcessLookupError):
-            os.killpg(pool.pid, signum)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    raise typer.Exit(pool.wait())
 
 
 def main() -> None:

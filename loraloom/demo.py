@@ -52,7 +52,7 @@ from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine, Spe
 from orchestrator.loop import LoopConfig, RolloutLoop, StepCallback, StepReport
 
 ROOT = Path(".loraloom/demo")
-MODEL_CACHE = Path(".loraloom/models")
+MODEL_CACHE = Path(os.environ.get("LORALOOM_MODEL_CACHE", ".loraloom/models"))
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_RANK = 8
 LORA_ALPHA = 16.0
@@ -171,6 +171,11 @@ def run_demo(
 
     # Sampling the tiny model gains nothing from more threads, and the pool's rank trains at
     # the same time: one thread here keeps the two from oversubscribing a small machine.
+    # Relative paths mean the caller's working directory, resolved once here: every child gets
+    # absolute ones (the service and the pool must see the same database and files).
+    state_dir, output_dir, model_cache = (
+        p.expanduser().resolve() for p in (state_dir, output_dir, model_cache)
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     shutil.rmtree(state_dir, ignore_errors=True)

@@ -12,6 +12,34 @@ from pathlib import Path
 import httpx
 
 _ROOT = Path(__file__).resolve().parent.parent
+"""Where the packages are (the repository, or site-packages for a wheel): the service child imports
+`app` from here, never from a same-named directory in the caller's working directory."""
+
+PATH_VARIABLES = ("LORALOOM_DATA_DIR", "LORALOOM_MODEL_CACHE", "LORALOOM_CHECKPOINT_DIR", "LORALOOM_RUNS_DIR")
+
+
+def absolute_env(env: Mapping[str, str], cwd: Path | None = None) -> dict[str, str]:
+    """`env` with every relative LORALOOM_* path (and a relative SQLite URL) made absolute against
+    `cwd` (default: the working directory), so that a child sees the same files as its parent
+    whatever its own working directory."""
+    base = (cwd or Path.cwd()).resolve()
+    out = dict(env)
+    for name in PATH_VARIABLES:
+        value = out.get(name)
+        if value and not Path(value).expanduser().is_absolute():
+            out[name] = str(base / value)
+    url = out.get("LORALOOM_DATABASE_URL")
+    if url:
+        out["LORALOOM_DATABASE_URL"] = absolute_sqlite_url(url, base)
+    return out
+
+
+def absolute_sqlite_url(url: str, cwd: Path | None = None) -> str:
+    """`sqlite:///relative/x.db` → `sqlite:////abs/relative/x.db`; every other URL as it is."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or url.startswith(prefix + "/") or url == prefix + ":memory:":
+        return url
+    return prefix + str((cwd or Path.cwd()).resolve() / url.removeprefix(prefix))
 
 
 def free_port() -> int:
@@ -38,9 +66,9 @@ def start_service_process(
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app", "--host", "127.0.0.1"]
-            + ["--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log"],
-            cwd=_ROOT,
-            env=dict(env),
+            + ["--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log"]
+            + ["--app-dir", str(_ROOT)],
+            env=absolute_env(env),
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,
@@ -87,7 +115,7 @@ def launch_pool(
     try:
         return subprocess.Popen(
             torchrun_command(nproc_per_node=nproc_per_node, worker_args=worker_args, master_port=master_port),
-            env={**os.environ, **(env or {})},
+            env=absolute_env({**os.environ, **(env or {})}),
             start_new_session=True,
             stdout=log,
             stderr=subprocess.STDOUT if log else None,

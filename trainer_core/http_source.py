@@ -53,9 +53,10 @@ class PoolClient(Protocol):
 class HttpRunSource:
     """RunSource over the service's pool routes (docs/contracts.md)."""
 
-    def __init__(self, client: PoolClient) -> None:
+    def __init__(self, client: PoolClient, *, heartbeat_file: Path | None = None) -> None:
         self.client = client
         self._heartbeat: _Heartbeat | None = None
+        self._heartbeat_file = heartbeat_file
 
     @property
     def lost(self) -> bool:
@@ -71,7 +72,8 @@ class HttpRunSource:
             capabilities.slots,
             capabilities.world_size,
         )
-        self._heartbeat = _Heartbeat(self.client, registered.heartbeat_interval_s)
+        self._heartbeat = _Heartbeat(self.client, registered.heartbeat_interval_s, self._heartbeat_file)
+        self._heartbeat.touch()  # registered: healthy from now on
         self._heartbeat.start()
 
     def close(self) -> None:
@@ -131,9 +133,10 @@ class HttpRunSource:
 class _Heartbeat(threading.Thread):
     """Keeps the pool alive (and its leases extended) even while a long step runs."""
 
-    def __init__(self, client: PoolClient, interval_s: float) -> None:
+    def __init__(self, client: PoolClient, interval_s: float, file: Path | None = None) -> None:
         super().__init__(name="pool-heartbeat", daemon=True)
         self._client = client
+        self._file = file
         self._interval = interval_s
         self._stopped = threading.Event()
         self.lost = False
@@ -143,6 +146,7 @@ class _Heartbeat(threading.Thread):
         while not self._stopped.wait(self._interval):
             try:
                 self._client.heartbeat()
+                self.touch()
             except ApiError as exc:
                 if exc.code in ("pool_dead", "pool_stopped"):
                     # The service gave our leases away (or another pool replaced us): training on
@@ -153,6 +157,15 @@ class _Heartbeat(threading.Thread):
                 log.warning("heartbeat failed: %s", exc)
             except Exception as exc:  # transient (connection errors after retries): the next beat retries
                 log.warning("heartbeat failed: %s", exc)
+
+    def touch(self) -> None:
+        """Mark the pool alive for a container healthcheck (the file's age is the test)."""
+        if self._file is not None:
+            try:
+                self._file.parent.mkdir(parents=True, exist_ok=True)
+                self._file.touch()
+            except OSError as exc:  # a healthcheck must not stop the training
+                log.warning("cannot touch the heartbeat file %s: %s", self._file, exc)
 
     def stop(self) -> None:
         self._stopped.set()

@@ -56,6 +56,7 @@ from trainer_core.packing import MicroBatch, Packer
 from trainer_core.publish import Publisher, restore_slot
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
 from trainer_core.service_client import PoolServiceClient
+from trainer_core.settings import WorkerSettings, flag_name
 from trainer_core.slots import RunSlot
 from trainer_core.step import StepResult, train_step
 
@@ -88,8 +89,35 @@ class WorkerArgs:
     max_claim: int = 64
     pad_to_multiple_of: int = 8
     device: str = "auto"
+    dtype: str = "auto"
+    attention: str = "auto"
     exit_when_idle_s: float | None = None
     """Stop after this long with no active run and nothing buffered (tests, benchmarks)."""
+    heartbeat_file: Path | None = None
+    """Touched after every accepted heartbeat (the container healthcheck reads its age)."""
+
+    @classmethod
+    def from_settings(cls, s: WorkerSettings) -> "WorkerArgs":
+        return cls(
+            url=s.url,
+            token=s.token,
+            runs_dir=s.runs_dir,
+            base_model=s.base_model,
+            max_rank=s.max_rank,
+            slots=s.slots,
+            seq_len=s.seq_len,
+            target_modules=s.target_modules,
+            checkpoint_dir=s.checkpoint_home if s.runs_dir is None else s.data_dir / "runs",
+            model_cache_dir=s.model_cache_dir,
+            poll_interval_s=s.poll_interval,
+            pack_timeout_s=s.pack_timeout,
+            max_claim=s.max_claim,
+            device=s.device,
+            dtype=s.dtype,
+            attention=s.attention,
+            exit_when_idle_s=s.exit_when_idle,
+            heartbeat_file=s.heartbeat_file,
+        )
 
     @property
     def checkpoint_home(self) -> Path:
@@ -98,44 +126,24 @@ class WorkerArgs:
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerArgs:
+    """`WorkerSettings` from the environment, overridden by the flags given; one flag per setting."""
+    settings = parse_settings(argv)
+    if not settings.token and settings.runs_dir is None:
+        raise SystemExit(
+            "trainer_core.worker: error: --worker-token or LORALOOM_WORKER_TOKEN is required "
+            "(or --runs-dir to train without the service)"
+        )
+    return WorkerArgs.from_settings(settings.resolved())
+
+
+def parse_settings(argv: list[str] | None = None) -> WorkerSettings:
     p = argparse.ArgumentParser(prog="trainer_core.worker", description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--url", default=os.environ.get("LORALOOM_URL", "http://127.0.0.1:8000"))
-    p.add_argument("--token", default=os.environ.get("LORALOOM_WORKER_TOKEN"))
-    p.add_argument("--runs-dir", type=Path, default=None, help="train run_* directories, without the service")
-    p.add_argument("--base-model", default=DEFAULT_BASE_MODEL, help="hub id, local path, or loraloom-tiny")
-    p.add_argument("--max-rank", type=int, default=16)
-    p.add_argument("--slots", type=int, default=int(os.environ.get("LORALOOM_MAX_CONCURRENT_RUNS", "4")))
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--target-modules", default=",".join(DEFAULT_TARGET_MODULES))
-    p.add_argument(
-        "--checkpoint-dir",
-        type=Path,
-        default=Path(os.environ.get("LORALOOM_DATA_DIR", "./.loraloom/data")) / "runs",
-    )
-    p.add_argument("--model-cache-dir", type=Path, default=Path("./.loraloom/models"))
-    p.add_argument("--poll-interval", type=float, default=0.2)
-    p.add_argument("--pack-timeout", type=float, default=2.0)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--exit-when-idle", type=float, default=None)
-    a = p.parse_args(argv)
-    if not a.token and a.runs_dir is None:
-        p.error("--token or LORALOOM_WORKER_TOKEN is required (or --runs-dir to train without the service)")
-    return WorkerArgs(
-        url=a.url,
-        token=a.token,
-        runs_dir=a.runs_dir,
-        base_model=a.base_model,
-        max_rank=a.max_rank,
-        slots=a.slots,
-        seq_len=a.seq_len,
-        target_modules=tuple(m.strip() for m in a.target_modules.split(",") if m.strip()),
-        checkpoint_dir=a.checkpoint_dir,
-        model_cache_dir=a.model_cache_dir,
-        poll_interval_s=a.poll_interval,
-        pack_timeout_s=a.pack_timeout,
-        device=a.device,
-        exit_when_idle_s=a.exit_when_idle,
-    )
+    for name, info in WorkerSettings.model_fields.items():
+        # Every flag is optional: what is not given comes from LORALOOM_* or the default.
+        p.add_argument(flag_name(name), dest=name, default=None, help=info.description)
+    p.add_argument("--token", dest="worker_token", default=None, help="alias of --worker-token")
+    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    return WorkerSettings(**given)
 
 
 def make_source(args: WorkerArgs) -> RunSource:
@@ -144,7 +152,7 @@ def make_source(args: WorkerArgs) -> RunSource:
         return DirectoryRunSource(args.runs_dir)
     if not args.token:
         raise ValueError("the service needs the worker token (WorkerArgs.token)")
-    return HttpRunSource(PoolServiceClient(args.url, args.token))
+    return HttpRunSource(PoolServiceClient(args.url, args.token), heartbeat_file=args.heartbeat_file)
 
 
 @dataclass
@@ -183,11 +191,21 @@ class PoolTrainer:
         self.stop_requested = False
 
         # Every rank builds the same base model; the master builds the cache first.
+        load = partial(
+            load_base_model,
+            args.base_model,
+            cache_dir=args.model_cache_dir,
+            dtype=args.dtype,
+            attn_implementation=args.attention,
+            device=device,
+        )
         if world.is_master:
-            base = load_base_model(args.base_model, cache_dir=args.model_cache_dir)
+            log.info("loading the base model %s (cache %s)", args.base_model, args.model_cache_dir)
+            base = load()
         barrier(world)
         if not world.is_master:
-            base = load_base_model(args.base_model, cache_dir=args.model_cache_dir)
+            base = load()
+        log.info("rank %d: base model %s loaded", world.rank, args.base_model)
         self.vocab_size = int(base.config.vocab_size)
         # A plain Module from here on (transformers types `PreTrainedModel.to` in a way mypy cannot call).
         self.model = cast(nn.Module, base)

@@ -55,21 +55,21 @@ def test_cli_walkthrough(env, tmp_path, settings):
 
 def test_cli_errors_are_readable(env, tmp_path):
     result = runner.invoke(cli, ["runs", "list"], env=env)
-    assert result.exit_code == 1 and "no key" in result.output
+    assert result.exit_code == 5 and "no key" in result.output
     result = runner.invoke(cli, ["runs", "list", "--key", "llk_wrong"], env=env)
-    assert result.exit_code == 1 and "401 unauthorized" in result.output
+    assert result.exit_code == 5 and "401 unauthorized" in result.output
 
     tenant = json.loads(_run("tenants", "create", "t", "--json", env=env))
     key = json.loads(_run("keys", "create", tenant["id"], "--json", env=env))["key"]
     bad = tmp_path / "bad.toml"
     bad.write_text("[lora]\nrank = 0\nbogus = 1\n")
     result = runner.invoke(cli, ["runs", "create", str(bad), "--key", key], env=env)
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "422 validation_error" in result.output
     assert "body.config.lora.rank" in result.output and "body.config.lora.bogus" in result.output
 
     result = runner.invoke(cli, ["tenants", "list", "--url", "http://127.0.0.1:9"], env=env)
-    assert result.exit_code == 1 and "cannot reach" in result.output
+    assert result.exit_code == 6 and "cannot reach" in result.output
 
 
 def test_db_upgrade(tmp_path):

@@ -1,0 +1,1 @@
+"""The `loraloom` command groups, one module each; `loraloom.cli` assembles them."""

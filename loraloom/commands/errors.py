@@ -1,0 +1,144 @@
+"""How the CLI fails: one line with a hint, an exit code by kind, JSON on stderr with --json, and a
+traceback only with --debug (or LORALOOM_DEBUG=1).
+
+Commands raise `CliError`; `ErrorHandlingGroup` (the root command group) turns it, and any other
+exception, into that output. The exit codes are part of the interface (the README lists them).
+"""
+
+import json
+import os
+from enum import IntEnum
+from typing import Any
+
+import typer
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    ERROR = 1
+    """Anything else (an unexpected error: run again with --debug for the traceback)."""
+    USAGE = 2
+    """Bad arguments, a bad config file, or input the service rejected (400, 413, 422)."""
+    NOT_FOUND = 3
+    """No such run, adapter, tenant, key, file or directory (404)."""
+    CONFLICT = 4
+    """The object is not in a state that allows it (409), e.g. evicting a completed run."""
+    AUTH = 5
+    """No key, a wrong key, or a key without the right (401, 403)."""
+    UNAVAILABLE = 6
+    """The service or the database cannot be reached, or answered 5xx/503."""
+    RATE_LIMITED = 7
+    """Too many requests (429): retry later."""
+    RUN_NOT_COMPLETED = 8
+    """`runs watch`: the run ended evicted, failed or deleted."""
+
+
+_BY_STATUS = {
+    400: ExitCode.USAGE,
+    401: ExitCode.AUTH,
+    403: ExitCode.AUTH,
+    404: ExitCode.NOT_FOUND,
+    409: ExitCode.CONFLICT,
+    413: ExitCode.USAGE,
+    422: ExitCode.USAGE,
+    429: ExitCode.RATE_LIMITED,
+}
+
+_HINTS = {
+    ExitCode.AUTH: "check --key (or LORALOOM_API_KEY / LORALOOM_ADMIN_KEY)",
+    ExitCode.UNAVAILABLE: "is the service running? check --url (or LORALOOM_URL)",
+    ExitCode.RATE_LIMITED: "wait a moment and retry",
+}
+
+
+class CliError(Exception):
+    """A failure the user can act on."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: ExitCode = ExitCode.ERROR,
+        hint: str | None = None,
+        code: str | None = None,
+        details: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.kind = kind
+        self.hint = hint if hint is not None else _HINTS.get(kind)
+        self.code = code or kind.name.lower()
+        self.details = details
+
+    def as_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message, "exit_code": int(self.kind)}
+        if self.hint:
+            body["hint"] = self.hint
+        if self.details is not None:
+            body["details"] = self.details
+        return {"error": body}
+
+    def as_text(self) -> str:
+        lines = [f"error: {self.message}"]
+        if isinstance(self.details, list):
+            lines += [
+                f"  {'.'.join(map(str, d.get('loc', [])))}: {d.get('msg')}"
+                for d in self.details
+                if isinstance(d, dict)
+            ]
+        if self.hint:
+            lines.append(f"hint: {self.hint}")
+        return "\n".join(lines)
+
+
+def http_error(status: int, body: Any, text: str) -> CliError:
+    """The service's uniform error body (`{"error": {code, message, details}}`) as a CliError."""
+    kind = _BY_STATUS.get(status, ExitCode.UNAVAILABLE if status >= 500 else ExitCode.ERROR)
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        return CliError(f"HTTP {status}: {text[:300]}", kind=kind)
+    return CliError(
+        f"HTTP {status} {err.get('code')}: {err.get('message')}",
+        kind=kind,
+        code=str(err.get("code")),
+        details=err.get("details") or None,
+    )
+
+
+def _debug(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("LORALOOM_DEBUG", "") not in ("", "0")
+
+
+def report(error: CliError, *, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(error.as_json()), err=True)
+    else:
+        typer.echo(error.as_text(), err=True)
+
+
+class ErrorHandlingGroup(TyperGroup):
+    """The root group: every command's failure becomes one line (or JSON) and its exit code."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        ctx.meta["loraloom.argv"] = list(args)  # for --json / --debug, whichever command has them
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: Any) -> Any:
+        argv: list[str] = ctx.meta.get("loraloom.argv", [])
+        try:
+            return super().invoke(ctx)
+        except CliError as exc:
+            if _debug(argv):
+                raise
+            report(exc, as_json="--json" in argv)
+            raise typer.Exit(int(exc.kind)) from None
+        except (typer.Exit, typer.Abort, TyperException, KeyboardInterrupt):  # click's own handling
+            raise
+        except Exception as exc:
+            if _debug(argv):
+                raise
+            error = CliError(f"{type(exc).__name__}: {exc}", hint="run again with --debug for the traceback")
+            report(error, as_json="--json" in argv)
+            raise typer.Exit(int(error.kind)) from None

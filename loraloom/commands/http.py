@@ -1,0 +1,94 @@
+"""The CLI's HTTP plumbing and output helpers: one request with readable errors, JSON and tables."""
+
+import json
+from collections.abc import Sequence
+from typing import Annotated, Any
+
+import httpx
+import typer
+
+from loraloom.commands.errors import CliError, ExitCode, http_error
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+UrlOpt = Annotated[str, typer.Option("--url", envvar="LORALOOM_URL", help="Base URL of the service.")]
+KeyOpt = Annotated[
+    str | None, typer.Option("--key", envvar="LORALOOM_API_KEY", help="Tenant API key.", show_default=False)
+]
+AdminKeyOpt = Annotated[
+    str | None, typer.Option("--key", envvar="LORALOOM_ADMIN_KEY", help="Admin key.", show_default=False)
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON (errors too, on stderr).")]
+
+
+def request(
+    method: str,
+    path: str,
+    *,
+    url: str,
+    key: str | None,
+    key_env: str = "LORALOOM_API_KEY",
+    timeout: float = 30.0,
+    **kwargs: Any,
+) -> httpx.Response:
+    """One request; the response if it is a success, else a `CliError` of the right kind."""
+    if not key:
+        raise CliError("no key", kind=ExitCode.AUTH, hint=f"pass --key or set {key_env}")
+    headers = {"Authorization": f"Bearer {key}", **(kwargs.pop("headers", None) or {})}
+    try:
+        with httpx.Client(base_url=url, timeout=timeout) as client:
+            r = client.request(method, path, headers=headers, **kwargs)
+    except httpx.HTTPError as exc:
+        raise CliError(f"cannot reach {url}: {exc}", kind=ExitCode.UNAVAILABLE) from None
+    if r.status_code >= 400:
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        raise http_error(r.status_code, body, r.text)
+    return r
+
+
+def api(
+    method: str,
+    path: str,
+    *,
+    url: str,
+    key: str | None,
+    key_env: str = "LORALOOM_API_KEY",
+    json_body: Any = None,
+    content: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    params: dict[str, Any] | None = None,
+) -> Any:
+    """One request; the JSON answer, or None for a 204."""
+    r = request(
+        method,
+        path,
+        url=url,
+        key=key,
+        key_env=key_env,
+        json=json_body,
+        content=content,
+        headers=headers,
+        params=params,
+    )
+    return None if r.status_code == 204 else r.json()
+
+
+def echo_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
+    """Rows as a plain aligned table; `columns` are (heading, key)."""
+    cells = [[h for h, _ in columns]] + [
+        ["-" if r.get(k) is None else _cell(r.get(k)) for _, k in columns] for r in rows
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    for row in cells:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,191 @@
+"""`loraloom worker`: the worker pool under torchrun, configured like the service.
+
+Every option is a field of `trainer_core.settings.WorkerSettings`: LORALOOM_* variables first,
+then the flags given here (a flag wins). Relative paths are resolved against the caller's working
+directory once, here, and the ranks get absolute ones. The token is checked against the service
+before any rank starts, so a wrong one fails in a second, not after the model has loaded.
+"""
+
+import json
+import os
+import signal
+from contextlib import suppress
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any
+
+import httpx
+import typer
+from pydantic import ValidationError
+
+from loraloom.commands.errors import CliError, ExitCode
+
+SERVICE = "Service"
+MODEL = "Model"
+POOL = "Pool"
+LOOP = "Loop"
+LAUNCH = "Launcher"
+
+
+def _opt(panel: str, help: str, **kw: Any) -> Any:
+    return typer.Option(help=help, rich_help_panel=panel, show_default=False, **kw)
+
+
+def worker(
+    url: Annotated[str | None, _opt(SERVICE, "Base URL of the service [LORALOOM_URL].")] = None,
+    token: Annotated[
+        str | None, _opt(SERVICE, "The service's worker token [LORALOOM_WORKER_TOKEN].", envvar=None)
+    ] = None,
+    runs_dir: Annotated[
+        Path | None,
+        _opt(
+            SERVICE,
+            "Train the run_* directories under DIR (control/orch.toml, rollouts/step_N/) without the "
+            "service [LORALOOM_RUNS_DIR].",
+        ),
+    ] = None,
+    heartbeat_file: Annotated[
+        Path | None, _opt(SERVICE, "Touched after every accepted heartbeat [LORALOOM_HEARTBEAT_FILE].")
+    ] = None,
+    base_model: Annotated[
+        str | None,
+        _opt(MODEL, "loraloom-tiny (built in), a local HF directory, or a hub id [LORALOOM_BASE_MODEL]."),
+    ] = None,
+    model_cache_dir: Annotated[
+        Path | None,
+        _opt(MODEL, "Where the built-in model is cached [LORALOOM_MODEL_CACHE] (./.loraloom/models)."),
+    ] = None,
+    device: Annotated[str | None, _opt(MODEL, "auto, cpu or cuda [LORALOOM_DEVICE].")] = None,
+    dtype: Annotated[str | None, _opt(MODEL, "auto, fp32 or bf16 [LORALOOM_DTYPE].")] = None,
+    attention: Annotated[
+        str | None, _opt(MODEL, "auto, packed, flash_attention_2, sdpa or eager [LORALOOM_ATTENTION].")
+    ] = None,
+    slots: Annotated[
+        int | None, _opt(POOL, "Concurrent runs (LoRA slots) [LORALOOM_MAX_CONCURRENT_RUNS] (4).")
+    ] = None,
+    max_rank: Annotated[
+        int | None, _opt(POOL, "Largest LoRA rank a run may ask for [LORALOOM_MAX_RANK] (16).")
+    ] = None,
+    target_modules: Annotated[
+        str | None,
+        _opt(
+            POOL,
+            "Comma-separated linear layers with LoRA slots [LORALOOM_TARGET_MODULES] (attention and MLP).",
+        ),
+    ] = None,
+    seq_len: Annotated[
+        int | None, _opt(POOL, "Tokens per packed micro-batch [LORALOOM_SEQ_LEN] (1024).")
+    ] = None,
+    checkpoint_dir: Annotated[
+        Path | None,
+        _opt(POOL, "Per-run checkpoints go under DIR/<run_id>/ [LORALOOM_CHECKPOINT_DIR] (data-dir/runs)."),
+    ] = None,
+    data_dir: Annotated[
+        Path | None,
+        _opt(POOL, "The artifact store shared with the service [LORALOOM_DATA_DIR] (./.loraloom/data)."),
+    ] = None,
+    pack_timeout: Annotated[
+        float | None, _opt(LOOP, "Seconds buffered work waits for a full pack [LORALOOM_PACK_TIMEOUT] (2).")
+    ] = None,
+    poll_interval: Annotated[
+        float | None, _opt(LOOP, "Seconds between polls when idle [LORALOOM_POLL_INTERVAL] (0.2).")
+    ] = None,
+    max_claim: Annotated[
+        int | None, _opt(LOOP, "Batches claimed per request [LORALOOM_MAX_CLAIM] (64).")
+    ] = None,
+    exit_when_idle: Annotated[
+        float | None, _opt(LOOP, "Exit after this many idle seconds [LORALOOM_EXIT_WHEN_IDLE].")
+    ] = None,
+    nproc_per_node: Annotated[
+        int | None, _opt(LAUNCH, "Ranks (processes); one per GPU [LORALOOM_WORKER_RANKS] (1).")
+    ] = None,
+    master_port: Annotated[
+        int | None, _opt(LAUNCH, "Port the ranks meet on [LORALOOM_MASTER_PORT] (29517).")
+    ] = None,
+    dry_run: Annotated[
+        bool, _opt(LAUNCH, "Print the resolved settings as JSON (token hidden) and exit.")
+    ] = False,
+) -> None:
+    """Run the worker pool under torchrun (ranks talk gloo on CPU, nccl on GPU)."""
+    flags = {k: v for k, v in locals().items() if k not in ("token", "dry_run") and v is not None}
+    if token is not None:
+        flags["worker_token"] = token
+    settings = build_settings(flags)
+    if dry_run:
+        typer.echo(json.dumps(settings.model_dump(mode="json", exclude={"worker_token"}), indent=2))
+        return
+    if settings.runs_dir is None:
+        if not settings.token:
+            raise CliError(
+                "no worker token",
+                kind=ExitCode.AUTH,
+                hint="pass --token or set LORALOOM_WORKER_TOKEN (or --runs-dir DIR to train without the service)",
+            )
+        check_token(settings.url, settings.token)
+    _check_base_model(settings.base_model)
+    raise typer.Exit(_launch(settings))
+
+
+def build_settings(flags: dict[str, Any]) -> Any:
+    """`WorkerSettings` from the environment and `flags`, relative paths resolved against the cwd."""
+    from trainer_core.settings import WorkerSettings
+
+    try:
+        return WorkerSettings(**flags).resolved()
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise CliError(f"invalid worker settings: {problems}", kind=ExitCode.USAGE) from None
+
+
+def check_token(url: str, token: str) -> None:
+    """Ask the service whether it accepts `token` (a pool route that needs no registration)."""
+    try:
+        r = httpx.get(
+            f"{url.rstrip('/')}/v1/pool/state",
+            params={"pool_id": "pool_tokencheck"},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        )
+    except httpx.HTTPError as exc:
+        raise CliError(f"cannot reach the service at {url}: {exc}", kind=ExitCode.UNAVAILABLE) from None
+    if r.status_code in (401, 403):
+        raise CliError(
+            f"the service at {url} refused the worker token (HTTP {r.status_code})",
+            kind=ExitCode.AUTH,
+            hint="use the service's LORALOOM_WORKER_TOKEN",
+        )
+
+
+def _check_base_model(name: str) -> None:
+    """A path-like name that is not a directory: say so, instead of the hub's "invalid repo id"."""
+    looks_local = name.startswith((".", "/", "~")) or os.sep in name.strip("/") and name.count("/") > 1
+    if looks_local and not Path(name).expanduser().is_dir():
+        raise CliError(
+            f"base model {name}: the directory does not exist",
+            kind=ExitCode.NOT_FOUND,
+            hint="give a local Hugging Face model directory, a hub id (org/name) or loraloom-tiny",
+        )
+
+
+def _launch(settings: Any) -> int:
+    from loraloom.launch import launch_pool  # torch is imported only by the ranks themselves
+
+    where = settings.runs_dir if settings.runs_dir is not None else settings.url
+    typer.echo(f"starting {settings.nproc_per_node} rank(s) of the worker pool on {where}", err=True)
+    # The token travels in the environment, not on the command line of every rank (`ps` shows those).
+    env = {"LORALOOM_WORKER_TOKEN": settings.token} if settings.token else {}
+    pool = launch_pool(
+        nproc_per_node=settings.nproc_per_node,
+        worker_args=settings.flags(),
+        master_port=settings.master_port,
+        env=env,
+    )
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        # The pool runs in its own process group: pass Ctrl-C / SIGTERM on, so torchrun stops its ranks.
+        with suppress(ProcessLookupError):
+            os.killpg(pool.pid, signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    return pool.wait()

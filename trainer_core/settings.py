@@ -1,0 +1,144 @@
+"""The worker pool's settings: one model, read from LORALOOM_* environment variables (the names
+compose and the README use), overridden by command-line flags.
+
+`loraloom worker` and `python -m trainer_core.worker` (the torchrun entry) both build a
+`WorkerSettings`: environment first, then the flags given (keyword arguments win over the
+environment in pydantic-settings). Relative paths are made absolute once, by the process that
+reads them (`resolved()`), so that the ranks torchrun starts never depend on their working
+directory.
+"""
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES
+
+DEFAULT_DATA_DIR = Path("./.loraloom/data")
+DEFAULT_MODEL_CACHE = Path("./.loraloom/models")
+
+
+class WorkerSettings(BaseSettings):
+    """Every option of the worker pool. Field name = flag (`--seq-len`) = variable (`LORALOOM_SEQ_LEN`),
+    except where `validation_alias` names the variables (compose's names): LORALOOM_MODEL_CACHE,
+    LORALOOM_MAX_CONCURRENT_RUNS (or LORALOOM_SLOTS), LORALOOM_WORKER_RANKS."""
+
+    model_config = SettingsConfigDict(env_prefix="LORALOOM_", extra="ignore", populate_by_name=True)
+
+    # -- service --------------------------------------------------------------------------------
+    url: str = "http://127.0.0.1:8000"
+    """Base URL of the service."""
+    worker_token: SecretStr | None = None
+    """The service's worker token (not needed with `runs_dir`)."""
+    runs_dir: Path | None = None
+    """Train the `run_*` directories under this directory instead of the service's runs."""
+    heartbeat_file: Path | None = None
+    """Touched after every heartbeat the service accepts (the compose healthcheck reads its age)."""
+
+    # -- model ----------------------------------------------------------------------------------
+    base_model: str = DEFAULT_BASE_MODEL
+    """`loraloom-tiny` (built in), a local Hugging Face directory, or a hub id."""
+    model_cache_dir: Path = Field(
+        default=DEFAULT_MODEL_CACHE,
+        validation_alias=AliasChoices("LORALOOM_MODEL_CACHE", "LORALOOM_MODEL_CACHE_DIR"),
+    )
+    """Where the built-in model is built and cached (LORALOOM_MODEL_CACHE)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Weights' dtype: auto = bf16 on CUDA, fp32 on the CPU."""
+    attention: Literal["auto", "packed", "flash_attention_2", "sdpa", "eager"] = "auto"
+    """Attention kernel: auto = flash-attention 2 on CUDA when installed, else packed SDPA."""
+
+    # -- pool -----------------------------------------------------------------------------------
+    slots: int = Field(
+        default=4,
+        ge=1,
+        le=1024,
+        validation_alias=AliasChoices("LORALOOM_SLOTS", "LORALOOM_MAX_CONCURRENT_RUNS"),
+    )
+    """Concurrent runs (LoRA slots) this pool trains."""
+    max_rank: int = Field(default=16, ge=1, le=256)
+    """Largest LoRA rank a run may ask for."""
+    target_modules: Annotated[tuple[str, ...], NoDecode] = DEFAULT_TARGET_MODULES
+    """Linear layers that get LoRA slots (comma-separated); runs may pick a subset."""
+    seq_len: int = Field(default=1024, ge=8)
+    """Tokens per packed micro-batch; also the longest sample the pool accepts."""
+    checkpoint_dir: Path | None = None
+    """Per-run checkpoints go to checkpoint_dir/<run_id>/checkpoints/ (default: data_dir/runs)."""
+    data_dir: Path = DEFAULT_DATA_DIR
+    """The service's artifact store when it is shared with the worker (compose: the data volume)."""
+
+    # -- loop -----------------------------------------------------------------------------------
+    pack_timeout: float = Field(default=2.0, ge=0)
+    """Seconds buffered work waits for a full pack before a partial one is trained."""
+    poll_interval: float = Field(default=0.2, ge=0)
+    """Seconds between polls of the run source when idle."""
+    max_claim: int = Field(default=64, ge=1)
+    """Rollout batches claimed per request."""
+    exit_when_idle: float | None = Field(default=None, ge=0)
+    """Exit after this many seconds with no active run and nothing buffered (tests, benchmarks)."""
+
+    # -- launcher (`loraloom worker` only) ------------------------------------------------------
+    nproc_per_node: int = Field(
+        default=1,
+        ge=1,
+        validation_alias=AliasChoices("LORALOOM_NPROC_PER_NODE", "LORALOOM_WORKER_RANKS"),
+    )
+    """Ranks (processes) on this machine; on GPUs, one per GPU."""
+    master_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port the ranks meet on (one pool per port; default 29517 with several ranks)."""
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _split_modules(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(m.strip() for m in value.split(",") if m.strip())
+        return value
+
+    @property
+    def token(self) -> str | None:
+        return self.worker_token.get_secret_value() if self.worker_token else None
+
+    @property
+    def checkpoint_home(self) -> Path:
+        """The directory holding `<run_id>/checkpoints/`: the run directories themselves with
+        `runs_dir`, else `checkpoint_dir` (default `data_dir/runs`)."""
+        if self.runs_dir is not None:
+            return self.runs_dir
+        return self.checkpoint_dir if self.checkpoint_dir is not None else self.data_dir / "runs"
+
+    def resolved(self, cwd: Path | None = None) -> "WorkerSettings":
+        """A copy with every relative path made absolute against `cwd` (default: the working directory)."""
+        base = (cwd or Path.cwd()).resolve()
+        updates: dict[str, Path] = {}
+        for name in ("runs_dir", "heartbeat_file", "model_cache_dir", "checkpoint_dir", "data_dir"):
+            value = getattr(self, name)
+            if isinstance(value, Path):
+                updates[name] = value if value.is_absolute() else base / value
+        base_model = Path(self.base_model).expanduser()
+        # A local model given as a relative path: the ranks must find it from any directory.
+        local = base / base_model if not base_model.is_absolute() else base_model
+        new = self.model_copy(update=updates)
+        if local.is_dir():
+            new = new.model_copy(update={"base_model": str(local)})
+        return new
+
+    def flags(self) -> list[str]:
+        """Every setting as `--name value` flags for `python -m trainer_core.worker`, the token
+        excepted (it travels in the environment: `ps` shows command lines). Launcher-only settings
+        are left out."""
+        out: list[str] = []
+        skip = {"worker_token", "nproc_per_node", "master_port"}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if name in skip or value is None:
+                continue
+            text = ",".join(value) if isinstance(value, tuple) else str(value)
+            out += [flag_name(name), text]
+        return out
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
