@@ -8,6 +8,7 @@ tenant API key (LORALOOM_API_KEY) as --key.
 import functools
 import importlib.metadata
 import json
+import logging
 import secrets
 import shutil
 import socket
@@ -493,6 +494,13 @@ def demo(
         interim_demo()
         return
     from loraloom.demo import run_demo  # imports torch: only for the real demo
+
+    # The built-in model's first build logs its progress every few seconds: show it.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    models_log = logging.getLogger("loraloom.models")
+    models_log.addHandler(handler)
+    models_log.setLevel(logging.INFO)
 
     run_demo(steps=steps, output_dir=output_dir)
 

@@ -189,6 +189,7 @@ class PoolTrainer:
         self.world = world
         self.device = device
         self.stop_requested = False
+        self._stepped = False
 
         # Every rank builds the same base model; the master builds the cache first.
         load = partial(
@@ -335,6 +336,10 @@ class PoolTrainer:
             if plan.kind == "idle":
                 time.sleep(self.args.poll_interval_s)
                 continue
+            first = not self._stepped
+            if first and self.world.is_master:
+                log.info("first training step: %d micro-batches on this rank", len(my_micro_batches))
+                started = time.monotonic()
             result = train_step(
                 model=self.model,
                 lora=self.lora,
@@ -345,6 +350,9 @@ class PoolTrainer:
                 world=self.world,
                 device=self.device,
             )
+            if first and self.world.is_master:
+                log.info("first training step done in %.1f s", time.monotonic() - started)
+            self._stepped = True
             if self.master:
                 self._after_step(self.master, plan, result)
 

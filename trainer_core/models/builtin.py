@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ WARMUP_STEPS = WARMUP_CLEAN_STEPS + WARMUP_NOISY_STEPS
 WARMUP_CORRECT_FRACTION = 0.7
 """Share of phase-2 examples with the right answer (the rest: a random plausible answer)."""
 WARMUP_BATCH = 32
+PROGRESS_EVERY_S = 5.0
+"""The build logs a line with its progress this often."""
 WARMUP_LR = 3e-3
 """Phase 1 peak lr (linear warm-up over 50 steps, then cosine to 0); phase 2 starts at a tenth."""
 
@@ -118,7 +121,23 @@ def build(
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR)
     model.train()
-    for step in range(clean_steps + noisy_steps):
+    total = clean_steps + noisy_steps
+    started = last_report = time.monotonic()
+    for step in range(total):
+        now = time.monotonic()
+        if step and now - last_report >= PROGRESS_EVERY_S:
+            # A loaded machine can take minutes here: say what is happening, with an estimate.
+            left = (now - started) / step * (total - step)
+            log.info(
+                "building %s: warm-up step %d/%d (%d%%), %.0f s so far, about %.0f s left",
+                NAME,
+                step,
+                total,
+                100 * step // total,
+                now - started,
+                left,
+            )
+            last_report = now
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, clean_steps, noisy_steps, WARMUP_LR)
         fraction = 1.0 if step < clean_steps else correct_fraction
@@ -158,7 +177,7 @@ def load(
     path = cached_path(cache_dir)
     marker = path / "BUILT"
     if not marker.exists():
-        log.info("building %s (one-off warm-up, cached in %s)", NAME, path)
+        log.info("building %s (one-off warm-up of %d steps, cached in %s)", NAME, WARMUP_STEPS, path)
         model = build()
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         model.save_pretrained(tmp)
