@@ -488,8 +488,12 @@ def demo(
         "demo-output"
     ),
     interim: Annotated[bool, typer.Option(help="Only walk through tenants and runs (no training).")] = False,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="The service's port (0: any free port).")] = 0,
 ) -> None:
-    """The demo on the embedded default: service, worker pool and four runs that visibly learn."""
+    """The demo on the embedded default: service, worker pool and four runs that visibly learn.
+
+    State goes to ./.loraloom/demo, the built-in model's cache to $LORALOOM_MODEL_CACHE
+    (./.loraloom/models), both relative to the directory you run it from."""
     if interim:
         interim_demo()
         return
@@ -502,7 +506,9 @@ def demo(
     models_log.addHandler(handler)
     models_log.setLevel(logging.INFO)
 
-    run_demo(steps=steps, output_dir=output_dir)
+    from loraloom.launch import free_port
+
+    run_demo(steps=steps, output_dir=output_dir, port=port or free_port())
 
 
 def main() -> None:
