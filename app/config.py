@@ -28,6 +28,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get a 413."""
 
+    body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """A request body must arrive whole within this many seconds of the headers, else 408.
+    Bodies are read before any database work, so a slow client holds a socket, not a connection."""
+
     lease_seconds: float = Field(default=120.0, gt=0)
     """How long a worker's claim on rollout batches lasts before they return to pending."""
 

@@ -4,6 +4,11 @@
 from typing import Any
 
 
+def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
+    """The one error body every 4xx/5xx carries."""
+    return {"error": {"code": code, "message": message, "details": details}}
+
+
 class AppError(Exception):
     status: int = 400
     code: str = "bad_request"
