@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from pydantic import SecretStr
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.db import SessionDep
@@ -55,6 +57,25 @@ def _same_secret(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
+def _is_tenant_key(session: Session, token: str) -> bool:
+    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token)))
+    return key is not None and key.revoked_at is None
+
+
+def _is_service_secret(token: str, secret: SecretStr | None) -> bool:
+    return secret is not None and _same_secret(token, secret.get_secret_value())
+
+
+def _wrong_role(role: str) -> Forbidden:
+    return Forbidden(f"this key is valid but may not use this route ({role} required)")
+
+
+# 401 vs 403 (README, "Errors"): 401 when the caller is nobody this route knows (no key, a
+# malformed header, an unknown or revoked key; on tenant routes anything but a tenant key);
+# 403 when it is a valid credential of another role on an admin or pool route (a tenant key,
+# the admin key on a pool route, the worker token on an admin route).
+
+
 def require_tenant(request: Request, session: SessionDep) -> TenantPrincipal:
     token = bearer_token(request)
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token)))
@@ -63,26 +84,26 @@ def require_tenant(request: Request, session: SessionDep) -> TenantPrincipal:
     return TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
 
 
-def require_admin(request: Request, settings: SettingsDep) -> None:
+def require_admin(request: Request, settings: SettingsDep, session: SessionDep) -> None:
     token = bearer_token(request)
     if settings.admin_key is None:
         raise Forbidden("admin routes are disabled: LORALOOM_ADMIN_KEY is not set")
-    if not _same_secret(token, settings.admin_key.get_secret_value()):
-        # A valid tenant key on an admin route is a 403 (authenticated, not allowed);
-        # anything else is a 401.
-        raise (
-            Forbidden("admin key required")
-            if token.startswith(KEY_PREFIX)
-            else Unauthorized("invalid admin key")
-        )
+    if _is_service_secret(token, settings.admin_key):
+        return
+    if _is_service_secret(token, settings.worker_token) or _is_tenant_key(session, token):
+        raise _wrong_role("the admin key")
+    raise Unauthorized("invalid admin key")
 
 
-def require_worker(request: Request, settings: SettingsDep) -> None:
+def require_worker(request: Request, settings: SettingsDep, session: SessionDep) -> None:
     token = bearer_token(request)
     if settings.worker_token is None:
         raise Forbidden("pool routes are disabled: LORALOOM_WORKER_TOKEN is not set")
-    if not _same_secret(token, settings.worker_token.get_secret_value()):
-        raise Unauthorized("invalid worker token")
+    if _is_service_secret(token, settings.worker_token):
+        return
+    if _is_service_secret(token, settings.admin_key) or _is_tenant_key(session, token):
+        raise _wrong_role("the worker token")
+    raise Unauthorized("invalid worker token")
 
 
 TenantDep = Annotated[TenantPrincipal, Depends(require_tenant)]

@@ -135,7 +135,8 @@ def _query_problem(scope: Scope) -> dict[str, Any] | None:
 
 def _is_json(content_type: bytes) -> bool:
     media = content_type.decode("latin-1").split(";", 1)[0].strip().lower()
-    return media == "application/json" or media.endswith(_JSON_MEDIA_SUFFIX)
+    # No Content-Type counts: the runs route parses such a body as JSON.
+    return media in ("", "application/json") or media.endswith(_JSON_MEDIA_SUFFIX)
 
 
 def _json_problem(content_type: bytes, body: bytes) -> dict[str, Any] | None:

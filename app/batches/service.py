@@ -125,7 +125,7 @@ def _replay_of_body(
     """The batch an earlier request with this key and body stored (None also for an undecodable body)."""
     try:
         _, digest = _canonical(decode_batch(body, msgpack=msgpack))
-    except ValidationFailed:
+    except (ValidationFailed, OverflowError):  # OverflowError: an integer past 64 bits, refused later
         return None
     return _replay(session, run_id=run_id, idempotency_key=idempotency_key, request_hash=digest)
 
