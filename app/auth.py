@@ -7,6 +7,7 @@ stored value useless to a reader of the database and lets a lookup be one indexe
 import hashlib
 import hmac
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from sqlalchemy.orm import Session
 from app.config import Settings
 from app.db import SessionDep
 from app.errors import Forbidden, Unauthorized
+from app.limits import InFlight
 from app.tenants.models import ApiKey
 
 KEY_PREFIX = "llk_"
@@ -76,12 +78,19 @@ def _wrong_role(role: str) -> Forbidden:
 # the admin key on a pool route, the worker token on an admin route).
 
 
-def require_tenant(request: Request, session: SessionDep) -> TenantPrincipal:
+def require_tenant(request: Request, session: SessionDep) -> Iterator[TenantPrincipal]:
     token = bearer_token(request)
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token)))
     if key is None or key.revoked_at is not None:
         raise Unauthorized("invalid or revoked API key")
-    return TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
+    # Counted from here to the end of the response (app/limits.py): one tenant's flood gets 429s
+    # while the others' requests still find threads and database connections.
+    in_flight: InFlight = request.app.state.in_flight
+    in_flight.acquire(key.tenant_id)
+    try:
+        yield TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
+    finally:
+        in_flight.release(key.tenant_id)
 
 
 def require_admin(request: Request, settings: SettingsDep, session: SessionDep) -> None:
@@ -106,6 +115,6 @@ def require_worker(request: Request, settings: SettingsDep, session: SessionDep)
     raise Unauthorized("invalid worker token")
 
 
-TenantDep = Annotated[TenantPrincipal, Depends(require_tenant)]
+TenantDep = Annotated[TenantPrincipal, Depends(require_tenant, scope="function")]
 AdminDep = Annotated[None, Depends(require_admin)]
 WorkerDep = Annotated[None, Depends(require_worker)]

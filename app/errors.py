@@ -59,3 +59,14 @@ class UnsupportedMediaType(AppError):
 class ServiceUnavailable(AppError):
     status = 503
     code = "unavailable"
+
+
+class RateLimited(AppError):
+    """429; the response carries Retry-After."""
+
+    status = 429
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, details: Any = None, retry_after: int = 1) -> None:
+        super().__init__(message, details=details)
+        self.retry_after = retry_after

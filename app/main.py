@@ -16,8 +16,9 @@ from app.batches.router import router as batches_router
 from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
 from app.error_guard import ErrorGuard
-from app.errors import AppError, error_body
+from app.errors import AppError, RateLimited, error_body
 from app.lifecycle import on_shutdown, on_startup
+from app.limits import InFlight
 from app.migrate import head_revision, schema_revision
 from app.pools.router import router as pools_router
 from app.request_guard import RequestGuard
@@ -30,7 +31,10 @@ log = logging.getLogger("loraloom")
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AppError)
     async def _app_error(_: Request, exc: AppError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message, exc.details), status_code=exc.status)
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, RateLimited) else None
+        return JSONResponse(
+            error_body(exc.code, exc.message, exc.details), status_code=exc.status, headers=headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -74,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
+    app.state.in_flight = InFlight(settings.tenant_max_in_flight)
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["health"], operation_id="healthz")

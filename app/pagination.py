@@ -51,9 +51,10 @@ def decode_cursor(cursor: str, id_type: type = str) -> tuple[datetime, str | int
             item_id.encode("utf-8")  # a lone surrogate raises
             if "\x00" in item_id:
                 raise ValueError("NUL in id")
-        elif not 0 <= item_id <= 2**63 - 1:
-            raise ValueError("id out of range")
-        return as_utc(datetime.fromisoformat(created)), item_id
+            return as_utc(datetime.fromisoformat(created)), item_id
+        if isinstance(item_id, int) and 0 <= item_id <= 2**63 - 1:
+            return as_utc(datetime.fromisoformat(created)), item_id
+        raise ValueError("id out of range")
     except (binascii.Error, ValueError, TypeError, OverflowError) as exc:  # UnicodeError is a ValueError
         raise _bad_cursor() from exc
 
