@@ -7,15 +7,19 @@ stored value useless to a reader of the database and lets a lookup be one indexe
 import hashlib
 import hmac
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from pydantic import SecretStr
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.db import SessionDep
 from app.errors import Forbidden, Unauthorized
+from app.limits import InFlight
 from app.tenants.models import ApiKey
 
 KEY_PREFIX = "llk_"
@@ -55,36 +59,62 @@ def _same_secret(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def require_tenant(request: Request, session: SessionDep) -> TenantPrincipal:
+def _is_tenant_key(session: Session, token: str) -> bool:
+    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token)))
+    return key is not None and key.revoked_at is None
+
+
+def _is_service_secret(token: str, secret: SecretStr | None) -> bool:
+    return secret is not None and _same_secret(token, secret.get_secret_value())
+
+
+def _wrong_role(role: str) -> Forbidden:
+    return Forbidden(f"this key is valid but may not use this route ({role} required)")
+
+
+# 401 vs 403 (README, "Errors"): 401 when the caller is nobody this route knows (no key, a
+# malformed header, an unknown or revoked key; on tenant routes anything but a tenant key);
+# 403 when it is a valid credential of another role on an admin or pool route (a tenant key,
+# the admin key on a pool route, the worker token on an admin route).
+
+
+def require_tenant(request: Request, session: SessionDep) -> Iterator[TenantPrincipal]:
     token = bearer_token(request)
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token)))
     if key is None or key.revoked_at is not None:
         raise Unauthorized("invalid or revoked API key")
-    return TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
+    # Counted from here to the end of the response (app/limits.py): one tenant's flood gets 429s
+    # while the others' requests still find threads and database connections.
+    in_flight: InFlight = request.app.state.in_flight
+    in_flight.acquire(key.tenant_id)
+    try:
+        yield TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
+    finally:
+        in_flight.release(key.tenant_id)
 
 
-def require_admin(request: Request, settings: SettingsDep) -> None:
+def require_admin(request: Request, settings: SettingsDep, session: SessionDep) -> None:
     token = bearer_token(request)
     if settings.admin_key is None:
         raise Forbidden("admin routes are disabled: LORALOOM_ADMIN_KEY is not set")
-    if not _same_secret(token, settings.admin_key.get_secret_value()):
-        # A valid tenant key on an admin route is a 403 (authenticated, not allowed);
-        # anything else is a 401.
-        raise (
-            Forbidden("admin key required")
-            if token.startswith(KEY_PREFIX)
-            else Unauthorized("invalid admin key")
-        )
+    if _is_service_secret(token, settings.admin_key):
+        return
+    if _is_service_secret(token, settings.worker_token) or _is_tenant_key(session, token):
+        raise _wrong_role("the admin key")
+    raise Unauthorized("invalid admin key")
 
 
-def require_worker(request: Request, settings: SettingsDep) -> None:
+def require_worker(request: Request, settings: SettingsDep, session: SessionDep) -> None:
     token = bearer_token(request)
     if settings.worker_token is None:
         raise Forbidden("pool routes are disabled: LORALOOM_WORKER_TOKEN is not set")
-    if not _same_secret(token, settings.worker_token.get_secret_value()):
-        raise Unauthorized("invalid worker token")
+    if _is_service_secret(token, settings.worker_token):
+        return
+    if _is_service_secret(token, settings.admin_key) or _is_tenant_key(session, token):
+        raise _wrong_role("the worker token")
+    raise Unauthorized("invalid worker token")
 
 
-TenantDep = Annotated[TenantPrincipal, Depends(require_tenant)]
+TenantDep = Annotated[TenantPrincipal, Depends(require_tenant, scope="function")]
 AdminDep = Annotated[None, Depends(require_admin)]
 WorkerDep = Annotated[None, Depends(require_worker)]

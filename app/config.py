@@ -28,6 +28,19 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get a 413."""
 
+    body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    """A request body must arrive whole within this many seconds of the headers, else 408.
+    Bodies are read before any database work, so a slow client holds a socket, not a connection."""
+
+    tenant_max_in_flight: int = Field(default=16, ge=1, le=100_000)
+    """Requests of one tenant handled at once (per service process); more get a 429 + Retry-After."""
+
+    run_max_pending_batches: int = Field(default=1024, ge=1, le=10_000_000)
+    """Unclaimed batches one run may hold; a submission past it gets a 429 + Retry-After."""
+
+    run_max_pending_bytes: int = Field(default=1024**3, ge=1024)
+    """Payload bytes of one run's unclaimed batches; a submission past it gets a 429 + Retry-After."""
+
     lease_seconds: float = Field(default=120.0, gt=0)
     """How long a worker's claim on rollout batches lasts before they return to pending."""
 

@@ -4,6 +4,11 @@
 from typing import Any
 
 
+def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
+    """The one error body every 4xx/5xx carries."""
+    return {"error": {"code": code, "message": message, "details": details}}
+
+
 class AppError(Exception):
     status: int = 400
     code: str = "bad_request"
@@ -54,3 +59,14 @@ class UnsupportedMediaType(AppError):
 class ServiceUnavailable(AppError):
     status = 503
     code = "unavailable"
+
+
+class RateLimited(AppError):
+    """429; the response carries Retry-After."""
+
+    status = 429
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, details: Any = None, retry_after: int = 1) -> None:
+        super().__init__(message, details=details)
+        self.retry_after = retry_after

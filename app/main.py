@@ -3,14 +3,11 @@
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.adapters.pool_router import router as pool_adapters_router
 from app.adapters.router import router as adapters_router
@@ -18,71 +15,26 @@ from app.batches.pool_router import router as pool_batches_router
 from app.batches.router import router as batches_router
 from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
-from app.errors import AppError
+from app.error_guard import ErrorGuard
+from app.errors import AppError, RateLimited, error_body
 from app.lifecycle import on_shutdown, on_startup
+from app.limits import InFlight
+from app.migrate import head_revision, schema_revision
 from app.pools.router import router as pools_router
+from app.request_guard import RequestGuard
 from app.runs.router import router as runs_router
 from app.tenants.router import router as tenants_router
 
 log = logging.getLogger("loraloom")
 
 
-def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message, "details": details}}
-
-
-class BodySizeLimit:
-    """Refuse request bodies above max_body_bytes with a 413, whether or not Content-Length is sent."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send)
-            return
-        received = 0
-        too_large = False
-
-        async def limited_receive() -> Message:
-            nonlocal received, too_large
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    too_large = True
-                    raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, limited_receive, send)
-        except _BodyTooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send: Send) -> None:
-        response = JSONResponse(
-            error_body("payload_too_large", f"request body exceeds {self.max_bytes} bytes"), status_code=413
-        )
-        await response({"type": "http"}, _empty_receive, send)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-async def _empty_receive() -> Message:
-    return {"type": "http.request", "body": b"", "more_body": False}
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AppError)
     async def _app_error(_: Request, exc: AppError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message, exc.details), status_code=exc.status)
+        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, RateLimited) else None
+        return JSONResponse(
+            error_body(exc.code, exc.message, exc.details), status_code=exc.status, headers=headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -126,20 +78,38 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
+    app.state.in_flight = InFlight(settings.tenant_max_in_flight)
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["health"], operation_id="healthz")
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    head = head_revision()
+
     @app.get("/readyz", tags=["health"], operation_id="readyz")
     def readyz() -> JSONResponse:
+        """Ready: the database answers and its schema is at the migration head this code expects."""
         try:
             with engine.connect() as conn:
-                conn.execute(text("SELECT 1"))
+                current = schema_revision(conn)
         except Exception as exc:  # the database is down or unreachable
             log.warning("readiness check failed: %s", type(exc).__name__)
-            return JSONResponse(error_body("database_unavailable", "database unreachable"), status_code=503)
+            return JSONResponse(
+                error_body("database_unavailable", "database unreachable"),
+                status_code=503,
+                headers={"Retry-After": "5"},
+            )
+        if current != head:
+            return JSONResponse(
+                error_body(
+                    "schema_not_current",
+                    f"database schema is at {current or 'no revision'}, this service needs {head}; "
+                    "run `loraloom db upgrade`",
+                    {"current": current, "head": head},
+                ),
+                status_code=503,
+            )
         return JSONResponse({"status": "ready"})
 
     for router in (
@@ -152,5 +122,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pools_router,
     ):
         app.include_router(router)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    # The request guard reads the body before anything opens a database session; the error
+    # guard, outermost, turns any escaped exception into the uniform body.
+    app.add_middleware(
+        RequestGuard,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout_seconds=settings.body_timeout_seconds,
+    )
+    app.add_middleware(ErrorGuard)
     return app

@@ -9,6 +9,9 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
@@ -28,3 +31,13 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 
 def downgrade(database_url: str, revision: str = "base") -> None:
     command.downgrade(alembic_config(database_url), revision)
+
+
+def head_revision() -> str | None:
+    """The newest revision of the migrations shipped with this code."""
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def schema_revision(conn: Connection) -> str | None:
+    """The revision the database is at (None: never migrated)."""
+    return MigrationContext.configure(conn).get_current_revision()

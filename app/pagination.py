@@ -32,18 +32,31 @@ def encode_cursor(created_at: datetime, item_id: str | int) -> str:
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
-def decode_cursor(cursor: str) -> tuple[datetime, str | int]:
+def _bad_cursor() -> ValidationFailed:
+    return ValidationFailed(
+        "invalid cursor",
+        details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],
+    )
+
+
+def decode_cursor(cursor: str, id_type: type = str) -> tuple[datetime, str | int]:
+    """The (created_at, id) a cursor holds; a 422 for anything this API did not write, down to an
+    id of the wrong type, a string Postgres cannot hold (NUL, lone surrogate) or a date out of range."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created, item_id = json.loads(raw)
-        if not isinstance(item_id, str | int) or isinstance(item_id, bool):
+        if type(item_id) is not id_type:  # bool is not int here either
             raise ValueError("bad id")
-        return as_utc(datetime.fromisoformat(created)), item_id
-    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
-        raise ValidationFailed(
-            "invalid cursor",
-            details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],
-        ) from exc
+        if isinstance(item_id, str):
+            item_id.encode("utf-8")  # a lone surrogate raises
+            if "\x00" in item_id:
+                raise ValueError("NUL in id")
+            return as_utc(datetime.fromisoformat(created)), item_id
+        if isinstance(item_id, int) and 0 <= item_id <= 2**63 - 1:
+            return as_utc(datetime.fromisoformat(created)), item_id
+        raise ValueError("id out of range")
+    except (binascii.Error, ValueError, TypeError, OverflowError) as exc:  # UnicodeError is a ValueError
+        raise _bad_cursor() from exc
 
 
 def paginate(
@@ -57,7 +70,7 @@ def paginate(
 ) -> tuple[list[Any], str | None]:
     """One page of `stmt`'s entities (newest first) and the cursor of the next page, or None at the end."""
     if cursor is not None:
-        created, item_id = decode_cursor(cursor)
+        created, item_id = decode_cursor(cursor, id_col.type.python_type)
         stmt = stmt.where(or_(created_col < created, and_(created_col == created, id_col < item_id)))
     rows = list(session.scalars(stmt.order_by(created_col.desc(), id_col.desc()).limit(limit + 1)))
     if len(rows) <= limit:

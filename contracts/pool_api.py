@@ -15,6 +15,13 @@ from contracts.progress import Progress
 from contracts.status import RunStatus
 from contracts.wire import TrainingBatch
 
+INT32_MAX = 2**31 - 1
+"""The largest value of a 32-bit database column (batch ids, steps)."""
+INT64_MAX = 2**63 - 1
+"""The largest value of a 64-bit database column (sample and token counters)."""
+Step = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
 ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=64)]
 PoolId = Annotated[str, StringConstraints(min_length=1, max_length=32)]
 
@@ -137,9 +144,9 @@ class ClaimStruct(msgspec.Struct):
 
 
 class AckItem(_Request):
-    batch_id: int
+    batch_id: int = Field(ge=1, le=INT32_MAX)
     trained_step: int = Field(
-        ge=0, description="The run step whose optimizer update used the batch's last sample."
+        ge=0, le=INT32_MAX, description="The run step whose optimizer update used the batch's last sample."
     )
 
 
@@ -154,9 +161,9 @@ class AckOut(_Answer):
 
 class RestartIn(_Request):
     pool_id: PoolId
-    checkpoint_step: int = Field(ge=0)
-    total_samples: int = Field(ge=0)
-    total_tokens: int = Field(ge=0)
+    checkpoint_step: Step
+    total_samples: Count
+    total_tokens: Count
 
 
 class RestartOut(_Answer):
@@ -184,21 +191,23 @@ class StepMetricsIn(BaseModel):
     masked_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
     grad_norm: float | None = Field(default=None, ge=0.0)
     lr: float | None = Field(default=None, ge=0.0)
-    tokens: int | None = Field(default=None, ge=0)
-    samples: int | None = Field(default=None, ge=0)
+    tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    samples: int | None = Field(default=None, ge=0, le=INT64_MAX)
     step_time_s: float | None = Field(default=None, ge=0.0)
 
 
 class StepReport(_Request):
     step: int = Field(ge=1, le=10_000_000, description="The run step that just completed (1-based).")
-    total_tokens: int = Field(ge=0)
-    total_samples: int = Field(ge=0)
+    total_tokens: Count
+    total_samples: Count
     metrics: StepMetricsIn = Field(default_factory=StepMetricsIn)
 
 
 class CheckpointReport(_Request):
     step: int = Field(ge=0, le=10_000_000)
-    total_samples: int = Field(ge=0, description="Samples trained in completed steps up to this checkpoint.")
+    total_samples: int = Field(
+        ge=0, le=INT64_MAX, description="Samples trained in completed steps up to this checkpoint."
+    )
 
 
 class TrainerEvict(_Request):

@@ -7,7 +7,7 @@ Every field is bounded; unknown fields are errors.
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_BASE_MODEL = "loraloom-tiny"
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -112,8 +112,41 @@ class RunConfig(_Strict):
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seeds the adapter's initialisation.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form user labels (≤ 64 keys).")
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_toml(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problem = _toml_problem(value, "metadata")
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     @model_validator(mode="after")
     def _metadata_small(self) -> "RunConfig":
         if len(self.metadata) > 64:
             raise ValueError("metadata has more than 64 keys")
         return self
+
+
+_INT64 = 2**63
+
+
+def _toml_problem(value: Any, where: str) -> str | None:
+    """Why `value` cannot be written as TOML (the run's orch.toml), or None. Iterative: any depth."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if item is None:
+            return f"{path} is null; TOML has no null (leave the key out)"
+        if isinstance(item, bool | str):
+            continue
+        if isinstance(item, int):
+            if not -_INT64 <= item < _INT64:
+                return f"{path} is outside the 64-bit integer range"
+        elif isinstance(item, float):
+            if item != item or item in (float("inf"), float("-inf")):
+                return f"{path} is not a finite number"
+        elif isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}") for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    return None

@@ -130,7 +130,10 @@ def serve(
     """Run the API service (settings from LORALOOM_* environment variables)."""
     import uvicorn
 
-    uvicorn.run("app.main:create_app", factory=True, host=host, port=port)
+    from app.serving import uvicorn_options
+
+    # h11 with a header-size limit (431) and keep-alive timeout: see app/serving.py.
+    uvicorn.run("app.main:create_app", factory=True, host=host, port=port, **uvicorn_options())
 
 
 @db_cli.command("upgrade")

@@ -2,7 +2,7 @@
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
@@ -15,6 +15,13 @@ class Batch(Base):
         UniqueConstraint("run_id", "idempotency_key"),
         Index("ix_batches_state_id", "state", "id"),
         Index("ix_batches_run_id_id", "run_id", "id"),
+        # The per-run pending limits count these on every submission (app/limits.py).
+        Index(
+            "ix_batches_run_id_pending",
+            "run_id",
+            postgresql_where=text("state = 'pending'"),
+            sqlite_where=text("state = 'pending'"),
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

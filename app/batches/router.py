@@ -16,6 +16,7 @@ from app.batches.schemas import (
 from app.db import SessionDep
 from app.errors import UnsupportedMediaType, ValidationFailed
 from app.runs.deps import OwnedRunDep
+from contracts.pool_api import INT32_MAX
 from contracts.status import BatchState
 
 router = APIRouter(tags=["batches"])
@@ -105,7 +106,8 @@ def list_batches(
     """The run's batches in id order (the order they are trained in), with their state."""
     after: int | None = None
     if cursor is not None:
-        if not cursor.isdigit():
+        # ASCII digits only (str.isdigit also accepts "²"), and within the 32-bit id column.
+        if not (cursor.isascii() and cursor.isdigit() and int(cursor) <= INT32_MAX):
             raise ValidationFailed(
                 "invalid cursor",
                 details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],

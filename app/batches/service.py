@@ -15,7 +15,7 @@ import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 
-from sqlalchemy import Insert, select, update
+from sqlalchemy import Insert, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -24,7 +24,8 @@ from app.batches.models import Batch
 from app.batches.storage import StoredPayload, discard_payload, write_payload
 from app.batches.validation import batch_num_tokens, decode_and_validate, decode_batch
 from app.config import Settings
-from app.errors import Conflict, ValidationFailed
+from app.errors import Conflict, RateLimited, ValidationFailed
+from app.limits import PENDING_RETRY_AFTER_SECONDS
 from app.pools.models import Pool
 from app.runs.models import Run
 from contracts.run_config import RunConfig
@@ -125,7 +126,7 @@ def _replay_of_body(
     """The batch an earlier request with this key and body stored (None also for an undecodable body)."""
     try:
         _, digest = _canonical(decode_batch(body, msgpack=msgpack))
-    except ValidationFailed:
+    except (ValidationFailed, OverflowError):  # OverflowError: an integer past 64 bits, refused later
         return None
     return _replay(session, run_id=run_id, idempotency_key=idempotency_key, request_hash=digest)
 
@@ -186,10 +187,19 @@ def submit_batch(
 
     # The file goes first and outside the run lock (its name does not depend on the offset):
     # a crash before the commit leaves an unreferenced file, never a row without a file.
+    # The reads so far end here, so the connection goes back to the pool while the file is
+    # written and fsynced (_add_row re-reads the run under its lock).
+    session.commit()
     stored = write_payload(settings, run_id=run.id, rollout_step=batch.step, data=data, sha256=digest)
     try:
         result = _add_row(
-            session, run=run, batch=batch, config=config, stored=stored, idempotency_key=idempotency_key
+            session,
+            settings=settings,
+            run=run,
+            batch=batch,
+            config=config,
+            stored=stored,
+            idempotency_key=idempotency_key,
         )
     except BaseException:
         discard_payload(settings, stored.relative_path)
@@ -199,9 +209,33 @@ def submit_batch(
     return result
 
 
+def _check_pending_room(session: Session, *, run_id: str, settings: Settings, adding_bytes: int) -> None:
+    """429 if the run's unclaimed batches are at their limits (under the run row lock: exact)."""
+    count, size = session.execute(
+        select(func.count(), func.coalesce(func.sum(Batch.payload_bytes), 0)).where(
+            Batch.run_id == run_id, Batch.state == BatchState.PENDING
+        )
+    ).one()
+    if count + 1 > settings.run_max_pending_batches or size + adding_bytes > settings.run_max_pending_bytes:
+        raise RateLimited(
+            f"run {run_id} has {count} unclaimed batches ({size} bytes); the limits are "
+            f"{settings.run_max_pending_batches} batches and {settings.run_max_pending_bytes} bytes. "
+            "Retry once the pool has claimed some",
+            details={
+                "kind": "pending_batches",
+                "pending_batches": count,
+                "pending_bytes": size,
+                "max_pending_batches": settings.run_max_pending_batches,
+                "max_pending_bytes": settings.run_max_pending_bytes,
+            },
+            retry_after=PENDING_RETRY_AFTER_SECONDS,
+        )
+
+
 def _add_row(
     session: Session,
     *,
+    settings: Settings,
     run: Run,
     batch: TrainingBatch,
     config: RunConfig,
@@ -224,6 +258,7 @@ def _add_row(
     state = _RunState(run_id, locked.status, locked.step, locked.eviction_reason, locked.evicted_by)
     _check_status(state)  # the run may have moved while the file was written
     _check_fresh(state, batch, config)
+    _check_pending_room(session, run_id=run_id, settings=settings, adding_bytes=stored.size_bytes)
 
     row = _insert_new(
         session,

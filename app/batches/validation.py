@@ -23,6 +23,7 @@ from typing import Annotated, TypeAlias
 import msgspec
 
 from app.errors import ValidationFailed
+from contracts.pool_api import INT32_MAX
 from contracts.wire import (
     MAX_EXAMPLES_PER_BATCH,
     MAX_LABEL_CHARS,
@@ -107,7 +108,11 @@ def _constrained_decoders(
     Subclasses keep the wire structs' fields, order, defaults and encoding, so what they decode
     is a TrainingBatch (isinstance holds) and encodes to the same bytes.
     """
-    Token: TypeAlias = Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]  # lt=None: no upper bound
+    # Without a vocabulary (no pool registered yet) a token id is still bounded: no vocabulary
+    # has 2**31 entries, and a larger integer would not survive the msgpack re-encode.
+    Token: TypeAlias = Annotated[
+        int, msgspec.Meta(ge=0, lt=vocab_size) if vocab_size is not None else msgspec.Meta(ge=0, le=INT32_MAX)
+    ]
     sample = msgspec.defstruct(
         "TrainingSample",
         [
@@ -133,7 +138,7 @@ def _constrained_decoders(
         [
             ("examples", examples),
             ("temperature", _Temperature, 1.0),
-            ("step", Annotated[int, msgspec.Meta(ge=0)], 0),
+            ("step", Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)], 0),  # a 32-bit column
             ("env", _Label | None, None),
             ("agent", _Label | None, None),
         ],

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.errors import UnsupportedMediaType, ValidationFailed
+from app.request_guard import nul_path, too_deep
 from app.runs.models import Run
 from app.timestamps import UtcDatetime
 from contracts.progress import Progress
@@ -113,6 +114,8 @@ def _malformed(kind: str, problem: str) -> ValidationFailed:
 def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
     """Parse and validate a create-run body, JSON or TOML, or raise a 415/422 domain error."""
     media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if too_deep(body):  # before a (recursive) parser sees it
+        raise _malformed("TOML" if media_type in TOML_CONTENT_TYPES else "JSON", "nested too deeply")
     if media_type in TOML_CONTENT_TYPES:
         try:
             data: Any = tomllib.loads(body.decode("utf-8"))
@@ -131,6 +134,14 @@ def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
         raise ValidationFailed(
             "the body must be an object with `name` and `config`",
             details=[{"loc": ["body"], "msg": "expected an object", "type": "model_type"}],
+        )
+    where = nul_path(data)
+    if where is not None:  # Postgres text cannot hold a NUL
+        raise ValidationFailed(
+            "a string holds a NUL character",
+            details=[
+                {"loc": ["body", *where], "msg": "must not contain a NUL character", "type": "nul_character"}
+            ],
         )
     try:
         return RunCreate.model_validate(data)

@@ -1,14 +1,19 @@
 """Bad input, table-driven: every case gets a clear 4xx in the uniform error body, and
 nothing is stored (row counts and files unchanged)."""
 
+import base64
+import json
+
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
+from app.batches.models import Batch
 from app.events.models import Event
 from app.main import create_app
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
-from tests.app.api import ADMIN_HEADERS, create_run, new_tenant
+from tests.app.api import ADMIN_HEADERS, WORKER_HEADERS, create_run, new_tenant
 from tests.app.factories import row_counts
 
 JSON = {"Content-Type": "application/json"}
@@ -175,8 +180,364 @@ CASES = [
 ]
 
 
+# Issue 10's hostile inputs (each was a text/plain 500 before). Batch problems are reported as
+# {sample, field, problem}; the table names them "batch.<field>".
+MSGPACK = {"Content-Type": "application/msgpack"}
+WORKER_JSON = {**WORKER_HEADERS, **JSON}
+INT32 = 2**31
+INT64 = 2**63
+
+
+def _batch(step: int = 0, token: int = 1) -> dict:
+    sample = {
+        "prompt_ids": [1, 2],
+        "prompt_mask": [True, True],
+        "completion_ids": [token],
+        "completion_mask": [True],
+        "completion_logprobs": [-0.5],
+        "advantage": 1.0,
+    }
+    return {"examples": [sample], "step": step}
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _cursor(created: str, item_id: object) -> str:
+    raw = json.dumps([created, item_id]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _nested(depth: int) -> bytes:
+    return b'{"name": "x", "config": {"metadata": {"deep": ' + b"[" * depth + b"]" * depth + b"}}}"
+
+
+NOW = "2026-01-01T00:00:00+00:00"
+BATCHES = "/v1/runs/{run}/batches"
+HOSTILE_CASES = [
+    (
+        "batch-step-2^31",
+        "POST",
+        BATCHES,
+        JSON,
+        _json(_batch(step=INT32)),
+        422,
+        "validation_error",
+        "batch.step",
+    ),
+    (
+        "batch-step-2^31-msgpack",
+        "POST",
+        BATCHES,
+        MSGPACK,
+        msgspec.msgpack.encode(_batch(step=INT32)),
+        422,
+        "validation_error",
+        "batch.step",
+    ),
+    (
+        "token-id-2^64",
+        "POST",
+        BATCHES,
+        JSON,
+        _json(_batch(token=2**64)),
+        422,
+        "validation_error",
+        "batch.completion_ids",
+    ),
+    (
+        "token-id-2^64-replay-path",
+        "POST",
+        BATCHES,
+        {**JSON, "Idempotency-Key": "k1"},
+        _json(_batch(token=2**64)),
+        422,
+        "validation_error",
+        "batch.completion_ids",
+    ),
+    (
+        "token-id-2^31-no-vocab",
+        "POST",
+        BATCHES,
+        JSON,
+        _json(_batch(token=INT32)),
+        422,
+        "validation_error",
+        "batch.completion_ids",
+    ),
+    (
+        "evict-reason-nul",
+        "POST",
+        "/v1/runs/{run}/evict",
+        JSON,
+        b'{"reason": "a\\u0000b"}',
+        422,
+        "validation_error",
+        "body.reason",
+    ),
+    (
+        "base-model-nul",
+        "POST",
+        "/v1/runs",
+        JSON,
+        b'{"name": "x", "config": {"base_model": "m\\u0000"}}',
+        422,
+        "validation_error",
+        "body.config.base_model",
+    ),
+    (
+        "base-model-nul-toml",
+        "POST",
+        "/v1/runs",
+        TOML,
+        b'name = "x"\n[config]\nbase_model = "m\\u0000"\n',
+        422,
+        "validation_error",
+        "body.config.base_model",
+    ),
+    (
+        "metadata-key-nul",
+        "POST",
+        "/v1/runs",
+        JSON,
+        b'{"name": "x", "config": {"metadata": {"a\\u0000": 1}}}',
+        422,
+        "validation_error",
+        "body.config.metadata",
+    ),
+    (
+        "tenant-name-nul",
+        "POST",
+        "/v1/tenants",
+        {**ADMIN_HEADERS, **JSON},
+        b'{"name": "t\\u0000"}',
+        422,
+        "validation_error",
+        "body.name",
+    ),
+    (
+        "pool-id-nul-claim",
+        "POST",
+        "/v1/pool/batches/claim",
+        WORKER_JSON,
+        b'{"pool_id": "p\\u0000", "max_batches": 1}',
+        422,
+        "validation_error",
+        "body.pool_id",
+    ),
+    (
+        "tenant-id-nul-path",
+        "GET",
+        "/v1/tenants/ten_%00/keys",
+        ADMIN_HEADERS,
+        None,
+        422,
+        "validation_error",
+        "path",
+    ),
+    ("run-id-nul-path", "GET", "/v1/runs/run_%00", {}, None, 422, "validation_error", "path"),
+    ("cursor-nul", "GET", "/v1/runs?cursor=a%00b", {}, None, 422, "validation_error", "query.cursor"),
+    (
+        "metadata-null-in-list",
+        "POST",
+        "/v1/runs",
+        JSON,
+        b'{"name": "x", "config": {"metadata": {"tags": ["a", null]}}}',
+        422,
+        "validation_error",
+        "body.config.metadata",
+    ),
+    (
+        "metadata-int-past-64-bits",
+        "POST",
+        "/v1/runs",
+        JSON,
+        b'{"name": "x", "config": {"metadata": {"n": 99999999999999999999999}}}',
+        422,
+        "validation_error",
+        "body.config.metadata",
+    ),
+    ("nested-1000-json", "POST", "/v1/runs", JSON, _nested(1000), 422, "validation_error", "body"),
+    ("nested-900-json", "POST", "/v1/runs", JSON, _nested(900), 422, "validation_error", "body"),
+    ("nested-1000-no-content-type", "POST", "/v1/runs", {}, _nested(1000), 422, "validation_error", "body"),
+    (
+        "nested-1000-toml",
+        "POST",
+        "/v1/runs",
+        TOML,
+        b'name = "x"\n[config.metadata]\ndeep = ' + b"[" * 1000 + b"]" * 1000 + b"\n",
+        422,
+        "validation_error",
+        "body",
+    ),
+    (
+        "nested-1000-evict",
+        "POST",
+        "/v1/runs/{run}/evict",
+        JSON,
+        b'{"reason": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+        422,
+        "validation_error",
+        "body",
+    ),
+    (
+        "nested-1000-batch",
+        "POST",
+        BATCHES,
+        JSON,
+        b'{"examples": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+        422,
+        "validation_error",
+        "body",
+    ),
+    (
+        "nested-1000-pool",
+        "POST",
+        "/v1/pool/batches/ack",
+        WORKER_JSON,
+        b'{"pool_id": "p", "acks": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+        422,
+        "validation_error",
+        "body",
+    ),
+    ("non-utf8-json", "POST", "/v1/runs", JSON, b'{"name": "\xff\xfe"}', 422, "validation_error", "body"),
+    (
+        "non-utf8-evict",
+        "POST",
+        "/v1/runs/{run}/evict",
+        JSON,
+        b'{"reason": "\xff"}',
+        422,
+        "validation_error",
+        "body",
+    ),
+    (
+        "list-runs-cursor-int-id",
+        "GET",
+        "/v1/runs?cursor=" + _cursor(NOW, 5),
+        {},
+        None,
+        422,
+        "validation_error",
+        "query.cursor",
+    ),
+    (
+        "list-runs-cursor-surrogate",
+        "GET",
+        "/v1/runs?cursor=" + _cursor(NOW, "\ud800"),
+        {},
+        None,
+        422,
+        "validation_error",
+        "query.cursor",
+    ),
+    (
+        "list-runs-cursor-date-overflow",
+        "GET",
+        "/v1/runs?cursor=" + _cursor("0001-01-01T00:00:00+05:00", "run_x"),
+        {},
+        None,
+        422,
+        "validation_error",
+        "query.cursor",
+    ),
+    (
+        "list-batches-cursor-superscript",
+        "GET",
+        BATCHES + "?cursor=%C2%B2",
+        {},
+        None,
+        422,
+        "validation_error",
+        "query.cursor",
+    ),
+    (
+        "list-batches-cursor-2^31",
+        "GET",
+        BATCHES + f"?cursor={INT32}",
+        {},
+        None,
+        422,
+        "validation_error",
+        "query.cursor",
+    ),
+    (
+        "ack-batch-id-2^31",
+        "POST",
+        "/v1/pool/batches/ack",
+        WORKER_JSON,
+        _json({"pool_id": "p", "acks": [{"batch_id": INT32, "trained_step": 1}]}),
+        422,
+        "validation_error",
+        "body.acks.0.batch_id",
+    ),
+    (
+        "ack-trained-step-2^31",
+        "POST",
+        "/v1/pool/batches/ack",
+        WORKER_JSON,
+        _json({"pool_id": "p", "acks": [{"batch_id": 1, "trained_step": INT32}]}),
+        422,
+        "validation_error",
+        "body.acks.0.trained_step",
+    ),
+    (
+        "restart-checkpoint-step-2^31",
+        "POST",
+        "/v1/pool/runs/{run}/restart",
+        WORKER_JSON,
+        _json({"pool_id": "p", "checkpoint_step": INT32, "total_samples": 0, "total_tokens": 0}),
+        422,
+        "validation_error",
+        "body.checkpoint_step",
+    ),
+    (
+        "restart-total-samples-2^63",
+        "POST",
+        "/v1/pool/runs/{run}/restart",
+        WORKER_JSON,
+        _json({"pool_id": "p", "checkpoint_step": 0, "total_samples": INT64, "total_tokens": 0}),
+        422,
+        "validation_error",
+        "body.total_samples",
+    ),
+    (
+        "restart-total-tokens-2^63",
+        "POST",
+        "/v1/pool/runs/{run}/restart",
+        WORKER_JSON,
+        _json({"pool_id": "p", "checkpoint_step": 0, "total_samples": 0, "total_tokens": INT64}),
+        422,
+        "validation_error",
+        "body.total_tokens",
+    ),
+    (
+        "step-report-total-tokens-2^63",
+        "POST",
+        "/v1/pool/runs/{run}/steps",
+        WORKER_JSON,
+        _json({"step": 1, "total_tokens": INT64, "total_samples": 1}),
+        422,
+        "validation_error",
+        "body.total_tokens",
+    ),
+    (
+        "checkpoint-total-samples-2^63",
+        "POST",
+        "/v1/pool/runs/{run}/checkpoints",
+        WORKER_JSON,
+        _json({"step": 1, "total_samples": INT64}),
+        422,
+        "validation_error",
+        "body.total_samples",
+    ),
+]
+ALL_CASES = CASES + HOSTILE_CASES
+
+
 def _snapshot(settings) -> tuple:
-    counts = row_counts(settings, Tenant, ApiKey, Run, Event)
+    counts = row_counts(settings, Tenant, ApiKey, Run, Event, Batch)
     files = sorted(str(p.relative_to(settings.data_dir.parent)) for p in settings.data_dir.parent.rglob("*"))
     return counts, files
 
@@ -192,8 +553,8 @@ def _assert_uniform(r, status: int, code: str) -> dict:
 
 @pytest.mark.parametrize(
     ("method", "url", "headers", "body", "status", "code", "field"),
-    [c[1:] for c in CASES],
-    ids=[c[0] for c in CASES],
+    [c[1:] for c in ALL_CASES],
+    ids=[c[0] for c in ALL_CASES],
 )
 def test_bad_input(client, settings, method, url, headers, body, status, code, field):
     tenant = new_tenant(client)
@@ -204,7 +565,7 @@ def test_bad_input(client, settings, method, url, headers, body, status, code, f
     )
     error = _assert_uniform(r, status, code)
     if field is not None:
-        reported = [".".join(d["loc"]) for d in error["details"]]
+        reported = [".".join(d["loc"]) if "loc" in d else f"batch.{d['field']}" for d in error["details"]]
         assert any(loc == field or loc.startswith(field + ".") for loc in reported), reported
     assert _snapshot(settings) == before
     assert client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()["status"] == "active"

@@ -12,7 +12,15 @@ from app.config import Settings
 from app.pools.models import Pool
 from app.pools.service import declare_dead_pools
 from app.runs.admission import admission_problems, live_pool_slots
-from tests.app.api import POOL_SPEC, WORKER_HEADERS, TenantHandle, create_run, new_tenant, register
+from tests.app.api import (
+    ADMIN_HEADERS,
+    POOL_SPEC,
+    WORKER_HEADERS,
+    TenantHandle,
+    create_run,
+    new_tenant,
+    register,
+)
 from tests.app.factories import claimed_batch, end_read, run_row
 
 
@@ -81,10 +89,17 @@ def test_unknown_pool(client: TestClient) -> None:
 def test_pool_routes_refuse_tenant_keys(
     client: TestClient, tenant: TenantHandle, method: str, path: str, body: dict | None
 ) -> None:
-    for headers in (tenant.headers, {}):
+    # A valid tenant key is a known caller on the wrong route (403); no key or an unknown one, 401.
+    cases = [
+        (tenant.headers, 403, "forbidden"),
+        (ADMIN_HEADERS, 403, "forbidden"),
+        ({}, 401, "unauthorized"),
+        ({"Authorization": "Bearer llk_not-a-key"}, 401, "unauthorized"),
+    ]
+    for headers, status, code in cases:
         r = client.request(method, path, json=body, headers=headers)
-        assert r.status_code == 401, (headers, r.text)
-        assert r.json()["error"]["code"] == "unauthorized"
+        assert r.status_code == status, (headers, r.text)
+        assert r.json()["error"]["code"] == code
 
 
 def test_pool_slots_become_the_slot_count(client: TestClient, settings: Settings, db: Session) -> None:

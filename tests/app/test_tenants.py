@@ -8,7 +8,7 @@ from sqlalchemy import select
 from app.auth import hash_key
 from app.events.models import Event
 from app.tenants.models import ApiKey, Tenant
-from tests.app.api import ADMIN_HEADERS, new_tenant
+from tests.app.api import ADMIN_HEADERS, WORKER_HEADERS, new_tenant
 
 
 def test_create_and_list_tenants(client):
@@ -94,6 +94,9 @@ def test_admin_auth(client):
     assert client.get("/v1/tenants", headers={"Authorization": "Basic abc"}).status_code == 401
     r = client.get("/v1/tenants", headers=t.headers)
     assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
+    # A key that merely looks like a tenant key is unknown: 401, not 403.
+    assert client.get("/v1/tenants", headers={"Authorization": "Bearer llk_unknown"}).status_code == 401
+    assert client.get("/v1/tenants", headers=WORKER_HEADERS).status_code == 403
 
 
 def test_audit_log_never_holds_secrets(client, db):

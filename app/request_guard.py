@@ -1,0 +1,199 @@
+"""The request guard: what is checked before a request reaches a route, and so before any
+database session opens.
+
+- The body is read whole here, with its size limit (413) and a read deadline (408). A client
+  that sends the headers and part of a body (slow or on purpose) therefore holds a socket and
+  a coroutine, never a database connection: authentication, which needs the database, runs
+  only once the body is in memory.
+- JSON bodies are checked before any parser recurses into them: UTF-8 (else 422), nesting depth
+  (a byte scan, no recursion; else 422), and no NUL character in any string or key (Postgres
+  text cannot hold one; else 422 naming the field).
+- The query string and path may not hold a NUL either (422 naming the parameter).
+
+Every refusal is the uniform error body of app/errors.py.
+"""
+
+import asyncio
+import json
+import re
+import time
+from typing import Any
+from urllib.parse import parse_qsl, unquote
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import error_body
+
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays/objects accepted in a JSON body (the deepest legitimate one is ~6)."""
+
+_JSON_MEDIA_SUFFIX = "+json"
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_timeout_seconds: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_seconds = body_timeout_seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        problem = _query_problem(scope)
+        if problem is not None:
+            await _refuse(send, 422, problem)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _refuse(send, 413, _too_large(self.max_body_bytes))
+            return
+        body, disconnected, refusal = await self._read_body(receive)
+        if refusal is not None:
+            await _refuse(send, *refusal)
+            return
+        problem = _json_problem(headers.get(b"content-type", b""), body)
+        if problem is not None:
+            await _refuse(send, 422, problem)
+            return
+
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            if disconnected:
+                return {"type": "http.disconnect"}
+            return await receive()  # waits for the disconnect, as a real receive would
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, receive: Receive) -> tuple[bytes, bool, tuple[int, dict[str, Any]] | None]:
+        """(body, client disconnected, refusal or None)."""
+        chunks: list[bytes] = []
+        size = 0
+        deadline = time.monotonic() + self.body_timeout_seconds
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), timeout=max(remaining, 0.001))
+            except TimeoutError:
+                return b"", False, (408, _timeout(self.body_timeout_seconds))
+            if message["type"] == "http.disconnect":
+                return b"".join(chunks), True, None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return b"", False, (413, _too_large(self.max_body_bytes))
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), False, None
+
+
+async def _refuse(send: Send, status: int, body: dict[str, Any]) -> None:
+    # Connection: close on refusals sent before the body was read: the rest of it may still be
+    # in flight and must not be read as the next request.
+    response = JSONResponse(body, status_code=status, headers={"Connection": "close"})
+    await response({"type": "http"}, _empty_receive, send)
+
+
+async def _empty_receive() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def _too_large(limit: int) -> dict[str, Any]:
+    return error_body("payload_too_large", f"request body exceeds {limit} bytes")
+
+
+def _timeout(seconds: float) -> dict[str, Any]:
+    return error_body("request_timeout", f"the request body did not arrive within {seconds:g} s")
+
+
+def _invalid(loc: list[str], msg: str, kind: str) -> dict[str, Any]:
+    where = ".".join(loc)
+    return error_body("validation_error", f"{where}: {msg}", [{"loc": loc, "msg": msg, "type": kind}])
+
+
+def _query_problem(scope: Scope) -> dict[str, Any] | None:
+    path = scope.get("path", "")
+    if "\x00" in path or "\x00" in unquote(scope.get("raw_path", b"").decode("latin-1")):
+        return _invalid(["path"], "must not contain a NUL character", "nul_character")
+    raw_query = scope.get("query_string", b"")
+    if b"%00" not in raw_query and b"\x00" not in raw_query:
+        return None
+    for name, value in parse_qsl(raw_query.decode("latin-1"), keep_blank_values=True):
+        if "\x00" in name or "\x00" in value:
+            return _invalid(
+                ["query", name.replace("\x00", "")], "must not contain a NUL character", "nul_character"
+            )
+    return None
+
+
+def _is_json(content_type: bytes) -> bool:
+    media = content_type.decode("latin-1").split(";", 1)[0].strip().lower()
+    # No Content-Type counts: the runs route parses such a body as JSON.
+    return media in ("", "application/json") or media.endswith(_JSON_MEDIA_SUFFIX)
+
+
+def _json_problem(content_type: bytes, body: bytes) -> dict[str, Any] | None:
+    if not body or not _is_json(content_type):
+        return None
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return _invalid(["body"], f"not UTF-8 (byte {exc.start})", "unicode_error")
+    if too_deep(body):
+        return _invalid(["body"], f"nested deeper than {MAX_JSON_DEPTH} levels", "too_deep")
+    if b"\\u0000" not in body:  # a raw NUL byte is not valid JSON; the parser refuses it later
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None  # malformed: the route's parser reports it
+    where = nul_path(data)
+    if where is None:
+        return None
+    return _invalid(["body", *where], "must not contain a NUL character", "nul_character")
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS_ONLY = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets
+_SQUARE = bytes.maketrans(b"{}", b"[]")
+
+
+def too_deep(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether arrays/objects nest deeper than `limit`, in C-speed passes and no recursion:
+    strings dropped, everything but brackets dropped, then innermost pairs removed level by level."""
+    brackets = _JSON_STRING.sub(b"", body).translate(_SQUARE, _BRACKETS_ONLY)
+    for level in range(limit + 1):
+        if not brackets:
+            return False
+        reduced = brackets.replace(b"[]", b"")
+        if reduced == brackets:
+            # Unbalanced (malformed JSON), left as "]]...[[...": a parser would still descend
+            # through the unclosed openings before it noticed, so they count.
+            return level + brackets.count(b"[") > limit
+        brackets = reduced
+    return True
+
+
+def nul_path(data: Any) -> list[str] | None:
+    """The path of the first string (value or key) holding a NUL, or None. Iterative: any depth."""
+    stack: list[tuple[Any, list[str]]] = [(data, [])]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return path
+        elif isinstance(item, dict):
+            for key, value in item.items():
+                if "\x00" in key:
+                    return [*path, key.replace("\x00", "")]
+                stack.append((value, [*path, key]))
+        elif isinstance(item, list):
+            stack.extend((value, [*path, str(i)]) for i, value in enumerate(item))
+    return None
