@@ -19,6 +19,7 @@ from app.batches.router import router as batches_router
 from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
 from app.errors import AppError
+from app.events.router import router as events_router
 from app.lifecycle import on_shutdown, on_startup
 from app.pools.router import router as pools_router
 from app.runs.router import router as runs_router
@@ -150,6 +151,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         adapters_router,
         pool_adapters_router,
         pools_router,
+        events_router,
     ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
