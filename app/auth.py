@@ -51,7 +51,7 @@ def bearer_token(request: Request) -> str:
     return token.strip()
 
 
-def _same_secret(given: str, expected: str) -> bool:
+def same_secret(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
@@ -67,7 +67,7 @@ def require_admin(request: Request, settings: SettingsDep) -> None:
     token = bearer_token(request)
     if settings.admin_key is None:
         raise Forbidden("admin routes are disabled: LORALOOM_ADMIN_KEY is not set")
-    if not _same_secret(token, settings.admin_key.get_secret_value()):
+    if not same_secret(token, settings.admin_key.get_secret_value()):
         # A valid tenant key on an admin route is a 403 (authenticated, not allowed);
         # anything else is a 401.
         raise (
@@ -81,7 +81,7 @@ def require_worker(request: Request, settings: SettingsDep) -> None:
     token = bearer_token(request)
     if settings.worker_token is None:
         raise Forbidden("pool routes are disabled: LORALOOM_WORKER_TOKEN is not set")
-    if not _same_secret(token, settings.worker_token.get_secret_value()):
+    if not same_secret(token, settings.worker_token.get_secret_value()):
         raise Unauthorized("invalid worker token")
 
 

@@ -23,6 +23,7 @@ from app.events.router import router as events_router
 from app.lifecycle import on_shutdown, on_startup
 from app.pools.router import router as pools_router
 from app.runs.router import router as runs_router
+from app.telemetry.setup import install_metrics
 from app.tenants.router import router as tenants_router
 
 log = logging.getLogger("loraloom")
@@ -155,4 +156,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    install_metrics(app)
     return app

@@ -7,7 +7,6 @@ import math
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -28,16 +27,13 @@ from tests.app.api import (
     post_batch,
     sample,
 )
-from tests.app.factories import committed
+from tests.app.factories import Seeded, committed
 from tests.common import backend_under_test
 
 
-@dataclass(frozen=True)
-class RunRef:
-    """What post_batch needs: the run and its tenant's headers."""
-
-    run_id: str
-    headers: dict[str, str]
+def run_ref(tenant: TenantHandle, run_id: str) -> Seeded:
+    """What post_batch needs: the run and its tenant's key."""
+    return Seeded(tenant_id=tenant.id, secret=tenant.key, run_id=run_id)
 
 
 def rewarded_batch(
@@ -79,7 +75,7 @@ def all_events(
 
 def test_rewards_are_aggregated_per_rollout_step(client: TestClient, tenant: TenantHandle) -> None:
     run = create_run(client, tenant, max_steps=10)
-    ref = RunRef(run["id"], tenant.headers)
+    ref = run_ref(tenant, run["id"])
     # Step 0 in two batches (one sample without a reward): rewards 1, 2, 3, 4.
     first = rewarded_batch([1.0, 2.0, None], step=0, metrics=[{"format_ok": 1.0}, {"format_ok": 0.0}, None])
     assert post_batch(client, ref, first).status_code == 201
@@ -120,7 +116,7 @@ def test_rewards_are_aggregated_per_rollout_step(client: TestClient, tenant: Ten
 
 def test_metrics_since_step_and_paging(client: TestClient, tenant: TenantHandle) -> None:
     run = create_run(client, tenant, max_steps=100)
-    ref = RunRef(run["id"], tenant.headers)
+    ref = run_ref(tenant, run["id"])
     for step in range(0, 7, 2):  # rollouts at 0, 2, 4, 6; trained steps 1..6
         assert post_batch(client, ref, rewarded_batch([float(step)], step=step)).status_code == 201
     for step in range(1, 7):
@@ -196,7 +192,7 @@ def test_lifecycle_events(client: TestClient) -> None:
 
 def test_paging_returns_every_event_exactly_once(client: TestClient, tenant: TenantHandle) -> None:
     run = create_run(client, tenant, max_steps=1000)
-    ref = RunRef(run["id"], tenant.headers)
+    ref = run_ref(tenant, run["id"])
     for i in range(10):
         assert post_batch(client, ref, rewarded_batch([float(i)], step=0)).status_code == 201
     seen: list[dict[str, Any]] = []
