@@ -21,11 +21,10 @@ from tests.app.api import (
     Client,
     LiveServer,
     TenantHandle,
-    batch_body,
     create_run,
     new_tenant,
     post_batch,
-    sample,
+    rewarded_batch,
 )
 from tests.app.factories import Seeded, committed
 from tests.common import backend_under_test
@@ -34,18 +33,6 @@ from tests.common import backend_under_test
 def run_ref(tenant: TenantHandle, run_id: str) -> Seeded:
     """What post_batch needs: the run and its tenant's key."""
     return Seeded(tenant_id=tenant.id, secret=tenant.key, run_id=run_id)
-
-
-def rewarded_batch(
-    rewards: list[float | None], *, step: int, metrics: list[dict[str, float] | None] | None = None
-) -> dict[str, Any]:
-    examples = []
-    for i, reward in enumerate(rewards):
-        extra: dict[str, Any] = {} if reward is None else {"reward": reward}
-        if metrics is not None and metrics[i] is not None:
-            extra["metrics"] = metrics[i]
-        examples.append(sample(seed=i, **extra))
-    return batch_body(0, step=step) | {"examples": examples}
 
 
 def report_step(client: Client, run_id: str, step: int, loss: float = 0.5) -> None:
