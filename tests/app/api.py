@@ -100,9 +100,9 @@ def batch_body(n: int = 3, *, step: int = 0, seed: int = 0, **overrides: Any) ->
 
 
 def rewarded_batch(
-    """A batch of one sample per reward (None: a sample without one), with optional per-sample metrics."""
     rewards: list[float | None], *, step: int, metrics: list[dict[str, float] | None] | None = None
 ) -> dict[str, Any]:
+    """A batch of one sample per reward (None: a sample without one), with optional per-sample metrics."""
     examples = []
     for i, reward in enumerate(rewards):
         extra: dict[str, Any] = {} if reward is None else {"reward": reward}
