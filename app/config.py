@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     sweep_interval_seconds: float = Field(default=2.0, gt=0)
     """How often the background sweeper checks leases, pool liveness and run heartbeats."""
 
+    metrics_token: SecretStr | None = None
+    """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""
+
     @property
     def runs_dir(self) -> Path:
         return self.data_dir / "runs"

@@ -17,12 +17,14 @@ from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
 from app.error_guard import ErrorGuard
 from app.errors import AppError, RateLimited, error_body
+from app.events.router import router as events_router
 from app.lifecycle import on_shutdown, on_startup
 from app.limits import InFlight
 from app.migrate import head_revision, schema_revision
 from app.pools.router import router as pools_router
 from app.request_guard import RequestGuard
 from app.runs.router import router as runs_router
+from app.telemetry.setup import install_metrics
 from app.tenants.router import router as tenants_router
 
 log = logging.getLogger("loraloom")
@@ -120,6 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         adapters_router,
         pool_adapters_router,
         pools_router,
+        events_router,
     ):
         app.include_router(router)
     # The request guard reads the body before anything opens a database session; the error
@@ -130,4 +133,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body_timeout_seconds=settings.body_timeout_seconds,
     )
     app.add_middleware(ErrorGuard)
+    # Outermost of all: requests answered by the guards are counted too.
+    install_metrics(app)
     return app

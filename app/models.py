@@ -5,6 +5,7 @@ from app.batches.models import Batch
 from app.db import Base
 from app.events.models import Event
 from app.pools.models import Pool
+from app.rollouts.models import RolloutStats
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
 
@@ -16,6 +17,7 @@ __all__ = [
     "Checkpoint",
     "Event",
     "Pool",
+    "RolloutStats",
     "Run",
     "StepMetrics",
     "Tenant",

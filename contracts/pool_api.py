@@ -194,6 +194,12 @@ class StepMetricsIn(BaseModel):
     tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     samples: int | None = Field(default=None, ge=0, le=INT64_MAX)
     step_time_s: float | None = Field(default=None, ge=0.0)
+    # The pool's own figures over the packs of this step (all runs' tokens in them), for /metrics.
+    tokens_per_s: float | None = Field(default=None, ge=0.0)
+    pack_efficiency: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Real tokens / packed row capacity (padding is the rest)."""
+    mfu: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Model FLOPs utilisation, when the pool knows its accelerator's peak (GPU pools)."""
 
 
 class StepReport(_Request):

@@ -35,10 +35,16 @@ class StepAccumulator:
     """Summed over every scored token, as `entropy_sum`."""
     tokens: int = 0
     samples: int = 0
+    pack_tokens: int = 0
+    """Real tokens (every run's) of the packs this step took part in: the pool's throughput."""
+    pack_capacity: int = 0
+    """Row capacity of those packs (real tokens + padding)."""
 
-    def add_pack(self, pack: RunPackStats) -> None:
+    def add_pack(self, pack: RunPackStats, *, fill: tuple[int, int] = (0, 0)) -> None:
         self.tokens += pack.tokens
         self.samples += pack.samples
+        self.pack_tokens += fill[0]
+        self.pack_capacity += fill[1]
 
     def add_loss(self, stats: SlotLossStats) -> None:
         self.loss_sum += stats.loss_sum
@@ -51,6 +57,7 @@ class StepAccumulator:
         """The step's metrics: the loss is a mean over the tokens that carried loss; entropy and
         mismatch KL are means over every scored token (they are summed over masked tokens too)."""
         scored = self.loss_tokens + self.masked_tokens
+        elapsed = time.monotonic() - self.started
         return StepMetricsIn(
             loss=self.loss_sum / max(self.loss_tokens, 1),
             entropy=self.entropy_sum / max(scored, 1),
@@ -60,7 +67,9 @@ class StepAccumulator:
             lr=step.lr,
             tokens=self.tokens,
             samples=self.samples,
-            step_time_s=time.monotonic() - self.started,
+            step_time_s=elapsed,
+            tokens_per_s=self.pack_tokens / elapsed if self.pack_tokens and elapsed > 0 else None,
+            pack_efficiency=self.pack_tokens / self.pack_capacity if self.pack_capacity else None,
         )
 
 

@@ -371,10 +371,11 @@ class PoolTrainer:
             return Plan("stop") if self._should_exit(m) else Plan("idle")
         m.idle_since = time.monotonic()
         completing: dict[int, int] = {}
+        fill = result.fill()
         for slot, pack in result.runs.items():
             run = self.slots[slot]
             run.ledger.consumed([ref.batch_id for ref in pack.consumed])
-            run.step_metrics.add_pack(pack)
+            run.step_metrics.add_pack(pack, fill=fill)
             if pack.step_completed and run.leaving is None:
                 completing[slot] = pack.step
         return Plan("train", completing, result.micro_batches)

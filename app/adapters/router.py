@@ -1,15 +1,19 @@
 """Tenant routes of what the trainer pushed back per run: adapters (listed, downloaded whole or file
 by file, with ETags) and step metrics. API key only; thin: parse, call the service, shape the response."""
 
-from fastapi import APIRouter, Request, Response, status
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request, Response, status
 from fastapi.responses import FileResponse
 
 from app.adapters import service
+from app.adapters.metrics_view import metrics_page
 from app.adapters.models import Adapter
-from app.adapters.schemas import AdapterList, AdapterOut, MetricsItem, MetricsList
+from app.adapters.schemas import AdapterList, AdapterOut, MetricsList
 from app.auth import SettingsDep
 from app.db import SessionDep
 from app.errors import ValidationFailed
+from app.pagination import MAX_LIMIT, LimitQuery
 from app.runs.deps import OwnedRunDep
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
@@ -102,10 +106,13 @@ def download_adapter_file(
 
 
 @router.get("/v1/runs/{run_id}/metrics", response_model=MetricsList, operation_id="getMetrics")
-def get_metrics(run: OwnedRunDep, session: SessionDep) -> MetricsList:
-    return MetricsList(
-        items=[
-            MetricsItem(step=m.step, created_at=m.created_at, **m.values)
-            for m in service.list_metrics(session, run_id=run.id)
-        ]
-    )
+def get_metrics(
+    run: OwnedRunDep,
+    session: SessionDep,
+    since_step: Annotated[int, Query(ge=0, le=10_000_000, description="Only steps >= this.")] = 0,
+    limit: LimitQuery = MAX_LIMIT,
+) -> MetricsList:
+    """Per step, oldest first: the trainer's loss, entropy, KL, grad norm, lr, tokens, … and the
+    mean/std/min/max/count of the rewards (and per-sample metrics) received for that rollout step."""
+    items, next_step = metrics_page(session, run_id=run.id, since_step=since_step, limit=limit)
+    return MetricsList(items=items, next_since_step=next_step)

@@ -25,6 +25,7 @@ from app.adapters.upload import extract_adapter_tar
 from app.config import Settings
 from app.db import utcnow
 from app.errors import Conflict, NotFound
+from app.events.service import record_event
 from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.runs.service import complete_run, evict_run, get_run
@@ -117,6 +118,14 @@ def store_adapter(
         },
     )
     log.info("run %s: adapter for step %s stored (%s bytes, sha256 %s)", run.id, step, size, sha[:12])
+    record_event(
+        session,
+        action="adapter.published",
+        actor="trainer",
+        tenant_id=run.tenant_id,
+        run_id=run.id,
+        details={"step": step, "size_bytes": size, "sha256": sha},
+    )
     return _one(session, Adapter, run_id=run.id, step=step)
 
 
@@ -230,6 +239,19 @@ def record_step(session: Session, *, run_id: str, report: StepReport, settings: 
             "created_at": utcnow(),
         },
     )
+    record_event(
+        session,
+        action="run.step",
+        actor="trainer",
+        tenant_id=run.tenant_id,
+        run_id=run.id,
+        details={
+            "step": report.step,
+            "total_tokens": report.total_tokens,
+            "total_samples": report.total_samples,
+            "metrics": report.metrics.model_dump(mode="json", exclude_none=True),
+        },
+    )
     # A report older than the run's progress (a late duplicate) updates its metrics only;
     # progress goes back only through the restart route.
     if report.step >= run.step:
@@ -259,6 +281,14 @@ def record_checkpoint(session: Session, *, run_id: str, step: int, total_samples
         session,
         Checkpoint,
         values={"run_id": run.id, "step": step, "total_samples": total_samples, "created_at": utcnow()},
+    )
+    record_event(
+        session,
+        action="checkpoint.committed",
+        actor="trainer",
+        tenant_id=run.tenant_id,
+        run_id=run.id,
+        details={"step": step, "total_samples": total_samples},
     )
     return _one(session, Checkpoint, run_id=run.id, step=step)
 

@@ -27,6 +27,7 @@ from app.config import Settings
 from app.errors import Conflict, RateLimited, ValidationFailed
 from app.limits import PENDING_RETRY_AFTER_SECONDS
 from app.pools.models import Pool
+from app.rollouts.service import add_batch as add_rollout_batch
 from app.runs.models import Run
 from contracts.run_config import RunConfig
 from contracts.status import BatchState, PoolStatus, RunStatus
@@ -253,7 +254,7 @@ def _add_row(
         .returning(Run.submitted_samples, Run.status, Run.step, Run.eviction_reason, Run.evicted_by)
         .execution_options(synchronize_session=False)
     ).one()
-    run_id = run.id
+    run_id, tenant_id = run.id, run.tenant_id
     session.expire(run)
     state = _RunState(run_id, locked.status, locked.step, locked.eviction_reason, locked.evicted_by)
     _check_status(state)  # the run may have moved while the file was written
@@ -277,6 +278,7 @@ def _add_row(
         },
     )
     if row is not None:
+        add_rollout_batch(session, run_id=run_id, tenant_id=tenant_id, batch_id=row.id, batch=batch)
         return SubmitResult(row, created=True)
     # An earlier request with this key (a retry, or a concurrent twin that committed while we
     # waited for the lock): give back the sample range, answer with its batch.

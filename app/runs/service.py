@@ -122,8 +122,29 @@ def create_run(
         # The new run joins the queue and admission takes the queue in order, so it never
         # overtakes an older queued run that fits.
         admit_queued_runs(session, base_model=run.base_model, settings=settings)
+        if run.status == RunStatus.QUEUED:
+            record_event(
+                session,
+                action="run.queued",
+                actor="system",
+                tenant_id=tenant_id,
+                run_id=run.id,
+                details={"reason": _queue_reason(session, run=run, settings=settings)},
+            )
     project_run(run, settings)
     return run, True
+
+
+def _queue_reason(session: Session, *, run: Run, settings: Settings) -> str:
+    """Why a new run did not get a slot at once (for its `run.queued` event)."""
+    quotas = _TenantQuotas.read(session)
+    if not quotas.has_room(run.tenant_id):
+        return f"the tenant's quota of {quotas.limits[run.tenant_id]} concurrent runs is in use"
+    pool = live_pool(session, base_model=run.base_model)
+    slots = slot_count(pool, settings=settings)
+    if pool is None:
+        return f"all {slots} slots for {run.base_model} are taken (no pool serves it yet)"
+    return f"all {slots} slots of the pool serving {run.base_model} are taken"
 
 
 def _replay(session: Session, *, tenant_id: str, idempotency_key: str, request_hash: str) -> Run | None:

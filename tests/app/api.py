@@ -99,6 +99,19 @@ def batch_body(n: int = 3, *, step: int = 0, seed: int = 0, **overrides: Any) ->
     return out
 
 
+def rewarded_batch(
+    rewards: list[float | None], *, step: int, metrics: list[dict[str, float] | None] | None = None
+) -> dict[str, Any]:
+    """A batch of one sample per reward (None: a sample without one), with optional per-sample metrics."""
+    examples = []
+    for i, reward in enumerate(rewards):
+        extra: dict[str, Any] = {} if reward is None else {"reward": reward}
+        if metrics is not None and metrics[i] is not None:
+            extra["metrics"] = metrics[i]
+        examples.append(sample(seed=i, **extra))
+    return batch_body(0, step=step) | {"examples": examples}
+
+
 def as_plain(body: dict[str, Any]) -> dict[str, Any]:
     """What a body decodes to (defaults filled in, ints in float fields as floats)."""
     plain: dict[str, Any] = msgspec.to_builtins(batch_json_decoder.decode(msgspec.json.encode(body)))

@@ -78,7 +78,7 @@ def test_bad_step_reports(client: TestClient, tenant: TenantHandle) -> None:
             headers=WORKER_HEADERS | {"Content-Type": "application/json"},
         )
         assert r.status_code == 422, body
-    assert client.get(f"/v1/runs/{run['id']}/metrics", headers=tenant.headers).json() == {"items": []}
+    assert client.get(f"/v1/runs/{run['id']}/metrics", headers=tenant.headers).json()["items"] == []
     assert report(client, "run_000000000000", 1).status_code == 404
 
 

@@ -84,6 +84,12 @@ class PackResult:
     runs: dict[int, RunPackStats]
     """Per slot that contributed samples."""
 
+    def fill(self) -> tuple[int, int]:
+        """(real tokens, row capacity) over every rank's micro-batches: the pack's efficiency."""
+        real = sum(int((mb.sample_ids >= 0).sum()) for rank in self.micro_batches for mb in rank)
+        capacity = sum(int(mb.input_ids.numel()) for rank in self.micro_batches for mb in rank)
+        return real, capacity
+
 
 class InvalidSampleError(ValueError):
     """A sample the Packer cannot train; names the slot, the batch and the sample index."""

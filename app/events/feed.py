@@ -1,0 +1,83 @@
+"""A run's events as a feed: oldest first, paged by an opaque cursor, exactly once.
+
+Ids alone cannot be a feed's cursor on Postgres: ids are taken at INSERT, but transactions
+commit in any order, so event 9 may become visible after a reader has already moved past 10.
+So every event carries its transaction's id (`txid`, from pg_current_xact_id()), the feed is
+ordered by (txid, id), and a read serves only events whose transaction is older than the oldest
+transaction still running (pg_snapshot_xmin): that prefix can no longer grow, and every later
+event sorts after it. The price: an event waits for transactions that began before its own to
+finish (milliseconds for this service's short transactions). SQLite serialises writers, so there
+txid is 0 and the order is the id's.
+"""
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import and_, or_, select, text
+from sqlalchemy.orm import Session
+
+from app.errors import ValidationFailed
+from app.events.models import Event
+
+_NO_HORIZON = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class FeedPosition:
+    txid: int
+    id: int
+
+    def encode(self) -> str:
+        raw = json.dumps([self.txid, self.id], separators=(",", ":")).encode()
+        return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, cursor: str, *, field: str = "cursor") -> "FeedPosition":
+        try:
+            raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+            txid, event_id = json.loads(raw)
+            if not all(type(v) is int and v >= 0 for v in (txid, event_id)):
+                raise ValueError("bad position")
+            return cls(txid, event_id)
+        except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
+            raise ValidationFailed(
+                f"invalid {field}",
+                details=[{"loc": ["query", field], "msg": "not a cursor from this API", "type": "cursor"}],
+            ) from exc
+
+
+def _horizon(session: Session) -> int:
+    """Events with a txid below this are final (their transactions have all ended)."""
+    if session.get_bind().dialect.name != "postgresql":
+        return _NO_HORIZON
+    value = session.scalar(text("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"))
+    return int(value)
+
+
+def read_feed(
+    session: Session,
+    *,
+    run_id: str,
+    after: FeedPosition | None,
+    since: datetime | None,
+    limit: int,
+) -> tuple[list[Event], FeedPosition | None, bool]:
+    """Up to `limit` events of `run_id` after `after` (and at or after `since`), oldest first.
+
+    Returns the events, the position to continue from (the last event's, or `after` when there
+    was none), and whether more events were ready beyond this page.
+    """
+    horizon = _horizon(session)  # first: whatever is below it is visible to the next statement
+    stmt = select(Event).where(Event.run_id == run_id, Event.txid < horizon)
+    if after is not None:
+        stmt = stmt.where(or_(Event.txid > after.txid, and_(Event.txid == after.txid, Event.id > after.id)))
+    if since is not None:
+        stmt = stmt.where(Event.at >= since)
+    rows = list(session.scalars(stmt.order_by(Event.txid, Event.id).limit(limit + 1)))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    position = FeedPosition(rows[-1].txid, rows[-1].id) if rows else after
+    return rows, position, more

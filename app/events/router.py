@@ -1,0 +1,111 @@
+"""GET /v1/runs/{run_id}/events: the run's feed as JSON pages, or as a live Server-Sent Events
+stream when the client sends `Accept: text/event-stream` (resumable with Last-Event-ID)."""
+
+import json
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Annotated
+
+import anyio
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import StreamingResponse
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.db import SessionDep
+from app.events.feed import FeedPosition, read_feed
+from app.events.schemas import EventList, EventOut
+from app.pagination import DEFAULT_LIMIT, LimitQuery
+from app.runs.deps import OwnedRunDep
+from app.timestamps import as_utc
+
+router = APIRouter(tags=["events"])
+
+SSE_POLL_SECONDS = 0.5
+"""How often a live stream looks for new events: a step reaches a watcher within about this."""
+SSE_KEEPALIVE_SECONDS = 15.0
+"""A comment line this often keeps proxies from closing an idle stream."""
+SSE_MAX_SECONDS = 3600.0
+"""A stream ends after this long; EventSource reconnects with Last-Event-ID and loses nothing."""
+
+FeedCursor = Annotated[
+    str | None,
+    Query(
+        max_length=128, description="`next_cursor` (or an event's `cursor`) to go on after; omit to start."
+    ),
+]
+
+
+def _page(
+    session: Session, run_id: str, after: FeedPosition | None, since: datetime | None, limit: int
+) -> EventList:
+    rows, position, more = read_feed(session, run_id=run_id, after=after, since=since, limit=limit)
+    items = [EventOut.from_event(e, FeedPosition(e.txid, e.id).encode()) for e in rows]
+    return EventList(items=items, next_cursor=position.encode() if position else None, has_more=more)
+
+
+@router.get(
+    "/v1/runs/{run_id}/events",
+    operation_id="listRunEvents",
+    response_model=EventList,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "JSON page, or an SSE stream"}},
+)
+def list_events(
+    run: OwnedRunDep,
+    session: SessionDep,
+    request: Request,
+    cursor: FeedCursor = None,
+    since: Annotated[datetime | None, Query(description="Only events at or after this time.")] = None,
+    limit: LimitQuery = DEFAULT_LIMIT,
+    accept: Annotated[str | None, Header()] = None,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=128)] = None,
+) -> EventList | StreamingResponse:
+    """The run's lifecycle, oldest first: created, queued (why), admitted, every batch received
+    (with the rollout step's reward so far), every trained step (with its metrics), adapters
+    published, checkpoints, and how it ended (who and why). Every event exactly once across pages."""
+    since_utc = as_utc(since) if since is not None else None
+    start = last_event_id or cursor
+    after = FeedPosition.decode(start, field="cursor") if start else None
+    if accept is not None and "text/event-stream" in accept:
+        factory: sessionmaker[Session] = request.app.state.session_factory
+        return StreamingResponse(
+            _stream(request, factory, run.id, after, since_utc),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    return _page(session, run.id, after, since_utc, limit)
+
+
+def _read(
+    factory: sessionmaker[Session], run_id: str, after: FeedPosition | None, since: datetime | None
+) -> EventList:
+    with factory() as session:
+        return _page(session, run_id, after, since, 200)
+
+
+async def _stream(
+    request: Request,
+    factory: sessionmaker[Session],
+    run_id: str,
+    after: FeedPosition | None,
+    since: datetime | None,
+) -> AsyncIterator[str]:
+    # Polling, in a thread (the session is blocking): simple, works across uvicorn workers and
+    # replicas alike; each open stream costs one small indexed query per SSE_POLL_SECONDS.
+    yield f"retry: {int(SSE_POLL_SECONDS * 4000)}\n\n"
+    started = last_sent = anyio.current_time()
+    while anyio.current_time() - started < SSE_MAX_SECONDS:
+        page = await anyio.to_thread.run_sync(_read, factory, run_id, after, since)
+        for item in page.items:
+            data = json.dumps(item.model_dump(mode="json"), separators=(",", ":"))
+            yield f"id: {item.cursor}\nevent: {item.action}\ndata: {data}\n\n"
+            last_sent = anyio.current_time()
+        if page.next_cursor is not None:
+            after = FeedPosition.decode(page.next_cursor)
+        if page.has_more:
+            continue
+        if anyio.current_time() - last_sent > SSE_KEEPALIVE_SECONDS:
+            yield ": keepalive\n\n"
+            last_sent = anyio.current_time()
+        if await request.is_disconnected():
+            return
+        await anyio.sleep(SSE_POLL_SECONDS)

@@ -1,0 +1,138 @@
+"""Aggregating rewards and per-sample metrics per rollout step, as batches arrive.
+
+Called under the run row lock that batch ingestion holds (app/batches/service.py), so the
+read-merge-write of a step's row never races another batch of the same run. Statistics are
+merged exactly (count, mean, M2: Chan et al.'s parallel update), never re-read from payloads.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.db import utcnow
+from app.events.service import record_event
+from app.rollouts.models import RolloutStats
+from contracts.wire import TrainingBatch
+
+MAX_STEP_METRICS = 32
+"""Most distinct per-sample metric names kept per rollout step (each sample has at most
+MAX_SAMPLE_METRICS); names beyond it are dropped, so one step's row stays small."""
+
+
+@dataclass(frozen=True)
+class Summary:
+    """count, mean, M2, min, max of a set of values (empty: count 0)."""
+
+    count: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    min: float | None = None
+    max: float | None = None
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Summary":
+        if not values:
+            return cls()
+        mean = math.fsum(values) / len(values)
+        return cls(len(values), mean, math.fsum((v - mean) ** 2 for v in values), min(values), max(values))
+
+    def merge(self, other: "Summary") -> "Summary":
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            return other
+        n = self.count + other.count
+        delta = other.mean - self.mean
+        assert self.min is not None and self.max is not None and other.min is not None
+        assert other.max is not None
+        return Summary(
+            n,
+            self.mean + delta * other.count / n,
+            self.m2 + other.m2 + delta * delta * self.count * other.count / n,
+            min(self.min, other.min),
+            max(self.max, other.max),
+        )
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation (numpy's default, ddof=0)."""
+        return math.sqrt(max(self.m2, 0.0) / self.count) if self.count else 0.0
+
+    def public(self) -> dict[str, Any]:
+        """What the API shows: mean, std, min, max, count."""
+        return {"mean": self.mean, "std": self.std, "min": self.min, "max": self.max, "count": self.count}
+
+    def as_list(self) -> list[Any]:
+        return [self.count, self.mean, self.m2, self.min, self.max]
+
+    @classmethod
+    def from_list(cls, raw: list[Any]) -> "Summary":
+        count, mean, m2, lo, hi = raw
+        return cls(int(count), float(mean), float(m2), lo, hi)
+
+
+def reward_summary(row: RolloutStats) -> Summary:
+    return Summary(row.reward_count, row.reward_mean, row.reward_m2, row.reward_min, row.reward_max)
+
+
+def metric_summaries(row: RolloutStats) -> dict[str, Summary]:
+    return {name: Summary.from_list(raw) for name, raw in sorted(row.metrics.items())}
+
+
+def add_batch(session: Session, *, run_id: str, tenant_id: str, batch_id: int, batch: TrainingBatch) -> None:
+    """Merge a stored batch's rewards and metrics into its rollout step; record a `batch.received`
+    event with the step's aggregate so far. Call under the run row lock, in the batch's transaction."""
+    rewards = Summary.of([s.reward for s in batch.examples if s.reward is not None])
+    per_metric: dict[str, list[float]] = {}
+    for sample in batch.examples:
+        for name, value in (sample.metrics or {}).items():
+            per_metric.setdefault(name, []).append(value)
+
+    row = session.scalar(
+        select(RolloutStats).where(RolloutStats.run_id == run_id, RolloutStats.rollout_step == batch.step)
+    )
+    if row is None:
+        row = RolloutStats(run_id=run_id, rollout_step=batch.step, samples=0, metrics={})
+        session.add(row)
+        total = rewards
+        metrics: dict[str, Summary] = {}
+    else:
+        total = reward_summary(row).merge(rewards)
+        metrics = metric_summaries(row)
+    for name, values in per_metric.items():
+        if name in metrics or len(metrics) < MAX_STEP_METRICS:
+            metrics[name] = metrics.get(name, Summary()).merge(Summary.of(values))
+    row.samples = (row.samples or 0) + len(batch.examples)
+    row.reward_count, row.reward_mean, row.reward_m2 = total.count, total.mean, total.m2
+    row.reward_min, row.reward_max = total.min, total.max
+    row.metrics = {name: s.as_list() for name, s in metrics.items()}  # a new dict: JSON change tracked
+    row.updated_at = utcnow()
+    session.flush()
+    record_event(
+        session,
+        action="batch.received",
+        actor="orchestrator",
+        tenant_id=tenant_id,
+        run_id=run_id,
+        details={
+            "batch_id": batch_id,
+            "rollout_step": batch.step,
+            "samples": len(batch.examples),
+            "step_samples": row.samples,
+            "reward": total.public() if total.count else None,
+        },
+    )
+
+
+def list_stats(session: Session, *, run_id: str, since_step: int, limit: int) -> list[RolloutStats]:
+    return list(
+        session.scalars(
+            select(RolloutStats)
+            .where(RolloutStats.run_id == run_id, RolloutStats.rollout_step >= since_step)
+            .order_by(RolloutStats.rollout_step)
+            .limit(limit)
+        )
+    )
