@@ -10,12 +10,13 @@ import secrets
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select
 
 from app.config import Settings
 from app.db import SessionDep
-from app.errors import Forbidden, Unauthorized
+from app.errors import Forbidden, Unauthorized, raises
 from app.tenants.models import ApiKey
 
 KEY_PREFIX = "llk_"
@@ -51,11 +52,31 @@ def bearer_token(request: Request) -> str:
     return token.strip()
 
 
+# The three ways to call the service, as OpenAPI security schemes: a route that depends on
+# require_tenant / require_admin / require_worker is documented with its scheme. auto_error=False:
+# the header is parsed and refused below, so a refusal is the app's own 401 body.
+TENANT_SCHEME = HTTPBearer(
+    scheme_name="TenantKey", description="A tenant's API key (`llk_...`).", auto_error=False
+)
+ADMIN_SCHEME = HTTPBearer(
+    scheme_name="AdminKey", description="The service's admin key (`LORALOOM_ADMIN_KEY`).", auto_error=False
+)
+WORKER_SCHEME = HTTPBearer(
+    scheme_name="WorkerToken",
+    description="The worker pool's token (`LORALOOM_WORKER_TOKEN`).",
+    auto_error=False,
+)
+_Credentials = HTTPAuthorizationCredentials | None
+
+
 def _same_secret(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
-def require_tenant(request: Request, session: SessionDep) -> TenantPrincipal:
+@raises(Unauthorized)
+def require_tenant(
+    request: Request, session: SessionDep, _: Annotated[_Credentials, Security(TENANT_SCHEME)]
+) -> TenantPrincipal:
     token = bearer_token(request)
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token)))
     if key is None or key.revoked_at is not None:
@@ -63,7 +84,10 @@ def require_tenant(request: Request, session: SessionDep) -> TenantPrincipal:
     return TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
 
 
-def require_admin(request: Request, settings: SettingsDep) -> None:
+@raises(Unauthorized, Forbidden)
+def require_admin(
+    request: Request, settings: SettingsDep, _: Annotated[_Credentials, Security(ADMIN_SCHEME)]
+) -> None:
     token = bearer_token(request)
     if settings.admin_key is None:
         raise Forbidden("admin routes are disabled: LORALOOM_ADMIN_KEY is not set")
@@ -77,7 +101,10 @@ def require_admin(request: Request, settings: SettingsDep) -> None:
         )
 
 
-def require_worker(request: Request, settings: SettingsDep) -> None:
+@raises(Unauthorized, Forbidden)
+def require_worker(
+    request: Request, settings: SettingsDep, _: Annotated[_Credentials, Security(WORKER_SCHEME)]
+) -> None:
     token = bearer_token(request)
     if settings.worker_token is None:
         raise Forbidden("pool routes are disabled: LORALOOM_WORKER_TOKEN is not set")

@@ -3,11 +3,12 @@
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from sqlalchemy import text
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -20,11 +21,20 @@ from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
 from app.errors import AppError
 from app.lifecycle import on_shutdown, on_startup
+from app.openapi import install_openapi
 from app.pools.router import router as pools_router
 from app.runs.router import router as runs_router
 from app.tenants.router import router as tenants_router
 
 log = logging.getLogger("loraloom")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    status: Literal["ready"]
 
 
 def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
@@ -129,10 +139,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["health"], operation_id="healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    def healthz() -> Health:
+        return Health(status="ok")
 
-    @app.get("/readyz", tags=["health"], operation_id="readyz")
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        operation_id="readyz",
+        response_model=Readiness,
+        responses={503: {"description": "database_unavailable: the database does not answer."}},
+    )
     def readyz() -> JSONResponse:
         try:
             with engine.connect() as conn:
@@ -153,4 +169,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    install_openapi(app)
     return app

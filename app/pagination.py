@@ -40,10 +40,30 @@ def decode_cursor(cursor: str) -> tuple[datetime, str | int]:
             raise ValueError("bad id")
         return as_utc(datetime.fromisoformat(created)), item_id
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
-        raise ValidationFailed(
-            "invalid cursor",
-            details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],
-        ) from exc
+        raise _invalid_cursor() from exc
+
+
+def encode_id_cursor(item_id: int) -> str:
+    """The cursor of a list paged by an increasing integer id alone (batches, in training order)."""
+    raw = json.dumps(["id", item_id], separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_id_cursor(cursor: str) -> int:
+    try:
+        kind, item_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if kind != "id" or not isinstance(item_id, int) or isinstance(item_id, bool) or item_id < 0:
+            raise ValueError("not an id cursor")
+        return item_id
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise _invalid_cursor() from exc
+
+
+def _invalid_cursor() -> ValidationFailed:
+    return ValidationFailed(
+        "invalid cursor",
+        details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],
+    )
 
 
 def paginate(

@@ -12,6 +12,7 @@ from app.adapters import service
 from app.adapters.schemas import CheckpointOut
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
+from app.errors import Conflict, NotFound, raises
 from app.runs.schemas import RunOut
 from contracts.pool_api import AdapterStored, CheckpointReport, StepReport, TrainerEvict
 
@@ -49,6 +50,7 @@ UploadBody = Annotated[IO[bytes], Depends(_upload_body)]
         }
     },
 )
+@raises(NotFound, Conflict)
 def upload_adapter(
     # The worker token first: dependencies resolve in order, and the body is only read once it passed.
     _: WorkerDep,
@@ -63,6 +65,7 @@ def upload_adapter(
 
 
 @router.post("/v1/pool/runs/{run_id}/steps", response_model=RunOut, operation_id="reportStep")
+@raises(NotFound, Conflict)
 def report_step(
     run_id: str, body: StepReport, session: SessionDep, settings: SettingsDep, _: WorkerDep
 ) -> RunOut:
@@ -76,6 +79,7 @@ def report_step(
     response_model=CheckpointOut,
     operation_id="reportCheckpoint",
 )
+@raises(NotFound, Conflict)
 def report_checkpoint(
     run_id: str, body: CheckpointReport, session: SessionDep, _: WorkerDep
 ) -> CheckpointOut:
@@ -86,6 +90,7 @@ def report_checkpoint(
 
 
 @router.post("/v1/pool/runs/{run_id}/evict", response_model=RunOut, operation_id="trainerEvictRun")
+@raises(NotFound, Conflict)
 def trainer_evict(
     run_id: str, body: TrainerEvict, session: SessionDep, settings: SettingsDep, _: WorkerDep
 ) -> RunOut:

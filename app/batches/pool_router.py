@@ -9,6 +9,7 @@ from app.auth import SettingsDep, WorkerDep
 from app.batches import claims
 from app.batches.schemas import MSGPACK_CONTENT_TYPES
 from app.db import SessionDep, utcnow
+from app.errors import Conflict, NotFound, raises
 from contracts.pool_api import (
     AckIn,
     AckOut,
@@ -40,6 +41,7 @@ _msgpack_encoder = msgspec.msgpack.Encoder()
         409: {"description": "The pool is dead or was replaced (pool_dead, pool_stopped); register again."},
     },
 )
+@raises(NotFound, Conflict)
 def claim_batches(
     body: ClaimIn,
     _: WorkerDep,
@@ -84,6 +86,7 @@ def claim_batches(
         409: {"description": "ack_rejected: a batch is unknown or not held by this pool (details name it)."}
     },
 )
+@raises(Conflict)
 def ack_batches(body: AckIn, _: WorkerDep, session: SessionDep) -> AckOut:
     """Mark batches trained, after the optimizer step that used them. All or nothing."""
     acked = claims.ack_batches(
@@ -101,6 +104,7 @@ def ack_batches(body: AckIn, _: WorkerDep, session: SessionDep) -> AckOut:
     response_model=RestartOut,
     responses={404: {"description": "No such run."}, 409: {"description": "run_not_active."}},
 )
+@raises(NotFound, Conflict)
 def restart_run_from_checkpoint(
     run_id: Annotated[str, Path(max_length=32)], body: RestartIn, _: WorkerDep, session: SessionDep
 ) -> RestartOut:
