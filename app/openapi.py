@@ -128,16 +128,20 @@ def _document_errors(operation: dict[str, Any], errors: list[type[AppError]]) ->
 # --------------------------------------------------------------------------- named schemas
 
 
-def _rewrite_defs(node: Any) -> Any:
-    if isinstance(node, dict):
-        out = {k: _rewrite_defs(v) for k, v in node.items() if k != "$defs"}
-        ref = out.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#/$defs/"):
-            out["$ref"] = _SCHEMA_PREFIX + ref.removeprefix("#/$defs/")
-        return out
+def _lift_defs(node: Any, defs: dict[str, Any]) -> Any:
+    """Hand-written schemas (openapi_extra; msgspec's) carry local `$defs`: move them into `defs`
+    and point their `$ref`s at the components."""
     if isinstance(node, list):
-        return [_rewrite_defs(v) for v in node]
-    return node
+        return [_lift_defs(v, defs) for v in node]
+    if not isinstance(node, dict):
+        return node
+    for name, schema in node.get("$defs", {}).items():
+        defs.setdefault(name, _lift_defs(schema, defs))
+    out = {k: _lift_defs(v, defs) for k, v in node.items() if k != "$defs"}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        out["$ref"] = _SCHEMA_PREFIX + ref.removeprefix("#/$defs/")
+    return out
 
 
 def _same_shape(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -167,14 +171,15 @@ def _hoist(node: Any, components: dict[str, Any]) -> Any:
 
 def _hoist_bodies(doc: dict[str, Any]) -> None:
     components = doc.setdefault("components", {}).setdefault("schemas", {})
-    for name in list(components):
-        # the component's children, not itself: it is its own definition
-        components[name] = {k: _hoist(v, components) for k, v in components[name].items()}
+    # Operations first: a body's own schema wins its name over a look-alike nested in a component.
     for operation in _operations(doc):
         for holder in [operation.get("requestBody", {}), *operation.get("responses", {}).values()]:
             for media in holder.get("content", {}).values():
                 if "schema" in media:
                     media["schema"] = _hoist(media["schema"], components)
+    for name in list(components):
+        # the component's children, not itself: it is its own definition
+        components[name] = {k: _hoist(v, components) for k, v in components[name].items()}
 
 
 # --------------------------------------------------------------------------- the documents
@@ -252,8 +257,10 @@ def build_documents(app: FastAPI) -> tuple[dict[str, Any], dict[str, Any]]:
             operation = item.get(method.lower())
             if operation is not None:
                 _document_errors(operation, route_errors(route, operation))
-    # Schemas written by hand (openapi_extra) may carry msgspec's local `$defs` references.
-    doc["paths"] = _rewrite_defs(doc["paths"])
+    defs: dict[str, Any] = {}
+    doc["paths"] = _lift_defs(doc["paths"], defs)
+    for name, schema in defs.items():
+        components.setdefault(name, schema)
     _hoist_bodies(doc)
     public = _subset(
         doc,
