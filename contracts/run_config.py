@@ -33,8 +33,8 @@ def _not_a_number(value: Any) -> bool:
     return isinstance(value, bool | str)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class JsonNumbers(BaseModel):
+    """A model whose number fields take JSON numbers only, as its JSON schema says."""
 
     @field_validator("*", mode="before")
     @classmethod
@@ -45,6 +45,10 @@ class _Strict(BaseModel):
         if field is not None and _numeric(field.annotation) and _not_a_number(value):
             raise ValueError("must be a number (not a boolean or a string)")
         return value
+
+
+class _Strict(JsonNumbers):
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class LoraSettings(_Strict):
