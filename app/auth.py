@@ -11,14 +11,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.db import SessionDep
-from app.errors import Forbidden, Unauthorized
+from app.errors import Forbidden, RateLimited, Unauthorized, raises
 from app.limits import InFlight
 from app.tenants.models import ApiKey
 
@@ -55,6 +56,23 @@ def bearer_token(request: Request) -> str:
     return token.strip()
 
 
+# The three ways to call the service, as OpenAPI security schemes: a route that depends on
+# require_tenant / require_admin / require_worker is documented with its scheme. auto_error=False:
+# the header is parsed and refused below, so a refusal is the app's own 401 body.
+TENANT_SCHEME = HTTPBearer(
+    scheme_name="TenantKey", description="A tenant's API key (`llk_...`).", auto_error=False
+)
+ADMIN_SCHEME = HTTPBearer(
+    scheme_name="AdminKey", description="The service's admin key (`LORALOOM_ADMIN_KEY`).", auto_error=False
+)
+WORKER_SCHEME = HTTPBearer(
+    scheme_name="WorkerToken",
+    description="The worker pool's token (`LORALOOM_WORKER_TOKEN`).",
+    auto_error=False,
+)
+_Credentials = HTTPAuthorizationCredentials | None
+
+
 def _same_secret(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
@@ -78,7 +96,10 @@ def _wrong_role(role: str) -> Forbidden:
 # the admin key on a pool route, the worker token on an admin route).
 
 
-def require_tenant(request: Request, session: SessionDep) -> Iterator[TenantPrincipal]:
+@raises(Unauthorized, RateLimited)
+def require_tenant(
+    request: Request, session: SessionDep, _: Annotated[_Credentials, Security(TENANT_SCHEME)]
+) -> Iterator[TenantPrincipal]:
     token = bearer_token(request)
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token)))
     if key is None or key.revoked_at is not None:
@@ -93,7 +114,13 @@ def require_tenant(request: Request, session: SessionDep) -> Iterator[TenantPrin
         in_flight.release(key.tenant_id)
 
 
-def require_admin(request: Request, settings: SettingsDep, session: SessionDep) -> None:
+@raises(Unauthorized, Forbidden)
+def require_admin(
+    request: Request,
+    settings: SettingsDep,
+    session: SessionDep,
+    _: Annotated[_Credentials, Security(ADMIN_SCHEME)],
+) -> None:
     token = bearer_token(request)
     if settings.admin_key is None:
         raise Forbidden("admin routes are disabled: LORALOOM_ADMIN_KEY is not set")
@@ -104,7 +131,13 @@ def require_admin(request: Request, settings: SettingsDep, session: SessionDep) 
     raise Unauthorized("invalid admin key")
 
 
-def require_worker(request: Request, settings: SettingsDep, session: SessionDep) -> None:
+@raises(Unauthorized, Forbidden)
+def require_worker(
+    request: Request,
+    settings: SettingsDep,
+    session: SessionDep,
+    _: Annotated[_Credentials, Security(WORKER_SCHEME)],
+) -> None:
     token = bearer_token(request)
     if settings.worker_token is None:
         raise Forbidden("pool routes are disabled: LORALOOM_WORKER_TOKEN is not set")

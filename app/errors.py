@@ -1,7 +1,16 @@
 """Domain errors. Services raise these; one handler in main.py turns them into
-`{"error": {"code", "message", "details"}}` responses."""
+`{"error": {"code", "message", "details"}}` responses.
 
-from typing import Any
+Each class names its HTTP status, its default `code` and every other code it is raised with
+(`codes`): the OpenAPI document's `Error.code` enum and each operation's error responses are
+generated from these classes (app/openapi.py), and a test checks that every `code=` in the
+source is listed here. `raises(...)` marks a route or a dependency with the errors it can raise.
+"""
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
@@ -12,6 +21,8 @@ def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
 class AppError(Exception):
     status: int = 400
     code: str = "bad_request"
+    codes: tuple[str, ...] = ("http_error",)
+    """The other codes raised with this status (besides `code`)."""
 
     def __init__(self, message: str, *, details: Any = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -24,41 +35,65 @@ class AppError(Exception):
 class ValidationFailed(AppError):
     status = 422
     code = "validation_error"
+    codes = ("invalid_adapter",)
 
 
 class Unauthorized(AppError):
     status = 401
     code = "unauthorized"
+    codes = ()
 
 
 class Forbidden(AppError):
     status = 403
     code = "forbidden"
+    codes = ()
 
 
 class NotFound(AppError):
     status = 404
     code = "not_found"
+    codes = ("adapter_not_found", "pool_not_found")
+
+
+class MethodNotAllowed(AppError):
+    status = 405
+    code = "method_not_allowed"
+    codes = ()
 
 
 class Conflict(AppError):
     status = 409
     code = "conflict"
+    codes = (
+        "idempotency_conflict",
+        "invalid_transition",
+        "run_evicted",
+        "run_not_active",
+        "stale_batch",
+        "ack_rejected",
+        "run_not_trainable",
+        "pool_dead",
+        "pool_stopped",
+    )
 
 
 class PayloadTooLarge(AppError):
     status = 413
     code = "payload_too_large"
+    codes = ()
 
 
 class UnsupportedMediaType(AppError):
     status = 415
     code = "unsupported_media_type"
+    codes = ()
 
 
 class ServiceUnavailable(AppError):
     status = 503
     code = "unavailable"
+    codes = ("database_unavailable",)
 
 
 class RateLimited(AppError):
@@ -70,3 +105,30 @@ class RateLimited(AppError):
     def __init__(self, message: str, *, details: Any = None, retry_after: int = 1) -> None:
         super().__init__(message, details=details)
         self.retry_after = retry_after
+
+
+def error_classes() -> list[type[AppError]]:
+    """AppError and every subclass, defined here or anywhere else."""
+    found: list[type[AppError]] = []
+    pending: list[type[AppError]] = [AppError]
+    while pending:
+        cls = pending.pop()
+        found.append(cls)
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def all_codes() -> list[str]:
+    """Every code the service can answer with, sorted (the `Error.code` enum)."""
+    return sorted({c for cls in error_classes() for c in (cls.code, *cls.codes)})
+
+
+def raises(*errors: type[AppError]) -> Callable[[_F], _F]:
+    """Mark a route handler or a dependency with the errors it can raise, for the OpenAPI document."""
+
+    def mark(fn: _F) -> _F:
+        previous: tuple[type[AppError], ...] = getattr(fn, "__raises__", ())
+        fn.__raises__ = (*previous, *errors)  # type: ignore[attr-defined]
+        return fn
+
+    return mark

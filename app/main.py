@@ -3,10 +3,12 @@
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.adapters.pool_router import router as pool_adapters_router
@@ -21,6 +23,7 @@ from app.events.router import router as events_router
 from app.lifecycle import on_shutdown, on_startup
 from app.limits import InFlight
 from app.migrate import head_revision, schema_revision
+from app.openapi import install_openapi
 from app.pools.router import router as pools_router
 from app.request_guard import RequestGuard
 from app.runs.router import router as runs_router
@@ -28,6 +31,14 @@ from app.telemetry.setup import install_metrics
 from app.tenants.router import router as tenants_router
 
 log = logging.getLogger("loraloom")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Readiness(BaseModel):
+    status: Literal["ready"]
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -84,12 +95,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["health"], operation_id="healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    def healthz() -> Health:
+        return Health(status="ok")
 
     head = head_revision()
 
-    @app.get("/readyz", tags=["health"], operation_id="readyz")
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        operation_id="readyz",
+        response_model=Readiness,
+        responses={
+            503: {
+                "description": "database_unavailable: the database does not answer; schema_not_current: the schema is not at the migration head."
+            }
+        },
+    )
     def readyz() -> JSONResponse:
         """Ready: the database answers and its schema is at the migration head this code expects."""
         try:
@@ -135,4 +156,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(ErrorGuard)
     # Outermost of all: requests answered by the guards are counted too.
     install_metrics(app)
+    install_openapi(app)
     return app

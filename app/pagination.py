@@ -59,6 +59,27 @@ def decode_cursor(cursor: str, id_type: type = str) -> tuple[datetime, str | int
         raise _bad_cursor() from exc
 
 
+def encode_id_cursor(item_id: int) -> str:
+    """The cursor of a list paged by an increasing integer id alone (batches, in training order)."""
+    raw = json.dumps(["id", item_id], separators=(",", ":"))
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_id_cursor(cursor: str, *, max_id: int = 2**63 - 1) -> int:
+    try:
+        kind, item_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if (
+            kind != "id"
+            or not isinstance(item_id, int)
+            or isinstance(item_id, bool)
+            or not 0 <= item_id <= max_id
+        ):
+            raise ValueError("not an id cursor")
+        return item_id
+    except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise _bad_cursor() from exc
+
+
 def paginate(
     session: Session,
     stmt: Select[Any],

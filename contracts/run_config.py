@@ -5,9 +5,10 @@ worker trains with them, and `orch.toml` in a run directory holds one of them.
 Every field is bounded; unknown fields are errors.
 """
 
-from typing import Any, Literal
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 DEFAULT_BASE_MODEL = "loraloom-tiny"
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -16,7 +17,37 @@ KNOWN_TARGET_MODULES = frozenset(
 )
 
 
-class _Strict(BaseModel):
+def _numeric(annotation: Any) -> bool:
+    """int, float, or an optional / tuple of them."""
+    if annotation in (int, float):
+        return True
+    if get_origin(annotation) in (Union, types.UnionType, tuple):
+        args = [a for a in get_args(annotation) if a not in (type(None), Ellipsis)]
+        return bool(args) and all(_numeric(a) for a in args)
+    return False
+
+
+def _not_a_number(value: Any) -> bool:
+    if isinstance(value, list | tuple):
+        return any(_not_a_number(v) for v in value)
+    return isinstance(value, bool | str)
+
+
+class JsonNumbers(BaseModel):
+    """A model whose number fields take JSON numbers only, as its JSON schema says."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode would take `true` or `"3"` for a number; the documented schema (a JSON
+        # number) does not, and neither does the service.
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _numeric(field.annotation) and _not_a_number(value):
+            raise ValueError("must be a number (not a boolean or a string)")
+        return value
+
+
+class _Strict(JsonNumbers):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -31,6 +62,10 @@ class LoraSettings(_Strict):
         min_length=1,
         max_length=7,
         description="Linear layers that get an adapter (names as in Llama/Qwen/Mistral).",
+        json_schema_extra={
+            "items": {"type": "string", "enum": sorted(KNOWN_TARGET_MODULES)},
+            "uniqueItems": True,
+        },
     )
 
     @model_validator(mode="after")
@@ -45,7 +80,11 @@ class LoraSettings(_Strict):
 
 class OptimSettings(_Strict):
     lr: float = Field(default=1e-4, gt=0, le=1.0, description="Peak learning rate (AdamW).")
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.999),
+        description="AdamW betas, each in [0, 1).",
+        json_schema_extra={"prefixItems": [{"type": "number", "minimum": 0, "exclusiveMaximum": 1}] * 2},
+    )
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
     max_grad_norm: float = Field(default=1.0, gt=0, le=1e6, description="Per-run gradient-norm clip.")
 
@@ -110,7 +149,11 @@ class RunConfig(_Strict):
         description="Evict the run if the orchestrator is silent this long (s).",
     )
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seeds the adapter's initialisation.")
-    metadata: dict[str, Any] = Field(default_factory=dict, description="Free-form user labels (≤ 64 keys).")
+    metadata: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Free-form user labels (≤ 64 keys).",
+        json_schema_extra={"maxProperties": 64},
+    )
 
     @field_validator("metadata")
     @classmethod

@@ -12,6 +12,8 @@ from app.adapters import service
 from app.adapters.schemas import CheckpointOut
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
+from app.errors import Conflict, NotFound, raises
+from app.runs.deps import RunIdPath
 from app.runs.schemas import RunOut
 from contracts.pool_api import AdapterStored, CheckpointReport, StepReport, TrainerEvict
 
@@ -49,10 +51,11 @@ UploadBody = Annotated[IO[bytes], Depends(_upload_body)]
         }
     },
 )
+@raises(NotFound, Conflict)
 def upload_adapter(
     # The worker token first: dependencies resolve in order, and the body is only read once it passed.
     _: WorkerDep,
-    run_id: str,
+    run_id: RunIdPath,
     step: StepParam,
     body: UploadBody,
     session: SessionDep,
@@ -63,8 +66,9 @@ def upload_adapter(
 
 
 @router.post("/v1/pool/runs/{run_id}/steps", response_model=RunOut, operation_id="reportStep")
+@raises(NotFound, Conflict)
 def report_step(
-    run_id: str, body: StepReport, session: SessionDep, settings: SettingsDep, _: WorkerDep
+    run_id: RunIdPath, body: StepReport, session: SessionDep, settings: SettingsDep, _: WorkerDep
 ) -> RunOut:
     run = service.record_step(session, run_id=run_id, report=body, settings=settings)
     return RunOut.from_run(run)
@@ -76,8 +80,9 @@ def report_step(
     response_model=CheckpointOut,
     operation_id="reportCheckpoint",
 )
+@raises(NotFound, Conflict)
 def report_checkpoint(
-    run_id: str, body: CheckpointReport, session: SessionDep, _: WorkerDep
+    run_id: RunIdPath, body: CheckpointReport, session: SessionDep, _: WorkerDep
 ) -> CheckpointOut:
     ckpt = service.record_checkpoint(session, run_id=run_id, step=body.step, total_samples=body.total_samples)
     return CheckpointOut(
@@ -86,8 +91,9 @@ def report_checkpoint(
 
 
 @router.post("/v1/pool/runs/{run_id}/evict", response_model=RunOut, operation_id="trainerEvictRun")
+@raises(NotFound, Conflict)
 def trainer_evict(
-    run_id: str, body: TrainerEvict, session: SessionDep, settings: SettingsDep, _: WorkerDep
+    run_id: RunIdPath, body: TrainerEvict, session: SessionDep, settings: SettingsDep, _: WorkerDep
 ) -> RunOut:
     run = service.evict_by_trainer(session, run_id=run_id, reason=body.reason, settings=settings)
     return RunOut.from_run(run)

@@ -1,9 +1,9 @@
 """Tenant routes of what the trainer pushed back per run: adapters (listed, downloaded whole or file
 by file, with ETags) and step metrics. API key only; thin: parse, call the service, shape the response."""
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import APIRouter, Header, Path, Query, Response, status
 from fastapi.responses import FileResponse
 
 from app.adapters import service
@@ -15,9 +15,42 @@ from app.db import SessionDep
 from app.errors import ValidationFailed
 from app.pagination import MAX_LIMIT, LimitQuery
 from app.runs.deps import OwnedRunDep
-from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 
 router = APIRouter(tags=["adapters"])
+
+StepPath = Annotated[
+    str,
+    Path(
+        pattern=r"^(latest|[0-9]{1,9})$",
+        description="An adapter step, or `latest` for the newest.",
+        examples=["latest", "10"],
+    ),
+]
+FileNamePath = Annotated[
+    str,
+    # Documented, not enforced: any other name is a 404 (an adapter has no such file).
+    Path(
+        description="One file of the PEFT adapter directory.", json_schema_extra={"enum": list(ADAPTER_FILES)}
+    ),
+]
+IfNoneMatch = Annotated[
+    str | None,
+    Header(
+        alias="If-None-Match",
+        max_length=1024,
+        description="An `ETag` of an earlier download: the answer is a 304 without a body if it still matches.",
+    ),
+]
+
+
+def _header(description: str) -> dict[str, Any]:
+    return {"description": description, "schema": {"type": "string"}}
+
+
+_ETAG = _header("The adapter's sha256 of its weights, quoted.")
+_STEP = _header("The step of the adapter sent (resolves `latest`).")
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
 
 
 def _parse_step(step: str) -> int | None:
@@ -36,8 +69,7 @@ def _etag(adapter: Adapter) -> str:
     return f'"{adapter.sha256}"'
 
 
-def _not_modified(request: Request, etag: str) -> bool:
-    header = request.headers.get("if-none-match")
+def _not_modified(header: str | None, etag: str) -> bool:
     if header is None:
         return False
     candidates = {c.strip().removeprefix("W/") for c in header.split(",")}
@@ -66,16 +98,28 @@ def list_adapters(run: OwnedRunDep, session: SessionDep) -> AdapterList:
     operation_id="downloadAdapter",
     response_class=FileResponse,
     responses={
-        200: {"content": {"application/gzip": {}}, "description": "tar.gz of the PEFT adapter directory"},
-        304: {"description": "If-None-Match matched the adapter's ETag"},
+        200: {
+            "content": {"application/gzip": _BINARY},
+            "description": "tar.gz of the PEFT adapter directory.",
+            "headers": {"ETag": _ETAG, "X-Adapter-Step": _STEP},
+        },
+        304: {
+            "description": "If-None-Match matched the adapter's ETag; no body.",
+            "headers": {"ETag": _ETAG, "X-Adapter-Step": _STEP},
+        },
     },
 )
 def download_adapter(
-    run: OwnedRunDep, step: str, request: Request, session: SessionDep, settings: SettingsDep
+    run: OwnedRunDep,
+    step: StepPath,
+    session: SessionDep,
+    settings: SettingsDep,
+    if_none_match: IfNoneMatch = None,
 ) -> Response:
+    """The adapter of a step (or the newest) as a tar.gz, with its `ETag`."""
     adapter = service.get_adapter(session, run_id=run.id, step=_parse_step(step))
     etag = _etag(adapter)
-    if _not_modified(request, etag):
+    if _not_modified(if_none_match, etag):
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=_adapter_headers(adapter, etag))
     archive = service.adapter_archive(adapter, settings=settings)
     return FileResponse(
@@ -90,16 +134,32 @@ def download_adapter(
     "/v1/runs/{run_id}/adapters/{step}/files/{name}",
     operation_id="downloadAdapterFile",
     response_class=FileResponse,
-    responses={200: {"content": {"application/json": {}, "application/octet-stream": {}}}, 304: {}},
+    responses={
+        200: {
+            "content": {"application/json": _BINARY, "application/octet-stream": _BINARY},
+            "description": "The file: adapter_config.json as JSON, the safetensors weights as bytes.",
+            "headers": {
+                "ETag": _header("For the weights, the adapter's sha256, quoted."),
+                "X-Adapter-Step": _STEP,
+            },
+        },
+        304: {"description": "If-None-Match matched the file's ETag; no body."},
+    },
 )
 def download_adapter_file(
-    run: OwnedRunDep, step: str, name: str, request: Request, session: SessionDep, settings: SettingsDep
+    run: OwnedRunDep,
+    step: StepPath,
+    name: FileNamePath,
+    session: SessionDep,
+    settings: SettingsDep,
+    if_none_match: IfNoneMatch = None,
 ) -> Response:
+    """One file of the adapter of a step (or the newest)."""
     adapter = service.get_adapter(session, run_id=run.id, step=_parse_step(step))
     path = service.adapter_file(adapter, name=name, settings=settings)
     # The sha256 is of the weights; the config file keeps Starlette's own (mtime, size) ETag.
     etag = _etag(adapter) if name == ADAPTER_WEIGHTS else None
-    if etag is not None and _not_modified(request, etag):
+    if etag is not None and _not_modified(if_none_match, etag):
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=_adapter_headers(adapter, etag))
     media_type = "application/json" if name == ADAPTER_CONFIG else "application/octet-stream"
     return FileResponse(path, media_type=media_type, filename=name, headers=_adapter_headers(adapter, etag))

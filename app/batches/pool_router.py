@@ -3,12 +3,14 @@
 from typing import Annotated
 
 import msgspec
-from fastapi import APIRouter, Header, Path, Response
+from fastapi import APIRouter, Header, Response
 
 from app.auth import SettingsDep, WorkerDep
 from app.batches import claims
 from app.batches.schemas import MSGPACK_CONTENT_TYPES
 from app.db import SessionDep, utcnow
+from app.errors import Conflict, NotFound, raises
+from app.runs.deps import RunIdPath
 from contracts.pool_api import (
     AckIn,
     AckOut,
@@ -34,12 +36,13 @@ _msgpack_encoder = msgspec.msgpack.Encoder()
         200: {
             "description": "The leased batches with their payloads (msgpack instead of JSON with "
             "`Accept: application/msgpack`).",
-            "content": {"application/msgpack": {}},
+            "content": {"application/msgpack": {"schema": {"$ref": "#/components/schemas/ClaimOut"}}},
         },
         404: {"description": "pool_not_found: the pool never registered; register first."},
         409: {"description": "The pool is dead or was replaced (pool_dead, pool_stopped); register again."},
     },
 )
+@raises(NotFound, Conflict)
 def claim_batches(
     body: ClaimIn,
     _: WorkerDep,
@@ -84,6 +87,7 @@ def claim_batches(
         409: {"description": "ack_rejected: a batch is unknown or not held by this pool (details name it)."}
     },
 )
+@raises(Conflict)
 def ack_batches(body: AckIn, _: WorkerDep, session: SessionDep) -> AckOut:
     """Mark batches trained, after the optimizer step that used them. All or nothing."""
     acked = claims.ack_batches(
@@ -101,8 +105,9 @@ def ack_batches(body: AckIn, _: WorkerDep, session: SessionDep) -> AckOut:
     response_model=RestartOut,
     responses={404: {"description": "No such run."}, 409: {"description": "run_not_active."}},
 )
+@raises(NotFound, Conflict)
 def restart_run_from_checkpoint(
-    run_id: Annotated[str, Path(max_length=32)], body: RestartIn, _: WorkerDep, session: SessionDep
+    run_id: RunIdPath, body: RestartIn, _: WorkerDep, session: SessionDep
 ) -> RestartOut:
     """The pool restarts a run from a checkpoint: batches consumed after it (and claimed ones) return to
     pending and the run's progress is set back to the checkpoint's (DESIGN §4.3)."""

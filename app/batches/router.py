@@ -14,7 +14,8 @@ from app.batches.schemas import (
     BatchPage,
 )
 from app.db import SessionDep
-from app.errors import UnsupportedMediaType, ValidationFailed
+from app.errors import Conflict, UnsupportedMediaType, raises
+from app.pagination import CursorQuery, decode_id_cursor, encode_id_cursor
 from app.runs.deps import OwnedRunDep
 from contracts.pool_api import INT32_MAX
 from contracts.status import BatchState
@@ -26,6 +27,7 @@ async def _body(request: Request) -> bytes:
     return await request.body()
 
 
+@raises(UnsupportedMediaType)
 async def _is_msgpack(request: Request) -> bool:
     # async: no I/O here, so no trip through the threadpool.
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -59,6 +61,7 @@ async def _is_msgpack(request: Request) -> bool:
         422: {"description": "Invalid batch; details: [{sample, field, problem}]. Nothing is stored."},
     },
 )
+@raises(Conflict)
 def submit_batch(
     # First: an unauthenticated caller gets a 401 and another tenant's run a 404, whatever the body.
     run: OwnedRunDep,
@@ -99,22 +102,12 @@ def list_batches(
     session: SessionDep,
     state: Annotated[BatchState | None, Query(description="Only batches in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
-    cursor: Annotated[
-        str | None, Query(max_length=32, description="`next_cursor` of the previous page.")
-    ] = None,
+    cursor: CursorQuery = None,
 ) -> BatchPage:
     """The run's batches in id order (the order they are trained in), with their state."""
-    after: int | None = None
-    if cursor is not None:
-        # ASCII digits only (str.isdigit also accepts "²"), and within the 32-bit id column.
-        if not (cursor.isascii() and cursor.isdigit() and int(cursor) <= INT32_MAX):
-            raise ValidationFailed(
-                "invalid cursor",
-                details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],
-            )
-        after = int(cursor)
+    after = None if cursor is None else decode_id_cursor(cursor, max_id=INT32_MAX)
     rows, next_id = service.list_batches(session, run_id=run.id, state=state, limit=limit, cursor=after)
     return BatchPage(
         items=[BatchOut.model_validate(r) for r in rows],
-        next_cursor=None if next_id is None else str(next_id),
+        next_cursor=None if next_id is None else encode_id_cursor(next_id),
     )

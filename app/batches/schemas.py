@@ -4,21 +4,24 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.batches.validation import documented_batch_schema
 from app.timestamps import UtcDatetime
-from contracts.pool_api import TRAINING_BATCH_SCHEMA
 from contracts.status import BatchState
 
 MSGPACK_CONTENT_TYPES = frozenset({"application/msgpack", "application/x-msgpack", "application/vnd.msgpack"})
 JSON_CONTENT_TYPES = frozenset({"application/json", ""})
 
 
+# The constrained decoder's own schema; app/openapi.py turns its `$defs` into components.
+_BATCH_SCHEMA = documented_batch_schema()
+
 SUBMIT_BATCH_OPENAPI: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "description": "One rollout step of one run: a TrainingBatch, as JSON or msgpack (same fields).",
         "content": {
-            "application/json": {"schema": TRAINING_BATCH_SCHEMA},
-            "application/msgpack": {"schema": TRAINING_BATCH_SCHEMA},
+            "application/json": {"schema": _BATCH_SCHEMA},
+            "application/msgpack": {"schema": _BATCH_SCHEMA},
         },
     }
 }

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from functools import lru_cache
 from types import GenericAlias
-from typing import Annotated, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
 
@@ -172,3 +172,27 @@ def decode_and_validate(body: bytes, *, msgpack: bool, seq_len: int, vocab_size:
 
 def batch_num_tokens(batch: TrainingBatch) -> int:
     return sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch.examples)
+
+
+def documented_batch_schema() -> dict[str, Any]:
+    """The JSON schema of what `decode_and_validate` accepts, for the OpenAPI document: the schema
+    of the constrained decoder itself (vocabulary unknown), plus the shape rules a JSON schema can
+    state. The rest (per-token lists as long as their ids, seq_len, the run's vocabulary) is in the
+    descriptions. `$ref`s point at `#/$defs/...`."""
+    json_decoder, _ = _constrained_decoders(None)
+    schema = msgspec.json.schema(json_decoder.type)
+    sample = schema["$defs"]["TrainingSample"]
+    props = sample["properties"]
+    for name in ("prompt_ids", "completion_ids"):
+        props[name]["minItems"] = 1
+    # The service requires an advantage (the struct's default None is for other callers).
+    props["advantage"]["anyOf"] = [s for s in props["advantage"]["anyOf"] if s.get("type") != "null"]
+    props["advantage"].pop("default", None)
+    sample["required"] = [*sample["required"], "advantage"]
+    sample["description"] = (
+        f"{sample.get('description', '')} Every per-token list (prompt_mask; completion_mask, "
+        "completion_logprobs, a list advantage, teacher_logprobs, token_rewards, weights) has as many "
+        "entries as its ids; prompt + completion fit the run's seq_len; token ids are below the base "
+        "model's vocabulary size."
+    ).strip()
+    return schema

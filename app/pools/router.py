@@ -4,6 +4,7 @@ from fastapi import APIRouter, Query, status
 
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
+from app.errors import Conflict, NotFound, raises
 from app.pools import service
 from contracts.pool_api import (
     PoolHeartbeatOut,
@@ -36,12 +37,14 @@ def register_pool(
 
 
 @router.post("/heartbeat", response_model=PoolHeartbeatOut, operation_id="poolHeartbeat")
+@raises(NotFound, Conflict)
 def heartbeat(body: PoolRef, session: SessionDep, settings: SettingsDep, _: WorkerDep) -> PoolHeartbeatOut:
     pool = service.heartbeat_pool(session, pool_id=body.pool_id, settings=settings)
     return PoolHeartbeatOut(status=pool.status)
 
 
 @router.get("/state", response_model=PoolStateOut, operation_id="getPoolState")
+@raises(NotFound, Conflict)
 def state(
     session: SessionDep,
     settings: SettingsDep,

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, Header, Request, Response, status
 
 from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
+from app.errors import Conflict, UnsupportedMediaType, raises
 from app.pagination import DEFAULT_LIMIT, CursorQuery, LimitQuery
 from app.runs import service
 from app.runs.deps import OwnedRunDep
@@ -53,6 +54,7 @@ def _create_body_openapi() -> dict[str, Any]:
     },
     openapi_extra=_create_body_openapi(),
 )
+@raises(Conflict, UnsupportedMediaType)
 def create_run(
     principal: TenantDep,
     session: SessionDep,
@@ -109,6 +111,7 @@ def get_run(run: OwnedRunDep) -> RunOut:
 
 
 @router.post("/{run_id}/evict", operation_id="evictRun")
+@raises(Conflict)
 def evict_run(
     run: OwnedRunDep, body: EvictRequest, principal: TenantDep, session: SessionDep, settings: SettingsDep
 ) -> RunOut:
@@ -127,6 +130,7 @@ def evict_run(
 
 
 @router.delete("/{run_id}", operation_id="deleteRun")
+@raises(Conflict)
 def delete_run(run: OwnedRunDep, principal: TenantDep, session: SessionDep, settings: SettingsDep) -> RunOut:
     """Delete a run (any state but deleted): frees its slot and removes its directory."""
     run = service.delete_run(

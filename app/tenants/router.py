@@ -1,16 +1,30 @@
 """Admin routes: tenants and their API keys (thin: parse, call the service, shape the response)."""
 
-from fastapi import APIRouter, Response, status
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Response, status
 
 from app.auth import AdminDep
 from app.db import SessionDep
+from app.errors import Conflict, NotFound, raises
 from app.tenants import service
 from app.tenants.schemas import ApiKeyCreated, TenantCreate, TenantList, TenantOut
 
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
 
+# Documented, not enforced: an id of another shape is simply not found (404).
+TenantIdPath = Annotated[
+    str,
+    Path(max_length=64, examples=["ten_0123456789ab"], json_schema_extra={"pattern": r"^ten_[0-9a-f]{12}$"}),
+]
+KeyIdPath = Annotated[
+    str,
+    Path(max_length=64, examples=["key_0123456789ab"], json_schema_extra={"pattern": r"^key_[0-9a-f]{12}$"}),
+]
+
 
 @router.post("", status_code=status.HTTP_201_CREATED, operation_id="createTenant")
+@raises(Conflict)
 def create_tenant(body: TenantCreate, _: AdminDep, session: SessionDep) -> TenantOut:
     """Create a tenant with a quota of concurrent runs (admin)."""
     tenant = service.create_tenant(session, name=body.name, max_concurrent_runs=body.max_concurrent_runs)
@@ -25,7 +39,8 @@ def list_tenants(_: AdminDep, session: SessionDep) -> TenantList:
 
 
 @router.post("/{tenant_id}/keys", status_code=status.HTTP_201_CREATED, operation_id="createApiKey")
-def create_api_key(tenant_id: str, _: AdminDep, session: SessionDep) -> ApiKeyCreated:
+@raises(NotFound)
+def create_api_key(tenant_id: TenantIdPath, _: AdminDep, session: SessionDep) -> ApiKeyCreated:
     """A new API key for the tenant; the secret `key` is in this response only (admin)."""
     key, secret = service.create_api_key(session, tenant_id=tenant_id)
     return ApiKeyCreated(
@@ -36,7 +51,8 @@ def create_api_key(tenant_id: str, _: AdminDep, session: SessionDep) -> ApiKeyCr
 @router.delete(
     "/{tenant_id}/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, operation_id="revokeApiKey"
 )
-def revoke_api_key(tenant_id: str, key_id: str, _: AdminDep, session: SessionDep) -> Response:
+@raises(NotFound)
+def revoke_api_key(tenant_id: TenantIdPath, key_id: KeyIdPath, _: AdminDep, session: SessionDep) -> Response:
     """Revoke an API key: requests with it get a 401 from now on (admin)."""
     service.revoke_api_key(session, tenant_id=tenant_id, key_id=key_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

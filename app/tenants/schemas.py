@@ -3,9 +3,10 @@
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.timestamps import UtcDatetime
+from contracts.run_config import JsonNumbers
 
 
-class TenantCreate(BaseModel):
+class TenantCreate(JsonNumbers):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(

@@ -135,9 +135,13 @@ def test_openapi_documents_json_and_msgpack(client):
     assert op["operationId"] == "submitBatch"
     content = op["requestBody"]["content"]
     assert set(content) == {"application/json", "application/msgpack"}
-    schema = content["application/msgpack"]["schema"]
-    assert schema["required"] == ["examples"]
-    assert "prompt_ids" in schema["properties"]["examples"]["items"]["properties"]
+    assert content["application/msgpack"]["schema"] == {"$ref": "#/components/schemas/TrainingBatch"}
+    schemas = spec["components"]["schemas"]
+    assert schemas["TrainingBatch"]["required"] == ["examples"]
+    assert schemas["TrainingBatch"]["properties"]["examples"]["items"] == {
+        "$ref": "#/components/schemas/TrainingSample"
+    }
+    assert "prompt_ids" in schemas["TrainingSample"]["properties"]
     assert spec["paths"]["/v1/runs/{run_id}/batches"]["get"]["operationId"] == "listBatches"
 
 

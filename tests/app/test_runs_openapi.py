@@ -54,6 +54,8 @@ def test_every_ref_resolves():
 def test_create_run_documents_json_and_toml():
     content = _spec()["paths"]["/v1/runs"]["post"]["requestBody"]["content"]
     assert set(content) == {"application/json", "application/toml"}
-    schema = content["application/json"]["schema"]
+    spec = _spec()
+    assert content["application/json"]["schema"] == {"$ref": "#/components/schemas/RunCreate"}
+    schema = spec["components"]["schemas"]["RunCreate"]
     assert schema["additionalProperties"] is False
     assert schema["properties"]["config"]["$ref"] == "#/components/schemas/RunConfig"
