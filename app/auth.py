@@ -73,7 +73,7 @@ WORKER_SCHEME = HTTPBearer(
 _Credentials = HTTPAuthorizationCredentials | None
 
 
-def _same_secret(given: str, expected: str) -> bool:
+def same_secret(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode(), expected.encode())
 
 
@@ -83,7 +83,7 @@ def _is_tenant_key(session: Session, token: str) -> bool:
 
 
 def _is_service_secret(token: str, secret: SecretStr | None) -> bool:
-    return secret is not None and _same_secret(token, secret.get_secret_value())
+    return secret is not None and same_secret(token, secret.get_secret_value())
 
 
 def _wrong_role(role: str) -> Forbidden:
