@@ -93,7 +93,23 @@ class UnsupportedMediaType(AppError):
 class ServiceUnavailable(AppError):
     status = 503
     code = "unavailable"
-    codes = ("database_unavailable",)
+    codes = ("database_unavailable", "schema_not_current")
+
+
+class RequestTimeout(AppError):
+    """408: the request body did not arrive in time (app/request_guard.py)."""
+
+    status = 408
+    code = "request_timeout"
+    codes = ()
+
+
+class InternalError(AppError):
+    """500: anything unforeseen, answered by app/error_guard.py with a request id."""
+
+    status = 500
+    code = "internal_error"
+    codes = ()
 
 
 class RateLimited(AppError):

@@ -30,7 +30,7 @@ SSE_MAX_SECONDS = 3600.0
 FeedCursor = Annotated[
     str | None,
     Query(
-        max_length=128, description="`next_cursor` (or an event's `cursor`) to go on after; omit to start."
+        max_length=512, description="`next_cursor` (or an event's `cursor`) to go on after; omit to start."
     ),
 ]
 
@@ -47,7 +47,12 @@ def _page(
     "/v1/runs/{run_id}/events",
     operation_id="listRunEvents",
     response_model=EventList,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "JSON page, or an SSE stream"}},
+    responses={
+        200: {
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            "description": "JSON page, or an SSE stream",
+        }
+    },
 )
 def list_events(
     run: OwnedRunDep,

@@ -1,24 +1,44 @@
 """GET /metrics: the Prometheus text format, optionally behind LORALOOM_METRICS_TOKEN."""
 
-from fastapi import APIRouter, Request, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Request, Response, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.auth import SettingsDep, bearer_token, same_secret
-from app.errors import Unauthorized
+from app.errors import Unauthorized, raises
 from app.telemetry.collector import DatabaseCollector
 from app.telemetry.http import multiprocess_dir
 
 router = APIRouter(tags=["health"])
+
+# Documented as its own scheme; only enforced when LORALOOM_METRICS_TOKEN is set.
+METRICS_SCHEME = HTTPBearer(
+    scheme_name="MetricsToken",
+    description="`LORALOOM_METRICS_TOKEN`, when the service sets one (else /metrics is open).",
+    auto_error=False,
+)
 
 
 @router.get(
     "/metrics",
     operation_id="prometheusMetrics",
     response_class=Response,
-    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"}},
+    responses={
+        200: {
+            "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+            "description": "Prometheus text format",
+        }
+    },
 )
-def metrics(request: Request, settings: SettingsDep) -> Response:
+@raises(Unauthorized)
+def metrics(
+    request: Request,
+    settings: SettingsDep,
+    _: Annotated[HTTPAuthorizationCredentials | None, Security(METRICS_SCHEME)],
+) -> Response:
     """Prometheus metrics (requests, batches, runs, slots, pools). With LORALOOM_METRICS_TOKEN set,
     scrapers send `Authorization: Bearer <token>`."""
     token = settings.metrics_token

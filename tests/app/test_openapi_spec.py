@@ -68,10 +68,10 @@ def test_every_operation_has_a_security_requirement(doc, method, path, op):
 def test_the_documents_split_tenant_and_admin_from_pool():
     public_schemes = {n for _, _, op in _operations(PUBLIC) for req in op.get("security", []) for n in req}
     pool_schemes = {n for _, _, op in _operations(POOL) for req in op.get("security", []) for n in req}
-    assert public_schemes == {"TenantKey", "AdminKey"}
+    assert public_schemes == {"TenantKey", "AdminKey", "MetricsToken"}
     assert pool_schemes == {"WorkerToken"}
     assert not [p for p in PUBLIC["paths"] if p.startswith("/v1/pool/")]
-    assert set(PUBLIC["components"]["securitySchemes"]) == {"TenantKey", "AdminKey"}
+    assert set(PUBLIC["components"]["securitySchemes"]) == {"TenantKey", "AdminKey", "MetricsToken"}
     assert set(POOL["components"]["securitySchemes"]) == {"WorkerToken"}
 
 
