@@ -20,6 +20,7 @@ from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
 from app.errors import AppError
 from app.lifecycle import on_shutdown, on_startup
+from app.pools.admin_router import router as pools_admin_router
 from app.pools.router import router as pools_router
 from app.runs.router import router as runs_router
 from app.tenants.router import router as tenants_router
@@ -150,6 +151,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         adapters_router,
         pool_adapters_router,
         pools_router,
+        pools_admin_router,
     ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
