@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -39,7 +40,7 @@ class Service:
         self.key = self.ok("keys", "create", self.tenant["id"], "--json", json_out=True)["key"]
         self.env["LORALOOM_API_KEY"] = self.key
 
-    def ok(self, *args: str, json_out: bool = False, env: dict[str, str] | None = None) -> object:
+    def ok(self, *args: str, json_out: bool = False, env: dict[str, str] | None = None) -> Any:
         result = runner.invoke(cli, list(args), env=env or self.env)
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout) if json_out else result.stdout
@@ -79,7 +80,7 @@ def _peft_tar(tmp_path: Path) -> bytes:
             if "lora_B" in name:
                 param.fill_(0.01)
     out = tmp_path / "peft"
-    peft.save_pretrained(out)
+    peft.save_pretrained(str(out))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for name in ("adapter_config.json", "adapter_model.safetensors"):
@@ -145,10 +146,10 @@ def test_pools_keys_and_tenant_deletion(svc: Service) -> None:
     pools = str(svc.ok("pools", "list"))
     assert r.json()["pool_id"] in pools and POOL_SPEC["base_model"] in pools and "alive" in pools
 
-    tenant_id = svc.tenant["id"]  # type: ignore[index]
+    tenant_id = svc.tenant["id"]
     second = svc.ok("keys", "create", tenant_id, "--json", json_out=True)
-    svc.ok("keys", "revoke", tenant_id, second["id"])  # type: ignore[index]
-    keys = svc.ok("keys", "list", tenant_id, "--json", json_out=True)["items"]  # type: ignore[index]
+    svc.ok("keys", "revoke", tenant_id, second["id"])
+    keys = svc.ok("keys", "list", tenant_id, "--json", json_out=True)["items"]
     assert [k["revoked_at"] is None for k in keys] == [True, False]
     assert all("key" not in k for k in keys)  # never the secrets
     assert svc.key[:12] in str(svc.ok("keys", "list", tenant_id))
