@@ -174,6 +174,11 @@ EXIT_CODES = [
     (["runs", "list", "--key", "llk_wrong"], 5, "unauthorized"),
     (["pools", "list", "--key", "wrong"], 5, "unauthorized"),
     (["runs", "list", "--url", "http://127.0.0.1:9"], 6, "cannot reach"),
+    # The worker: a wrong token is refused before any rank starts (no model is loaded), and a
+    # mistyped local model path is a missing directory, not an invalid hub id.
+    (["worker", "--token", "wrong"], 5, "refused the worker token"),
+    (["worker", "--runs-dir", "runs", "--base-model", "./no/such-model"], 3, "does not exist"),
+    (["worker", "--token", "x", "--url", "http://127.0.0.1:9"], 6, "cannot reach"),
 ]
 
 
@@ -193,8 +198,8 @@ def test_exit_codes_by_kind(svc: Service, args: list[str], code: int, words: str
     assert result.exit_code == code, result.output
     assert words in result.output
     assert "Traceback" not in result.output
-    if code == 2 and args[1] == "show":
-        return  # a usage error of the command line itself: click's own message
+    if (code == 2 and args[1] == "show") or args[0] == "worker":
+        return  # click's own usage message; the worker has no --json
     # One line and a hint at most; with --json the error is JSON on stderr, stdout stays empty.
     assert len(result.stderr.strip().splitlines()) <= 3 or "body.config" in result.stderr
     as_json = runner.invoke(cli, [*argv, "--json"], env=svc.env)
