@@ -24,6 +24,7 @@ from app.lifecycle import on_shutdown, on_startup
 from app.limits import InFlight
 from app.migrate import head_revision, schema_revision
 from app.openapi import install_openapi
+from app.pools.admin_router import router as pools_admin_router
 from app.pools.router import router as pools_router
 from app.request_guard import RequestGuard
 from app.runs.router import router as runs_router
@@ -144,6 +145,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pool_adapters_router,
         pools_router,
         events_router,
+        pools_admin_router,
     ):
         app.include_router(router)
     # The request guard reads the body before anything opens a database session; the error

@@ -195,6 +195,38 @@ def tenants_list(url: UrlOpt = DEFAULT_URL, key: AdminKeyOpt = None, as_json: Js
         )
 
 
+@tenants_cli.command("delete")
+def tenants_delete(
+    tenant_id: Annotated[str, typer.Argument(help="The tenant's id (ten_...).")],
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+    url: UrlOpt = DEFAULT_URL,
+    key: AdminKeyOpt = None,
+) -> None:
+    """Delete a tenant with its API keys and runs (their files too)."""
+    if not yes:
+        typer.confirm(f"delete tenant {tenant_id}, its API keys and all its runs?", abort=True)
+    api("DELETE", f"/v1/tenants/{tenant_id}", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
+    typer.echo(f"deleted {tenant_id}")
+
+
+@keys_cli.command("list")
+def keys_list(
+    tenant_id: Annotated[str, typer.Argument(help="The tenant's id (ten_...).")],
+    url: UrlOpt = DEFAULT_URL,
+    key: AdminKeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List a tenant's API keys (prefixes only; revoked ones too)."""
+    data = api("GET", f"/v1/tenants/{tenant_id}/keys", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
+    if as_json:
+        _echo_json(data)
+    else:
+        _table(
+            data["items"],
+            [("ID", "id"), ("PREFIX", "prefix"), ("CREATED", "created_at"), ("REVOKED", "revoked_at")],
+        )
+
+
 @keys_cli.command("create")
 def keys_create(
     tenant_id: Annotated[str, typer.Argument(help="The tenant's id (ten_...).")],
@@ -242,8 +274,12 @@ def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
             doc = yaml.safe_load(text)
         else:
             doc = json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         _fail(f"{path}: not valid {fmt.upper()}: {exc}")
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        _fail(f"{path}: not valid YAML: {getattr(exc, 'problem', None) or 'parse error'}{where}")
     if not isinstance(doc, dict):
         _fail(f"{path}: expected a table/mapping/object at the top level")
     body = doc if isinstance(doc.get("config"), dict) else {"config": doc}

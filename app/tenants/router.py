@@ -4,11 +4,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Response, status
 
-from app.auth import AdminDep
+from app.auth import AdminDep, SettingsDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
-from app.tenants import service
-from app.tenants.schemas import ApiKeyCreated, TenantCreate, TenantList, TenantOut
+from app.tenants import removal, service
+from app.tenants.schemas import ApiKeyCreated, ApiKeyList, ApiKeyOut, TenantCreate, TenantList, TenantOut
 
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
 
@@ -36,6 +36,26 @@ def create_tenant(body: TenantCreate, _: AdminDep, session: SessionDep) -> Tenan
 def list_tenants(_: AdminDep, session: SessionDep) -> TenantList:
     """Every tenant, oldest first (admin)."""
     return TenantList(items=[TenantOut.model_validate(t) for t in service.list_tenants(session)])
+
+
+@router.delete("/{tenant_id}", status_code=status.HTTP_204_NO_CONTENT, operation_id="deleteTenant")
+@raises(NotFound)
+def delete_tenant(
+    tenant_id: TenantIdPath, _: AdminDep, session: SessionDep, settings: SettingsDep
+) -> Response:
+    """Delete a tenant with its API keys and runs (each run deleted as by its owner: slot freed,
+    files removed); the audit events stay (admin)."""
+    removal.delete_tenant(session, tenant_id=tenant_id, settings=settings)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get("/{tenant_id}/keys", operation_id="listApiKeys")
+@raises(NotFound)
+def list_api_keys(tenant_id: TenantIdPath, _: AdminDep, session: SessionDep) -> ApiKeyList:
+    """The tenant's API keys, revoked ones included; never the secrets (admin)."""
+    return ApiKeyList(
+        items=[ApiKeyOut.model_validate(k) for k in service.list_api_keys(session, tenant_id=tenant_id)]
+    )
 
 
 @router.post("/{tenant_id}/keys", status_code=status.HTTP_201_CREATED, operation_id="createApiKey")

@@ -42,3 +42,19 @@ class ApiKeyCreated(BaseModel):
     key: str
     prefix: str
     created_at: UtcDatetime
+
+
+class ApiKeyOut(BaseModel):
+    """An API key as listed: its id and the first characters of the secret, never the secret."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: str
+    tenant_id: str
+    prefix: str
+    created_at: UtcDatetime
+    revoked_at: UtcDatetime | None
+
+
+class ApiKeyList(BaseModel):
+    items: list[ApiKeyOut]

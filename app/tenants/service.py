@@ -61,6 +61,12 @@ def create_api_key(session: Session, *, tenant_id: str) -> tuple[ApiKey, str]:
     return key, secret
 
 
+def list_api_keys(session: Session, *, tenant_id: str) -> list[ApiKey]:
+    get_tenant(session, tenant_id=tenant_id)
+    stmt = select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.created_at, ApiKey.id)
+    return list(session.scalars(stmt))
+
+
 def revoke_api_key(session: Session, *, tenant_id: str, key_id: str) -> ApiKey:
     """Revoke a key (idempotent: revoking a revoked key changes nothing)."""
     key = session.get(ApiKey, key_id)

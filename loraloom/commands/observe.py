@@ -12,7 +12,17 @@ from typing import Annotated, Any
 import typer
 
 from loraloom.commands.errors import CliError, ExitCode
-from loraloom.commands.http import DEFAULT_URL, JsonOpt, KeyOpt, UrlOpt, api, echo_json, request, table
+from loraloom.commands.http import (
+    DEFAULT_URL,
+    AdminKeyOpt,
+    JsonOpt,
+    KeyOpt,
+    UrlOpt,
+    api,
+    echo_json,
+    request,
+    table,
+)
 
 adapters_cli = typer.Typer(help="Adapters the trainer published (tenant API key).", no_args_is_help=True)
 pools_cli = typer.Typer(help="Worker pools (admin key).", no_args_is_help=True)
@@ -78,7 +88,9 @@ def metrics(
     if as_json:
         echo_json({"items": items})
         return
-    columns = [("STEP", "step")] + [(c.upper(), c) for c in METRIC_COLUMNS if any(c in i for i in items)]
+    columns = [("STEP", "step")] + [
+        (c.upper(), c) for c in METRIC_COLUMNS if any(i.get(c) is not None for i in items)
+    ]
     table(items, columns)
     if plot is not None:
         typer.echo(f"plot: {plot}")
@@ -151,3 +163,25 @@ def _latest_metrics(run_id: str, *, url: str, key: str | None) -> dict[str, str]
         return {}
     last = items[-1]
     return {k: f"{last[k]:.4g}" for k in ("loss", "grad_norm") if isinstance(last.get(k), int | float)}
+
+
+@pools_cli.command("list")
+def pools_list(url: UrlOpt = DEFAULT_URL, key: AdminKeyOpt = None, as_json: JsonOpt = False) -> None:
+    """List the worker pools that registered (alive, dead or stopped)."""
+    data = api("GET", "/v1/pools", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
+    if as_json:
+        echo_json(data)
+        return
+    table(
+        data["items"],
+        [
+            ("ID", "id"),
+            ("BASE MODEL", "base_model"),
+            ("STATUS", "status"),
+            ("SLOTS", "slots"),
+            ("RANKS", "world_size"),
+            ("MAX RANK", "max_rank"),
+            ("SEQ LEN", "max_seq_len"),
+            ("LAST HEARTBEAT", "last_heartbeat_at"),
+        ],
+    )

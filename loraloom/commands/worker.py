@@ -158,7 +158,8 @@ def check_token(url: str, token: str) -> None:
 
 def _check_base_model(name: str) -> None:
     """A path-like name that is not a directory: say so, instead of the hub's "invalid repo id"."""
-    looks_local = name.startswith((".", "/", "~")) or os.sep in name.strip("/") and name.count("/") > 1
+    # The rule of trainer_core.models.registry.looks_local (not imported: it would load torch here).
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
     if looks_local and not Path(name).expanduser().is_dir():
         raise CliError(
             f"base model {name}: the directory does not exist",

@@ -79,6 +79,20 @@ def test_db_upgrade(tmp_path):
     assert (tmp_path / "cli.db").exists()
 
 
+def test_db_upgrade_with_the_database_down_is_one_line(tmp_path):
+    result = runner.invoke(
+        cli, ["db", "upgrade"], env={"LORALOOM_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:9/x"}
+    )
+    assert result.exit_code == 6, result.output
+    assert result.output.startswith("error: cannot reach the database") and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 2  # the error and its hint
+
+
+def test_version():
+    assert _run("--version", env={}).strip() == _run("version", env={}).strip()
+    assert _run("--version", env={}).startswith("loraloom ")
+
+
 def test_interim_demo(tmp_path, capsys):
     interim_demo(tmp_path / "demo")
     out = capsys.readouterr().out

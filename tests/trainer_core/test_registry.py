@@ -1,5 +1,6 @@
 """Base models by name: a locally saved model loads by path (the hub-id path users take)."""
 
+import pytest
 import torch
 
 from trainer_core.models.registry import load_base_model
@@ -25,3 +26,12 @@ def test_builtin_tiny_model_matches_the_sdk_tokenizer(tmp_path):
     again = load_base_model("loraloom-tiny", cache_dir=tmp_path)  # from the cache, identical
     for a, b in zip(model.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_mistyped_local_path_says_the_directory_does_not_exist(tmp_path) -> None:
+    from trainer_core.models.registry import load_base_model, looks_local
+
+    assert looks_local("./models/x") and looks_local("/abs/x") and looks_local("a/b/c")
+    assert not looks_local("org/name") and not looks_local("loraloom-tiny")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_base_model(str(tmp_path / "no-such-model"))

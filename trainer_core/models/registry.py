@@ -13,6 +13,11 @@ from trainer_core.models.precision import resolve_attn_implementation, resolve_d
 DEFAULT_CACHE_DIR = Path(os.environ.get("LORALOOM_MODEL_CACHE", "./.loraloom/models"))
 
 
+def looks_local(name: str) -> bool:
+    """A path, not a hub id (`org/name`): it starts with `.`, `/` or `~`, or has more than one `/`."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def load_base_model(
     name_or_path: str,
     *,
@@ -38,6 +43,9 @@ def load_base_model(
         model = builtin.load(cache_dir, dtype=dtype, attn_implementation=attn_implementation)
     else:
         local = Path(name_or_path).expanduser()
+        if not local.is_dir() and looks_local(name_or_path):
+            # Not "an invalid hub repo id": the user meant a directory, and it is not there.
+            raise FileNotFoundError(f"base model {name_or_path}: the directory {local} does not exist")
         source = str(local) if local.is_dir() else name_or_path
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation=attn_implementation

@@ -1,0 +1,38 @@
+"""Deleting a tenant: its runs first (each as the tenant would delete it: slots freed, directories
+removed after the commit), then the tenant, whose API keys, runs, batches and adapters rows go
+with it (ON DELETE CASCADE). The audit trail (events) stays. Keyword-only, never commits."""
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.config import Settings
+from app.events.service import record_event
+from app.runs import service as runs_service
+from app.runs.models import Run
+from app.tenants.service import get_tenant
+from contracts.status import RunStatus
+
+
+def delete_tenant(session: Session, *, tenant_id: str, settings: Settings) -> int:
+    """Delete the tenant and everything it owns; returns how many runs were deleted with it."""
+    tenant = get_tenant(session, tenant_id=tenant_id)
+    runs = list(
+        session.scalars(
+            select(Run).where(Run.tenant_id == tenant_id, Run.status != RunStatus.DELETED).order_by(Run.id)
+        )
+    )
+    # Queued runs first: a deleted active run hands its slot to the oldest queued run, which must
+    # not be one of this tenant's.
+    runs.sort(key=lambda r: r.status != RunStatus.QUEUED)
+    for run in runs:
+        runs_service.delete_run(session, run=run, actor="admin", settings=settings)
+    record_event(
+        session,
+        action="tenant.deleted",
+        actor="admin",
+        tenant_id=tenant_id,
+        details={"name": tenant.name, "runs_deleted": len(runs)},
+    )
+    session.delete(tenant)
+    session.flush()
+    return len(runs)
