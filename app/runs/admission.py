@@ -23,8 +23,9 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from app.config import Settings
-from app.pools.capabilities import stored_config_problems, untrainable_reason
+from app.pools.capabilities import capability_field_problems, stored_config_problems, untrainable_reason
 from app.pools.models import Pool
+from contracts.run_config import RunConfig
 from contracts.status import PoolStatus
 
 # A fixed 64-bit key for pg_advisory_xact_lock, derived from a readable name.
@@ -73,3 +74,10 @@ def refusal_reason(session: Session, *, config: dict[str, Any]) -> str | None:
     (control/config_validation_error.txt); None if the run may wait for or take a slot."""
     pool = live_pool(session, base_model=str(config.get("base_model", "")))
     return None if pool is None else untrainable_reason(config, pool)
+
+
+def creation_problems(session: Session, *, config: RunConfig) -> list[dict[str, Any]]:
+    """Why the live pool of the config's base model cannot train it, as 422 details naming each
+    field and the pool's limit; empty when it can or when no pool serves that base model yet."""
+    pool = live_pool(session, base_model=config.base_model)
+    return [] if pool is None else capability_field_problems(config, pool)

@@ -184,14 +184,26 @@ def test_state_fails_an_untrainable_active_run(client: TestClient, tenant: Tenan
     assert run_row(db, run["id"]).status == "failed"
 
 
-def test_a_run_the_live_pool_cannot_train_fails_at_creation(client: TestClient, tenant: TenantHandle) -> None:
-    """Even with every slot taken: it would never be trained, so it does not wait in the queue."""
-    pool_id = register(client, slots=1)
+def test_a_run_the_live_pool_cannot_train_is_refused_at_creation(
+    client: TestClient, tenant: TenantHandle
+) -> None:
+    """Even with every slot taken: it would never be trained, so it is a 422 naming each field and
+    the pool's limit, and nothing is stored."""
+    register(client, slots=1)
     assert create_run(client, tenant, name="fits")["status"] == "active"
-    bad = create_run(client, tenant, name="too-big", lora={"rank": 64}, seq_len=2048)
-    assert bad["status"] == "failed"
-    assert pool_id in bad["failure_reason"]
-    assert "max_rank 16" in bad["failure_reason"] and "max_seq_len 1024" in bad["failure_reason"]
+    body = {
+        "name": "too-big",
+        "config": {"lora": {"rank": 64, "target_modules": ["q_proj", "gate_proj"]}, "seq_len": 2048},
+    }
+    r = client.post("/v1/runs", json=body, headers=tenant.headers)
+    assert r.status_code == 422, r.text
+    details = r.json()["error"]["details"]
+    assert [(".".join(d["loc"]), d["limit"]) for d in details] == [
+        ("body.config.lora.rank", 16),
+        ("body.config.lora.target_modules", ["k_proj", "o_proj", "q_proj", "v_proj"]),
+        ("body.config.seq_len", 1024),
+    ]
+    assert len(client.get("/v1/runs", headers=tenant.headers).json()["items"]) == 1
     assert create_run(client, tenant, name="waits")["status"] == "queued"
 
 
