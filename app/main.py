@@ -20,6 +20,7 @@ from app.errors import AppError, RateLimited, error_body
 from app.lifecycle import on_shutdown, on_startup
 from app.limits import InFlight
 from app.migrate import head_revision, schema_revision
+from app.pools.catalog import router as pools_catalog_router
 from app.pools.router import router as pools_router
 from app.request_guard import RequestGuard
 from app.runs.router import router as runs_router
@@ -120,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         adapters_router,
         pool_adapters_router,
         pools_router,
+        pools_catalog_router,
     ):
         app.include_router(router)
     # The request guard reads the body before anything opens a database session; the error

@@ -305,3 +305,25 @@ def test_reregistration_replaces_the_previous_pool(
         select(Pool.id).where(Pool.base_model == "loraloom-tiny", Pool.status == "alive")
     ).all()
     assert alive == [new]
+
+
+def test_tenants_see_what_the_live_pools_can_train(client: TestClient, tenant: TenantHandle) -> None:
+    assert client.get("/v1/pools", headers=tenant.headers).json() == {"items": []}
+    register(client, slots=2)
+    create_run(client, tenant, name="one")
+    r = client.get("/v1/pools", headers=tenant.headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["items"] == [
+        {
+            "base_model": "loraloom-tiny",
+            "vocab_size": 256,
+            "max_rank": 16,
+            "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"],
+            "seq_len": 1024,
+            "slots": 2,
+            "slots_used": 1,
+            "slots_free": 1,
+        }
+    ]
+    assert client.get("/v1/pools").status_code == 401
+    assert client.get("/v1/pools", headers=WORKER_HEADERS).status_code == 401  # a tenant route
