@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from app.batches.models import Batch
 from app.config import Settings
+from app.main import create_app
 from app.pools.models import Pool
 from app.pools.service import declare_dead_pools
 from app.runs.admission import admission_problems, live_pool_slots
@@ -17,6 +18,7 @@ from tests.app.api import (
     POOL_SPEC,
     WORKER_HEADERS,
     TenantHandle,
+    batch_body,
     create_run,
     new_tenant,
     register,
@@ -327,3 +329,27 @@ def test_tenants_see_what_the_live_pools_can_train(client: TestClient, tenant: T
     ]
     assert client.get("/v1/pools").status_code == 401
     assert client.get("/v1/pools", headers=WORKER_HEADERS).status_code == 401  # a tenant route
+
+
+def test_runs_wait_for_a_pool_when_configured(settings: Settings) -> None:
+    """runs_wait_for_pool: a run for a base model no live pool serves is queued with the reason,
+    takes no batch (so none is stored unchecked against the vocabulary) and is admitted when a
+    pool registers; then token ids are checked against the pool's vocabulary."""
+    waiting = settings.model_copy(update={"runs_wait_for_pool": True})
+    with TestClient(create_app(waiting)) as client:
+        tenant = new_tenant(client)
+        run = create_run(client, tenant)
+        assert run["status"] == "queued"
+        got = client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()
+        assert got["waiting_reason"] == "waiting for a pool that serves 'loraloom-tiny'"
+        url = f"/v1/runs/{run['id']}/batches"
+        r = client.post(url, json=batch_body(), headers=tenant.headers)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "run_not_active"
+        register(client)
+        got = client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()
+        assert (got["status"], got["waiting_reason"]) == ("active", None)
+        too_big = batch_body()
+        too_big["examples"][0]["completion_ids"][0] = 256  # the pool's vocab_size is 256
+        r = client.post(url, json=too_big, headers=tenant.headers)
+        assert r.status_code == 422, r.text
+        assert client.post(url, json=batch_body(), headers=tenant.headers).status_code == 201
