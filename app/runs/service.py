@@ -24,7 +24,7 @@ from app.events.after_commit import call_after_commit
 from app.events.service import record_event
 from app.pagination import paginate
 from app.pools.capabilities import untrainable_reason
-from app.projection import project_run, remove_run_dir
+from app.projection import project_after_commit, project_run, remove_run_dir
 from app.runs.admission import creation_problems, live_pool, lock_admission, refusal_reason, slot_count
 from app.runs.models import EVICTED_BY, Run
 from app.runs.schemas import RunCreate
@@ -132,7 +132,7 @@ def create_run(
         # The new run joins the queue and admission takes the queue in order, so it never
         # overtakes an older queued run that fits.
         admit_queued_runs(session, base_model=run.base_model, settings=settings)
-    project_run(run, settings)
+    project_after_commit(session, run, settings)
     return run, True
 
 
