@@ -25,6 +25,12 @@ class Settings(BaseSettings):
     max_concurrent_runs: int = Field(default=4, ge=1, le=1024)
     """Pool slots: how many runs are active at once (until a pool registers its own count)."""
 
+    runs_wait_for_pool: bool = False
+    """True: a run for a base model no live pool serves is created `queued` ("waiting for a pool
+    that serves X") and admitted when one registers, so no batch is stored before the pool's
+    vocabulary is known. False (the default, DESIGN §10): such runs take one of
+    max_concurrent_runs slots at once."""
+
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get a 413."""
 

@@ -25,6 +25,7 @@ from app.limits import InFlight
 from app.migrate import head_revision, schema_revision
 from app.openapi import install_openapi
 from app.pools.admin_router import router as pools_admin_router
+from app.pools.catalog import router as pools_catalog_router
 from app.pools.router import router as pools_router
 from app.request_guard import RequestGuard
 from app.runs.router import router as runs_router
@@ -146,6 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pools_router,
         events_router,
         pools_admin_router,
+        pools_catalog_router,
     ):
         app.include_router(router)
     # The request guard reads the body before anything opens a database session; the error

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-from sqlalchemy import select
+from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
 from app.config import Settings
@@ -106,10 +106,37 @@ def remove_run_dir(run_id: str, settings: Settings) -> None:
 
 
 def rebuild_all(session: Session, settings: Settings) -> None:
-    """Rebuild every run directory from the database (idempotent)."""
+    """Rebuild every run directory from the database (idempotent), and remove the directories of
+    runs the database does not hold (a crash between a projection and a failed commit).
+
+    The directories are listed before the rows are read: a run created meanwhile (by another
+    replica) is projected only after its commit (`project_after_commit`), so its row is visible
+    to the read below whenever its directory was in the listing."""
     settings.runs_dir.mkdir(parents=True, exist_ok=True)
-    count = 0
+    on_disk = {p.name for p in settings.runs_dir.iterdir() if p.is_dir() and is_run_id(p.name)}
+    known: set[str] = set()
     for run in session.scalars(select(Run).execution_options(yield_per=500)):
         project_run(run, settings)
-        count += 1
-    log.info("projected %d run directories under %s", count, settings.runs_dir)
+        known.add(run.id)
+    stray = sorted(on_disk - known)
+    for run_id in stray:
+        remove_run_dir(run_id, settings)
+    log.info(
+        "projected %d run directories under %s; removed %d stray ones",
+        len(known),
+        settings.runs_dir,
+        len(stray),
+    )
+
+
+def project_after_commit(session: Session, run: Run, settings: Settings) -> None:
+    """Project `run` once the session's transaction commits (never for a rolled-back one, so no
+    directory exists without its row). A failure is logged: the start-up rebuild repairs it."""
+
+    def _project(_session: Session) -> None:
+        try:
+            project_run(run, settings)
+        except Exception:
+            log.exception("projection of run %s failed after commit; the start-up rebuild repairs it", run.id)
+
+    event.listen(session, "after_commit", _project, once=True)

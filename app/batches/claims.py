@@ -157,7 +157,9 @@ def _ack_problem(batch: Batch | None, *, pool_id: str, trained_step: int) -> str
 def ack_batches(session: Session, *, pool_id: str, acks: Sequence[AckRequest], now: datetime) -> int:
     """Mark batches trained (after the optimizer step that used them). All or nothing: a batch that is
     unknown, or not held by this pool, is a 409 naming it and nothing is acked. Re-acking a batch this
-    pool already acked with the same step is a no-op (a retried request). Returns len(acks)."""
+    pool already acked with the same step is a no-op (a retried request). Returns len(acks).
+    The pool must be registered and alive (404 pool_not_found, 409 pool_dead / pool_stopped)."""
+    get_alive_pool(session, pool_id=pool_id)
     wanted: dict[int, int] = {}
     problems: list[dict[str, object]] = []
     for ack in acks:

@@ -9,7 +9,8 @@ from app.db import SessionDep
 from app.pools.models import Pool
 from app.timestamps import UtcDatetime
 
-router = APIRouter(prefix="/v1/pools", tags=["pools"])
+# Not /v1/pools: that is the tenants' read-only catalog of live pools (app/pools/catalog.py).
+router = APIRouter(prefix="/v1/admin/pools", tags=["pools"])
 
 
 class PoolOut(BaseModel):
@@ -31,7 +32,7 @@ class PoolList(BaseModel):
     items: list[PoolOut]
 
 
-@router.get("", operation_id="listPools")
+@router.get("", operation_id="listAllPools")
 def list_pools(_: AdminDep, session: SessionDep) -> PoolList:
     """Every pool that ever registered, newest first (admin)."""
     pools = session.scalars(select(Pool).order_by(Pool.registered_at.desc(), Pool.id))

@@ -23,8 +23,9 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from app.config import Settings
-from app.pools.capabilities import stored_config_problems, untrainable_reason
+from app.pools.capabilities import capability_field_problems, stored_config_problems, untrainable_reason
 from app.pools.models import Pool
+from contracts.run_config import RunConfig
 from contracts.status import PoolStatus
 
 # A fixed 64-bit key for pg_advisory_xact_lock, derived from a readable name.
@@ -56,7 +57,11 @@ def live_pool_slots(session: Session, *, base_model: str) -> int | None:
 def slot_count(pool: Pool | None, *, settings: Settings) -> int:
     """How many runs of a base model may be active at once: its live pool's slots, or
     settings.max_concurrent_runs while no pool serves it (DESIGN §10)."""
-    return settings.max_concurrent_runs if pool is None else pool.slots
+    if pool is None:
+        # runs_wait_for_pool: a base model no live pool serves has no slots; its runs wait
+        # (queued, with the reason GET /v1/runs/{id} shows) until a pool registers.
+        return 0 if settings.runs_wait_for_pool else settings.max_concurrent_runs
+    return pool.slots
 
 
 def admission_problems(session: Session, *, config: dict[str, Any]) -> list[str]:
@@ -73,3 +78,17 @@ def refusal_reason(session: Session, *, config: dict[str, Any]) -> str | None:
     (control/config_validation_error.txt); None if the run may wait for or take a slot."""
     pool = live_pool(session, base_model=str(config.get("base_model", "")))
     return None if pool is None else untrainable_reason(config, pool)
+
+
+def creation_problems(session: Session, *, config: RunConfig) -> list[dict[str, Any]]:
+    """Why the live pool of the config's base model cannot train it, as 422 details naming each
+    field and the pool's limit; empty when it can or when no pool serves that base model yet."""
+    pool = live_pool(session, base_model=config.base_model)
+    return [] if pool is None else capability_field_problems(config, pool)
+
+
+def waiting_reason(session: Session, *, base_model: str) -> str:
+    """Why a queued run of `base_model` waits."""
+    if live_pool(session, base_model=base_model) is None:
+        return f"waiting for a pool that serves {base_model!r}"
+    return "waiting for a free slot of its base model's pool or of its tenant's quota"

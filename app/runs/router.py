@@ -9,6 +9,7 @@ from app.db import SessionDep
 from app.errors import Conflict, UnsupportedMediaType, raises
 from app.pagination import DEFAULT_LIMIT, CursorQuery, LimitQuery
 from app.runs import service
+from app.runs.admission import waiting_reason
 from app.runs.deps import OwnedRunDep
 from app.runs.schemas import (
     EvictRequest,
@@ -105,9 +106,12 @@ def list_runs(
 
 
 @router.get("/{run_id}", operation_id="getRun")
-def get_run(run: OwnedRunDep) -> RunOut:
-    """A run: state, slot, progress, timestamps, and why and by whom it was evicted."""
-    return RunOut.from_run(run)
+def get_run(run: OwnedRunDep, session: SessionDep) -> RunOut:
+    """A run: state, slot, progress, timestamps, why and by whom it was evicted, and why it waits."""
+    out = RunOut.from_run(run)
+    if run.status == RunStatus.QUEUED:
+        out.waiting_reason = waiting_reason(session, base_model=run.base_model)
+    return out
 
 
 @router.post("/{run_id}/evict", operation_id="evictRun")

@@ -46,6 +46,9 @@ class RunOut(BaseModel):
     eviction_reason: str | None
     evicted_by: Literal["user", "trainer", "orchestrator", "heartbeat"] | None
     failure_reason: str | None
+    waiting_reason: str | None = Field(
+        default=None, description="Why a queued run waits (GET /v1/runs/{id} only); null otherwise."
+    )
     created_at: UtcDatetime
     updated_at: UtcDatetime
     started_at: UtcDatetime | None

@@ -19,13 +19,13 @@ from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.db import utcnow
-from app.errors import Conflict, NotFound
+from app.errors import Conflict, NotFound, ValidationFailed
 from app.events.after_commit import call_after_commit
 from app.events.service import record_event
 from app.pagination import paginate
 from app.pools.capabilities import untrainable_reason
-from app.projection import project_run, remove_run_dir
-from app.runs.admission import live_pool, lock_admission, refusal_reason, slot_count
+from app.projection import project_after_commit, project_run, remove_run_dir
+from app.runs.admission import creation_problems, live_pool, lock_admission, refusal_reason, slot_count
 from app.runs.models import EVICTED_BY, Run
 from app.runs.schemas import RunCreate
 from app.tenants.models import Tenant
@@ -93,6 +93,16 @@ def create_run(
         )
         if existing is not None:
             return existing, False
+    # A run the live pool cannot train is refused outright (nothing stored): the 422 names each
+    # field and the pool's limit. (With no live pool the run waits; a pool registering later
+    # fails the runs it cannot train, with the reason.)
+    problems = creation_problems(session, config=body.config)
+    if problems:
+        raise ValidationFailed(
+            f"the pool serving {body.config.base_model!r} cannot train this run: "
+            + "; ".join(p["msg"] for p in problems),
+            details=problems,
+        )
     run = Run(
         id=new_id("run"),
         tenant_id=tenant_id,
@@ -131,7 +141,7 @@ def create_run(
                 run_id=run.id,
                 details={"reason": _queue_reason(session, run=run, settings=settings)},
             )
-    project_run(run, settings)
+    project_after_commit(session, run, settings)
     return run, True
 
 

@@ -168,7 +168,7 @@ def _latest_metrics(run_id: str, *, url: str, key: str | None) -> dict[str, str]
 @pools_cli.command("list")
 def pools_list(url: UrlOpt = DEFAULT_URL, key: AdminKeyOpt = None, as_json: JsonOpt = False) -> None:
     """List the worker pools that registered (alive, dead or stopped)."""
-    data = api("GET", "/v1/pools", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
+    data = api("GET", "/v1/admin/pools", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
     if as_json:
         echo_json(data)
         return

@@ -203,12 +203,13 @@ def restart(
 class LiveServer:
     """The app under real uvicorn on 127.0.0.1 (a free port), in a thread."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, **options: Any) -> None:
+        """`options`: more uvicorn.Config arguments (e.g. app.serving.uvicorn_options())."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **options))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "LiveServer":

@@ -152,6 +152,17 @@ def test_ack_rejections_name_the_batch_and_change_nothing(settings, client):
     assert ack(client, pool_a, [(ids[0], 3)]).status_code == 200
     resp = ack(client, pool_a, [(ids[0], 4)])  # already acked with another step
     assert resp.status_code == 409 and "already acked" in resp.json()["error"]["details"][0]["problem"]
+    # A pool id that never registered cannot ack (nor claim): 404, nothing changed.
+    before = batch_states(settings)
+    resp = ack(client, "pool_000000000000", [(ids[1], 1)])
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "pool_not_found"
+    resp = client.post(
+        "/v1/pool/batches/claim",
+        json={"pool_id": "pool_000000000000", "max_batches": 1},
+        headers=WORKER_HEADERS,
+    )
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "pool_not_found"
+    assert batch_states(settings) == before
 
 
 def test_claim_is_fair_and_in_order(settings, client):

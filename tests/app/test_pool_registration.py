@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from app.batches.models import Batch
 from app.config import Settings
+from app.main import create_app
 from app.pools.models import Pool
 from app.pools.service import declare_dead_pools
 from app.runs.admission import admission_problems, live_pool_slots
@@ -17,6 +18,7 @@ from tests.app.api import (
     POOL_SPEC,
     WORKER_HEADERS,
     TenantHandle,
+    batch_body,
     create_run,
     new_tenant,
     register,
@@ -184,14 +186,26 @@ def test_state_fails_an_untrainable_active_run(client: TestClient, tenant: Tenan
     assert run_row(db, run["id"]).status == "failed"
 
 
-def test_a_run_the_live_pool_cannot_train_fails_at_creation(client: TestClient, tenant: TenantHandle) -> None:
-    """Even with every slot taken: it would never be trained, so it does not wait in the queue."""
-    pool_id = register(client, slots=1)
+def test_a_run_the_live_pool_cannot_train_is_refused_at_creation(
+    client: TestClient, tenant: TenantHandle
+) -> None:
+    """Even with every slot taken: it would never be trained, so it is a 422 naming each field and
+    the pool's limit, and nothing is stored."""
+    register(client, slots=1)
     assert create_run(client, tenant, name="fits")["status"] == "active"
-    bad = create_run(client, tenant, name="too-big", lora={"rank": 64}, seq_len=2048)
-    assert bad["status"] == "failed"
-    assert pool_id in bad["failure_reason"]
-    assert "max_rank 16" in bad["failure_reason"] and "max_seq_len 1024" in bad["failure_reason"]
+    body = {
+        "name": "too-big",
+        "config": {"lora": {"rank": 64, "target_modules": ["q_proj", "gate_proj"]}, "seq_len": 2048},
+    }
+    r = client.post("/v1/runs", json=body, headers=tenant.headers)
+    assert r.status_code == 422, r.text
+    details = r.json()["error"]["details"]
+    assert [(".".join(d["loc"]), d["limit"]) for d in details] == [
+        ("body.config.lora.rank", 16),
+        ("body.config.lora.target_modules", ["k_proj", "o_proj", "q_proj", "v_proj"]),
+        ("body.config.seq_len", 1024),
+    ]
+    assert len(client.get("/v1/runs", headers=tenant.headers).json()["items"]) == 1
     assert create_run(client, tenant, name="waits")["status"] == "queued"
 
 
@@ -293,3 +307,49 @@ def test_reregistration_replaces_the_previous_pool(
         select(Pool.id).where(Pool.base_model == "loraloom-tiny", Pool.status == "alive")
     ).all()
     assert alive == [new]
+
+
+def test_tenants_see_what_the_live_pools_can_train(client: TestClient, tenant: TenantHandle) -> None:
+    assert client.get("/v1/pools", headers=tenant.headers).json() == {"items": []}
+    register(client, slots=2)
+    create_run(client, tenant, name="one")
+    r = client.get("/v1/pools", headers=tenant.headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["items"] == [
+        {
+            "base_model": "loraloom-tiny",
+            "vocab_size": 256,
+            "max_rank": 16,
+            "target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"],
+            "seq_len": 1024,
+            "slots": 2,
+            "slots_used": 1,
+            "slots_free": 1,
+        }
+    ]
+    assert client.get("/v1/pools").status_code == 401
+    assert client.get("/v1/pools", headers=WORKER_HEADERS).status_code == 401  # a tenant route
+
+
+def test_runs_wait_for_a_pool_when_configured(settings: Settings) -> None:
+    """runs_wait_for_pool: a run for a base model no live pool serves is queued with the reason,
+    takes no batch (so none is stored unchecked against the vocabulary) and is admitted when a
+    pool registers; then token ids are checked against the pool's vocabulary."""
+    waiting = settings.model_copy(update={"runs_wait_for_pool": True})
+    with TestClient(create_app(waiting)) as client:
+        tenant = new_tenant(client)
+        run = create_run(client, tenant)
+        assert run["status"] == "queued"
+        got = client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()
+        assert got["waiting_reason"] == "waiting for a pool that serves 'loraloom-tiny'"
+        url = f"/v1/runs/{run['id']}/batches"
+        r = client.post(url, json=batch_body(), headers=tenant.headers)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "run_not_active"
+        register(client)
+        got = client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()
+        assert (got["status"], got["waiting_reason"]) == ("active", None)
+        too_big = batch_body()
+        too_big["examples"][0]["completion_ids"][0] = 256  # the pool's vocab_size is 256
+        r = client.post(url, json=too_big, headers=tenant.headers)
+        assert r.status_code == 422, r.text
+        assert client.post(url, json=batch_body(), headers=tenant.headers).status_code == 201

@@ -75,3 +75,29 @@ def test_run_dir_refuses_anything_but_a_run_id(settings, bad):
 def test_config_toml_drops_nulls_everywhere():
     text = config_toml({"a": None, "b": {"c": None, "d": 1}, "e": [1, 2]})
     assert tomllib.loads(text) == {"b": {"d": 1}, "e": [1, 2]}
+
+
+def test_stray_run_directories_are_removed_at_start_up(settings):
+    """A directory without a row (a crash between a projection and a failed commit) goes at
+    start-up; other entries of runs/ stay."""
+    with TestClient(create_app(settings)) as client:
+        kept = create_run(client, new_tenant(client))
+    stray = settings.runs_dir / "run_0123456789ab"
+    (stray / "control").mkdir(parents=True)
+    (stray / "rollouts" / "step_0").mkdir(parents=True)
+    other = settings.runs_dir / "README.txt"
+    other.write_text("not a run")
+    with TestClient(create_app(settings)):
+        pass
+    assert not stray.exists()
+    assert (settings.runs_dir / kept["id"] / "control" / "orch.toml").exists()
+    assert other.read_text() == "not a run"
+
+
+def test_a_refused_create_leaves_no_directory(client, tenant, settings):
+    before = sorted(p.name for p in settings.runs_dir.iterdir())
+    r = client.post(
+        "/v1/runs", json={"name": "x", "config": {"metadata": {"tags": ["a", None]}}}, headers=tenant.headers
+    )
+    assert r.status_code == 422
+    assert sorted(p.name for p in settings.runs_dir.iterdir()) == before

@@ -232,15 +232,21 @@ def test_fail_run_frees_slot_and_writes_the_error(client, tenant, settings, db):
     assert client.get(f"/v1/runs/{waiting['id']}", headers=other.headers).json()["status"] == "active"
 
 
-def test_admission_problem_fails_the_run(client, tenant, settings):
+def test_a_run_the_live_pool_cannot_train_is_a_422(client, tenant, settings):
     # Admission asks the live pool of the run's base model what it can train (max_rank 16).
     register(client, max_rank=16)
     ok = create_run(client, tenant, lora={"rank": 8})
-    bad = create_run(client, tenant, lora={"rank": 32})
     assert ok["status"] == "active"
-    assert bad["status"] == "failed"
-    assert "max_rank 16" in bad["failure_reason"]
-    assert (settings.runs_dir / bad["id"] / "control" / "config_validation_error.txt").exists()
+    r = client.post(
+        "/v1/runs", json={"name": "big", "config": {"lora": {"rank": 32}}}, headers=tenant.headers
+    )
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "validation_error" and "max_rank 16" in error["message"]
+    assert [(d["loc"], d["limit"]) for d in error["details"]] == [(["body", "config", "lora", "rank"], 16)]
+    runs = client.get("/v1/runs", headers=tenant.headers).json()["items"]
+    assert [run["id"] for run in runs] == [ok["id"]]  # nothing stored
+    assert sorted(p.name for p in settings.runs_dir.iterdir()) == [ok["id"]]
 
 
 def test_heartbeat(client, tenant):

@@ -1,0 +1,184 @@
+"""Hostile clients cannot take the service from others (issue 10), against real uvicorn configured
+as `loraloom serve` configures it, on real Postgres:
+
+- 40 partial-body uploads held open by one tenant: another tenant's GET /v1/runs answers 200
+  within 2 s throughout, no database connection is held by them, and each gets a 408 at its
+  read deadline;
+- a 1 MB header: 431 in the uniform body, /healthz unaffected;
+- per-tenant requests in flight and per-run pending batches: 429 + Retry-After, other tenants
+  unaffected, nothing stored.
+"""
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from app.batches.models import Batch
+from app.config import Settings
+from app.main import create_app
+from app.runs import service as runs_service
+from app.serving import MAX_HEADER_BYTES, uvicorn_options
+from tests.app.api import LiveServer, TenantHandle, batch_body, create_run, new_tenant
+from tests.app.factories import committed, row_counts
+
+HELD_UPLOADS = 40
+ANSWER_WITHIN_S = 2.0
+
+
+@pytest.fixture
+def served(settings: Settings) -> Iterator[tuple[LiveServer, Settings]]:
+    settings = settings.model_copy(update={"body_timeout_seconds": 6.0})
+    app = create_app(settings)
+    with LiveServer(app, **uvicorn_options()) as server:
+        yield server, settings
+
+
+def _address(server: LiveServer) -> tuple[str, int]:
+    host, port = server.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _read_response(sock: socket.socket, timeout: float) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
+
+
+def test_held_partial_bodies_do_not_starve_another_tenant(served):
+    server, _settings = served
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        attacker, victim = new_tenant(http), new_tenant(http)
+        run = create_run(http, attacker)
+        create_run(http, victim)
+        sockets = []
+        try:
+            head = (
+                f"POST /v1/runs/{run['id']}/batches HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: {attacker.headers['Authorization']}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+            ).encode()
+            for _ in range(HELD_UPLOADS):
+                sock = socket.create_connection(_address(server))
+                sock.sendall(head + b'{"examples": [')  # and never the rest
+                sockets.append(sock)
+            time.sleep(0.5)  # every upload is now waiting in the service
+            engine = server.server.config.app.state.engine  # type: ignore[attr-defined]
+            latencies = []
+            deadline = time.monotonic() + 4.0  # well inside the 6 s read deadline
+            while time.monotonic() < deadline:
+                started = time.monotonic()
+                r = http.get("/v1/runs", headers=victim.headers)
+                latencies.append(time.monotonic() - started)
+                assert r.status_code == 200, r.text
+                assert len(r.json()["items"]) == 1
+                # The held uploads hold no database connection (the body is read before auth):
+                # at most the sweeper's or a finishing request's, never one per upload.
+                assert engine.pool.checkedout() <= 2
+                time.sleep(0.2)
+            assert max(latencies) < ANSWER_WITHIN_S, latencies
+            assert http.get("/readyz").status_code == 200
+            # At the read deadline each held upload gets a 408 in the uniform body.
+            answers = [_read_response(sock, timeout=8.0) for sock in sockets]
+            assert all(a.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in a for a in answers), answers[
+                0
+            ]
+            print(f"victim GET /v1/runs x{len(latencies)}: max {max(latencies) * 1000:.0f} ms")
+        finally:
+            for sock in sockets:
+                sock.close()
+
+
+def test_a_huge_header_is_431_and_healthz_is_unaffected(served):
+    server, _settings = served
+    big = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1024 * 1024) + b"\r\n\r\n"
+    sock = socket.create_connection(_address(server))
+    sender = threading.Thread(target=_send_ignoring_reset, args=(sock, big), daemon=True)
+    sender.start()
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        started = time.monotonic()
+        assert http.get("/healthz").status_code == 200
+        assert time.monotonic() - started < ANSWER_WITHIN_S
+        answer = _read_response(sock, timeout=5.0)
+        sender.join(timeout=5)
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+        assert b'"request_header_fields_too_large"' in answer
+        # A header just under the limit is still served.
+        r = http.get("/healthz", headers={"X-Fine": "a" * (MAX_HEADER_BYTES // 2)})
+        assert r.status_code == 200
+
+
+def _send_ignoring_reset(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # the service closes the connection once past the limit
+        sock.sendall(data)
+
+
+def test_requests_in_flight_per_tenant_get_429(settings, monkeypatch):
+    settings = settings.model_copy(update={"tenant_max_in_flight": 1})
+    entered, release = threading.Event(), threading.Event()
+    real_list_runs = runs_service.list_runs
+
+    def held_list_runs(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return real_list_runs(*args, **kwargs)
+
+    with (
+        LiveServer(create_app(settings), **uvicorn_options()) as server,
+        httpx.Client(base_url=server.url, timeout=10) as http,
+    ):
+        busy, other = new_tenant(http), new_tenant(http)
+        monkeypatch.setattr(runs_service, "list_runs", held_list_runs)
+        results: list[int] = []
+        first = threading.Thread(
+            target=lambda: results.append(http.get("/v1/runs", headers=busy.headers).status_code)
+        )
+        first.start()
+        assert entered.wait(10)
+        r = http.get("/v1/runs/run_000000000000", headers=busy.headers)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
+        assert int(r.headers["retry-after"]) >= 1
+        monkeypatch.setattr(runs_service, "list_runs", real_list_runs)
+        # Another tenant is not limited by the first one's requests.
+        assert http.get("/v1/runs", headers=other.headers).status_code == 200
+        release.set()
+        first.join(10)
+        assert results == [200]
+        assert http.get("/v1/runs", headers=busy.headers).status_code == 200
+
+
+def test_pending_batches_per_run_get_429(settings):
+    settings = settings.model_copy(update={"run_max_pending_batches": 2})
+    with TestClient(create_app(settings)) as client:
+        tenant: TenantHandle = new_tenant(client)
+        run = create_run(client, tenant)
+        url = f"/v1/runs/{run['id']}/batches"
+        for step in range(2):
+            assert (
+                client.post(url, json=batch_body(step=0, seed=step), headers=tenant.headers).status_code
+                == 201
+            )
+        before = row_counts(settings, Batch)
+        r = client.post(url, json=batch_body(seed=9), headers=tenant.headers)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["details"]["pending_batches"] == 2
+        assert int(r.headers["retry-after"]) >= 1
+        assert row_counts(settings, Batch) == before
+        # Once the pool has taken one, there is room again.
+        with committed(settings) as session:
+            first = session.query(Batch).order_by(Batch.id).first()
+            assert first is not None
+            first.state = "leased"
+            session.commit()
+        assert client.post(url, json=batch_body(seed=9), headers=tenant.headers).status_code == 201
