@@ -25,6 +25,7 @@ from app.pools.router import router as pools_router
 from app.runs.router import router as runs_router
 from app.telemetry.setup import install_metrics
 from app.tenants.router import router as tenants_router
+from app.ui.setup import install_ui
 
 log = logging.getLogger("loraloom")
 
@@ -156,5 +157,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    install_ui(app)
     install_metrics(app)
     return app
