@@ -31,6 +31,7 @@ from app.request_guard import RequestGuard
 from app.runs.router import router as runs_router
 from app.telemetry.setup import install_metrics
 from app.tenants.router import router as tenants_router
+from app.ui.setup import install_ui
 
 log = logging.getLogger("loraloom")
 
@@ -150,6 +151,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pools_catalog_router,
     ):
         app.include_router(router)
+    install_ui(app)
     # The request guard reads the body before anything opens a database session; the error
     # guard, outermost, turns any escaped exception into the uniform body.
     app.add_middleware(

@@ -8,6 +8,7 @@ from app.pools.models import Pool
 from app.rollouts.models import RolloutStats
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
+from app.ui.models import UiSession
 
 __all__ = [
     "Adapter",
@@ -21,4 +22,5 @@ __all__ = [
     "Run",
     "StepMetrics",
     "Tenant",
+    "UiSession",
 ]

@@ -73,7 +73,7 @@ def list_events(
     if accept is not None and "text/event-stream" in accept:
         factory: sessionmaker[Session] = request.app.state.session_factory
         return StreamingResponse(
-            _stream(request, factory, run.id, after, since_utc),
+            stream_events(request, factory, run.id, after, since_utc),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -87,7 +87,7 @@ def _read(
         return _page(session, run_id, after, since, 200)
 
 
-async def _stream(
+async def stream_events(
     request: Request,
     factory: sessionmaker[Session],
     run_id: str,

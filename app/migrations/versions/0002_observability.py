@@ -1,4 +1,4 @@
-"""observability: the run event feed's order (events.txid) and rewards per rollout step
+"""observability: the run event feed's order (events.txid), rewards per rollout step, dashboard sessions
 
 Revision ID: 0002
 Revises: 0001
@@ -42,8 +42,28 @@ def upgrade() -> None:
     with op.batch_alter_table("rollout_stats", schema=None) as batch_op:
         batch_op.create_index(batch_op.f("ix_rollout_stats_run_id"), ["run_id"], unique=False)
 
+    op.create_table(
+        "ui_sessions",
+        sa.Column("id", sa.String(length=64), nullable=False),
+        sa.Column("tenant_id", sa.String(length=32), nullable=True),
+        sa.Column("api_key_id", sa.String(length=32), nullable=True),
+        sa.Column("is_admin", sa.Boolean(), nullable=False),
+        sa.Column("csrf_token", sa.String(length=64), nullable=False),
+        sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["tenant_id"], ["tenants.id"], name=op.f("fk_ui_sessions_tenant_id_tenants"), ondelete="CASCADE"
+        ),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_ui_sessions")),
+    )
+    with op.batch_alter_table("ui_sessions", schema=None) as batch_op:
+        batch_op.create_index(batch_op.f("ix_ui_sessions_tenant_id"), ["tenant_id"], unique=False)
+
 
 def downgrade() -> None:
+    with op.batch_alter_table("ui_sessions", schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f("ix_ui_sessions_tenant_id"))
+    op.drop_table("ui_sessions")
     with op.batch_alter_table("rollout_stats", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_rollout_stats_run_id"))
     op.drop_table("rollout_stats")

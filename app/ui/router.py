@@ -1,0 +1,238 @@
+"""The dashboard's pages and form posts (/ui). Thin, like the API routers: resolve the viewer,
+call the services, render a template.
+
+Authentication: the session cookie (HttpOnly, SameSite=Strict, Secure over HTTPS) names a
+server-side session; every POST also carries the session's CSRF token. Another tenant's run is a
+404, exactly as on the API.
+"""
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Form, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.adapters import service as adapters
+from app.auth import SettingsDep
+from app.db import SessionDep
+from app.errors import Forbidden, NotFound, Unauthorized
+from app.events.feed import FeedPosition
+from app.events.router import stream_events
+from app.runs import service as runs
+from app.runs.models import Run
+from app.ui import sessions, views
+from app.ui.sessions import COOKIE, Viewer
+from contracts.status import RunStatus
+
+HERE = Path(__file__).parent
+templates = Jinja2Templates(directory=HERE / "templates")
+static_files = StaticFiles(directory=HERE / "static")
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+
+
+class SignInRequired(Exception):
+    """A page asked for without a valid session: answered with a redirect to the sign-in page."""
+
+
+def optional_viewer(request: Request, session: SessionDep) -> Viewer | None:
+    return sessions.resolve(session, secret=request.cookies.get(COOKIE))
+
+
+def page_viewer(viewer: Annotated[Viewer | None, Depends(optional_viewer)]) -> Viewer:
+    if viewer is None:
+        raise SignInRequired
+    return viewer
+
+
+def post_viewer(
+    viewer: Annotated[Viewer | None, Depends(optional_viewer)], csrf: Annotated[str, Form()] = ""
+) -> Viewer:
+    """A form post: a valid session and its CSRF token, or nothing happens."""
+    if viewer is None:
+        raise Unauthorized("not signed in")
+    if not sessions.csrf_ok(viewer, csrf):
+        raise Forbidden("missing or wrong CSRF token", code="csrf_failed")
+    return viewer
+
+
+ViewerDep = Annotated[Viewer, Depends(page_viewer)]
+PostViewerDep = Annotated[Viewer, Depends(post_viewer)]
+
+
+def tenant_of(viewer: Viewer) -> str:
+    if viewer.tenant_id is None:  # an admin session has no runs of its own
+        raise NotFound("sign in with a tenant key to see runs")
+    return viewer.tenant_id
+
+
+def owned_run(run_id: str, viewer: ViewerDep, session: SessionDep) -> Run:
+    return runs.get_run_for_tenant(session, tenant_id=tenant_of(viewer), run_id=run_id)
+
+
+OwnedRun = Annotated[Run, Depends(owned_run)]
+
+
+def render(request: Request, template: str, viewer: Viewer | None, **context: Any) -> HTMLResponse:
+    return templates.TemplateResponse(request, template, {"viewer": viewer, **context})
+
+
+# ----------------------------------------------------------------------------- signing in and out
+
+
+@router.get("/login")
+def login_page(request: Request, viewer: Annotated[Viewer | None, Depends(optional_viewer)]) -> Response:
+    if viewer is not None:
+        return RedirectResponse("/ui/admin" if viewer.is_admin else "/ui/runs", status_code=303)
+    return render(request, "login.html", None, error=None)
+
+
+@router.post("/login")
+def login(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    key: Annotated[str, Form(max_length=512)] = "",
+) -> Response:
+    try:
+        secret = sessions.sign_in(session, key=key, settings=settings)
+    except Unauthorized:
+        refused = render(request, "login.html", None, error="That key is not valid (or was revoked).")
+        refused.status_code = 401
+        return refused
+    viewer = sessions.resolve(session, secret=secret)
+    target = "/ui/admin" if viewer is not None and viewer.is_admin else "/ui/runs"
+    response = RedirectResponse(target, status_code=303)
+    response.set_cookie(
+        COOKIE,
+        secret,
+        max_age=int(sessions.SESSION_LIFETIME.total_seconds()),
+        path="/ui",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return response
+
+
+@router.post("/logout")
+def logout(request: Request, viewer: PostViewerDep, session: SessionDep) -> Response:
+    sessions.sign_out(session, viewer=viewer)
+    response = RedirectResponse("/ui/login", status_code=303)
+    response.delete_cookie(
+        COOKIE, path="/ui", httponly=True, samesite="strict", secure=request.url.scheme == "https"
+    )
+    return response
+
+
+@router.get("")
+def home(viewer: ViewerDep) -> Response:
+    return RedirectResponse("/ui/admin" if viewer.is_admin else "/ui/runs", status_code=303)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@router.get("/runs")
+def runs_page(
+    request: Request,
+    viewer: ViewerDep,
+    session: SessionDep,
+    status: Annotated[RunStatus | None, Query()] = None,
+    name: Annotated[str | None, Query(max_length=128)] = None,
+) -> Response:
+    if viewer.is_admin:
+        return RedirectResponse("/ui/admin", status_code=303)
+    rows = views.runs_of(session, tenant_id=tenant_of(viewer), status=status, name=name or None)
+    return render(
+        request, "runs.html", viewer, rows=rows, status=status, name=name or "", statuses=list(RunStatus)
+    )
+
+
+@router.get("/runs/{run_id}")
+def run_page(request: Request, viewer: ViewerDep, run: OwnedRun, session: SessionDep) -> Response:
+    data = views.run_page_data(session, run=run)
+    events = data.pop("events")
+    return render(
+        request,
+        "run.html",
+        viewer,
+        run=run,
+        data=data,
+        events=events,
+        config=json.dumps(run.config, indent=2, sort_keys=True),
+        adapters=adapters.list_adapters(session, run_id=run.id),
+        movable=run.status in (RunStatus.QUEUED, RunStatus.ACTIVE),
+    )
+
+
+@router.get("/runs/{run_id}/events")
+def run_events(
+    request: Request, run: OwnedRun, cursor: Annotated[str | None, Query(max_length=128)] = None
+) -> StreamingResponse:
+    """The run's live event stream for the page's EventSource (cookie-authenticated)."""
+    start = request.headers.get("last-event-id") or cursor
+    after = FeedPosition.decode(start) if start else None
+    factory: sessionmaker[Session] = request.app.state.session_factory
+    return StreamingResponse(
+        stream_events(request, factory, run.id, after, None),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get("/runs/{run_id}/adapters/{step}")
+def download_adapter(run: OwnedRun, step: int, session: SessionDep, settings: SettingsDep) -> FileResponse:
+    adapter = adapters.get_adapter(session, run_id=run.id, step=step)
+    archive = adapters.adapter_archive(adapter, settings=settings)
+    return FileResponse(
+        archive, media_type="application/gzip", filename=f"{run.id}_step_{adapter.step}.tar.gz"
+    )
+
+
+@router.post("/runs/{run_id}/evict")
+def evict(
+    run_id: str,
+    viewer: PostViewerDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    reason: Annotated[str, Form(max_length=4096)] = "",
+    confirm: Annotated[str, Form()] = "",
+) -> Response:
+    run = runs.get_run_for_tenant(session, tenant_id=tenant_of(viewer), run_id=run_id)
+    if confirm != "yes":
+        raise Forbidden("eviction not confirmed", code="not_confirmed")
+    runs.evict_run(
+        session,
+        run=run,
+        reason=reason.strip() or "evicted from the dashboard",
+        evicted_by="user",
+        actor="tenant",
+        settings=settings,
+    )
+    return RedirectResponse(f"/ui/runs/{run.id}", status_code=303)
+
+
+# ----------------------------------------------------------------------------- pools and admin
+
+
+@router.get("/pools")
+def pools_page(request: Request, viewer: ViewerDep, session: SessionDep) -> Response:
+    return render(request, "pools.html", viewer, pools=views.pools(session))
+
+
+@router.get("/admin")
+def admin_page(request: Request, viewer: ViewerDep, session: SessionDep) -> Response:
+    if not viewer.is_admin:
+        raise Forbidden("the admin view needs the admin key")
+    return render(
+        request,
+        "admin.html",
+        viewer,
+        tenants=views.tenants(session),
+        pools=views.pools(session, live_only=False),
+    )

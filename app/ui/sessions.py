@@ -1,0 +1,93 @@
+"""Signing in to the dashboard: an API key (or the admin key) for a server-side session."""
+
+import hashlib
+import secrets
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from app.auth import hash_key, same_secret
+from app.config import Settings
+from app.db import utcnow
+from app.errors import Unauthorized
+from app.events.service import record_event
+from app.tenants.models import ApiKey
+from app.timestamps import as_utc
+from app.ui.models import UiSession
+
+COOKIE = "loraloom_session"
+SESSION_LIFETIME = timedelta(hours=12)
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """Who is looking at the dashboard."""
+
+    session_id: str
+    tenant_id: str | None
+    is_admin: bool
+    csrf_token: str
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def sign_in(session: Session, *, key: str, settings: Settings) -> str:
+    """A new session for a valid tenant key or the admin key; returns the cookie's secret."""
+    key = key.strip()
+    admin = settings.admin_key
+    tenant_id: str | None = None
+    api_key_id: str | None = None
+    if admin is not None and same_secret(key, admin.get_secret_value()):
+        is_admin = True
+    else:
+        row = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
+        if row is None or row.revoked_at is not None:
+            raise Unauthorized("invalid or revoked API key")
+        is_admin, tenant_id, api_key_id = False, row.tenant_id, row.id
+    secret = secrets.token_urlsafe(32)
+    now = utcnow()
+    session.add(
+        UiSession(
+            id=_digest(secret),
+            tenant_id=tenant_id,
+            api_key_id=api_key_id,
+            is_admin=is_admin,
+            csrf_token=secrets.token_urlsafe(32),
+            created_at=now,
+            expires_at=now + SESSION_LIFETIME,
+        )
+    )
+    record_event(
+        session,
+        action="ui.signed_in",
+        actor="admin" if is_admin else "tenant",
+        tenant_id=tenant_id,
+        api_key_id=api_key_id,
+    )
+    return secret
+
+
+def resolve(session: Session, *, secret: str | None) -> Viewer | None:
+    """The viewer of a cookie, or None (no cookie, signed out, expired, key revoked)."""
+    if not secret or len(secret) > 128:
+        return None
+    row = session.get(UiSession, _digest(secret))
+    if row is None or as_utc(row.expires_at) <= utcnow():
+        return None
+    if row.api_key_id is not None:
+        key = session.get(ApiKey, row.api_key_id)
+        if key is None or key.revoked_at is not None:
+            return None
+    return Viewer(row.id, row.tenant_id, row.is_admin, row.csrf_token)
+
+
+def sign_out(session: Session, *, viewer: Viewer) -> None:
+    session.execute(delete(UiSession).where(UiSession.id == viewer.session_id))
+
+
+def csrf_ok(viewer: Viewer, token: str | None) -> bool:
+    return token is not None and same_secret(token, viewer.csrf_token)

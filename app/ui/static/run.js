@@ -1,0 +1,81 @@
+// The run page: draws the reward and loss curves as inline SVG and keeps them, the step counter,
+// the status and the event list current from the run's event stream (no reload, no library).
+"use strict";
+
+(function () {
+  const data = JSON.parse(document.getElementById("run-data").textContent);
+  const series = { reward: new Map(data.reward), loss: new Map(data.loss) };
+  const W = 600, H = 220, PAD = 20;
+
+  function draw(id, points) {
+    const svg = document.getElementById(id);
+    const xs = [...points.keys()].sort((a, b) => a - b);
+    const line = svg.querySelector(".line");
+    if (!xs.length) { line.setAttribute("points", ""); return; }
+    const ys = xs.map((x) => points.get(x));
+    let lo = Math.min(...ys), hi = Math.max(...ys);
+    if (hi === lo) { hi += 1; lo -= 1; }
+    const x0 = xs[0], x1 = Math.max(xs[xs.length - 1], x0 + 1);
+    const px = (x) => PAD + ((x - x0) / (x1 - x0)) * (W - 2 * PAD);
+    const py = (y) => H - PAD - ((y - lo) / (hi - lo)) * (H - 2 * PAD);
+    line.setAttribute("points", xs.map((x, i) => px(x).toFixed(1) + "," + py(ys[i]).toFixed(1)).join(" "));
+    svg.querySelector(".ymax").textContent = hi.toPrecision(3);
+    svg.querySelector(".ymin").textContent = lo.toPrecision(3);
+    svg.querySelector(".xmax").textContent = "step " + xs[xs.length - 1];
+  }
+
+  function addEvent(ev) {
+    const li = document.createElement("li");
+    const time = document.createElement("time");
+    time.dateTime = ev.at;
+    time.textContent = new Date(ev.at).toLocaleTimeString();
+    const action = document.createElement("strong");
+    action.textContent = ev.action;
+    const actor = document.createElement("span");
+    actor.className = "actor";
+    actor.textContent = ev.actor;
+    const details = document.createElement("code");
+    details.textContent = JSON.stringify(ev.details);
+    li.append(time, " ", action, " ", actor, " ", details);
+    document.getElementById("events").append(li);
+  }
+
+  function onEvent(ev) {
+    const d = ev.details || {};
+    if (ev.action === "run.step") {
+      document.getElementById("step").textContent = d.step;
+      document.getElementById("progress").value = d.step;
+      if (d.metrics && typeof d.metrics.loss === "number") {
+        series.loss.set(d.step, d.metrics.loss);
+        draw("loss-chart", series.loss);
+      }
+    } else if (ev.action === "batch.received" && d.reward) {
+      series.reward.set(d.rollout_step, d.reward.mean);
+      document.getElementById("latest-reward").textContent = d.reward.mean.toFixed(3);
+      draw("reward-chart", series.reward);
+    } else if (["run.evicted", "run.completed", "run.failed", "run.deleted", "run.admitted"].includes(ev.action)) {
+      const status = document.getElementById("status");
+      status.textContent = ev.action.slice(4) === "admitted" ? "active" : ev.action.slice(4);
+      status.className = "status status-" + status.textContent;
+    }
+    addEvent(ev);
+  }
+
+  draw("reward-chart", series.reward);
+  draw("loss-chart", series.loss);
+  const url = "/ui/runs/" + data.run_id + "/events" + (data.cursor ? "?cursor=" + encodeURIComponent(data.cursor) : "");
+  const source = new EventSource(url);
+  source.onmessage = null;
+  const actions = ["run.created", "run.queued", "run.admitted", "batch.received", "run.step", "adapter.published",
+    "checkpoint.committed", "run.evicted", "run.completed", "run.failed", "run.deleted", "run.restart_from_checkpoint"];
+  for (const name of actions) {
+    source.addEventListener(name, (msg) => onEvent(JSON.parse(msg.data)));
+  }
+
+  const form = document.getElementById("evict-form");
+  if (form) {
+    form.addEventListener("submit", (e) => {
+      if (!window.confirm("Evict this run? It stops training and cannot be resumed.")) e.preventDefault();
+    });
+  }
+})();
