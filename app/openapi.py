@@ -85,7 +85,7 @@ def api_routes(app: FastAPI) -> Iterator[Any]:
     contexts = getattr(routing, "iter_route_contexts", None)
     for route in contexts(app.routes) if contexts is not None else app.routes:
         original = getattr(route, "original_route", route)
-        if isinstance(original, routing.APIRoute) and route.include_in_schema:
+        if isinstance(original, routing.APIRoute) and getattr(route, "include_in_schema", False):
             yield route
 
 
