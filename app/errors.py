@@ -24,6 +24,11 @@ class AppError(Exception):
     codes: tuple[str, ...] = ("http_error",)
     """The other codes raised with this status (besides `code`)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "codes" not in cls.__dict__:
+            cls.codes = ()  # a subclass's other codes are its own, never its parent's
+
     def __init__(self, message: str, *, details: Any = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message

@@ -10,7 +10,7 @@ domain errors:
   `code` is an enum of every code of app/errors.py's classes. An operation's errors come from
   the `@raises` marks of its handler and of every dependency it resolves (auth: 401/403,
   `OwnedRunDep`: 404), plus 422 when it takes parameters or a body and 413 when it takes a body
-  (BodySizeLimit). FastAPI's default `HTTPValidationError` 422 is replaced;
+  (BodySizeLimit) and 400 (an unparsable body). FastAPI's default `HTTPValidationError` 422 is replaced;
 - named schemas: an inline object schema with a title (hand-written bodies, msgspec's schemas)
   becomes a component, so generated classes get the model's name;
 - two documents: the public one (tenant and admin operations) at /openapi.json and the pool's
@@ -85,7 +85,7 @@ def api_routes(app: FastAPI) -> Iterator[Any]:
     contexts = getattr(routing, "iter_route_contexts", None)
     for route in contexts(app.routes) if contexts is not None else app.routes:
         original = getattr(route, "original_route", route)
-        if isinstance(original, routing.APIRoute) and route.include_in_schema:
+        if isinstance(original, routing.APIRoute) and getattr(route, "include_in_schema", False):
             yield route
 
 
@@ -97,7 +97,8 @@ def route_errors(route: Any, operation: dict[str, Any]) -> list[type[AppError]]:
     if operation.get("parameters") or operation.get("requestBody"):
         found.append(ValidationFailed)
     if operation.get("requestBody"):
-        found.append(PayloadTooLarge)
+        # BodySizeLimit's 413, and the 400 of a body FastAPI cannot even parse (`http_error`).
+        found += [PayloadTooLarge, AppError]
     return list(dict.fromkeys(found))
 
 

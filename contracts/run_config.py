@@ -8,7 +8,7 @@ Every field is bounded; unknown fields are errors.
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
 
 DEFAULT_BASE_MODEL = "loraloom-tiny"
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -63,7 +63,7 @@ class LoraSettings(_Strict):
         max_length=7,
         description="Linear layers that get an adapter (names as in Llama/Qwen/Mistral).",
         json_schema_extra={
-            "items": {"type": "string", "enum": sorted(KNOWN_TARGET_MODULES)},
+            "items": {"type": "string", "enum": list[JsonValue](sorted(KNOWN_TARGET_MODULES))},
             "uniqueItems": True,
         },
     )

@@ -9,7 +9,7 @@ from copy import deepcopy
 from typing import Any
 
 import pytest
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator  # type: ignore[import-untyped]
 from pydantic import ValidationError
 
 from app.adapters.router import _parse_step
