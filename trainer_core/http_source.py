@@ -24,6 +24,7 @@ from contracts.pool_api import (
     StepReport,
 )
 from contracts.progress import Progress
+from trainer_core.run_left import run_has_left
 from trainer_core.runs import RunRecord
 
 log = logging.getLogger("loraloom.worker")
@@ -88,7 +89,13 @@ class HttpRunSource:
         ]
 
     def evict(self, run_id: str, reason: str) -> None:
-        self.client.evict(run_id, reason[:MAX_REASON_CHARS])
+        try:
+            self.client.evict(run_id, reason[:MAX_REASON_CHARS])
+        except ApiError as exc:
+            if not run_has_left(exc):
+                raise
+            # Deleted (or its tenant removed) before the pool's evict landed: nothing left to stop.
+            log.info("run %s had already left when the pool evicted it: %s", run_id, exc)
 
     def report_invalid_config(self, run_id: str, message: str) -> None:
         self.evict(run_id, f"invalid config: {message}")
