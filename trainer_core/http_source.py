@@ -38,6 +38,7 @@ class PoolClient(Protocol):
 
     def register(self, capabilities: PoolRegister) -> PoolRegistered: ...
     def heartbeat(self) -> PoolHeartbeatOut: ...
+    def deregister(self) -> None: ...
     def state(self) -> list[PoolRunState]: ...
     def claim(self, max_batches: int) -> list[ClaimedBatchStruct]: ...
     def ack(self, acks: list[AckItem]) -> int: ...
@@ -76,8 +77,18 @@ class HttpRunSource:
         self._heartbeat.start()
 
     def close(self) -> None:
+        """Stop heartbeating and deregister, so that the batches this pool holds go back to pending
+        now rather than after the service's pool timeout (a pool the service dropped has none)."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
+            if not self._heartbeat.lost:
+                try:
+                    self.client.deregister()
+                    log.info("pool deregistered: its leased batches are pending again")
+                except Exception as exc:  # the service's timeout returns them anyway
+                    log.warning(
+                        "deregistering the pool failed (%s); its leases return after the timeout", exc
+                    )
         self.client.close()
 
     # -- runs ------------------------------------------------------------------------------------

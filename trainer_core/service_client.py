@@ -86,6 +86,15 @@ class PoolServiceClient:
         response = self._request("POST", "/v1/pool/heartbeat", json=body.model_dump(mode="json"))
         return PoolHeartbeatOut.model_validate_json(response.content)
 
+    def deregister(self) -> None:
+        """The pool stops: the service returns its leased batches to pending at once."""
+        body = PoolRef(pool_id=self._pool_id())
+        # One short attempt, no retries: the pool is stopping (a second Ctrl-C must not wait on a
+        # backoff), and if this fails the service's pool timeout returns the leases anyway.
+        response = self._http.post("/v1/pool/deregister", json=body.model_dump(mode="json"), timeout=5.0)
+        if response.status_code >= 400:
+            raise error_from_response(response)
+
     def state(self) -> list[PoolRunState]:
         response = self._request("GET", "/v1/pool/state", params={"pool_id": self._pool_id()})
         return PoolStateOut.model_validate_json(response.content).runs

@@ -72,6 +72,7 @@ def test_unknown_pool(client: TestClient) -> None:
         ("POST", "/v1/pool/register", POOL_SPEC),
         ("POST", "/v1/pool/heartbeat", {"pool_id": "pool_000000000000"}),
         ("GET", "/v1/pool/state?pool_id=pool_000000000000", None),
+        ("POST", "/v1/pool/deregister", {"pool_id": "pool_000000000000"}),
         ("PUT", "/v1/pool/runs/run_000000000000/adapters/1", None),
         ("POST", "/v1/pool/runs/run_000000000000/steps", {"step": 1, "total_tokens": 1, "total_samples": 1}),
         ("POST", "/v1/pool/runs/run_000000000000/checkpoints", {"step": 1, "total_samples": 1}),
@@ -278,3 +279,33 @@ def test_reregistration_replaces_the_previous_pool(
         select(Pool.id).where(Pool.base_model == "loraloom-tiny", Pool.status == "alive")
     ).all()
     assert alive == [new]
+
+
+def test_deregister_returns_the_pools_leases_at_once(
+    client: TestClient, tenant: TenantHandle, db: Session
+) -> None:
+    """A pool stopping (Ctrl-C) deregisters: its batches are pending now, not after the pool timeout."""
+    pool_id = register(client)
+    run = create_run(client, tenant)
+    far = datetime.now(UTC) + timedelta(hours=1)
+    batch_id = claimed_batch(db, run_id=run["id"], pool_id=pool_id, lease_expires_at=far)
+    end_read(db)
+
+    r = client.post("/v1/pool/deregister", json={"pool_id": pool_id}, headers=WORKER_HEADERS)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"status": "stopped"}
+    db.expire_all()
+    batch = db.get_one(Batch, batch_id)
+    assert (batch.state, batch.pool_id, batch.lease_expires_at) == ("pending", None, None)
+    assert db.get_one(Pool, pool_id).status == "stopped"
+    end_read(db)
+    # Idempotent; the stopped pool must register again to train; the run waits for the next pool.
+    again = client.post("/v1/pool/deregister", json={"pool_id": pool_id}, headers=WORKER_HEADERS)
+    assert again.json() == {"status": "stopped"}
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": pool_id}, headers=WORKER_HEADERS)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "pool_stopped"
+    assert client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()["status"] == "active"
+    unknown = client.post(
+        "/v1/pool/deregister", json={"pool_id": "pool_000000000000"}, headers=WORKER_HEADERS
+    )
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "pool_not_found"
