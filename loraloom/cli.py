@@ -513,7 +513,17 @@ def demo(
 def worker(
     url: UrlOpt = DEFAULT_URL,
     token: Annotated[
-        str | None, typer.Option(envvar="LORALOOM_WORKER_TOKEN", help="The service's worker token.")
+        str | None,
+        typer.Option(
+            envvar="LORALOOM_WORKER_TOKEN",
+            help="The service's worker token (prefer the environment variable or --token-file).",
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file", envvar="LORALOOM_WORKER_TOKEN_FILE", help="Read the worker token from this file."
+        ),
     ] = None,
     runs_dir: Annotated[
         Path | None,
@@ -552,6 +562,8 @@ def worker(
     """Run the worker pool under torchrun (ranks talk gloo on CPU, nccl on GPU)."""
     from loraloom.launch import launch_pool  # torch is imported only by the ranks themselves
 
+    if not token and token_file is not None:
+        token = token_file.read_text().strip()
     if not token and runs_dir is None:
         _fail("--token or LORALOOM_WORKER_TOKEN is required (or --runs-dir DIR to train without the service)")
     args = [
@@ -579,10 +591,18 @@ def worker(
     typer.echo(f"starting {nproc_per_node} rank(s) of the worker pool on {where}")
     pool = launch_pool(nproc_per_node=nproc_per_node, worker_args=args, master_port=master_port, env=env)
 
+    signals = 0
+
     def forward(signum: int, _frame: FrameType | None) -> None:
-        # The pool runs in its own process group: pass Ctrl-C / SIGTERM on, so torchrun stops its ranks.
+        # The pool runs in its own process group: pass Ctrl-C / SIGTERM on, so torchrun stops its
+        # ranks (each finishes its step, the pool deregisters). A second one kills torchrun; its
+        # ranks die with it (worker._die_with_parent).
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            typer.echo("second signal: killing the worker pool", err=True)
         with suppress(ProcessLookupError):
-            os.killpg(pool.pid, signum)
+            os.killpg(pool.pid, signum if signals == 1 else signal.SIGKILL)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)

@@ -104,7 +104,17 @@ class WorkerArgs:
 def parse_args(argv: list[str] | None = None) -> WorkerArgs:
     p = argparse.ArgumentParser(prog="trainer_core.worker", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--url", default=os.environ.get("LORALOOM_URL", "http://127.0.0.1:8000"))
-    p.add_argument("--token", default=os.environ.get("LORALOOM_WORKER_TOKEN"))
+    p.add_argument(
+        "--token",
+        default=os.environ.get("LORALOOM_WORKER_TOKEN"),
+        help="prefer LORALOOM_WORKER_TOKEN or --token-file: a command line is visible to every user (ps)",
+    )
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=os.environ.get("LORALOOM_WORKER_TOKEN_FILE"),
+        help="read the worker token from this file (or LORALOOM_WORKER_TOKEN_FILE)",
+    )
     p.add_argument("--runs-dir", type=Path, default=None, help="train run_* directories, without the service")
     p.add_argument("--base-model", default=DEFAULT_BASE_MODEL, help="hub id, local path, or loraloom-tiny")
     p.add_argument("--max-rank", type=int, default=16)
@@ -122,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerArgs:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--exit-when-idle", type=float, default=None)
     a = p.parse_args(argv)
+    if not a.token and a.token_file is not None:
+        a.token = Path(a.token_file).read_text().strip()
     if not a.token and a.runs_dir is None:
         p.error("--token or LORALOOM_WORKER_TOKEN is required (or --runs-dir to train without the service)")
     return WorkerArgs(
@@ -474,15 +486,31 @@ def main(argv: list[str] | None = None) -> None:
     trainer = PoolTrainer(args, world=world, device=device)
 
     def _request_stop(signum: int, _frame: FrameType | None) -> None:
+        # First SIGINT/SIGTERM (torchrun passes the launcher's on to every rank): the master ends
+        # the loop after the current step and every rank follows its "stop" plan; the pool then
+        # deregisters (its leases return at once). A second one leaves right away.
+        if trainer.stop_requested:
+            raise KeyboardInterrupt
+        log.info(
+            "rank %d: %s received; stopping after the current step", world.rank, signal.Signals(signum).name
+        )
         trainer.stop_requested = True
 
     signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
     try:
         trainer.run()
     finally:
         trainer.close()
         destroy_world()
+        log.info("rank %d: stopped", world.rank)
 
 
 if __name__ == "__main__":
     main()
+    # Everything is released (leases, process group, files); skip the interpreter's teardown of
+    # torch and its threads, which takes seconds on a loaded machine, so Ctrl-C ends the pool fast.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
