@@ -265,7 +265,11 @@ class PoolTrainer:
     def admit_slot(self, slot: int, run_id: str, config: RunConfig) -> None:
         """Give `run_id` the slot: a fresh adapter and optimizer, then its newest checkpoint if any."""
         self.lora.configure_slot(
-            slot, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout
+            slot,
+            rank=config.lora.rank,
+            alpha=config.lora.alpha,
+            dropout=config.lora.dropout,
+            target_modules=config.lora.target_modules,  # the run's modules only (pool_config_problems)
         )
         # Seeded by the run's config alone: every rank gets the same initial adapter, and a run's
         # adapter does not depend on which slot it got or which runs came before it (isolation).
