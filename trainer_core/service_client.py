@@ -46,7 +46,9 @@ class PoolServiceClient:
     """The pool routes over HTTP (docs/contracts.md). Not thread-safe apart from `heartbeat`, which
     the heartbeat thread calls while the loop makes the other calls (httpx.Client allows that)."""
 
-    def __init__(self, url: str, token: str, *, timeout_s: float = 30.0, max_attempts: int = 6) -> None:
+    def __init__(self, url: str, token: str, *, timeout_s: float = 30.0, max_attempts: int = 24) -> None:
+        """`max_attempts`: with backoff up to 5 s, about a minute of retries (half on average), so the
+        pool outlasts a restart of the service instead of dying on its first refused connection."""
         self._http = httpx.Client(
             base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
         )
