@@ -206,8 +206,6 @@ def run_demo(
             worker_args=[
                 "--url",
                 url,
-                "--token",
-                worker_token,
                 "--slots",
                 "4",
                 "--seq-len",
@@ -225,7 +223,8 @@ def run_demo(
                 "--poll-interval",
                 "0.05",
             ],
-            env={"OMP_NUM_THREADS": "1"},
+            # The token in the environment, never on a command line (`ps` shows those).
+            env={"OMP_NUM_THREADS": "1", "LORALOOM_WORKER_TOKEN": worker_token},
             log_path=state_dir / "worker.log",
         )
         say(f"[demo] worker pool started (1 CPU rank); log: {state_dir / 'worker.log'}")

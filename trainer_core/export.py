@@ -52,7 +52,7 @@ def peft_adapter_config(handle: MultiLoRA, slot: int, *, base_model_name_or_path
         "r": cfg.rank,
         "rank_pattern": {},
         "revision": None,
-        "target_modules": sorted(handle.target_modules),
+        "target_modules": list(handle.slot_target_modules(slot)),
         "task_type": "CAUSAL_LM",
         "use_dora": False,
         "use_rslora": False,

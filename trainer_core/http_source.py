@@ -24,6 +24,7 @@ from contracts.pool_api import (
     StepReport,
 )
 from contracts.progress import Progress
+from trainer_core.run_left import run_has_left
 from trainer_core.runs import RunRecord
 
 log = logging.getLogger("loraloom.worker")
@@ -37,6 +38,7 @@ class PoolClient(Protocol):
 
     def register(self, capabilities: PoolRegister) -> PoolRegistered: ...
     def heartbeat(self) -> PoolHeartbeatOut: ...
+    def deregister(self) -> None: ...
     def state(self) -> list[PoolRunState]: ...
     def claim(self, max_batches: int) -> list[ClaimedBatchStruct]: ...
     def ack(self, acks: list[AckItem]) -> int: ...
@@ -77,8 +79,18 @@ class HttpRunSource:
         self._heartbeat.start()
 
     def close(self) -> None:
+        """Stop heartbeating and deregister, so that the batches this pool holds go back to pending
+        now rather than after the service's pool timeout (a pool the service dropped has none)."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
+            if not self._heartbeat.lost:
+                try:
+                    self.client.deregister()
+                    log.info("pool deregistered: its leased batches are pending again")
+                except Exception as exc:  # the service's timeout returns them anyway
+                    log.warning(
+                        "deregistering the pool failed (%s); its leases return after the timeout", exc
+                    )
         self.client.close()
 
     # -- runs ------------------------------------------------------------------------------------
@@ -90,7 +102,13 @@ class HttpRunSource:
         ]
 
     def evict(self, run_id: str, reason: str) -> None:
-        self.client.evict(run_id, reason[:MAX_REASON_CHARS])
+        try:
+            self.client.evict(run_id, reason[:MAX_REASON_CHARS])
+        except ApiError as exc:
+            if not run_has_left(exc):
+                raise
+            # Deleted (or its tenant removed) before the pool's evict landed: nothing left to stop.
+            log.info("run %s had already left when the pool evicted it: %s", run_id, exc)
 
     def report_invalid_config(self, run_id: str, message: str) -> None:
         self.evict(run_id, f"invalid config: {message}")

@@ -237,6 +237,8 @@ class MultiLoRALinear(nn.Module):
             "lora_scaling", torch.zeros(n_slots, max_rank, device=device, dtype=param_dtype), persistent=False
         )
         self._configs: list[SlotConfig] = []
+        self._enabled = [True] * n_slots
+        """Per slot: whether this layer is one of the slot's run's target modules (`set_slot_enabled`)."""
         for slot in range(n_slots):
             self._configs.append(SlotConfig(max_rank, float(max_rank), dropout))
             self.configure_slot(slot, rank=max_rank, alpha=float(max_rank), dropout=dropout)
@@ -258,10 +260,31 @@ class MultiLoRALinear(nn.Module):
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self._configs[slot] = SlotConfig(rank, float(alpha), float(dropout))
         with torch.no_grad():
-            self.lora_scaling[slot].zero_()
-            self.lora_scaling[slot, :rank] = alpha / rank
             self.lora_A[slot][rank:].zero_()
             self.lora_B[slot][:, rank:].zero_()
+        self._update_scaling(slot)
+
+    def set_slot_enabled(self, slot: int, enabled: bool) -> None:
+        """Whether the slot's run adapts this layer. A disabled slot adds no delta here (its scaling
+        is 0, so neither path gives its factors a gradient) and its factors are zeroed."""
+        self._enabled[self._check_slot(slot)] = enabled
+        if not enabled:
+            with torch.no_grad():
+                self.lora_A[slot].zero_()
+                self.lora_B[slot].zero_()
+            self.lora_A[slot].grad = None
+            self.lora_B[slot].grad = None
+        self._update_scaling(slot)
+
+    def slot_enabled(self, slot: int) -> bool:
+        return self._enabled[self._check_slot(slot)]
+
+    def _update_scaling(self, slot: int) -> None:
+        cfg = self._configs[slot]
+        with torch.no_grad():
+            self.lora_scaling[slot].zero_()
+            if self._enabled[slot]:
+                self.lora_scaling[slot, : cfg.rank] = cfg.scaling
 
     def reset_slot(self, slot: int, *, generator: torch.Generator | None = None) -> None:
         """LoRA init of a slot: A Kaiming-uniform (as peft) on its first r rows, B zero → identity.
@@ -277,7 +300,8 @@ class MultiLoRALinear(nn.Module):
         init = torch.empty(rank, self.in_features).uniform_(-bound, bound, generator=generator)
         with torch.no_grad():
             a.zero_()
-            a[:rank].copy_(init)
+            if self._enabled[slot]:  # drawn either way: the slot's other layers get the same init
+                a[:rank].copy_(init)
             b.zero_()
         a.grad = None
         b.grad = None
@@ -369,6 +393,9 @@ class MultiLoRALinear(nn.Module):
         deltas = []
         for slot, part in zip(layout.active, parts, strict=True):
             cfg = self._configs[slot]
+            if not self._enabled[slot]:
+                deltas.append(part.new_zeros(part.shape[0], self.out_features))
+                continue
             a = self.lora_A[slot][: cfg.rank].to(x.dtype)  # (r, in), in the compute dtype
             b = self.lora_B[slot][:, : cfg.rank].to(x.dtype)  # (out, r)
             deltas.append((part @ a.T) @ b.T * cfg.scaling)  # (T_s, out)
@@ -463,9 +490,37 @@ class MultiLoRA:
         if disable_input_grads is not None:
             disable_input_grads()
 
-    def configure_slot(self, slot: int, *, rank: int, alpha: float, dropout: float = 0.0) -> None:
-        for layer in self.layers.values():
+    def configure_slot(
+        self,
+        slot: int,
+        *,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        target_modules: Sequence[str] | None = None,
+    ) -> None:
+        """The slot's rank, alpha, dropout and the modules its run adapts (None: every wrapped one).
+
+        A layer whose last name component is not in `target_modules` is masked for this slot: no
+        delta, no parameters in `slot_parameters` (so no optimizer state, no gradient all-reduce),
+        nothing in `slot_state_dict`, checkpoints and the exported adapter."""
+        wanted = self.target_modules if target_modules is None else tuple(target_modules)
+        enabled = {name: name.rpartition(".")[2] in wanted for name in self.layers}
+        if not any(enabled.values()):
+            raise ValueError(
+                f"target_modules {list(wanted)} match none of this pool's {list(self.target_modules)}"
+            )
+        for name, layer in self.layers.items():
             layer.configure_slot(slot, rank=rank, alpha=alpha, dropout=dropout)
+            layer.set_slot_enabled(slot, enabled[name])
+
+    def slot_layers(self, slot: int) -> dict[str, MultiLoRALinear]:
+        """The layers the slot's run adapts, by qualified name (module order)."""
+        return {name: layer for name, layer in self.layers.items() if layer.slot_enabled(slot)}
+
+    def slot_target_modules(self, slot: int) -> tuple[str, ...]:
+        """The slot's target modules (last name components), sorted."""
+        return tuple(sorted({name.rpartition(".")[2] for name in self.slot_layers(slot)}))
 
     def reset_slot(self, slot: int, *, seed: int | None = None) -> None:
         """Fresh LoRA init of `slot` in every layer (identity: B = 0); other slots untouched.
@@ -482,7 +537,7 @@ class MultiLoRA:
 
     def slot_named_parameters(self, slot: int) -> list[tuple[str, nn.Parameter]]:
         named = []
-        for name, layer in self.layers.items():
+        for name, layer in self.slot_layers(slot).items():
             a, b = layer.slot_parameters(slot)
             named += [(f"{name}.lora_A", a), (f"{name}.lora_B", b)]
         return named
@@ -494,7 +549,7 @@ class MultiLoRA:
         """Detached copies sliced to the slot's rank: A (r, in), B (out, r)."""
         rank = self.slot_config(slot).rank
         state = {}
-        for name, layer in self.layers.items():
+        for name, layer in self.slot_layers(slot).items():
             state[f"{name}.lora_A"] = layer.lora_A[slot][:rank].detach().clone()
             state[f"{name}.lora_B"] = layer.lora_B[slot][:, :rank].detach().clone()
         return state
@@ -502,18 +557,19 @@ class MultiLoRA:
     def load_slot_state_dict(self, slot: int, state: dict[str, Tensor]) -> None:
         """Load `slot_state_dict` output (configure the slot's rank first); strict on keys and shapes."""
         rank = self.slot_config(slot).rank
-        expected = {key for name in self.layers for key in (f"{name}.lora_A", f"{name}.lora_B")}
+        layers = self.slot_layers(slot)
+        expected = {key for name in layers for key in (f"{name}.lora_A", f"{name}.lora_B")}
         missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
         if missing or unexpected:
             raise KeyError(f"slot state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for name, layer in self.layers.items():
+        for name, layer in layers.items():
             a, b = state[f"{name}.lora_A"], state[f"{name}.lora_B"]
             if tuple(a.shape) != (rank, layer.in_features) or tuple(b.shape) != (layer.out_features, rank):
                 raise ValueError(
                     f"{name}: expected lora_A {(rank, layer.in_features)} and lora_B "
                     f"{(layer.out_features, rank)} for rank {rank}, got {tuple(a.shape)} and {tuple(b.shape)}"
                 )
-        for name, layer in self.layers.items():
+        for name, layer in layers.items():
             pa, pb = layer.slot_parameters(slot)
             with torch.no_grad():
                 pa.zero_()

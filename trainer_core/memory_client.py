@@ -76,6 +76,8 @@ class MemoryPoolClient:
     def register(self, capabilities: PoolRegister) -> PoolRegistered:
         return PoolRegistered(pool_id=self.pool_id, heartbeat_interval_s=3600.0, lease_seconds=3600.0)
 
+    def deregister(self) -> None: ...
+
     def heartbeat(self) -> PoolHeartbeatOut:
         return PoolHeartbeatOut(status="alive")
 

@@ -214,12 +214,16 @@ class MultiRunManager:
         self._run_ids: dict[int, str] = {}
         self._slots: dict[str, int] = {}
         self._config: dict[int, RunConfig] = {}
+        # slot -> which admission put its run there: a run released and admitted again into the same
+        # slot between two synchronisations (`release_run`) is then still a release + an admission.
+        self._admission: dict[int, int] = {}
+        self._admissions = 0
         # Listed but not admitted, in first-seen order (dicts keep insertion order): that order is
         # the queue for free slots.
         self._candidates: dict[str, _Candidate] = {}
         # The slots as of the last synchronize_state(): every rank diffs against them, so the master
         # (whose maps discover_runs() already changed) computes the same changes as the others.
-        self._synced: dict[int, str] = {}
+        self._synced: dict[int, tuple[str, int]] = {}
 
     # ── read-only views (nobody outside can break the slot <-> run id bijection) ──────────────────
 
@@ -381,6 +385,17 @@ class MultiRunManager:
         source.evict(run_id, reason)
         logger.warning("evicted run %s (slot %d): %s", run_id, slot, reason)
 
+    def release_run(self, slot: int, reason: str) -> None:
+        """Free `slot` now, whatever the source lists (master only): the pool's answer to a run that
+        left mid-step (`trainer_core.run_left`). Every rank releases it at the next
+        `synchronize_state()`; should the source still list the run, it is admitted afresh (from its
+        checkpoint) like any new run."""
+        self._require_master("release_run()")
+        if slot not in self._run_ids:
+            raise KeyError(f"no run in slot {slot}")
+        logger.info("run %s released from slot %d: %s", self._run_ids[slot], slot, reason)
+        self._forget(slot)
+
     # ── every rank ──────────────────────────────────────────────────────────────────────────────
 
     def synchronize_state(self) -> SlotChanges:
@@ -388,7 +403,7 @@ class MultiRunManager:
         the same releases and admissions on every rank. A slot whose run changed is released and
         admitted. Collective: every rank must call it."""
         state = broadcast_from_master(
-            {slot: (rid, self._config[slot]) for slot, rid in self._run_ids.items()}
+            {slot: (rid, self._config[slot], self._admission[slot]) for slot, rid in self._run_ids.items()}
             if self.world.is_master
             else None,
             self.world,
@@ -396,26 +411,34 @@ class MultiRunManager:
         if not self.world.is_master:
             for slot in list(self._run_ids):
                 self._forget(slot)
-            for slot, (rid, config) in sorted(state.items()):
-                self._remember(slot, rid, config)
-        previous, current = self._synced, dict(self._run_ids)
+            for slot, (rid, config, admission) in sorted(state.items()):
+                self._remember(slot, rid, config, admission=admission)
+        previous = self._synced
+        current = {slot: (rid, self._admission[slot]) for slot, rid in self._run_ids.items()}
         self._synced = current
         return SlotChanges(
-            released=[(s, rid) for s, rid in sorted(previous.items()) if current.get(s) != rid],
+            released=[(s, rid) for s, (rid, n) in sorted(previous.items()) if current.get(s) != (rid, n)],
             admitted=[
-                (s, rid, self._config[s]) for s, rid in sorted(current.items()) if previous.get(s) != rid
+                (s, rid, self._config[s])
+                for s, (rid, n) in sorted(current.items())
+                if previous.get(s) != (rid, n)
             ],
         )
 
-    def _remember(self, slot: int, run_id: str, config: RunConfig) -> None:
+    def _remember(self, slot: int, run_id: str, config: RunConfig, *, admission: int | None = None) -> None:
+        if admission is None:
+            self._admissions += 1
+            admission = self._admissions
         self._run_ids[slot] = run_id
         self._slots[run_id] = slot
         self._config[slot] = config
+        self._admission[slot] = admission
 
     def _forget(self, slot: int) -> None:
         run_id = self._run_ids.pop(slot)
         del self._slots[run_id]
         del self._config[slot]
+        del self._admission[slot]
 
 
 __all__ = [

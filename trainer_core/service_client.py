@@ -46,7 +46,9 @@ class PoolServiceClient:
     """The pool routes over HTTP (docs/contracts.md). Not thread-safe apart from `heartbeat`, which
     the heartbeat thread calls while the loop makes the other calls (httpx.Client allows that)."""
 
-    def __init__(self, url: str, token: str, *, timeout_s: float = 30.0, max_attempts: int = 6) -> None:
+    def __init__(self, url: str, token: str, *, timeout_s: float = 30.0, max_attempts: int = 24) -> None:
+        """`max_attempts`: with backoff up to 5 s, about a minute of retries (half on average), so the
+        pool outlasts a restart of the service instead of dying on its first refused connection."""
         self._http = httpx.Client(
             base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
         )
@@ -85,6 +87,15 @@ class PoolServiceClient:
         body = PoolRef(pool_id=self._pool_id())
         response = self._request("POST", "/v1/pool/heartbeat", json=body.model_dump(mode="json"))
         return PoolHeartbeatOut.model_validate_json(response.content)
+
+    def deregister(self) -> None:
+        """The pool stops: the service returns its leased batches to pending at once."""
+        body = PoolRef(pool_id=self._pool_id())
+        # One short attempt, no retries: the pool is stopping (a second Ctrl-C must not wait on a
+        # backoff), and if this fails the service's pool timeout returns the leases anyway.
+        response = self._http.post("/v1/pool/deregister", json=body.model_dump(mode="json"), timeout=5.0)
+        if response.status_code >= 400:
+            raise error_from_response(response)
 
     def state(self) -> list[PoolRunState]:
         response = self._request("GET", "/v1/pool/state", params={"pool_id": self._pool_id()})

@@ -32,6 +32,8 @@ class WorkerSettings(BaseSettings):
     """Base URL of the service."""
     worker_token: SecretStr | None = None
     """The service's worker token (not needed with `runs_dir`)."""
+    worker_token_file: Path | None = None
+    """A file holding the worker token (read when `worker_token` is not set; e.g. a Docker secret)."""
     runs_dir: Path | None = None
     """Train the `run_*` directories under this directory instead of the service's runs."""
     heartbeat_file: Path | None = None
@@ -99,7 +101,11 @@ class WorkerSettings(BaseSettings):
 
     @property
     def token(self) -> str | None:
-        return self.worker_token.get_secret_value() if self.worker_token else None
+        if self.worker_token:
+            return self.worker_token.get_secret_value()
+        if self.worker_token_file is not None:
+            return self.worker_token_file.read_text().strip() or None
+        return None
 
     @property
     def checkpoint_home(self) -> Path:
@@ -113,7 +119,14 @@ class WorkerSettings(BaseSettings):
         """A copy with every relative path made absolute against `cwd` (default: the working directory)."""
         base = (cwd or Path.cwd()).resolve()
         updates: dict[str, Path] = {}
-        for name in ("runs_dir", "heartbeat_file", "model_cache_dir", "checkpoint_dir", "data_dir"):
+        for name in (
+            "runs_dir",
+            "heartbeat_file",
+            "model_cache_dir",
+            "checkpoint_dir",
+            "data_dir",
+            "worker_token_file",
+        ):
             value = getattr(self, name)
             if isinstance(value, Path):
                 updates[name] = value if value.is_absolute() else base / value
@@ -130,7 +143,7 @@ class WorkerSettings(BaseSettings):
         excepted (it travels in the environment: `ps` shows command lines). Launcher-only settings
         are left out."""
         out: list[str] = []
-        skip = {"worker_token", "nproc_per_node", "master_port"}
+        skip = {"worker_token", "worker_token_file", "nproc_per_node", "master_port"}
         for name in type(self).model_fields:
             value = getattr(self, name)
             if name in skip or value is None:

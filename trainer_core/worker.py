@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
+from contracts.http import ApiError
 from contracts.pool_api import ClaimedBatchStruct, PoolRegister
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES, RunConfig
 from trainer_core.directory_source import DirectoryRunSource
@@ -53,7 +55,9 @@ from trainer_core.lora import apply_multi_lora
 from trainer_core.models.registry import load_base_model
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch, Packer
+from trainer_core.pause_point import pause_before_publish
 from trainer_core.publish import Publisher, restore_slot
+from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.settings import WorkerSettings, flag_name
@@ -268,7 +272,11 @@ class PoolTrainer:
     def admit_slot(self, slot: int, run_id: str, config: RunConfig) -> None:
         """Give `run_id` the slot: a fresh adapter and optimizer, then its newest checkpoint if any."""
         self.lora.configure_slot(
-            slot, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout
+            slot,
+            rank=config.lora.rank,
+            alpha=config.lora.alpha,
+            dropout=config.lora.dropout,
+            target_modules=config.lora.target_modules,  # the run's modules only (pool_config_problems)
         )
         # Seeded by the run's config alone: every rank gets the same initial adapter, and a run's
         # adapter does not depend on which slot it got or which runs came before it (isolation).
@@ -289,15 +297,20 @@ class PoolTrainer:
         )
         run = RunSlot(slot, run_id, config, progress, ledger=RunLedger(next_sample=progress.total_samples))
         self.slots[slot] = run
-        if self.master:
-            # Exactly-once: everything handed out after the checkpoint comes back.
-            self.master.source.restart_run(run_id, progress)
-            self.master.packer.add_run(slot, batch_size=config.batch_size, progress=run.progress)
         log.info("rank %d: run %s in slot %d from step %d", self.world.rank, run_id, slot, progress.step)
-        if self.master and progress.step >= config.max_steps:
-            # Checkpointed at its last step, yet still listed: the pool stopped before the source got
-            # that step's report. Nothing is left to train; report it again so the run completes.
-            self.master.publisher.report_completed(run)
+        if self.master is None:
+            return
+        m = self.master
+        m.packer.add_run(slot, batch_size=config.batch_size, progress=run.progress)
+        # Exactly-once: everything handed out after the checkpoint comes back. The run may have left
+        # since the state sync listed it (then it is released again at the next sync).
+        if not self._for_run(run, "restart", lambda: m.source.restart_run(run_id, progress)):
+            return
+        # Checkpointed at its last step, yet still listed: the pool stopped before the source got
+        # that step's report. Nothing is left to train; report it again so the run completes.
+        if progress.step >= config.max_steps and self._for_run(
+            run, "completion report", lambda: m.publisher.report_completed(run)
+        ):
             run.leaving = f"completed its {progress.step} steps (report repeated after a restart)"
 
     def release_slot(self, slot: int) -> None:
@@ -412,13 +425,38 @@ class PoolTrainer:
             run.step_metrics.add_loss(result.stats.slot(slot))
         for slot in sorted(result.nonfinite):
             self._evict(self.slots[slot], "non-finite loss or gradients (NaN/Inf) in this run's step")
+        pause_before_publish([self.slots[slot].run_id for slot in plan.completing])
         for slot, step in sorted(plan.completing.items()):
             run = self.slots[slot]
             if slot not in result.stepped or run.leaving is not None:
                 continue
-            m.publisher.publish_step(run, step, result.stepped[slot])
+            stats = result.stepped[slot]
+            if not self._for_run(run, f"step {step}", partial(m.publisher.publish_step, run, step, stats)):
+                continue
             if step >= run.config.max_steps:
                 run.leaving = f"completed its {step} steps"
+
+    def _for_run(self, run: RunSlot, what: str, call: Callable[[], object]) -> bool:
+        """Master: `call` (a request about `run` alone); False if the answer says the run has left.
+
+        Between the state sync and the publish the run may have been evicted, deleted, completed or
+        failed, or its tenant removed (`trainer_core.run_left`). That is the run's business only:
+        its slot is released on every rank at the next sync (adapter, optimizer, gradients,
+        buffered samples, ledger) and every other run trains on. Other errors still raise.
+        """
+        try:
+            call()
+        except ApiError as exc:
+            if not run_has_left(exc):
+                raise
+            log.warning(
+                "run %s has left the pool (%s: %s); releasing slot %d", run.run_id, what, exc, run.slot
+            )
+            if run.leaving is None:
+                run.leaving = f"left during its {what}: {exc}"
+                self.runs.release_run(run.slot, run.leaving)
+            return False
+        return True
 
     def _evict(self, run: RunSlot, reason: str) -> None:
         if run.leaving is None:
@@ -467,15 +505,31 @@ def main(argv: list[str] | None = None) -> None:
     trainer = PoolTrainer(args, world=world, device=device)
 
     def _request_stop(signum: int, _frame: FrameType | None) -> None:
+        # First SIGINT/SIGTERM (torchrun passes the launcher's on to every rank): the master ends
+        # the loop after the current step and every rank follows its "stop" plan; the pool then
+        # deregisters (its leases return at once). A second one leaves right away.
+        if trainer.stop_requested:
+            raise KeyboardInterrupt
+        log.info(
+            "rank %d: %s received; stopping after the current step", world.rank, signal.Signals(signum).name
+        )
         trainer.stop_requested = True
 
     signal.signal(signal.SIGTERM, _request_stop)
+    signal.signal(signal.SIGINT, _request_stop)
     try:
         trainer.run()
     finally:
         trainer.close()
         destroy_world()
+        log.info("rank %d: stopped", world.rank)
 
 
 if __name__ == "__main__":
     main()
+    # Everything is released (leases, process group, files); skip the interpreter's teardown of
+    # torch and its threads, which takes seconds on a loaded machine, so Ctrl-C ends the pool fast.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

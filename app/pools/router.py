@@ -43,6 +43,18 @@ def heartbeat(body: PoolRef, session: SessionDep, settings: SettingsDep, _: Work
     return PoolHeartbeatOut(status=pool.status)
 
 
+@router.post(
+    "/deregister",
+    response_model=PoolHeartbeatOut,
+    operation_id="deregisterPool",
+    responses={404: {"description": "No such pool (pool_not_found)."}},
+)
+def deregister(body: PoolRef, session: SessionDep, _: WorkerDep) -> PoolHeartbeatOut:
+    """The pool is stopping: its leased batches return to pending at once (idempotent)."""
+    pool = service.deregister_pool(session, pool_id=body.pool_id)
+    return PoolHeartbeatOut(status=pool.status)
+
+
 @router.get("/state", response_model=PoolStateOut, operation_id="getPoolState")
 @raises(NotFound, Conflict)
 def state(

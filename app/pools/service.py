@@ -167,6 +167,21 @@ def heartbeat_pool(
     return pool
 
 
+def deregister_pool(session: Session, *, pool_id: str) -> Pool:
+    """The pool stops (Ctrl-C, SIGTERM): `stopped`, and the batches it holds go back to pending now,
+    not after `pool_timeout_seconds`. Idempotent: a pool already dead or stopped keeps its status
+    (its leases were returned when it got it)."""
+    # The admission lock serialises this with a registration replacing the same pool.
+    lock_admission(session)
+    pool = get_pool(session, pool_id=pool_id)
+    session.refresh(pool, with_for_update=True)
+    if pool.status == PoolStatus.ALIVE:
+        pool.status = PoolStatus.STOPPED
+        returned = return_pool_batches(session, pool_id=pool.id)
+        log.info("pool %s deregistered; %s batch(es) returned to pending", pool.id, returned)
+    return pool
+
+
 def pool_state(session: Session, *, pool_id: str, settings: Settings) -> list[Run]:
     """The active runs of the pool's base model, by slot.
 

@@ -182,10 +182,17 @@ def _launch(settings: Any) -> int:
         env=env,
     )
 
+    signals = 0
+
     def forward(signum: int, _frame: FrameType | None) -> None:
-        # The pool runs in its own process group: pass Ctrl-C / SIGTERM on, so torchrun stops its ranks.
+        # The pool runs in its own process group: pass Ctrl-C / SIGTERM on, so torchrun stops its
+        # ranks (each finishes its step, the pool deregisters). A second one kills the group.
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            typer.echo("second signal: killing the worker pool", err=True)
         with suppress(ProcessLookupError):
-            os.killpg(pool.pid, signum)
+            os.killpg(pool.pid, signum if signals == 1 else signal.SIGKILL)
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)

@@ -82,6 +82,7 @@ def test_unknown_pool(client: TestClient) -> None:
         ("POST", "/v1/pool/register", POOL_SPEC),
         ("POST", "/v1/pool/heartbeat", {"pool_id": "pool_000000000000"}),
         ("GET", "/v1/pool/state?pool_id=pool_000000000000", None),
+        ("POST", "/v1/pool/deregister", {"pool_id": "pool_000000000000"}),
         ("PUT", "/v1/pool/runs/run_000000000000/adapters/1", None),
         ("POST", "/v1/pool/runs/run_000000000000/steps", {"step": 1, "total_tokens": 1, "total_samples": 1}),
         ("POST", "/v1/pool/runs/run_000000000000/checkpoints", {"step": 1, "total_samples": 1}),
@@ -353,3 +354,33 @@ def test_runs_wait_for_a_pool_when_configured(settings: Settings) -> None:
         r = client.post(url, json=too_big, headers=tenant.headers)
         assert r.status_code == 422, r.text
         assert client.post(url, json=batch_body(), headers=tenant.headers).status_code == 201
+
+
+def test_deregister_returns_the_pools_leases_at_once(
+    client: TestClient, tenant: TenantHandle, db: Session
+) -> None:
+    """A pool stopping (Ctrl-C) deregisters: its batches are pending now, not after the pool timeout."""
+    pool_id = register(client)
+    run = create_run(client, tenant)
+    far = datetime.now(UTC) + timedelta(hours=1)
+    batch_id = claimed_batch(db, run_id=run["id"], pool_id=pool_id, lease_expires_at=far)
+    end_read(db)
+
+    r = client.post("/v1/pool/deregister", json={"pool_id": pool_id}, headers=WORKER_HEADERS)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"status": "stopped"}
+    db.expire_all()
+    batch = db.get_one(Batch, batch_id)
+    assert (batch.state, batch.pool_id, batch.lease_expires_at) == ("pending", None, None)
+    assert db.get_one(Pool, pool_id).status == "stopped"
+    end_read(db)
+    # Idempotent; the stopped pool must register again to train; the run waits for the next pool.
+    again = client.post("/v1/pool/deregister", json={"pool_id": pool_id}, headers=WORKER_HEADERS)
+    assert again.json() == {"status": "stopped"}
+    r = client.post("/v1/pool/heartbeat", json={"pool_id": pool_id}, headers=WORKER_HEADERS)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "pool_stopped"
+    assert client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()["status"] == "active"
+    unknown = client.post(
+        "/v1/pool/deregister", json={"pool_id": "pool_000000000000"}, headers=WORKER_HEADERS
+    )
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "pool_not_found"

@@ -73,12 +73,13 @@ def start_pool(
     slots: int = 2,
     exit_when_idle: float | None = None,
     log_path: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen:
+    """The pool under torchrun, in its own process group; the worker token travels in the
+    environment (never on a command line, which `ps` shows)."""
     args = [
         "--url",
         url,
-        "--token",
-        WORKER_TOKEN,
         "--slots",
         str(slots),
         "--seq-len",
@@ -96,14 +97,18 @@ def start_pool(
     ]
     if exit_when_idle is not None:
         args += ["--exit-when-idle", str(exit_when_idle)]
-    out = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed with the process
     process = launch_pool(
         nproc_per_node=nproc,
         worker_args=args,
         master_port=free_port(),
-        env={"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        env={
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "LORALOOM_WORKER_TOKEN": WORKER_TOKEN,
+            **(env or {}),
+        },
+        log_path=log_path,
     )
-    process.log_file = out  # type: ignore[attr-defined]
     return process
 
 

@@ -382,3 +382,31 @@ def test_guards(root: Path) -> None:
             validate_run_id(bad)
     with pytest.raises(ValueError):
         DirectoryRunSource(root).run_dir("run_../../etc")
+
+
+def test_release_run_frees_the_slot_and_a_still_listed_run_is_admitted_afresh() -> None:
+    """The pool's answer to a run that left mid-step (issue 10): released at the next sync on every
+    rank; if the source still lists it (e.g. its leases went back), it is a new admission (from its
+    checkpoint), even in the same slot."""
+    source = MemorySource([RunRecord(RUN_A, {}, slot_hint=0), RunRecord(RUN_B, {}, slot_hint=1)])
+    m = MultiRunManager(source, max_runs=2)
+    m.discover_runs()
+    m.synchronize_state()
+
+    m.release_run(0, "left during its step 3")
+    source.records = [RunRecord(RUN_B, {}, slot_hint=1)]  # A is gone from the service
+    m.discover_runs()
+    changes = m.synchronize_state()
+    assert changes.released == [(0, RUN_A)] and changes.admitted == []
+
+    source.records = [RunRecord(RUN_A, {}, slot_hint=0), RunRecord(RUN_B, {}, slot_hint=1)]
+    m.discover_runs()
+    m.synchronize_state()
+    m.release_run(0, "ack rejected")  # still listed: released and admitted again in one sync
+    m.discover_runs()
+    changes = m.synchronize_state()
+    assert changes.released == [(0, RUN_A)]
+    assert [(s, rid) for s, rid, _ in changes.admitted] == [(0, RUN_A)]
+    assert dict(m.run_ids) == {0: RUN_A, 1: RUN_B}
+    with pytest.raises(KeyError):
+        m.release_run(1 + 5, "no such slot")
