@@ -26,11 +26,25 @@ what it was packed with (DESIGN §4.1).
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-__all__ = ["ValueHeads", "capture_hidden", "gae_advantages", "gae_reference", "value_loss"]
+from contracts.run_config import RunConfig
+
+__all__ = [
+    "VALUE_HEAD_FILE",
+    "ValueHeads",
+    "capture_hidden",
+    "gae_advantages",
+    "gae_reference",
+    "load_value_head",
+    "save_value_head",
+    "uses_critic",
+    "value_loss",
+]
 
 
 def value_loss(values: Tensor, returns: Tensor, clip: Tensor | float) -> Tensor:
@@ -154,3 +168,23 @@ def capture_hidden(model: nn.Module) -> Iterator[list[Tensor]]:
         yield seen
     finally:
         handle.remove()
+
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+"""The critic's file, written beside a GAE run's PEFT adapter files."""
+
+
+def save_value_head(heads: ValueHeads, slot: int, directory: Path) -> Path:
+    """Write ``slot``'s head to ``directory / value_head.safetensors``."""
+    path = Path(directory) / VALUE_HEAD_FILE
+    save_file(heads.slot_state_dict(slot), str(path))
+    return path
+
+
+def load_value_head(path: Path) -> dict[str, Tensor]:
+    """The tensors of a ``value_head.safetensors`` file (load them with `ValueHeads.load_slot_state_dict`)."""
+    return load_file(str(path))
+
+
+def uses_critic(config: RunConfig) -> bool:
+    return config.advantage.estimator == "gae"

@@ -58,6 +58,7 @@ from contracts.pool_api import AckItem, CheckpointReport, ClaimedBatchStruct, Po
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, batch_msgpack_decoder, batch_problems, msgpack_encoder
 from trainer_core.checkpoint import checkpoint_progress, latest_checkpoint
+from trainer_core.critic import VALUE_HEAD_FILE
 from trainer_core.runs import RunRecord
 
 log = logging.getLogger("loraloom.worker")
@@ -337,7 +338,9 @@ class DirectoryRunSource:
         staging = broadcast / f".{step_dir_name(step)}.{uuid.uuid4().hex[:8]}.tmp"
         staging.mkdir()
         try:
-            for name in ADAPTER_FILES:
+            # A GAE run's critic (value_head.safetensors) travels with its adapter.
+            extra = [VALUE_HEAD_FILE] if (adapter_dir / VALUE_HEAD_FILE).is_file() else []
+            for name in [*ADAPTER_FILES, *extra]:
                 shutil.copyfile(adapter_dir / name, staging / name)
                 fsync_path(staging / name)
             fsync_path(staging)

@@ -37,6 +37,7 @@ from torch import nn
 
 from contracts.pool_api import ClaimedBatchStruct, PoolRegister
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES, RunConfig
+from trainer_core.critic import ValueHeads, uses_critic
 from trainer_core.directory_source import DirectoryRunSource
 from trainer_core.dist import (
     World,
@@ -195,6 +196,8 @@ class PoolTrainer:
         self.lora = apply_multi_lora(self.model, args.target_modules, args.slots, args.max_rank)
         self.model.train()
         self.optimizer = MultiRunOptimizer(args.slots)
+        # One linear critic per slot, used by runs with GAE advantages (trainer_core.critic).
+        self.value_heads = ValueHeads(args.slots, int(base.config.hidden_size)).to(device)
         self.slots: dict[int, RunSlot] = {}
         """The active runs by slot, the same on every rank (master: with their packing state)."""
 
@@ -241,6 +244,7 @@ class PoolTrainer:
             optimizer=self.optimizer,
             base_model=args.base_model,
             checkpoint_dir=args.checkpoint_home,
+            value_heads=self.value_heads,
         )
         return _Master(source=source, packer=packer, publisher=publisher)
 
@@ -254,9 +258,11 @@ class PoolTrainer:
         # Seeded by the run's config alone: every rank gets the same initial adapter, and a run's
         # adapter does not depend on which slot it got or which runs came before it (isolation).
         self.lora.reset_slot(slot, seed=config.seed)
+        self.value_heads.reset_slot(slot)
         self.optimizer.create(
             slot,
-            self.lora.slot_parameters(slot),
+            self.lora.slot_parameters(slot)
+            + (self.value_heads.slot_parameters(slot) if uses_critic(config) else []),
             optim=config.optim,
             scheduler=config.scheduler,
             max_steps=config.max_steps,
@@ -267,6 +273,7 @@ class PoolTrainer:
             slot=slot,
             checkpoint_dir=self.args.checkpoint_home,
             run_id=run_id,
+            value_heads=self.value_heads,
         )
         run = RunSlot(slot, run_id, config, progress, ledger=RunLedger(next_sample=progress.total_samples))
         self.slots[slot] = run
@@ -290,6 +297,7 @@ class PoolTrainer:
         run = self.slots.pop(slot)
         self.optimizer.remove(slot)
         self.lora.reset_slot(slot)
+        self.value_heads.reset_slot(slot)
         if self.master:
             self.master.packer.remove_run(slot)
             self.master.source.release_run(run.run_id)
@@ -325,6 +333,8 @@ class PoolTrainer:
                 loss_settings={slot: run.config.loss for slot, run in self.slots.items()},
                 completing=plan.completing,
                 world=self.world,
+                advantage_settings={slot: run.config.advantage for slot, run in self.slots.items()},
+                value_heads=self.value_heads,
                 device=self.device,
             )
             if self.master:
