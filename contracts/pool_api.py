@@ -58,6 +58,13 @@ class PoolHeartbeatOut(_Answer):
     status: str
 
 
+class InitFrom(_Answer):
+    """Where a run's first adapter comes from: another run's adapter of that step (`init_from`)."""
+
+    run_id: str
+    step: int
+
+
 class PoolRunState(_Answer):
     """An active run the pool should train."""
 
@@ -66,6 +73,8 @@ class PoolRunState(_Answer):
     status: RunStatus
     config: dict[str, Any]
     progress: Progress
+    init_from: InitFrom | None = None
+    """A run without a checkpoint starts from this adapter (GET /v1/pool/runs/{run_id}/init-adapter)."""
 
 
 class PoolStateOut(_Answer):
