@@ -49,16 +49,19 @@ def resolve_init_from(
         if mine != other
     ]
     if mismatches:
-        details = [
-            {
-                "loc": ["body", "config", *field.split(".")],
-                "msg": f"{field} is {mine!r} but the init_from adapter (run {source.id} step "
-                f"{adapter.step}) has {other!r}",
-            }
+        messages = [
+            f"{field} is {mine!r} but the init_from adapter (run {source.id} step {adapter.step}) has {other!r}"
             for field, mine, other in mismatches
         ]
+        details: list[dict[str, Any]] = [
+            {
+                "loc": ["body", "config", *field.split(".")],
+                "msg": message,
+            }
+            for (field, _, _), message in zip(mismatches, messages, strict=True)
+        ]
         raise ValidationFailed(
-            "the init_from adapter does not fit this run's config: " + "; ".join(d["msg"] for d in details),
+            "the init_from adapter does not fit this run's config: " + "; ".join(messages),
             details=details,
         )
     return {"run_id": source.id, "step": adapter.step}
