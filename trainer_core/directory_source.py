@@ -229,6 +229,10 @@ class DirectoryRunSource:
     def release_run(self, run_id: str) -> None:
         self._feeds.pop(run_id, None)
 
+    def fetch_init_adapter(self, run_id: str, dest: Path) -> bool:
+        """Run directories have no `init_from` (a run starts from its own checkpoint or fresh)."""
+        return False
+
     def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
         """Up to `max_batches` batches of the admitted runs, one run after the other (round robin)."""
         out: list[ClaimedBatchStruct] = []

@@ -111,6 +111,11 @@ class RunSource(RunLister, Protocol):
 
     def report_step(self, run_id: str, report: StepReport) -> None: ...
 
+    def fetch_init_adapter(self, run_id: str, dest: Path) -> bool:
+        """Write the PEFT files of the adapter the run starts from (`init_from`) into `dest`; False when
+        the run has none."""
+        ...
+
 
 ConfigCheck = Callable[[RunConfig], list[str]]
 """config -> problems beyond the RunConfig schema (e.g. above the pool's maximum rank); [] when it fits."""
