@@ -59,10 +59,13 @@ class PoolHeartbeatOut(_Answer):
 
 
 class InitFrom(_Answer):
-    """Where a run's first adapter comes from: another run's adapter of that step (`init_from`)."""
+    """Where a run starts from (`init_from`): another run's adapter of `step`, or its checkpoint of
+    `checkpoint` (with its optimizer and schedule state when `with_optimizer`)."""
 
     run_id: str
-    step: int
+    step: int | None = None
+    checkpoint: int | None = None
+    with_optimizer: bool = False
 
 
 class PoolRunState(_Answer):

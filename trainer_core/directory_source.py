@@ -54,7 +54,14 @@ from contracts.layout import (
     STABLE_MARKER,
     step_dir_name,
 )
-from contracts.pool_api import AckItem, CheckpointReport, ClaimedBatchStruct, PoolRegister, StepReport
+from contracts.pool_api import (
+    AckItem,
+    CheckpointReport,
+    ClaimedBatchStruct,
+    InitFrom,
+    PoolRegister,
+    StepReport,
+)
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, batch_msgpack_decoder, batch_problems, msgpack_encoder
 from trainer_core.checkpoint import checkpoint_progress, latest_checkpoint
@@ -228,6 +235,9 @@ class DirectoryRunSource:
 
     def release_run(self, run_id: str) -> None:
         self._feeds.pop(run_id, None)
+
+    def init_from(self, run_id: str) -> InitFrom | None:
+        return None
 
     def fetch_init_adapter(self, run_id: str, dest: Path) -> bool:
         """Run directories have no `init_from` (a run starts from its own checkpoint or fresh)."""

@@ -91,9 +91,13 @@ class HttpRunSource:
         self._init_from = {run.run_id: run.init_from for run in runs if run.init_from is not None}
         return [RunRecord(run.run_id, run.config, slot_hint=run.slot, progress=run.progress) for run in runs]
 
+    def init_from(self, run_id: str) -> InitFrom | None:
+        return self._init_from.get(run_id)
+
     def fetch_init_adapter(self, run_id: str, dest: Path) -> bool:
         """Download the run's `init_from` adapter (a tar.gz of the PEFT files) and unpack it into `dest`."""
-        if run_id not in self._init_from:
+        spec = self._init_from.get(run_id)
+        if spec is None or spec.step is None:
             return False
         unpack_adapter_archive(self.client.init_adapter(run_id), dest)
         return True

@@ -25,7 +25,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,10 +35,8 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
-from contracts.http import ApiError
 from contracts.pool_api import ClaimedBatchStruct, PoolRegister
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES, RunConfig
-from trainer_core.checkpoint import latest_checkpoint
 from trainer_core.critic import ValueHeads, uses_critic
 from trainer_core.directory_source import DirectoryRunSource
 from trainer_core.dist import (
@@ -51,14 +48,14 @@ from trainer_core.dist import (
     pick_device,
     scatter_from_master,
 )
-from trainer_core.export import import_peft_adapter
 from trainer_core.http_source import HttpRunSource
+from trainer_core.init_from import load_initial_weights
 from trainer_core.ledger import RunLedger
 from trainer_core.lora import apply_multi_lora
 from trainer_core.models.registry import load_base_model
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch, Packer
-from trainer_core.publish import Publisher, checkpoint_root, restore_slot
+from trainer_core.publish import Publisher, restore_slot
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.slots import RunSlot
@@ -262,8 +259,18 @@ class PoolTrainer:
         # Seeded by the run's config alone: every rank gets the same initial adapter, and a run's
         # adapter does not depend on which slot it got or which runs came before it (isolation).
         self.lora.reset_slot(slot, seed=config.seed)
-        init_error = self._load_init_adapter(slot, run_id, config)
+        initial = load_initial_weights(
+            lora=self.lora,
+            slot=slot,
+            run_id=run_id,
+            config=config,
+            checkpoint_home=self.args.checkpoint_home,
+            source=self.master.source if self.master else None,
+            world=self.world,
+        )
         self.value_heads.reset_slot(slot)
+        if initial.value_head is not None and uses_critic(config):
+            self.value_heads.load_slot_state_dict(slot, initial.value_head)
         self.optimizer.create(
             slot,
             self.lora.slot_parameters(slot)
@@ -272,6 +279,8 @@ class PoolTrainer:
             scheduler=config.scheduler,
             max_steps=config.max_steps,
         )
+        if initial.optimizer_state is not None:
+            self.optimizer.load_state_dict(slot, initial.optimizer_state)
         progress = restore_slot(
             lora=self.lora,
             optimizer=self.optimizer,
@@ -282,8 +291,8 @@ class PoolTrainer:
         )
         run = RunSlot(slot, run_id, config, progress, ledger=RunLedger(next_sample=progress.total_samples))
         self.slots[slot] = run
-        if self.master and init_error is not None:
-            self._evict(run, f"its init_from adapter could not be loaded: {init_error}")
+        if self.master and initial.error is not None:
+            self._evict(run, f"its init_from weights could not be loaded: {initial.error}")
         if self.master:
             # Exactly-once: everything handed out after the checkpoint comes back.
             self.master.source.restart_run(run_id, progress)
@@ -294,31 +303,6 @@ class PoolTrainer:
             # that step's report. Nothing is left to train; report it again so the run completes.
             self.master.publisher.report_completed(run)
             run.leaving = f"completed its {progress.step} steps (report repeated after a restart)"
-
-    def _load_init_adapter(self, slot: int, run_id: str, config: RunConfig) -> str | None:
-        """A run with `init_from` and no checkpoint yet starts from that adapter: the master downloads it
-        and every rank loads the same tensors. Returns why it could not be loaded (the run is then evicted)."""
-        if latest_checkpoint(checkpoint_root(self.args.checkpoint_home, run_id)) is not None:
-            return None  # resuming: the checkpoint (restore_slot) holds the run's own weights
-        loaded: dict[str, object] = {"state": None, "error": None}
-        if self.master:
-            try:
-                with tempfile.TemporaryDirectory(prefix=f"{run_id}-init-") as tmp:
-                    if self.master.source.fetch_init_adapter(run_id, Path(tmp)):
-                        import_peft_adapter(self.lora, slot, tmp)
-                        loaded["state"] = self.lora.slot_state_dict(slot)
-            except (ValueError, KeyError, OSError, ApiError) as exc:
-                loaded["error"] = str(exc)
-        loaded = broadcast_from_master(loaded, self.world)
-        # The run's own dropout (and its rank and alpha, which the service checked are the adapter's).
-        self.lora.configure_slot(
-            slot, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout
-        )
-        state = loaded["state"]
-        if isinstance(state, dict) and not self.master:
-            self.lora.load_slot_state_dict(slot, state)
-        error = loaded["error"]
-        return error if isinstance(error, str) else None
 
     def release_slot(self, slot: int) -> None:
         """Forget the run in `slot`: adapter, optimizer and gradients, buffered samples, ledger, metrics.

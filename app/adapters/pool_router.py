@@ -105,8 +105,8 @@ def trainer_evict(
 def init_adapter(_: WorkerDep, run_id: str, session: SessionDep, settings: SettingsDep) -> FileResponse:
     """The adapter a run starts from (its `init_from`), for the pool to load at admission."""
     run = get_run(session, run_id=run_id)
-    if run.init_from is None:
-        raise NotFound(f"run {run_id} has no init_from", code="adapter_not_found")
+    if run.init_from is None or run.init_from.get("step") is None:
+        raise NotFound(f"run {run_id} does not start from an adapter", code="adapter_not_found")
     adapter = service.get_adapter(session, run_id=run.init_from["run_id"], step=run.init_from["step"])
     return FileResponse(
         service.adapter_archive(adapter, settings=settings),

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.adapters.models import Adapter
+from app.adapters.models import Adapter, Checkpoint
 from app.errors import NotFound, ValidationFailed
 from app.runs.models import Run
 from app.runs.schemas import InitFromRun
@@ -27,30 +27,35 @@ def resolve_init_from(
     source = session.get(Run, request.run_id)
     if source is None or source.tenant_id != tenant_id:
         raise NotFound(f"run {request.run_id} not found (init_from.run_id)")
-    # Not app.adapters.service.get_adapter: that module imports the runs service (a cycle).
-    query = select(Adapter).where(Adapter.run_id == source.id)
-    if request.step == "latest":
-        query = query.order_by(Adapter.step.desc()).limit(1)
+    if request.checkpoint is not None:
+        found = _checkpoint_step(session, source.id, request.checkpoint)
+        resolved: dict[str, Any] = {
+            "run_id": source.id,
+            "checkpoint": found,
+            "with_optimizer": request.with_optimizer,
+        }
+        what = f"checkpoint {found}"
     else:
-        query = query.where(Adapter.step == request.step)
-    adapter = session.scalar(query)
-    if adapter is None:
-        what = "no adapter yet" if request.step == "latest" else f"no adapter for step {request.step}"
-        raise NotFound(f"run {source.id} has {what} (init_from)", code="adapter_not_found")
+        found = _adapter_step(session, source.id, "latest" if request.step is None else request.step)
+        resolved = {"run_id": source.id, "step": found}
+        what = f"step {found}"
     theirs = RunConfig.model_validate(source.config)
-    mismatches = [
-        (field, mine, other)
-        for field, mine, other in (
-            ("base_model", config.base_model, theirs.base_model),
-            ("lora.rank", config.lora.rank, theirs.lora.rank),
-            ("lora.alpha", config.lora.alpha, theirs.lora.alpha),
-            ("lora.target_modules", sorted(config.lora.target_modules), sorted(theirs.lora.target_modules)),
-        )
-        if mine != other
+    compared: list[tuple[str, Any, Any]] = [
+        ("base_model", config.base_model, theirs.base_model),
+        ("lora.rank", config.lora.rank, theirs.lora.rank),
+        ("lora.alpha", config.lora.alpha, theirs.lora.alpha),
+        ("lora.target_modules", sorted(config.lora.target_modules), sorted(theirs.lora.target_modules)),
     ]
+    if request.with_optimizer:
+        # The optimizer state is per parameter and carries the source's hyperparameters and schedule.
+        compared += [
+            ("optim", config.optim.model_dump(), theirs.optim.model_dump()),
+            ("scheduler", config.scheduler.model_dump(), theirs.scheduler.model_dump()),
+        ]
+    mismatches = [(field, mine, other) for field, mine, other in compared if mine != other]
     if mismatches:
         messages = [
-            f"{field} is {mine!r} but the init_from adapter (run {source.id} step {adapter.step}) has {other!r}"
+            f"{field} is {mine!r} but the init_from source (run {source.id} {what}) has {other!r}"
             for field, mine, other in mismatches
         ]
         details: list[dict[str, Any]] = [
@@ -64,4 +69,33 @@ def resolve_init_from(
             "the init_from adapter does not fit this run's config: " + "; ".join(messages),
             details=details,
         )
-    return {"run_id": source.id, "step": adapter.step}
+    return resolved
+
+
+def _adapter_step(session: Session, run_id: str, step: int | str) -> int:
+    # Not app.adapters.service.get_adapter: that module imports the runs service (a cycle).
+    query = select(Adapter.step).where(Adapter.run_id == run_id)
+    query = (
+        query.order_by(Adapter.step.desc()).limit(1)
+        if step == "latest"
+        else query.where(Adapter.step == step)
+    )
+    found = session.scalar(query)
+    if found is None:
+        what = "no adapter yet" if step == "latest" else f"no adapter for step {step}"
+        raise NotFound(f"run {run_id} has {what} (init_from)", code="adapter_not_found")
+    return int(found)
+
+
+def _checkpoint_step(session: Session, run_id: str, step: int | str) -> int:
+    query = select(Checkpoint.step).where(Checkpoint.run_id == run_id)
+    query = (
+        query.order_by(Checkpoint.step.desc()).limit(1)
+        if step == "latest"
+        else query.where(Checkpoint.step == step)
+    )
+    found = session.scalar(query)
+    if found is None:
+        what = "no checkpoint yet" if step == "latest" else f"no checkpoint of step {step}"
+        raise NotFound(f"run {run_id} has {what} (init_from)", code="checkpoint_not_found")
+    return int(found)

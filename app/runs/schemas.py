@@ -5,7 +5,7 @@ import json
 import tomllib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.errors import UnsupportedMediaType, ValidationFailed
 from app.runs.models import Run
@@ -20,12 +20,29 @@ JSON_CONTENT_TYPES = frozenset({"application/json", ""})
 
 
 class InitFromRun(BaseModel):
-    """Start from one of the tenant's own runs' adapters: the adapter of `step`, or its newest."""
+    """Start from one of the tenant's own runs: its adapter of `step` (default: the newest), or its
+    checkpoint of `checkpoint`, with that checkpoint's optimizer and schedule state when `with_optimizer`."""
 
     model_config = ConfigDict(extra="forbid")
 
     run_id: str = Field(pattern=r"^run_[0-9a-f]{12}$", examples=["run_97e3b736da57"])
-    step: int | Literal["latest"] = Field(default="latest", description="An adapter step (>= 1), or latest.")
+    step: int | Literal["latest"] | None = Field(
+        default=None, description="An adapter step (>= 1), or latest (the default without checkpoint)."
+    )
+    checkpoint: int | Literal["latest"] | None = Field(
+        default=None, description="A checkpoint step, or latest: the pool that trained the run loads it."
+    )
+    with_optimizer: bool = Field(
+        default=False, description="With checkpoint: also its optimizer and schedule (resume/fork exactly)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "InitFromRun":
+        if self.step is not None and self.checkpoint is not None:
+            raise ValueError("give step (an adapter) or checkpoint, not both")
+        if self.with_optimizer and self.checkpoint is None:
+            raise ValueError("with_optimizer needs checkpoint")
+        return self
 
 
 class RunCreate(BaseModel):

@@ -81,11 +81,47 @@ def test_init_from_a_run_adapter(live_service, tmp_path):
         )
         assert created.status_code == 201, created.text
         new = created.json()
-        assert new["init_from"] == {"run_id": src, "step": 2}
+        assert new["init_from"] == {"run_id": src, "step": 2, "checkpoint": None, "with_optimizer": False}
         _push(alice, new["id"], 7, advantage_scale=0.0)
         _wait_completed(alice, new["id"])
+
+        # Fork from the checkpoint of step 1 with its optimizer and schedule, and train on the batch the
+        # source trained at step 2: the fork's step 1 is the source's step 2.
+        for init, status, text in (
+            ({"run_id": src, "checkpoint": 99, "with_optimizer": True}, 404, "no checkpoint of step 99"),
+            ({"run_id": src, "step": 1, "with_optimizer": True}, 422, "with_optimizer needs checkpoint"),
+        ):
+            r = alice.post("/v1/runs", json={"name": "x", "config": run_config(), "init_from": init})
+            assert r.status_code == status and text in r.text, r.text
+        r = alice.post(
+            "/v1/runs",
+            json={
+                "name": "x",
+                "config": run_config(optim={"lr": 1e-3}),
+                "init_from": {"run_id": src, "checkpoint": 1, "with_optimizer": True},
+            },
+        )
+        assert r.status_code == 422 and "optim is" in r.json()["error"]["message"], r.text
+        fork = alice.post(
+            "/v1/runs",
+            json={
+                "name": "fork",
+                "config": run_config(max_steps=1, seed=42),
+                "init_from": {"run_id": src, "checkpoint": 1, "with_optimizer": True},
+            },
+        )
+        assert fork.status_code == 201, fork.text
+        fork_id = fork.json()["id"]
+        _push(alice, fork_id, 2)
+        _wait_completed(alice, fork_id)
     finally:
         kill_pool(pool)
+
+    forked = download_adapter_tensors(alice, fork_id, 1)
+    source_step2 = download_adapter_tensors(alice, src, 2)
+    source_step1 = download_adapter_tensors(alice, src, 1)
+    assert max(float((forked[k] - source_step2[k]).abs().max()) for k in forked) <= 1e-5
+    assert max(float((forked[k] - source_step1[k]).abs().max()) for k in forked) > 1e-4  # it did train
 
     want = download_adapter_tensors(alice, src, 2)
     got = download_adapter_tensors(alice, new["id"], 1)
