@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.adapters.pool_router import router as pool_adapters_router
 from app.adapters.router import router as adapters_router
+from app.adapters.tenant_router import router as tenant_adapters_router
 from app.batches.pool_router import router as pool_batches_router
 from app.batches.router import router as batches_router
 from app.config import Settings, get_settings
@@ -150,6 +151,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         adapters_router,
         pool_adapters_router,
         pools_router,
+        tenant_adapters_router,
     ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)

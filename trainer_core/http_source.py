@@ -97,7 +97,7 @@ class HttpRunSource:
     def fetch_init_adapter(self, run_id: str, dest: Path) -> bool:
         """Download the run's `init_from` adapter (a tar.gz of the PEFT files) and unpack it into `dest`."""
         spec = self._init_from.get(run_id)
-        if spec is None or spec.step is None:
+        if spec is None or spec.checkpoint is not None:
             return False
         unpack_adapter_archive(self.client.init_adapter(run_id), dest)
         return True

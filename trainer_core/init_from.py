@@ -73,7 +73,7 @@ def load_initial_weights(
     if shared["state"] is not None and source is None:
         lora.load_slot_state_dict(slot, shared["state"])
     spec = InitFrom.model_validate(shared["spec"]) if shared["spec"] is not None else None
-    if spec is not None and spec.checkpoint is not None and out.error is None:
+    if spec is not None and spec.checkpoint is not None and spec.run_id is not None and out.error is None:
         path = checkpoint_root(checkpoint_home, spec.run_id) / step_dir_name(spec.checkpoint)
         try:
             ckpt = load_checkpoint(path)
@@ -86,3 +86,12 @@ def load_initial_weights(
         if ckpt.extra is not None:
             out.value_head = ckpt.extra.get("value_head")
     return out
+
+
+def module_shapes(lora: MultiLoRA) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each adapted module type (q_proj, ...), for the service to check
+    uploaded adapters against; the pool registers it."""
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, layer in lora.layers.items():
+        shapes.setdefault(name.rsplit(".", 1)[-1], (layer.in_features, layer.out_features))
+    return shapes

@@ -49,7 +49,7 @@ from trainer_core.dist import (
     scatter_from_master,
 )
 from trainer_core.http_source import HttpRunSource
-from trainer_core.init_from import load_initial_weights
+from trainer_core.init_from import load_initial_weights, module_shapes
 from trainer_core.ledger import RunLedger
 from trainer_core.lora import apply_multi_lora
 from trainer_core.models.registry import load_base_model
@@ -229,6 +229,8 @@ class PoolTrainer:
                 slots=args.slots,
                 world_size=self.world.world_size,
                 max_seq_len=args.seq_len,
+                module_shapes=module_shapes(self.lora),
+                num_layers=len({name.split(".self_attn.")[0].split(".mlp.")[0] for name in self.lora.layers}),
             )
         )
         packer = Packer(

@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse
 
 from app.adapters import service
 from app.adapters.schemas import CheckpointOut
+from app.adapters.uploads import archive_path
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
 from app.errors import NotFound
@@ -105,6 +106,11 @@ def trainer_evict(
 def init_adapter(_: WorkerDep, run_id: str, session: SessionDep, settings: SettingsDep) -> FileResponse:
     """The adapter a run starts from (its `init_from`), for the pool to load at admission."""
     run = get_run(session, run_id=run_id)
+    uploaded = run.init_from.get("adapter_id") if run.init_from else None
+    if uploaded is not None:
+        return FileResponse(
+            archive_path(uploaded, settings), media_type="application/gzip", filename=f"{uploaded}.tar.gz"
+        )
     if run.init_from is None or run.init_from.get("step") is None:
         raise NotFound(f"run {run_id} does not start from an adapter", code="adapter_not_found")
     adapter = service.get_adapter(session, run_id=run.init_from["run_id"], step=run.init_from["step"])

@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.adapters.models import Adapter, Checkpoint
+from app.adapters.models import Adapter, Checkpoint, TenantAdapter
 from app.errors import NotFound, ValidationFailed
 from app.runs.models import Run
 from app.runs.schemas import InitFromRun
@@ -24,7 +24,9 @@ def resolve_init_from(
     """{"run_id", "step"} of the adapter to start from. A run of another tenant is a 404 exactly like a
     missing one; a missing adapter step is a 404; an adapter that does not fit `config` is a 422 that
     names every mismatching field."""
-    source = session.get(Run, request.run_id)
+    if request.adapter_id is not None:
+        return _uploaded(session, tenant_id=tenant_id, adapter_id=request.adapter_id, config=config)
+    source = session.get(Run, request.run_id) if request.run_id is not None else None
     if source is None or source.tenant_id != tenant_id:
         raise NotFound(f"run {request.run_id} not found (init_from.run_id)")
     if request.checkpoint is not None:
@@ -70,6 +72,29 @@ def resolve_init_from(
             details=details,
         )
     return resolved
+
+
+def _uploaded(session: Session, *, tenant_id: str, adapter_id: str, config: RunConfig) -> dict[str, Any]:
+    row = session.get(TenantAdapter, adapter_id)
+    if row is None or row.tenant_id != tenant_id:
+        raise NotFound(f"adapter {adapter_id} not found (init_from.adapter_id)", code="adapter_not_found")
+    compared = [
+        ("base_model", config.base_model, row.base_model),
+        ("lora.rank", config.lora.rank, row.rank),
+        ("lora.alpha", config.lora.alpha, row.alpha),
+        ("lora.target_modules", sorted(config.lora.target_modules), sorted(row.target_modules)),
+    ]
+    messages = [
+        f"{field} is {mine!r} but the uploaded adapter {adapter_id} has {other!r}"
+        for field, mine, other in compared
+        if mine != other
+    ]
+    if messages:
+        raise ValidationFailed(
+            "the init_from adapter does not fit this run's config: " + "; ".join(messages),
+            details=[{"loc": ["body", "config"], "msg": m} for m in messages],
+        )
+    return {"adapter_id": adapter_id}
 
 
 def _adapter_step(session: Session, run_id: str, step: int | str) -> int:

@@ -25,7 +25,12 @@ class InitFromRun(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    run_id: str = Field(pattern=r"^run_[0-9a-f]{12}$", examples=["run_97e3b736da57"])
+    run_id: str | None = Field(default=None, pattern=r"^run_[0-9a-f]{12}$", examples=["run_97e3b736da57"])
+    adapter_id: str | None = Field(
+        default=None,
+        max_length=16,
+        description="An adapter uploaded with POST /v1/adapters (instead of run_id).",
+    )
     step: int | Literal["latest"] | None = Field(
         default=None, description="An adapter step (>= 1), or latest (the default without checkpoint)."
     )
@@ -38,6 +43,10 @@ class InitFromRun(BaseModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> "InitFromRun":
+        if (self.run_id is None) == (self.adapter_id is None):
+            raise ValueError("give run_id or adapter_id, exactly one")
+        if self.adapter_id is not None and (self.step is not None or self.checkpoint is not None):
+            raise ValueError("an uploaded adapter has no step or checkpoint")
         if self.step is not None and self.checkpoint is not None:
             raise ValueError("give step (an adapter) or checkpoint, not both")
         if self.with_optimizer and self.checkpoint is None:
