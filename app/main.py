@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.adapters.pool_router import router as pool_adapters_router
 from app.adapters.router import router as adapters_router
+from app.adapters.tenant_router import router as tenant_adapters_router
 from app.batches.pool_router import router as pool_batches_router
 from app.batches.router import router as batches_router
 from app.config import Settings, get_settings
@@ -149,6 +150,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         events_router,
         pools_admin_router,
         pools_catalog_router,
+        tenant_adapters_router,
     ):
         app.include_router(router)
     install_ui(app)

@@ -49,6 +49,10 @@ class PoolRegister(_Request):
     slots: int = Field(ge=1, le=1024)
     world_size: int = Field(ge=1, le=1_000_000)
     max_seq_len: int = Field(ge=8, le=10_000_000)
+    module_shapes: dict[ModuleName, tuple[int, int]] | None = None
+    """(in_features, out_features) of each adaptable module type: uploaded adapters are checked against it."""
+    num_layers: int | None = Field(default=None, ge=1, le=100_000)
+    """Decoder layers of the base model."""
 
 
 class PoolRegistered(_Answer):
@@ -65,6 +69,18 @@ class PoolHeartbeatOut(_Answer):
     status: str
 
 
+class InitFrom(_Answer):
+    """Where a run starts from (`init_from`): another run's adapter of `step`, or its checkpoint of
+    `checkpoint` (with its optimizer and schedule state when `with_optimizer`), or an adapter the
+    tenant uploaded (`adapter_id`)."""
+
+    run_id: str | None = None
+    adapter_id: str | None = None
+    step: int | None = None
+    checkpoint: int | None = None
+    with_optimizer: bool = False
+
+
 class PoolRunState(_Answer):
     """An active run the pool should train."""
 
@@ -73,6 +89,8 @@ class PoolRunState(_Answer):
     status: RunStatus
     config: dict[str, Any]
     progress: Progress
+    init_from: InitFrom | None = None
+    """A run without a checkpoint starts from this adapter (GET /v1/pool/runs/{run_id}/init-adapter)."""
 
 
 class PoolStateOut(_Answer):

@@ -103,19 +103,94 @@ class SchedulerSettings(_Strict):
     )
 
 
+LossKind = Literal["token_is", "sequence_is", "cross_entropy", "ppo", "cispo"]
+RL_LOSS_KINDS = frozenset({"token_is", "sequence_is", "ppo", "cispo"})
+"""The kinds that train on advantages (everything but SFT's cross_entropy)."""
+
+
 class LossSettings(_Strict):
-    kind: Literal["token_is", "sequence_is"] = Field(
+    """The run's loss; formulas in `trainer_core/loss.py`'s docstring and the README's config table."""
+
+    kind: LossKind = Field(
         default="token_is",
-        description="Importance-ratio masking at token level, or the whole sequence when its ratio leaves the bounds.",
+        description=(
+            "token_is / sequence_is: importance-sampled policy gradient with ratio masking (token or whole "
+            "sequence); cross_entropy: SFT, weighted by the loss mask or per-token `weights`; ppo: clipped "
+            "surrogate; cispo: clipped IS weight (stop-gradient) times the logprob."
+        ),
     )
     mask_ratio_low: float = Field(
-        default=0.125, gt=0.0, le=1.0, description="Mask tokens whose ratio is below this."
+        default=0.125,
+        gt=0.0,
+        le=1.0,
+        description="token_is/sequence_is: mask tokens whose ratio is below this.",
     )
     mask_ratio_high: float = Field(
-        default=8.0, ge=1.0, le=1000.0, description="Mask tokens whose ratio is above this."
+        default=8.0,
+        ge=1.0,
+        le=1000.0,
+        description="token_is/sequence_is: mask tokens whose ratio is above this.",
     )
     kl_coef: float = Field(
-        default=0.0, ge=0.0, le=100.0, description="KL penalty towards the inference policy."
+        default=0.0, ge=0.0, le=100.0, description="RL kinds: k3 KL penalty towards the inference policy."
+    )
+    clip_low: float = Field(
+        default=0.2, ge=0.0, le=1.0, description="ppo/cispo: the ratio is clipped below at 1 - clip_low."
+    )
+    clip_high: float = Field(
+        default=0.2,
+        ge=0.0,
+        le=100.0,
+        description="ppo/cispo: the ratio is clipped above at 1 + clip_high (clip-higher: > clip_low).",
+    )
+    dual_clip: float | None = Field(
+        default=None,
+        gt=1.0,
+        le=100.0,
+        description="ppo: dual clip c; a negative-advantage token's loss is at most -c * A.",
+    )
+    kl_ref_coef: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=100.0,
+        description="RL kinds: KL penalty towards the reference policy (the base model without adapter).",
+    )
+    kl_ref_estimator: Literal["k1", "k2", "k3"] = Field(
+        default="k3", description="Estimator of KL(policy || reference) for kl_ref_coef."
+    )
+    entropy_coef: float = Field(
+        default=0.0, ge=0.0, le=10.0, description="RL kinds: entropy bonus (subtracted from the loss)."
+    )
+
+    @model_validator(mode="after")
+    def _rl_terms_need_rl(self) -> "LossSettings":
+        if self.kind not in RL_LOSS_KINDS:
+            used = [name for name in ("kl_coef", "kl_ref_coef", "entropy_coef") if getattr(self, name) != 0.0]
+            if used:
+                raise ValueError(f"{', '.join(used)} apply to RL kinds only, not {self.kind!r}")
+        if self.dual_clip is not None and self.kind != "ppo":
+            raise ValueError(f"dual_clip applies to kind 'ppo' only, not {self.kind!r}")
+        return self
+
+
+class AdvantageSettings(_Strict):
+    """Where advantages come from: the client (GRPO/RLOO in the orchestrator) or a per-run critic."""
+
+    estimator: Literal["client", "gae"] = Field(
+        default="client",
+        description=(
+            "client: advantages sent with each sample. gae: the run gets a value head; samples carry "
+            "`reward` (at the last loss token) or `token_rewards`, and the trainer computes GAE."
+        ),
+    )
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0, description="gae: discount.")
+    lam: float = Field(default=0.95, ge=0.0, le=1.0, description="gae: lambda.")
+    value_coef: float = Field(default=0.5, gt=0.0, le=100.0, description="gae: weight of the value loss.")
+    value_clip: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1e6,
+        description="gae: the value error's gradient is clipped at this (Huber loss with this delta).",
     )
 
 
@@ -135,6 +210,7 @@ class RunConfig(_Strict):
     max_steps: int = Field(default=100, ge=1, le=1_000_000)
     seq_len: int = Field(default=512, ge=8, le=131_072, description="Longest sample (prompt + completion).")
     loss: LossSettings = LossSettings()
+    advantage: AdvantageSettings = AdvantageSettings()
     ckpt: CkptSettings = CkptSettings()
     max_async_level: int = Field(
         default=2,
@@ -167,6 +243,12 @@ class RunConfig(_Strict):
     def _metadata_small(self) -> "RunConfig":
         if len(self.metadata) > 64:
             raise ValueError("metadata has more than 64 keys")
+        return self
+
+    @model_validator(mode="after")
+    def _gae_needs_rl(self) -> "RunConfig":
+        if self.advantage.estimator == "gae" and self.loss.kind not in RL_LOSS_KINDS:
+            raise ValueError(f"advantage.estimator 'gae' needs an RL loss kind, not {self.loss.kind!r}")
         return self
 
 

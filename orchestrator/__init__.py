@@ -30,6 +30,7 @@ from orchestrator.filters import FilterMode, filter_samples
 from orchestrator.loop import LoopConfig, RolloutLoop, StepReport
 from orchestrator.models import AdapterInfo, BatchInfo, Progress, Run, StepMetrics
 from orchestrator.samplers import Completion, OpenAICompatibleSampler, Sampler
+from orchestrator.sft import SFTExample, SFTLoop, SFTStep
 
 __all__ = [
     "AdapterInfo",
@@ -56,6 +57,9 @@ __all__ = [
     "RolloutLoop",
     "Run",
     "RunEvicted",
+    "SFTExample",
+    "SFTLoop",
+    "SFTStep",
     "RunFailed",
     "Sampler",
     "Specialization",

@@ -111,7 +111,10 @@ class _Ops:
 
     @staticmethod
     def create_run(
-        name: str, config: RunConfig | Mapping[str, Any] | None, idempotency_key: str | None
+        name: str,
+        config: RunConfig | Mapping[str, Any] | None,
+        idempotency_key: str | None,
+        init_from: Mapping[str, Any] | None = None,
     ) -> _Op[Run]:
         if isinstance(config, RunConfig):
             # Only what the user set: the service applies the same defaults, and an older
@@ -122,7 +125,8 @@ class _Ops:
         response = yield _Request(
             "POST",
             "/v1/runs",
-            json={"name": name, "config": body_config},
+            json={"name": name, "config": body_config}
+            | ({"init_from": dict(init_from)} if init_from is not None else {}),
             headers=_idempotency_headers(idempotency_key),
         )
         return Run.model_validate(response.json())
@@ -322,8 +326,11 @@ class LoraloomClient:
         config: RunConfig | Mapping[str, Any] | None = None,
         *,
         idempotency_key: str | None = None,
+        init_from: Mapping[str, Any] | None = None,
     ) -> Run:
-        return self._run(_Ops.create_run(name, config, idempotency_key))
+        """Create a run; `init_from={"run_id": ..., "step": N | "latest"}` starts it from the adapter of
+        one of your runs (same base model, lora rank, alpha and target modules)."""
+        return self._run(_Ops.create_run(name, config, idempotency_key, init_from))
 
     def get_run(self, run_id: str) -> Run:
         return self._run(_Ops.get_run(run_id))
@@ -423,8 +430,10 @@ class AsyncLoraloomClient:
         config: RunConfig | Mapping[str, Any] | None = None,
         *,
         idempotency_key: str | None = None,
+        init_from: Mapping[str, Any] | None = None,
     ) -> Run:
-        return await self._run(_Ops.create_run(name, config, idempotency_key))
+        """As `LoraloomClient.create_run`."""
+        return await self._run(_Ops.create_run(name, config, idempotency_key, init_from))
 
     async def get_run(self, run_id: str) -> Run:
         return await self._run(_Ops.get_run(run_id))

@@ -32,6 +32,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 from contracts.tokenizer import Tokenizer, encode_prompt
 from contracts.wire import TrainingBatch, TrainingSample
@@ -88,7 +89,10 @@ class EngineConfig:
     """Per completion; the env's suggestion for each agent when None."""
     temperature: float = 1.0
     top_p: float = 1.0
-    advantage: AdvantageMethod = "grpo"
+    advantage: AdvantageMethod | Literal["gae"] = "grpo"
+    """grpo / rloo: group-relative advantages computed here. gae: for runs with
+    `config.advantage.estimator = "gae"` — samples carry their `reward` and the trainer's critic
+    computes the advantages (the `advantage` sent is 0 and ignored)."""
     normalize_std: bool = False
     reward_placement: RewardPlacement = RewardPlacement.LAST
     filter_mode: FilterMode = FilterMode.NONE
@@ -104,8 +108,8 @@ class EngineConfig:
         object.__setattr__(self, "specialization", Specialization(self.specialization))
         object.__setattr__(self, "filter_mode", FilterMode(self.filter_mode))
         object.__setattr__(self, "reward_placement", RewardPlacement(self.reward_placement))
-        if self.advantage not in ("grpo", "rloo"):
-            raise ValueError(f"advantage must be 'grpo' or 'rloo', not {self.advantage!r}")
+        if self.advantage not in ("grpo", "rloo", "gae"):
+            raise ValueError(f"advantage must be 'grpo', 'rloo' or 'gae', not {self.advantage!r}")
         if self.temperature <= 0:
             raise ValueError("training temperature must be > 0 (the trainer divides logits by it)")
         for name in ("max_turns", "problems_per_step", "samples_per_problem", "max_concurrency"):
@@ -412,11 +416,16 @@ class MultiAgentEngine:
                 rewards, keys, mode=self.config.filter_mode, ratio=self.config.filter_ratio
             ).kept
             kept = [samples[i] for i in kept_idx]
-            advantages = compute_advantages(
-                [s.reward for s in kept],
-                [s.key for s in kept],
-                method=self.config.advantage,
-                normalize_std=self.config.normalize_std,
+            gae = self.config.advantage == "gae"
+            advantages = (
+                [0.0] * len(kept)
+                if self.config.advantage == "gae"
+                else compute_advantages(
+                    [s.reward for s in kept],
+                    [s.key for s in kept],
+                    method=self.config.advantage,
+                    normalize_std=self.config.normalize_std,
+                )
             )
             agents = self.agents_of(run_id)
             batch = None
@@ -430,6 +439,7 @@ class MultiAgentEngine:
                             completion_mask=[True] * len(s.completion_ids),
                             completion_logprobs=s.logprobs,
                             advantage=a,
+                            reward=s.reward if gae else None,
                         )
                         for s, a in zip(kept, advantages, strict=True)
                     ],

@@ -36,6 +36,8 @@ class Run(_Model):
     base_model: str | None = None
     config: dict[str, Any] = {}
     progress: Progress = Progress()
+    init_from: dict[str, Any] | None = None
+    """{"run_id", "step"}: the adapter the run started from, if any."""
     eviction_reason: str | None = None
     evicted_by: str | None = None
     failure_reason: str | None = None

@@ -54,10 +54,18 @@ from contracts.layout import (
     STABLE_MARKER,
     step_dir_name,
 )
-from contracts.pool_api import AckItem, CheckpointReport, ClaimedBatchStruct, PoolRegister, StepReport
+from contracts.pool_api import (
+    AckItem,
+    CheckpointReport,
+    ClaimedBatchStruct,
+    InitFrom,
+    PoolRegister,
+    StepReport,
+)
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, batch_msgpack_decoder, batch_problems, msgpack_encoder
 from trainer_core.checkpoint import checkpoint_progress, latest_checkpoint
+from trainer_core.critic import VALUE_HEAD_FILE
 from trainer_core.runs import RunRecord
 
 log = logging.getLogger("loraloom.worker")
@@ -228,6 +236,13 @@ class DirectoryRunSource:
     def release_run(self, run_id: str) -> None:
         self._feeds.pop(run_id, None)
 
+    def init_from(self, run_id: str) -> InitFrom | None:
+        return None
+
+    def fetch_init_adapter(self, run_id: str, dest: Path) -> bool:
+        """Run directories have no `init_from` (a run starts from its own checkpoint or fresh)."""
+        return False
+
     def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
         """Up to `max_batches` batches of the admitted runs, one run after the other (round robin)."""
         out: list[ClaimedBatchStruct] = []
@@ -337,7 +352,9 @@ class DirectoryRunSource:
         staging = broadcast / f".{step_dir_name(step)}.{uuid.uuid4().hex[:8]}.tmp"
         staging.mkdir()
         try:
-            for name in ADAPTER_FILES:
+            # A GAE run's critic (value_head.safetensors) travels with its adapter.
+            extra = [VALUE_HEAD_FILE] if (adapter_dir / VALUE_HEAD_FILE).is_file() else []
+            for name in [*ADAPTER_FILES, *extra]:
                 shutil.copyfile(adapter_dir / name, staging / name)
                 fsync_path(staging / name)
             fsync_path(staging)

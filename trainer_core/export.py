@@ -233,3 +233,23 @@ def _replace_dir(src: Path, dst: Path) -> None:
     os.rename(dst, old / dst.name)
     os.rename(src, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def unpack_adapter_archive(data: bytes, dest: str | os.PathLike[str]) -> Path:
+    """Write the PEFT files of an adapter archive (tar or tar.gz, as the service serves them) into
+    `dest`. Only regular members named as the adapter files are read: nothing else of the archive
+    reaches the file system."""
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    found: set[str] = set()
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+        for member in tar.getmembers():
+            if member.name in ADAPTER_FILES and member.isfile():
+                f = tar.extractfile(member)
+                assert f is not None  # a regular file
+                (out / member.name).write_bytes(f.read())
+                found.add(member.name)
+    missing = sorted(set(ADAPTER_FILES) - found)
+    if missing:
+        raise ValueError(f"the adapter archive lacks {missing}")
+    return out

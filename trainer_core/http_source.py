@@ -16,6 +16,7 @@ from contracts.pool_api import (
     AdapterStored,
     CheckpointReport,
     ClaimedBatchStruct,
+    InitFrom,
     PoolHeartbeatOut,
     PoolRegister,
     PoolRegistered,
@@ -25,6 +26,7 @@ from contracts.pool_api import (
 )
 from contracts.progress import Progress
 from trainer_core.run_left import run_has_left
+from trainer_core.export import unpack_adapter_archive
 from trainer_core.runs import RunRecord
 
 log = logging.getLogger("loraloom.worker")
@@ -50,6 +52,7 @@ class PoolClient(Protocol):
     def report_checkpoint(self, run_id: str, report: CheckpointReport) -> None: ...
     def evict(self, run_id: str, reason: str) -> RunAfterPush | None: ...
     def close(self) -> None: ...
+    def init_adapter(self, run_id: str) -> bytes: ...
 
 
 class HttpRunSource:
@@ -59,6 +62,8 @@ class HttpRunSource:
         self.client = client
         self._heartbeat: _Heartbeat | None = None
         self._heartbeat_file = heartbeat_file
+        self._init_from: dict[str, InitFrom] = {}
+        """The `init_from` of the runs of the last `list_runs`."""
 
     @property
     def lost(self) -> bool:
@@ -96,10 +101,20 @@ class HttpRunSource:
     # -- runs ------------------------------------------------------------------------------------
 
     def list_runs(self) -> list[RunRecord]:
-        return [
-            RunRecord(run.run_id, run.config, slot_hint=run.slot, progress=run.progress)
-            for run in self.client.state()
-        ]
+        runs = self.client.state()
+        self._init_from = {run.run_id: run.init_from for run in runs if run.init_from is not None}
+        return [RunRecord(run.run_id, run.config, slot_hint=run.slot, progress=run.progress) for run in runs]
+
+    def init_from(self, run_id: str) -> InitFrom | None:
+        return self._init_from.get(run_id)
+
+    def fetch_init_adapter(self, run_id: str, dest: Path) -> bool:
+        """Download the run's `init_from` adapter (a tar.gz of the PEFT files) and unpack it into `dest`."""
+        spec = self._init_from.get(run_id)
+        if spec is None or spec.checkpoint is not None:
+            return False
+        unpack_adapter_archive(self.client.init_adapter(run_id), dest)
+        return True
 
     def evict(self, run_id: str, reason: str) -> None:
         try:

@@ -130,4 +130,7 @@ class MemoryPoolClient:
         self.evictions[run_id] = reason
         return None
 
+    def init_adapter(self, run_id: str) -> bytes:
+        raise KeyError(f"run {run_id} has no init_from in memory")
+
     def close(self) -> None: ...

@@ -78,6 +78,9 @@ class _RunOptim:
     max_grad_norm: float
     loss_tokens: int = 0
     """Loss tokens accumulated in the current (unfinished) step."""
+    loss_weight: float = 0.0
+    """The gradient normaliser accumulated in the current step: the loss tokens, or the sum of the
+    tokens' weights for a weighted loss (cross_entropy with `weights`)."""
 
 
 class MultiRunOptimizer:
@@ -148,10 +151,13 @@ class MultiRunOptimizer:
             for p in run.params:
                 p.grad = None
 
-    def add_loss_tokens(self, slot: int, n: int | Tensor) -> None:
+    def add_loss_tokens(self, slot: int, n: int | Tensor, weight: float | Tensor | None = None) -> None:
         """Count ``n`` more loss tokens into ``slot``'s current step (already summed over ranks
-        when the caller trains with data parallelism)."""
-        self._run(slot).loss_tokens += int(n)
+        when the caller trains with data parallelism); ``weight`` is their share of the normaliser
+        (default ``n``: every token weighs 1)."""
+        run = self._run(slot)
+        run.loss_tokens += int(n)
+        run.loss_weight += float(n) if weight is None else float(weight)
 
     def loss_tokens(self, slot: int) -> int:
         return self._run(slot).loss_tokens
@@ -168,8 +174,8 @@ class MultiRunOptimizer:
     def _step_one(self, slot: int) -> StepStats:
         run = self._run(slot)
         tokens = run.loss_tokens
-        # Guard 0: a step without loss tokens has zero gradients; dividing by 1 keeps them zero.
-        scale = 1.0 / max(tokens, 1)
+        # Guard 0: a step without loss (or weight) has zero gradients; dividing by 1 keeps them zero.
+        scale = 1.0 / run.loss_weight if run.loss_weight > 0 else 1.0
         grads: list[Tensor] = []
         for p in run.params:
             if p.grad is None:
@@ -189,6 +195,7 @@ class MultiRunOptimizer:
             run.scheduler.step()
         run.optimizer.zero_grad(set_to_none=True)
         run.loss_tokens = 0
+        run.loss_weight = 0.0
         return StepStats(grad_norm=grad_norm, lr=lr, loss_tokens=tokens, nonfinite=nonfinite)
 
     def zero_grad(self, slot: int) -> None:
@@ -196,6 +203,7 @@ class MultiRunOptimizer:
         run = self._run(slot)
         run.optimizer.zero_grad(set_to_none=True)
         run.loss_tokens = 0
+        run.loss_weight = 0.0
 
     def state_dict(self, slot: int) -> dict[str, Any]:
         """Optimizer + scheduler + token counter of ``slot``; loadable with ``torch.load(weights_only=True)``."""
@@ -204,6 +212,7 @@ class MultiRunOptimizer:
             "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(),
             "loss_tokens": run.loss_tokens,
+            "loss_weight": run.loss_weight,
         }
 
     def load_state_dict(self, slot: int, state: dict[str, Any]) -> None:
@@ -212,3 +221,4 @@ class MultiRunOptimizer:
         run.optimizer.load_state_dict(state["optimizer"])
         run.scheduler.load_state_dict(state["scheduler"])
         run.loss_tokens = int(state.get("loss_tokens", 0))
+        run.loss_weight = float(state.get("loss_weight", run.loss_tokens))

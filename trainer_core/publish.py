@@ -14,6 +14,7 @@ from contracts.layout import CHECKPOINTS_DIR
 from contracts.pool_api import CheckpointReport, StepReport
 from contracts.progress import Progress
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_core.critic import ValueHeads, save_value_head, uses_critic
 from trainer_core.export import export_peft_adapter
 from trainer_core.lora import MultiLoRA
 from trainer_core.optim import MultiRunOptimizer, StepStats
@@ -29,7 +30,13 @@ def checkpoint_root(checkpoint_dir: Path, run_id: str) -> Path:
 
 
 def restore_slot(
-    *, lora: MultiLoRA, optimizer: MultiRunOptimizer, slot: int, checkpoint_dir: Path, run_id: str
+    *,
+    lora: MultiLoRA,
+    optimizer: MultiRunOptimizer,
+    slot: int,
+    checkpoint_dir: Path,
+    run_id: str,
+    value_heads: ValueHeads | None = None,
 ) -> Progress:
     """Load the run's newest checkpoint into its slot (adapter, optimizer, schedule); its progress.
 
@@ -41,6 +48,8 @@ def restore_slot(
         return Progress()
     ckpt = load_checkpoint(path)
     lora.load_slot_state_dict(slot, ckpt.adapter)
+    if value_heads is not None and ckpt.extra is not None and "value_head" in ckpt.extra:
+        value_heads.load_slot_state_dict(slot, ckpt.extra["value_head"])
     optimizer.load_state_dict(slot, ckpt.optimizer_state)
     return Progress(**ckpt.progress)
 
@@ -56,7 +65,9 @@ class Publisher:
         optimizer: MultiRunOptimizer,
         base_model: str,
         checkpoint_dir: Path,
+        value_heads: ValueHeads | None = None,
     ) -> None:
+        self.value_heads = value_heads
         self.source = source
         self.lora = lora
         self.optimizer = optimizer
@@ -73,6 +84,8 @@ class Publisher:
             adapter_dir = export_peft_adapter(
                 self.lora, run.slot, Path(tmp) / "adapter", base_model_name_or_path=self.base_model
             )
+            if self.value_heads is not None and uses_critic(run.config):
+                save_value_head(self.value_heads, run.slot, adapter_dir)
             self.source.publish_adapter(run.run_id, step, adapter_dir)
         if step % run.config.ckpt.interval == 0 or step >= run.config.max_steps:
             self.checkpoint(run, step)
@@ -117,6 +130,9 @@ class Publisher:
             step,
             adapter=self.lora.slot_state_dict(run.slot),
             optimizer_state=self.optimizer.state_dict(run.slot),
+            extra={"value_head": self.value_heads.slot_state_dict(run.slot)}
+            if self.value_heads is not None and uses_critic(run.config)
+            else None,
             progress={
                 "step": step,
                 "total_tokens": run.progress.total_tokens,

@@ -28,7 +28,14 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from contracts.ids import is_valid_run_id
-from contracts.pool_api import AckItem, CheckpointReport, ClaimedBatchStruct, PoolRegister, StepReport
+from contracts.pool_api import (
+    AckItem,
+    CheckpointReport,
+    ClaimedBatchStruct,
+    InitFrom,
+    PoolRegister,
+    StepReport,
+)
 from contracts.progress import Progress
 from contracts.run_config import RunConfig
 from trainer_core.dist import World, broadcast_from_master
@@ -110,6 +117,15 @@ class RunSource(RunLister, Protocol):
     def report_checkpoint(self, run_id: str, report: CheckpointReport) -> None: ...
 
     def report_step(self, run_id: str, report: StepReport) -> None: ...
+
+    def init_from(self, run_id: str) -> InitFrom | None:
+        """Where the run starts from (`init_from`), or None."""
+        ...
+
+    def fetch_init_adapter(self, run_id: str, dest: Path) -> bool:
+        """Write the PEFT files of the adapter the run starts from (`init_from`) into `dest`; False when
+        the run has none."""
+        ...
 
 
 ConfigCheck = Callable[[RunConfig], list[str]]

@@ -136,6 +136,10 @@ class PoolServiceClient:
         )
         return AdapterStored.model_validate_json(response.content)
 
+    def init_adapter(self, run_id: str) -> bytes:
+        """The tar.gz of the adapter the run starts from (its `init_from`)."""
+        return self._request("GET", f"/v1/pool/runs/{run_id}/init-adapter").content
+
     def report_step(self, run_id: str, report: StepReport) -> RunAfterPush:
         response = self._request("POST", f"/v1/pool/runs/{run_id}/steps", json=report.model_dump(mode="json"))
         return RunAfterPush.model_validate_json(response.content)

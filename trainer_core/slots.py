@@ -26,7 +26,9 @@ class StepAccumulator:
     started: float = field(default_factory=time.monotonic)
     loss_sum: float = 0.0
     loss_tokens: int = 0
-    """Tokens that carried loss (the loss's normaliser)."""
+    """Tokens that carried loss."""
+    normaliser: float = 0.0
+    """The loss's normaliser: `loss_tokens`, or the sum of the tokens' weights (cross_entropy)."""
     masked_tokens: int = 0
     """Loss-mask tokens whose importance ratio left the bounds (no loss, but scored)."""
     entropy_sum: float = 0.0
@@ -49,6 +51,7 @@ class StepAccumulator:
     def add_loss(self, stats: SlotLossStats) -> None:
         self.loss_sum += stats.loss_sum
         self.loss_tokens += stats.loss_tokens
+        self.normaliser += stats.normaliser
         self.masked_tokens += stats.masked_tokens
         self.entropy_sum += stats.entropy_sum
         self.mismatch_kl_sum += stats.mismatch_kl_sum
@@ -59,7 +62,7 @@ class StepAccumulator:
         scored = self.loss_tokens + self.masked_tokens
         elapsed = time.monotonic() - self.started
         return StepMetricsIn(
-            loss=self.loss_sum / max(self.loss_tokens, 1),
+            loss=self.loss_sum / self.normaliser if self.normaliser > 0 else 0.0,
             entropy=self.entropy_sum / max(scored, 1),
             mismatch_kl=self.mismatch_kl_sum / max(scored, 1),
             masked_fraction=self.masked_tokens / max(scored, 1),

@@ -10,6 +10,10 @@
 A run's step may span several calls (several packs): its gradients keep accumulating until the pack
 that completes it (DESIGN §4.2). Nothing here depends on which other runs share the micro-batches,
 which is what the isolation tests check (DESIGN §4.1).
+
+Per micro-batch, two extras run only when a run in it asks: one no-grad forward of the frozen base model
+without any adapter (`reference_logits`), shared by every run of the micro-batch with ``kl_ref_coef > 0``;
+and the last hidden state captured for the value heads of runs with GAE advantages (`trainer_core.critic`).
 """
 
 import dataclasses
@@ -19,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from contracts.run_config import LossSettings
+from contracts.run_config import AdvantageSettings, LossSettings
+from trainer_core.critic import ValueHeads, capture_hidden
 from trainer_core.dist import World, all_reduce_grads_, all_reduce_sum_
 from trainer_core.lora import MultiLoRA
 from trainer_core.loss import LossStats, rl_loss
@@ -50,26 +55,31 @@ def train_step(
     completing: Collection[int],
     world: World,
     device: torch.device,
+    advantage_settings: Mapping[int, AdvantageSettings] | None = None,
+    value_heads: ValueHeads | None = None,
 ) -> StepResult:
     """Forward/backward this rank's `micro_batches`, all-reduce, and step the runs in `completing`.
 
     `loss_settings`: every active slot's loss settings (the slots whose gradients are reduced).
     `completing`: the slots whose step the packer completed with these micro-batches (the same on
     every rank). Filler micro-batches only keep ranks in step: they run no pass.
+    `advantage_settings` / `value_heads`: the runs with GAE advantages and their critics (their head
+    parameters must be in the run's optimizer and are all-reduced with its LoRA gradients).
     """
+    extras = _Extras(advantage_settings or {}, value_heads)
     n_slots = lora.n_slots
     stats = LossStats.zeros(n_slots, device=device)
     for mb in micro_batches:
         if not mb.is_filler:
-            stats = stats + backward_isolated(model, lora, _to_device(mb, device), loss_settings)
+            stats = stats + backward_isolated(model, lora, _to_device(mb, device), loss_settings, extras)
     active = sorted(loss_settings)
     packed = stats.to_tensor()
     all_reduce_sum_(packed, world)
     stats = LossStats.from_tensor(packed)
-    all_reduce_grads_([p for slot in active for p in lora.slot_parameters(slot)], world)
+    all_reduce_grads_([p for slot in active for p in extras.slot_parameters(lora, slot)], world)
 
     for slot in active:
-        optimizer.add_loss_tokens(slot, stats.loss_tokens[slot])
+        optimizer.add_loss_tokens(slot, stats.loss_tokens[slot], stats.norm[slot])
     nonfinite = {slot for slot in active if bool(stats.nonfinite[slot])}
     stepped = optimizer.step([slot for slot in sorted(completing) if slot not in nonfinite])
     nonfinite |= {slot for slot, s in stepped.items() if s.nonfinite}
@@ -79,7 +89,7 @@ def train_step(
         # their new contributions.
         for slot in active:
             if slot not in stepped:
-                for p in lora.slot_parameters(slot):
+                for p in extras.slot_parameters(lora, slot):
                     p.grad = None
     return StepResult(
         stats=stats,
@@ -88,8 +98,30 @@ def train_step(
     )
 
 
+@dataclass
+class _Extras:
+    """The GAE runs' settings and critics, passed down to each micro-batch's pass."""
+
+    advantage: Mapping[int, AdvantageSettings]
+    value_heads: ValueHeads | None
+
+    def gae_slots(self, slots: Collection[int]) -> list[int]:
+        return [s for s in sorted(slots) if s in self.advantage and self.advantage[s].estimator == "gae"]
+
+    def slot_parameters(self, lora: MultiLoRA, slot: int) -> list[nn.Parameter]:
+        """The run's trained parameters: its LoRA matrices, then its value head if it has a critic."""
+        params = lora.slot_parameters(slot)
+        if self.value_heads is not None and self.gae_slots([slot]):
+            params = params + self.value_heads.slot_parameters(slot)
+        return params
+
+
 def backward_isolated(
-    model: nn.Module, lora: MultiLoRA, mb: MicroBatch, loss_settings: Mapping[int, LossSettings]
+    model: nn.Module,
+    lora: MultiLoRA,
+    mb: MicroBatch,
+    loss_settings: Mapping[int, LossSettings],
+    extras: _Extras | None = None,
 ) -> LossStats:
     """Forward/backward one micro-batch; a run whose gradients blow up cannot poison the others.
 
@@ -101,12 +133,13 @@ def backward_isolated(
     evicted by the caller); the others get exactly their own gradients. Costs one clone of the
     present runs' LoRA gradients per micro-batch, and extra passes only on failure.
     """
+    extras = extras or _Extras({}, None)
     present = [
         slot for slot, n in enumerate(mb.slot_token_counts.tolist()) if n > 0 and slot in loss_settings
     ]
-    params = [p for slot in present for p in lora.slot_parameters(slot)]
+    params = [p for slot in present for p in extras.slot_parameters(lora, slot)]
     before = _clone_grads(params)
-    stats = _backward(model, lora, mb, loss_settings)
+    stats = _backward(model, lora, mb, loss_settings, extras)
     if _grads_finite(params):
         return stats
     _restore_grads(params, before)
@@ -114,7 +147,7 @@ def backward_isolated(
     for slot in present:
         alone = dataclasses.replace(mb, loss_mask=mb.loss_mask & (mb.token_slots == slot))
         kept = _clone_grads(params)
-        own = _backward(model, lora, alone, loss_settings).only(slot)
+        own = _backward(model, lora, alone, loss_settings, extras).only(slot)
         if not _grads_finite(params):
             _restore_grads(params, kept)
             own = own.flag_nonfinite(slot)
@@ -122,12 +155,44 @@ def backward_isolated(
     return merged
 
 
+def reference_logits(model: nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """(L, V) logits of the reference policy: the frozen base model with no adapter (no segment layout
+    is installed, so every multi-LoRA layer returns its base layer's output), without gradient."""
+    with torch.no_grad():
+        return forward_packed(model, mb)
+
+
 def _backward(
-    model: nn.Module, lora: MultiLoRA, mb: MicroBatch, loss_settings: Mapping[int, LossSettings]
+    model: nn.Module,
+    lora: MultiLoRA,
+    mb: MicroBatch,
+    loss_settings: Mapping[int, LossSettings],
+    extras: _Extras,
 ) -> LossStats:
+    with_loss = set(mb.token_slots[mb.loss_mask].unique().tolist()) & set(loss_settings)
+    # One reference forward per micro-batch, however many of its runs ask for the reference KL.
+    ref = reference_logits(model, mb) if any(loss_settings[s].kl_ref_coef > 0 for s in with_loss) else None
+    gae = extras.gae_slots(with_loss)
+    if gae and extras.value_heads is None:
+        raise ValueError(f"slots {gae} use GAE advantages but the step has no value heads")
+    values = None
     with lora.segments(mb.slot_token_counts):
-        logits = forward_packed(model, mb)
-    result = rl_loss(logits, mb, slot_settings=loss_settings, n_slots=lora.n_slots)
+        if gae:
+            assert extras.value_heads is not None
+            with capture_hidden(model) as hidden:
+                logits = forward_packed(model, mb)
+            values = extras.value_heads(hidden[0][0], mb.token_slots, gae)  # (L,)
+        else:
+            logits = forward_packed(model, mb)
+    result = rl_loss(
+        logits,
+        mb,
+        slot_settings=loss_settings,
+        n_slots=lora.n_slots,
+        ref_logits=ref,
+        values=values,
+        advantage_settings=extras.advantage,
+    )
     result.total.backward()
     return result.stats
 

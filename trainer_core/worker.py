@@ -39,6 +39,7 @@ from torch import nn
 from contracts.http import ApiError
 from contracts.pool_api import ClaimedBatchStruct, PoolRegister
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES, RunConfig
+from trainer_core.critic import ValueHeads, uses_critic
 from trainer_core.directory_source import DirectoryRunSource
 from trainer_core.dist import (
     World,
@@ -50,6 +51,7 @@ from trainer_core.dist import (
     scatter_from_master,
 )
 from trainer_core.http_source import HttpRunSource
+from trainer_core.init_from import load_initial_weights, module_shapes
 from trainer_core.ledger import RunLedger
 from trainer_core.lora import apply_multi_lora
 from trainer_core.models.registry import load_base_model
@@ -218,6 +220,8 @@ class PoolTrainer:
         self.lora = apply_multi_lora(self.model, args.target_modules, args.slots, args.max_rank)
         self.model.train()
         self.optimizer = MultiRunOptimizer(args.slots)
+        # One linear critic per slot, used by runs with GAE advantages (trainer_core.critic).
+        self.value_heads = ValueHeads(args.slots, int(base.config.hidden_size)).to(device)
         self.slots: dict[int, RunSlot] = {}
         """The active runs by slot, the same on every rank (master: with their packing state)."""
 
@@ -248,6 +252,8 @@ class PoolTrainer:
                 slots=args.slots,
                 world_size=self.world.world_size,
                 max_seq_len=args.seq_len,
+                module_shapes=module_shapes(self.lora),
+                num_layers=len({name.split(".self_attn.")[0].split(".mlp.")[0] for name in self.lora.layers}),
             )
         )
         packer = Packer(
@@ -264,6 +270,7 @@ class PoolTrainer:
             optimizer=self.optimizer,
             base_model=args.base_model,
             checkpoint_dir=args.checkpoint_home,
+            value_heads=self.value_heads,
         )
         return _Master(source=source, packer=packer, publisher=publisher)
 
@@ -281,22 +288,40 @@ class PoolTrainer:
         # Seeded by the run's config alone: every rank gets the same initial adapter, and a run's
         # adapter does not depend on which slot it got or which runs came before it (isolation).
         self.lora.reset_slot(slot, seed=config.seed)
+        initial = load_initial_weights(
+            lora=self.lora,
+            slot=slot,
+            run_id=run_id,
+            config=config,
+            checkpoint_home=self.args.checkpoint_home,
+            source=self.master.source if self.master else None,
+            world=self.world,
+        )
+        self.value_heads.reset_slot(slot)
+        if initial.value_head is not None and uses_critic(config):
+            self.value_heads.load_slot_state_dict(slot, initial.value_head)
         self.optimizer.create(
             slot,
-            self.lora.slot_parameters(slot),
+            self.lora.slot_parameters(slot)
+            + (self.value_heads.slot_parameters(slot) if uses_critic(config) else []),
             optim=config.optim,
             scheduler=config.scheduler,
             max_steps=config.max_steps,
         )
+        if initial.optimizer_state is not None:
+            self.optimizer.load_state_dict(slot, initial.optimizer_state)
         progress = restore_slot(
             lora=self.lora,
             optimizer=self.optimizer,
             slot=slot,
             checkpoint_dir=self.args.checkpoint_home,
             run_id=run_id,
+            value_heads=self.value_heads,
         )
         run = RunSlot(slot, run_id, config, progress, ledger=RunLedger(next_sample=progress.total_samples))
         self.slots[slot] = run
+        if self.master and initial.error is not None:
+            self._evict(run, f"its init_from weights could not be loaded: {initial.error}")
         log.info("rank %d: run %s in slot %d from step %d", self.world.rank, run_id, slot, progress.step)
         if self.master is None:
             return
@@ -322,6 +347,7 @@ class PoolTrainer:
         run = self.slots.pop(slot)
         self.optimizer.remove(slot)
         self.lora.reset_slot(slot)
+        self.value_heads.reset_slot(slot)
         if self.master:
             self.master.packer.remove_run(slot)
             self.master.source.release_run(run.run_id)
@@ -361,6 +387,8 @@ class PoolTrainer:
                 loss_settings={slot: run.config.loss for slot, run in self.slots.items()},
                 completing=plan.completing,
                 world=self.world,
+                advantage_settings={slot: run.config.advantage for slot, run in self.slots.items()},
+                value_heads=self.value_heads,
                 device=self.device,
             )
             if first and self.world.is_master:

@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
@@ -44,4 +44,22 @@ class Checkpoint(Base):
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(Integer)
     total_samples: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TenantAdapter(Base):
+    """A PEFT adapter a tenant uploaded (POST /v1/adapters), to start runs from (`init_from.adapter_id`)."""
+
+    __tablename__ = "tenant_adapters"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    base_model: Mapped[str] = mapped_column(String(256))
+    rank: Mapped[int] = mapped_column(Integer)
+    alpha: Mapped[float] = mapped_column(Float)
+    target_modules: Mapped[list[str]] = mapped_column(JSON)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    """Of the safetensors file."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

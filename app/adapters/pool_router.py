@@ -7,14 +7,17 @@ from typing import IO, Annotated
 
 from fastapi import APIRouter, Depends, Request, status
 from fastapi import Path as PathParam
+from fastapi.responses import FileResponse
 
 from app.adapters import service
 from app.adapters.schemas import CheckpointOut
+from app.adapters.uploads import archive_path
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
 from app.runs.deps import RunIdPath
 from app.runs.schemas import RunOut
+from app.runs.service import get_run
 from contracts.pool_api import AdapterStored, CheckpointReport, StepReport, TrainerEvict
 
 router = APIRouter(tags=["pool"])
@@ -97,3 +100,27 @@ def trainer_evict(
 ) -> RunOut:
     run = service.evict_by_trainer(session, run_id=run_id, reason=body.reason, settings=settings)
     return RunOut.from_run(run)
+
+
+@router.get(
+    "/v1/pool/runs/{run_id}/init-adapter",
+    response_class=FileResponse,
+    operation_id="getInitAdapter",
+    responses={200: {"content": {"application/gzip": {}}, "description": "tar.gz of the PEFT directory."}},
+)
+def init_adapter(_: WorkerDep, run_id: str, session: SessionDep, settings: SettingsDep) -> FileResponse:
+    """The adapter a run starts from (its `init_from`), for the pool to load at admission."""
+    run = get_run(session, run_id=run_id)
+    uploaded = run.init_from.get("adapter_id") if run.init_from else None
+    if uploaded is not None:
+        return FileResponse(
+            archive_path(uploaded, settings), media_type="application/gzip", filename=f"{uploaded}.tar.gz"
+        )
+    if run.init_from is None or run.init_from.get("step") is None:
+        raise NotFound(f"run {run_id} does not start from an adapter", code="adapter_not_found")
+    adapter = service.get_adapter(session, run_id=run.init_from["run_id"], step=run.init_from["step"])
+    return FileResponse(
+        service.adapter_archive(adapter, settings=settings),
+        media_type="application/gzip",
+        filename=f"{adapter.run_id}-step{adapter.step}.tar.gz",
+    )

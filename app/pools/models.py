@@ -20,6 +20,9 @@ class Pool(Base):
     slots: Mapped[int] = mapped_column(Integer)
     world_size: Mapped[int] = mapped_column(Integer)
     max_seq_len: Mapped[int] = mapped_column(Integer)
+    module_shapes: Mapped[dict[str, list[int]] | None] = mapped_column(JSON, default=None)
+    """(in, out) features per adaptable module type, as the pool registered them (None: not told)."""
+    num_layers: Mapped[int | None] = mapped_column(Integer, default=None)
     """Longest sample (prompt + completion) the pool packs; runs with a larger seq_len are refused."""
     status: Mapped[str] = mapped_column(String(16), default=PoolStatus.ALIVE)
     """A contracts.status.PoolStatus value: alive | dead (silent past the timeout) | stopped (replaced)."""

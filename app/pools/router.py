@@ -74,6 +74,7 @@ def state(
                 progress=Progress(
                     step=run.step, total_tokens=run.total_tokens, total_samples=run.total_samples
                 ),
+                init_from=run.init_from,
             )
             for run in runs
         ]

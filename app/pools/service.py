@@ -133,6 +133,8 @@ def register_pool(
         slots=spec.slots,
         world_size=spec.world_size,
         max_seq_len=spec.max_seq_len,
+        module_shapes={k: list(v) for k, v in spec.module_shapes.items()} if spec.module_shapes else None,
+        num_layers=spec.num_layers,
         status=PoolStatus.ALIVE,
         registered_at=now,
         last_heartbeat_at=now,

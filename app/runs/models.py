@@ -44,6 +44,8 @@ class Run(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(128))
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    init_from: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """{"run_id", "step"}: the adapter the run starts from (`init_from`), resolved at creation."""
     """The validated RunConfig, as JSON."""
     base_model: Mapped[str] = mapped_column(String(256))
     """Copied out of the config: slots are per base model (one pool per base model)."""

@@ -14,6 +14,7 @@ from app.runs.deps import OwnedRunDep
 from app.runs.schemas import (
     EvictRequest,
     HeartbeatOut,
+    InitFromRun,
     RunCreate,
     RunList,
     RunOut,
@@ -34,6 +35,9 @@ def _create_body_openapi() -> dict[str, Any]:
     # are referenced from components, where RunOut.config puts them.
     schema = RunCreate.model_json_schema(ref_template="#/components/schemas/{model}")
     schema.pop("$defs", None)
+    # init_from's model is in no response, so it is not in components: inline it.
+    init_from = schema["properties"]["init_from"]
+    init_from["anyOf"] = [InitFromRun.model_json_schema(), {"type": "null"}]
     toml_example = 'name = "gsm8k-r8"\n\n[config]\nmax_steps = 50\n\n[config.lora]\nrank = 8\n'
     return {
         "requestBody": {

@@ -5,18 +5,54 @@ import json
 import tomllib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.errors import UnsupportedMediaType, ValidationFailed
 from app.request_guard import nul_path, too_deep
 from app.runs.models import Run
 from app.timestamps import UtcDatetime
+from contracts.pool_api import InitFrom
 from contracts.progress import Progress
 from contracts.run_config import RunConfig
 from contracts.status import RunStatus
 
 TOML_CONTENT_TYPES = frozenset({"application/toml", "text/toml", "text/x-toml"})
 JSON_CONTENT_TYPES = frozenset({"application/json", ""})
+
+
+class InitFromRun(BaseModel):
+    """Start from one of the tenant's own runs: its adapter of `step` (default: the newest), or its
+    checkpoint of `checkpoint`, with that checkpoint's optimizer and schedule state when `with_optimizer`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str | None = Field(default=None, pattern=r"^run_[0-9a-f]{12}$", examples=["run_97e3b736da57"])
+    adapter_id: str | None = Field(
+        default=None,
+        max_length=16,
+        description="An adapter uploaded with POST /v1/adapters (instead of run_id).",
+    )
+    step: int | Literal["latest"] | None = Field(
+        default=None, description="An adapter step (>= 1), or latest (the default without checkpoint)."
+    )
+    checkpoint: int | Literal["latest"] | None = Field(
+        default=None, description="A checkpoint step, or latest: the pool that trained the run loads it."
+    )
+    with_optimizer: bool = Field(
+        default=False, description="With checkpoint: also its optimizer and schedule (resume/fork exactly)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "InitFromRun":
+        if (self.run_id is None) == (self.adapter_id is None):
+            raise ValueError("give run_id or adapter_id, exactly one")
+        if self.adapter_id is not None and (self.step is not None or self.checkpoint is not None):
+            raise ValueError("an uploaded adapter has no step or checkpoint")
+        if self.step is not None and self.checkpoint is not None:
+            raise ValueError("give step (an adapter) or checkpoint, not both")
+        if self.with_optimizer and self.checkpoint is None:
+            raise ValueError("with_optimizer needs checkpoint")
+        return self
 
 
 class RunCreate(BaseModel):
@@ -27,10 +63,18 @@ class RunCreate(BaseModel):
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$", examples=["gsm8k-r8"])
     config: RunConfig = Field(default_factory=RunConfig, description="Omitted fields take their defaults.")
+    init_from: InitFromRun | None = Field(
+        default=None,
+        description=(
+            "Start from the adapter of one of the tenant's runs; its base model, lora rank, alpha and "
+            "target modules must be this run's."
+        ),
+    )
 
     def request_hash(self) -> str:
         """sha256 of the canonical body: the same run whether it came as JSON or TOML, in any key order."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        body = self.model_dump(mode="json", exclude={"init_from"} if self.init_from is None else None)
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -43,6 +87,9 @@ class RunOut(BaseModel):
     base_model: str
     config: RunConfig
     progress: Progress
+    init_from: InitFrom | None = Field(
+        default=None, description="The adapter the run started from (the step resolved at creation)."
+    )
     eviction_reason: str | None
     evicted_by: Literal["user", "trainer", "orchestrator", "heartbeat"] | None
     failure_reason: str | None
@@ -66,6 +113,7 @@ class RunOut(BaseModel):
             base_model=run.base_model,
             config=run.config,
             progress=Progress(step=run.step, total_tokens=run.total_tokens, total_samples=run.total_samples),
+            init_from=InitFrom.model_validate(run.init_from) if run.init_from else None,
             eviction_reason=run.eviction_reason,
             evicted_by=run.evicted_by,
             failure_reason=run.failure_reason,

@@ -26,6 +26,7 @@ from app.pagination import paginate
 from app.pools.capabilities import untrainable_reason
 from app.projection import project_after_commit, project_run, remove_run_dir
 from app.runs.admission import creation_problems, live_pool, lock_admission, refusal_reason, slot_count
+from app.runs.init_from import resolve_init_from
 from app.runs.models import EVICTED_BY, Run
 from app.runs.schemas import RunCreate
 from app.tenants.models import Tenant
@@ -103,11 +104,17 @@ def create_run(
             + "; ".join(p["msg"] for p in problems),
             details=problems,
         )
+    init_from = (
+        resolve_init_from(session, tenant_id=tenant_id, request=body.init_from, config=body.config)
+        if body.init_from is not None
+        else None
+    )
     run = Run(
         id=new_id("run"),
         tenant_id=tenant_id,
         name=body.name,
         config=body.config.model_dump(mode="json"),
+        init_from=init_from,
         base_model=body.config.base_model,
         status=RunStatus.QUEUED,
         idempotency_key=idempotency_key,

@@ -277,3 +277,20 @@ def test_config_coerces_strings_from_untyped_configs() -> None:
     unknown: dict[str, Any] = {"specialization": "everything"}
     with pytest.raises(ValueError):
         EngineConfig(**unknown)
+
+
+async def test_gae_sends_rewards_and_no_advantages() -> None:
+    """advantage="gae": the trainer's critic computes advantages; each sample carries its reward."""
+    sampler = ScriptedSampler(alternating)
+    engine = MultiAgentEngine(
+        EngineConfig(env="arithmetic", problems_per_step=2, samples_per_problem=4, advantage="gae"),
+        {"solver": policy(RUN_A, sampler)},
+    )
+    rollouts = await engine.generate(step=0)
+    batch = engine.make_batches(rollouts)[RUN_A].batch
+    assert batch is not None
+    assert [s.advantage for s in batch.examples] == [0.0] * 8
+    rewards = [s.reward for s in batch.examples]
+    assert sorted({r for r in rewards if r is not None}) == [0.4, 1.0] and None not in rewards
+    with pytest.raises(ValueError, match="'grpo', 'rloo' or 'gae'"):
+        EngineConfig(env="arithmetic", advantage="ppo")  # type: ignore[arg-type]

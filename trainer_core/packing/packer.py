@@ -294,6 +294,8 @@ class Packer:
                     ref=SampleRef(batch_id=batch_id, index=index),
                     loss_tokens=loss_tokens,
                     arrived_at=now,
+                    weights=None if s.weights is None else np.asarray(s.weights, dtype=np.float32),
+                    rewards=_sample_rewards(s, mask_all[c0:c1]),
                 )
             )
             token_at += n_prompt + n_completion
@@ -464,3 +466,16 @@ class Packer:
             return self._runs[slot]
         except KeyError:
             raise ValueError(f"slot {slot} has no run") from None
+
+
+def _sample_rewards(sample: TrainingSample, completion_mask: np.ndarray) -> np.ndarray | None:
+    """(C,) float32 rewards for GAE: `token_rewards`, else `reward` on the last loss-carrying completion
+    token (the last completion token when none carries loss), else None."""
+    if sample.token_rewards is not None:
+        return np.asarray(sample.token_rewards, dtype=np.float32)
+    if sample.reward is None or not sample.completion_ids:
+        return None
+    out = np.zeros(len(sample.completion_ids), dtype=np.float32)
+    carrying = np.flatnonzero(completion_mask)
+    out[int(carrying[-1]) if carrying.size else -1] = sample.reward
+    return out

@@ -65,6 +65,12 @@ class MicroBatch:
     present (slot 0 for an empty row), so the counts sum to L."""
     is_filler: bool = False
     """True for a filler row that only keeps ranks in step (no loss, no samples)."""
+    weights: torch.Tensor | None = None
+    """(L,) float32 per-token loss weights of `cross_entropy` runs on completion tokens (0 elsewhere), or
+    None when no sample in the row has `weights` (then the loss mask is the weight)."""
+    rewards: torch.Tensor | None = None
+    """(L,) float32 rewards for GAE runs on completion tokens: `token_rewards`, or the scalar `reward` on
+    the sample's last loss-carrying completion token; 0 elsewhere. None when no sample has any."""
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +107,10 @@ class BufferedSample:
     """Tokens that will carry loss in a row (completion_mask, minus a sample-initial token)."""
     arrived_at: float
     """Packer clock when its batch was added (for the timeout)."""
+    weights: np.ndarray | None = None
+    """(C,) float32 per-token loss weights (the sample's `weights`), or None."""
+    rewards: np.ndarray | None = None
+    """(C,) float32 per-token rewards (`token_rewards`, or `reward` placed on the last loss token), or None."""
 
     @property
     def num_tokens(self) -> int:
@@ -192,6 +202,17 @@ class RowFormat:
                 for (_, item), n in zip(members, completion_lens, strict=True)
             ]
         logprobs = [item.completion_logprobs for _, item in members]
+        weights = rewards = None
+        if any(item.weights is not None for _, item in members):
+            weights = [
+                item.weights if item.weights is not None else item.completion_mask.astype(np.float32)
+                for _, item in members
+            ]
+        if any(item.rewards is not None for _, item in members):
+            rewards = [
+                item.rewards if item.rewards is not None else np.zeros(n, np.float32)
+                for (_, item), n in zip(members, completion_lens, strict=True)
+            ]
         return MicroBatch(
             input_ids=torch.from_numpy(input_ids),
             position_ids=torch.from_numpy(layout.positions),
@@ -207,6 +228,8 @@ class RowFormat:
             seq_lens=layout.seq_lens,
             slot_token_counts=torch.from_numpy(np.bincount(layout.token_slots, minlength=self.n_slots)),
             is_filler=False,
+            weights=torch.from_numpy(_scatter(is_completion, weights)) if weights is not None else None,
+            rewards=torch.from_numpy(_scatter(is_completion, rewards)) if rewards is not None else None,
         )
 
     def _layout(

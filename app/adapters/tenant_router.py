@@ -1,0 +1,96 @@
+"""Tenant routes of uploaded adapters: POST /v1/adapters (an uncompressed tar of a PEFT directory),
+GET /v1/adapters, GET and DELETE /v1/adapters/{adapter_id} (thin: parse, call the service, shape)."""
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, status
+from pydantic import BaseModel
+
+from app.adapters import uploads
+from app.adapters.models import TenantAdapter
+from app.adapters.pool_router import UploadBody
+from app.auth import SettingsDep, TenantDep
+from app.db import SessionDep
+from app.timestamps import UtcDatetime
+from contracts.run_config import DEFAULT_BASE_MODEL
+
+router = APIRouter(tags=["adapters"])
+
+
+class TenantAdapterOut(BaseModel):
+    id: str
+    name: str
+    base_model: str
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    size_bytes: int
+    sha256: str
+    created_at: UtcDatetime
+
+    @classmethod
+    def of(cls, row: TenantAdapter) -> "TenantAdapterOut":
+        return cls(
+            id=row.id,
+            name=row.name,
+            base_model=row.base_model,
+            rank=row.rank,
+            alpha=row.alpha,
+            target_modules=row.target_modules,
+            size_bytes=row.size_bytes,
+            sha256=row.sha256,
+            created_at=row.created_at,
+        )
+
+
+class TenantAdapterList(BaseModel):
+    items: list[TenantAdapterOut]
+
+
+@router.post(
+    "/v1/adapters",
+    status_code=status.HTTP_201_CREATED,
+    response_model=TenantAdapterOut,
+    operation_id="uploadTenantAdapter",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "description": "Uncompressed tar holding exactly adapter_config.json and adapter_model.safetensors.",
+            "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+        }
+    },
+)
+def upload(
+    principal: TenantDep,
+    body: UploadBody,
+    session: SessionDep,
+    settings: SettingsDep,
+    name: Annotated[str, Query(min_length=1, max_length=128)] = "adapter",
+    base_model: Annotated[str, Query(min_length=1, max_length=256)] = DEFAULT_BASE_MODEL,
+) -> TenantAdapterOut:
+    row = uploads.upload_adapter(
+        session, tenant_id=principal.tenant_id, name=name, base_model=base_model, body=body, settings=settings
+    )
+    return TenantAdapterOut.of(row)
+
+
+@router.get("/v1/adapters", response_model=TenantAdapterList, operation_id="listTenantAdapters")
+def list_adapters(principal: TenantDep, session: SessionDep) -> TenantAdapterList:
+    rows = uploads.list_tenant_adapters(session, tenant_id=principal.tenant_id)
+    return TenantAdapterList(items=[TenantAdapterOut.of(r) for r in rows])
+
+
+@router.get("/v1/adapters/{adapter_id}", response_model=TenantAdapterOut, operation_id="getTenantAdapter")
+def get_adapter(principal: TenantDep, adapter_id: str, session: SessionDep) -> TenantAdapterOut:
+    return TenantAdapterOut.of(
+        uploads.get_tenant_adapter(session, tenant_id=principal.tenant_id, adapter_id=adapter_id)
+    )
+
+
+@router.delete(
+    "/v1/adapters/{adapter_id}", status_code=status.HTTP_204_NO_CONTENT, operation_id="deleteTenantAdapter"
+)
+def delete_adapter(principal: TenantDep, adapter_id: str, session: SessionDep, settings: SettingsDep) -> None:
+    uploads.delete_tenant_adapter(
+        session, tenant_id=principal.tenant_id, adapter_id=adapter_id, settings=settings
+    )

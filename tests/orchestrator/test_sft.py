@@ -1,0 +1,79 @@
+"""`SFTLoop` against an in-memory client whose "trainer" completes a step per batch: batching by the run's
+batch_size, tokenization (BOS prompt, EOS-terminated completion, weights), the max_steps cap, staying
+within `ahead` steps of the trained step, and one report per trained step with its loss."""
+
+import pytest
+
+from contracts.run_config import RunConfig
+from contracts.tokenizer import CharTokenizer
+from contracts.wire import TrainingBatch
+from orchestrator.models import BatchInfo, Progress, Run, StepMetrics
+from orchestrator.sft import SFTExample, SFTLoop
+
+RUN = "run_aaaaaaaaaaaa"
+TOKENIZER = CharTokenizer()
+
+
+class TrainerClient:
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.step = 0
+        self.batches: list[TrainingBatch] = []
+        self.max_lead = 0
+
+    def get_run(self, run_id: str) -> Run:
+        # Each poll lets the "trainer" finish one pending batch.
+        if self.step < len(self.batches):
+            self.step += 1
+        status = "completed" if self.step >= self.config.max_steps else "active"
+        return Run(
+            id=run_id,
+            name="sft",
+            status=status,
+            config=self.config.model_dump(mode="json"),
+            progress=Progress(step=self.step),
+        )
+
+    def submit_batch(self, run_id: str, batch: TrainingBatch) -> BatchInfo:
+        assert batch.step == self.step  # sampled "at" the trained step: never stale
+        self.batches.append(batch)
+        self.max_lead = max(self.max_lead, len(self.batches) - self.step)
+        return BatchInfo(
+            id=len(self.batches),
+            run_id=run_id,
+            rollout_step=batch.step,
+            num_samples=len(batch.examples),
+            num_tokens=sum(e.num_tokens for e in batch.examples),
+            state="pending",
+        )
+
+    def get_metrics(self, run_id: str) -> list[StepMetrics]:
+        return [
+            StepMetrics(step=s, loss=1.0 / s, samples=self.config.batch_size) for s in range(1, self.step + 1)
+        ]
+
+
+def test_sft_loop_batches_tokenizes_and_reports_each_step():
+    config = RunConfig(batch_size=2, max_steps=3, loss={"kind": "cross_entropy"})
+    client = TrainerClient(config)
+    seen = []
+    loop = SFTLoop(client, RUN, TOKENIZER, ahead=1, poll_interval_s=0.0, on_step=seen.append)
+    examples = [("12+3=", "15"), SFTExample("7+1=", "8", weights=[1.0, 0.5])] + [("1+1=", "2")] * 10
+    reports = loop.run(examples)
+    assert [r.step for r in reports] == [1, 2, 3] and seen == reports
+    assert [r.loss for r in reports] == pytest.approx([1.0, 0.5, 1 / 3])
+    assert len(client.batches) == 3  # max_steps batches; the rest is not sent
+    assert client.max_lead <= 1
+    first = client.batches[0].examples
+    assert first[0].prompt_ids == [TOKENIZER.bos_token_id, *TOKENIZER.encode("12+3=")]
+    assert first[0].completion_ids == [*TOKENIZER.encode("15"), TOKENIZER.eos_token_id]
+    assert first[0].weights is None and first[0].completion_mask == [True, True, True]
+    assert first[1].weights == [1.0, 0.5]
+
+
+def test_sft_loop_refuses_a_run_that_is_not_cross_entropy_and_bad_weights():
+    client = TrainerClient(RunConfig(batch_size=2, max_steps=3))
+    with pytest.raises(ValueError, match="needs 'cross_entropy'"):
+        SFTLoop(client, RUN, TOKENIZER).run([("a", "b")])
+    with pytest.raises(ValueError, match="weights has 1 entries"):
+        SFTLoop(client, RUN, TOKENIZER).encode(SFTExample("a", "bc", weights=[1.0]))
