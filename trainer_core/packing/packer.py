@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from contracts.arrays import ArrayBatch, array_batch_problems, batch_arrays, float_array, to_arrays
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, TrainingSample, sample_problems
 from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd
@@ -225,13 +226,15 @@ class Packer:
 
     # ---- buffering -----------------------------------------------------------------------------
 
-    def add_batch(self, slot: int, batch: TrainingBatch, *, batch_id: int, skip: int = 0) -> int:
+    def add_batch(self, slot: int, batch: TrainingBatch | ArrayBatch, *, batch_id: int, skip: int = 0) -> int:
         """Buffer the samples of ``batch`` from index ``skip`` on; returns how many were buffered.
 
-        ``skip`` is the number of leading samples already trained (docs/contracts.md, exactly-once:
-        ``max(0, checkpoint total_samples − sample_offset)``). A batch with any malformed sample is
-        rejected whole (`InvalidSampleError`, a ValueError naming slot, batch and sample) and nothing of
-        it is buffered. A return of 0 means the batch was already fully trained: ack it directly.
+        ``batch``: the binary form (contracts/arrays.py: what a claim carries; its arrays are read in
+        place) or the list form (converted once). ``skip`` is the number of leading samples already
+        trained (docs/contracts.md, exactly-once: ``max(0, checkpoint total_samples − sample_offset)``).
+        A batch with any malformed sample is rejected whole (`InvalidSampleError`, a ValueError naming
+        slot, batch and sample) and nothing of it is buffered. A return of 0 means the batch was already
+        fully trained: ack it directly.
         """
         state = self._state(slot)
         if skip < 0:
@@ -241,59 +244,65 @@ class Packer:
             raise ValueError(
                 f"slot {slot}, batch {batch_id}: temperature must be finite and > 0, got {temperature}"
             )
-        for index, sample in enumerate(batch.examples):
-            self._check(slot, batch_id, index, sample)
+        if isinstance(batch, TrainingBatch):
+            for index, sample in enumerate(batch.examples):
+                self._check(slot, batch_id, index, sample)
+            try:
+                batch = to_arrays(batch)
+            except OverflowError:  # ids travel as int32; only a pool without a vocabulary sees this
+                raise ValueError(f"slot {slot}, batch {batch_id}: a token id does not fit int32") from None
+        else:
+            self._check_arrays(slot, batch_id, batch)
         kept = batch.examples[skip:]
         if not kept:
             return 0
 
-        # One list → array conversion per field for the whole batch; samples keep views into it.
-        ids: list[int] = []
-        mask: list[bool] = []
-        logprobs: list[float] = []
-        for s in kept:
-            ids.extend(s.prompt_ids)
-            ids.extend(s.completion_ids)
-            mask.extend(s.completion_mask)
-            logprobs.extend(s.completion_logprobs)
-        ids_all = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (T,)
-        mask_all = np.frombuffer(bytes(mask), dtype=np.uint8) != 0  # (C_total,); bytes() is the fast path
-        logprobs_all = np.asarray(logprobs, dtype=np.float32)  # (C_total,)
+        # One join + frombuffer per field for the whole batch; samples keep views into it.
+        arrays = batch_arrays(kept)
+        mask_all = arrays.completion_mask  # (C_total,)
         loss_cumsum = np.concatenate(([0], np.cumsum(mask_all)))  # (C_total + 1,)
+        n_prompts = arrays.n_prompt.tolist()
+        token_ends = np.cumsum(arrays.n_prompt + arrays.n_completion).tolist()
+        completion_ends = np.cumsum(arrays.n_completion).tolist()
+        loss_counts = loss_cumsum[[0, *completion_ends]]
+        loss_per_sample = np.diff(loss_counts).tolist()
 
         now = self._clock()
         token_at = completion_at = 0
-        for index, s in enumerate(kept, start=skip):
-            n_prompt, n_completion = len(s.prompt_ids), len(s.completion_ids)
-            c0, c1 = completion_at, completion_at + n_completion
-            loss_tokens = int(loss_cumsum[c1] - loss_cumsum[c0])
+        buffer = state.buffer
+        for k, s in enumerate(kept):
+            n_prompt = n_prompts[k]
+            c0, c1 = completion_at, completion_ends[k]
+            loss_tokens = loss_per_sample[k]
             if n_prompt == 0 and mask_all[c0]:
                 loss_tokens -= 1  # the first token of a sample has no in-sample predecessor
-            assert s.advantage is not None  # checked above
-            advantage = (
-                np.asarray(s.advantage, dtype=np.float32)
-                if isinstance(s.advantage, list)
-                else float(s.advantage)
-            )
-            teacher = None if s.teacher_logprobs is None else np.asarray(s.teacher_logprobs, dtype=np.float32)
-            state.buffer.append(
+            advantage = s.advantage
+            assert advantage is not None  # checked above
+            buffer.append(
                 BufferedSample(
-                    ids=ids_all[token_at : token_at + n_prompt + n_completion],
+                    ids=arrays.ids[token_at : token_ends[k]],
                     n_prompt=n_prompt,
                     completion_mask=mask_all[c0:c1],
-                    completion_logprobs=logprobs_all[c0:c1],
-                    advantage=advantage,
-                    teacher_logprobs=teacher,
+                    completion_logprobs=arrays.completion_logprobs[c0:c1],
+                    advantage=float_array(advantage) if isinstance(advantage, bytes) else float(advantage),
+                    teacher_logprobs=None if s.teacher_logprobs is None else float_array(s.teacher_logprobs),
                     temperature=temperature,
-                    ref=SampleRef(batch_id=batch_id, index=index),
+                    ref=SampleRef(batch_id=batch_id, index=skip + k),
                     loss_tokens=loss_tokens,
                     arrived_at=now,
                 )
             )
-            token_at += n_prompt + n_completion
+            token_at = token_ends[k]
             completion_at = c1
-        state.buffered_tokens += len(ids)
+        state.buffered_tokens += token_at
         return len(kept)
+
+    def _check_arrays(self, slot: int, batch_id: int, batch: ArrayBatch) -> None:
+        """`_check` for a binary batch: vectorised over the batch (contracts.arrays)."""
+        problems = array_batch_problems(batch, seq_len=self.seq_len, vocab_size=self.vocab_size, full=False)
+        for p in problems:
+            if p.sample is not None:
+                raise InvalidSampleError(slot=slot, batch_id=batch_id, index=p.sample, reason=p.problem)
 
     def _check(self, slot: int, batch_id: int, index: int, sample: TrainingSample) -> None:
         """What training needs to be safe and exact (contracts.wire.sample_problems, full=False)."""
