@@ -45,11 +45,12 @@ def _from_lists(body: bytes, *, msgpack: bool, seq_len: int, vocab_size: int | N
     """A list body: checked as lists (so messages quote the values sent), then converted once."""
     try:
         lists = decode_batch(body, msgpack=msgpack)
-    except ValidationFailed:
-        if msgpack:  # a binary body with a bad field reads better as the binary decoder's complaint
-            _, exc = _decode_binary(body)
-            if exc is not None and "got `bytes`" not in str(exc):
-                raise reject([_problem_from_msgspec(exc)]) from None
+    except ValidationFailed as list_error:
+        # A binary body with a wrong field: the list decoder would only say "got bytes" at the first
+        # array; the binary decoder names the real fault (and the list decoder is right for lists).
+        _, exc = _decode_binary(body) if msgpack else (None, None)
+        if exc is not None and "got `bytes`" in list_error.message:
+            raise reject([_problem_from_msgspec(exc)]) from None
         raise
     limit = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size  # ids travel as int32
     problems = batch_problems(lists, seq_len=seq_len, vocab_size=limit)
