@@ -28,8 +28,9 @@ Flow of one `Packer.pack()`:
    most ``dp_world_size − 1`` filler micro-batches are needed; then every rank is topped up with fillers
    (minimal length, no loss, ``is_filler=True``) to the same count, because every rank must run the same
    number of forward/backward passes for the collective gradient reduction. With the row budget of
-   step 2 a pack has at most ``dp_world_size`` bins, so in practice every rank gets exactly one
-   micro-batch (ranks without a bin get one filler).
+   step 2 a pack has at most ``dp_world_size`` bins; when it has fewer, the heaviest bins are split
+   first (`split_to_align`, samples kept whole), so a filler is left only for a rank that no split
+   can feed (fewer samples than ranks).
 
 Row layout (sample boundaries, padding, fillers) is `trainer_core.packing.rows`; bin packing and rank
 balancing are `trainer_core.packing.bins`.
@@ -52,7 +53,7 @@ import numpy as np
 from contracts.arrays import ArrayBatch, array_batch_problems, batch_arrays, float_array, to_arrays
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, TrainingSample, sample_problems
-from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd
+from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd, split_to_align
 from trainer_core.packing.rows import BufferedSample, MicroBatch, RowFormat, SampleRef
 
 __all__ = ["InvalidSampleError", "PackResult", "Packer", "RunPackStats"]
@@ -363,6 +364,10 @@ class Packer:
             for i, (_, _, row) in enumerate(flat):
                 by_row.setdefault(row, []).append(i)
             bins = list(by_row.values())
+        # Ranks without a row would run a filler: split the heaviest rows instead (samples whole).
+        bins = split_to_align(
+            bins, [item.num_tokens for _, item, _ in flat], self.dp_world_size, self.attention_cost_weight
+        )
         rows = [self._rows.build([flat[i][:2] for i in sorted(b)]) for b in bins]
         return PackResult(micro_batches=self._distribute(rows), runs=runs)
 
