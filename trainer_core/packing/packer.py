@@ -4,9 +4,12 @@ Source document 002 and DESIGN §6, with the step semantics of docs/contracts.md
 
 Flow of one `Packer.pack()`:
 
-1. **Wait** (`is_ready`): buffered tokens reach ``seq_len × dp_world_size``, or something has waited
-   ``timeout_s`` (measured from the later of the oldest buffered sample's arrival and the last pack,
-   so leftovers of a pack do not trigger an immediate tiny pack, and a lone sample is never stuck).
+1. **Wait** (`is_ready`): buffered tokens reach ``seq_len × dp_world_size``; or every run with buffered
+   samples has its whole step's worth (waiting could not add a sample to this pack: each run gives
+   at most what its step still needs — with on-policy RL the next batch comes only after this step's
+   adapter, so waiting is pure idle time); or, as the fallback, something has waited ``timeout_s``
+   (measured from the later of the oldest buffered sample's arrival and the last pack, so leftovers
+   of a pack do not trigger an immediate tiny pack, and a lone sample is never stuck).
 2. **Select** round-robin across runs with buffered work, one sample per turn, within a budget of
    ``dp_world_size`` rows of ``seq_len`` tokens (a ``seq_len × dp_world_size`` token budget, checked by
    first-fit placement rather than a plain sum — see `Packer._select_round_robin`). A run never gets
@@ -126,6 +129,8 @@ class Packer:
         clock: monotonic seconds; injectable for tests.
         attention_cost_weight: w in `bin_cost`, ≈ 1 / (12 · hidden_size) of the base model.
         vocab_size: token ids must lie in [0, vocab_size) (None: only non-negative).
+        pack_on_full_steps: pack as soon as every run with buffered samples has its step's worth
+            (False: only on a full budget or the timeout, the behaviour before; for comparisons).
 
     Not thread-safe: the master rank owns it and calls it from its loop.
     """
@@ -142,6 +147,7 @@ class Packer:
         clock: Callable[[], float] = time.monotonic,
         attention_cost_weight: float = 1.0 / (12 * 1024),
         vocab_size: int | None = None,
+        pack_on_full_steps: bool = True,
     ) -> None:
         for name, value in (
             ("n_slots", n_slots),
@@ -161,6 +167,7 @@ class Packer:
         self.pad_token_id = pad_token_id
         self.attention_cost_weight = attention_cost_weight
         self.vocab_size = vocab_size
+        self.pack_on_full_steps = pack_on_full_steps
         self._rows = RowFormat(
             n_slots=n_slots, seq_len=seq_len, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id
         )
@@ -327,12 +334,18 @@ class Packer:
         return self.seq_len * self.dp_world_size
 
     def is_ready(self) -> bool:
-        """Enough tokens buffered for every rank, or something waited ``timeout_s`` (module docstring)."""
+        """Enough tokens buffered for every rank, every run with work has its step's worth, or something
+        waited ``timeout_s`` (module docstring)."""
         if self.buffered_tokens() >= self.token_budget:
             return True
-        heads = [state.buffer[0].arrived_at for state in self._runs.values() if state.buffer]
-        if not heads:
+        with_work = [state for state in self._runs.values() if state.buffer]
+        if not with_work:
             return False
+        if self.pack_on_full_steps and all(
+            len(state.buffer) >= state.batch_size - state.samples_consumed_this_step for state in with_work
+        ):
+            return True
+        heads = [state.buffer[0].arrived_at for state in with_work]
         waiting_since = max(min(heads), self._last_pack_at)
         return self._clock() - waiting_since >= self.timeout_s
 
