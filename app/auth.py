@@ -16,6 +16,7 @@ from sqlalchemy import select
 from app.config import Settings
 from app.db import SessionDep
 from app.errors import Forbidden, Unauthorized
+from app.key_cache import key_cache
 from app.tenants.models import ApiKey
 
 KEY_PREFIX = "llk_"
@@ -57,9 +58,15 @@ def _same_secret(given: str, expected: str) -> bool:
 
 def require_tenant(request: Request, session: SessionDep) -> TenantPrincipal:
     token = bearer_token(request)
-    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(token)))
+    digest = hash_key(token)
+    # A valid key looked up in the last few seconds is trusted (app/key_cache.py: the revocation bound).
+    cache = key_cache(request.app.state, request.app.state.settings.api_key_cache_seconds)
+    if (hit := cache.get(digest)) is not None:
+        return TenantPrincipal(tenant_id=hit.tenant_id, api_key_id=hit.api_key_id)
+    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
     if key is None or key.revoked_at is not None:
         raise Unauthorized("invalid or revoked API key")
+    cache.put(digest, tenant_id=key.tenant_id, api_key_id=key.id)
     return TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
 
 

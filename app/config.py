@@ -37,6 +37,10 @@ class Settings(BaseSettings):
     sweep_interval_seconds: float = Field(default=2.0, gt=0)
     """How often the background sweeper checks leases, pool liveness and run heartbeats."""
 
+    api_key_cache_seconds: float = Field(default=2.0, ge=0, le=60)
+    """How long a process trusts an API key it looked up (0: look up on every request). A key revoked
+    in another process (or replica) stops working within this bound; in the revoking process, at once."""
+
     @property
     def runs_dir(self) -> Path:
         return self.data_dir / "runs"

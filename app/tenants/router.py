@@ -1,9 +1,10 @@
 """Admin routes: tenants and their API keys (thin: parse, call the service, shape the response)."""
 
-from fastapi import APIRouter, Response, status
+from fastapi import APIRouter, Request, Response, status
 
 from app.auth import AdminDep
 from app.db import SessionDep
+from app.key_cache import key_cache
 from app.tenants import service
 from app.tenants.schemas import ApiKeyCreated, TenantCreate, TenantList, TenantOut
 
@@ -36,7 +37,11 @@ def create_api_key(tenant_id: str, _: AdminDep, session: SessionDep) -> ApiKeyCr
 @router.delete(
     "/{tenant_id}/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, operation_id="revokeApiKey"
 )
-def revoke_api_key(tenant_id: str, key_id: str, _: AdminDep, session: SessionDep) -> Response:
+def revoke_api_key(
+    tenant_id: str, key_id: str, _: AdminDep, session: SessionDep, request: Request
+) -> Response:
     """Revoke an API key: requests with it get a 401 from now on (admin)."""
     service.revoke_api_key(session, tenant_id=tenant_id, key_id=key_id)
+    # This process forgets its cached keys now; other processes within api_key_cache_seconds.
+    key_cache(request.app.state, request.app.state.settings.api_key_cache_seconds).clear()
     return Response(status_code=status.HTTP_204_NO_CONTENT)
