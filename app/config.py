@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     metrics_token: SecretStr | None = None
     """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""
 
+    api_key_cache_seconds: float = Field(default=2.0, ge=0, le=60)
+    """How long a process trusts an API key it looked up (0: look up on every request). A key revoked
+    in another process (or replica) stops working within this bound; in the revoking process, at once."""
+
     @property
     def runs_dir(self) -> Path:
         return self.data_dir / "runs"

@@ -8,9 +8,11 @@ transport: msgpack → temporary file → fsync → rename), in the same run.
 What is timed:
 - raw:      per batch: msgpack-encode, write a temporary file, fsync, rename (one writer, as the
             source documents' master rank does).
-- service:  per batch: the client encodes (msgspec, JSON or msgpack) and POSTs with an
-            Idempotency-Key; the service decodes, validates every sample, re-encodes, writes the
-            payload atomically (temp, fsync, rename, fsync dir), commits the row (Postgres fsyncs
+- service:  per batch: the client encodes (msgpack: the SDK's binary form, int32/uint8/float32
+            arrays as bytes, converted from the lists on the client; msgpack-lists: the list form;
+            json) and POSTs with an Idempotency-Key; the service decodes, validates every sample
+            (vectorised for the binary form, which it stores as received; lists are converted
+            once), writes the payload atomically (temp, fsync, rename, fsync dir), commits the row (Postgres fsyncs
             its WAL) and answers 201. --clients concurrent clients (threads, keep-alive connections).
 Client, service and Postgres share this machine's cores. The database is a temporary one
 (created and dropped here); data goes to a temporary directory.
@@ -44,12 +46,25 @@ from app.db import make_engine, make_session_factory
 from app.pools.models import Pool
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
+from contracts.arrays import encode as encode_arrays
+from contracts.arrays import to_arrays
 from contracts.ids import new_id
 from contracts.run_config import RunConfig
 from contracts.wire import TrainingBatch, TrainingSample, json_encoder, msgpack_encoder
 from loraloom.launch import free_port, start_service_process
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _binary(batch: TrainingBatch) -> bytes:
+    return encode_arrays(to_arrays(batch))
+
+
+ENCODERS = {
+    "msgpack": _binary,  # what the SDK sends: the binary form (contracts/arrays.py), converted client-side
+    "msgpack-lists": msgpack_encoder.encode,  # the list form in msgpack (what the SDK sent before)
+    "json": json_encoder.encode,
+}
 VOCAB = 32_000
 BASE_MODEL = "bench-model"
 
@@ -242,11 +257,8 @@ def post_all(
 
     def worker(c: int) -> None:
         headers = {"Authorization": f"Bearer {secret}"}
-        if fmt == "msgpack":
-            headers["Content-Type"] = "application/msgpack"
-        else:
-            headers["Content-Type"] = "application/json"
-        encode = msgpack_encoder.encode if fmt == "msgpack" else json_encoder.encode
+        headers["Content-Type"] = "application/json" if fmt == "json" else "application/msgpack"
+        encode = ENCODERS[fmt]
         with httpx.Client(base_url=url, timeout=60) as client:
             client.get("/healthz")  # open the connection before the clock starts
             barrier.wait()

@@ -4,7 +4,8 @@
    lower bound ⌈total tokens ÷ seq_len⌉, packing efficiency (real tokens ÷ packed tokens, padding
    included — rows padded to ``seq_len``, and rows padded to ``--pad-to-multiple-of``), and time.
 2. The full Packer path on N samples from ``--runs`` runs streamed in batches of ``--batch-size``:
-   ``add_batch`` (list → array conversion), ``pack`` (round-robin selection, step accounting, FFD,
+   the claimed batch's stored bytes decoded into the binary form (``--form binary``, the pool's path:
+   one msgpack decode, arrays read in place) or TrainingBatch lists (``--form lists``), ``add_batch``, ``pack`` (round-robin selection, step accounting, FFD,
    row building, rank balancing) until drained; efficiency per pack and over the whole stream.
 
 Length distributions, shaped like RL rollouts (prompt + completion, clipped to seq_len):
@@ -27,6 +28,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from contracts.arrays import ArrayBatch, decode_stored, to_arrays
+from contracts.arrays import encode as encode_arrays
 from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.packing import Packer, pack_ffd
 
@@ -145,7 +148,8 @@ def packer_table(args: argparse.Namespace) -> list[str]:
     seq_len, dp = args.packer_seq_len, args.dp
     lines = [
         f"### Full Packer path: {args.samples:,} samples, {args.runs} runs × batch_size {args.batch_size}, "
-        f"seq_len {seq_len}, dp_world_size {dp}, pad_to_multiple_of {args.pad_to_multiple_of}",
+        f"seq_len {seq_len}, dp_world_size {dp}, pad_to_multiple_of {args.pad_to_multiple_of}, "
+        f"batches as {'stored binary bytes (decode timed)' if args.form == 'binary' else 'TrainingBatch lists'}",
         "",
         "| distribution | tokens | packs | rows | Σ per-pack lower bound | excess rows "
         "| ⌈tokens ÷ seq_len⌉ | rows over it "
@@ -156,6 +160,7 @@ def packer_table(args: argparse.Namespace) -> list[str]:
     for dist in args.distributions:
         rng = np.random.default_rng(args.seed)
         pool = make_pool(dist, seq_len, args.pool, rng)
+        binary_pool = to_arrays(TrainingBatch(examples=pool)).examples
         packer = Packer(
             n_slots=args.runs, seq_len=seq_len, dp_world_size=dp, pad_to_multiple_of=args.pad_to_multiple_of
         )
@@ -170,9 +175,16 @@ def packer_table(args: argparse.Namespace) -> list[str]:
             # Stream: keep every run two batches ahead, as orchestrators posting rollouts would.
             for slot in range(args.runs):
                 while next_batch < batches_needed and packer.buffered_samples(slot) < 2 * args.batch_size:
-                    batch = TrainingBatch(examples=[pool[i] for i in draws[next_batch]])
-                    with add_t:
-                        packer.add_batch(slot, batch, batch_id=next_batch)
+                    if args.form == "binary":
+                        # The stored bytes of a claimed batch (made untimed); timed: the one decode
+                        # into the binary form, then add_batch's frombuffer views.
+                        data = encode_arrays(ArrayBatch(examples=[binary_pool[i] for i in draws[next_batch]]))
+                        with add_t:
+                            packer.add_batch(slot, decode_stored(data), batch_id=next_batch)
+                    else:
+                        batch = TrainingBatch(examples=[pool[i] for i in draws[next_batch]])
+                        with add_t:
+                            packer.add_batch(slot, batch, batch_id=next_batch)
                     next_batch += 1
             with pack_t:
                 result = packer.pack(force=True)
@@ -210,6 +222,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--pool", type=int, default=5000, help="distinct samples the Packer path draws from")
     parser.add_argument("--skip-packer", action="store_true")
+    parser.add_argument(
+        "--form",
+        choices=("binary", "lists"),
+        default="binary",
+        help="how batches reach the Packer: the stored binary bytes of a claim (decoded in the timed part), "
+        "or TrainingBatch lists (converted once in add_batch)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
+from contracts.arrays import ArrayBatch, decode_stored
 from contracts.progress import Progress
 from contracts.status import RunStatus
 from contracts.wire import TrainingBatch
@@ -144,8 +145,8 @@ class ClaimOut(_Answer):
 
 
 class ClaimedBatchStruct(msgspec.Struct):
-    """`ClaimedBatch` as the pool decodes it: msgspec straight into a TrainingBatch (the payload is the
-    bulk of a claim; a pydantic dict of lists would convert every token twice)."""
+    """`ClaimedBatch` as the pool uses it, its payload decoded (`claimed_batches`): the binary form
+    from a msgpack claim, the list form from a JSON one (or from a source that builds batches)."""
 
     id: int
     run_id: str
@@ -153,12 +154,46 @@ class ClaimedBatchStruct(msgspec.Struct):
     sample_offset: int
     num_samples: int
     rollout_step: int
-    payload: TrainingBatch
+    payload: TrainingBatch | ArrayBatch
+
+
+class ClaimedBatchWire(msgspec.Struct):
+    """`ClaimedBatch` on the wire: the payload is left encoded (`msgspec.Raw`). In a msgpack claim
+    it is the stored batch's bytes as the service stored them (the binary form, contracts/arrays.py),
+    spliced in unchanged; in a JSON claim, the list form."""
+
+    id: int
+    run_id: str
+    slot: int | None
+    sample_offset: int
+    num_samples: int
+    rollout_step: int
+    payload: msgspec.Raw
 
 
 class ClaimStruct(msgspec.Struct):
     lease_expires_at: str
-    batches: list[ClaimedBatchStruct]
+    batches: list[ClaimedBatchWire]
+
+
+def claimed_batches(claim: ClaimStruct, *, msgpack: bool) -> list[ClaimedBatchStruct]:
+    """The claim's batches with their payloads decoded: a msgpack payload straight into an
+    `ArrayBatch` (numpy reads its arrays in place), a JSON one into a `TrainingBatch`."""
+    return [
+        ClaimedBatchStruct(
+            id=b.id,
+            run_id=b.run_id,
+            slot=b.slot,
+            sample_offset=b.sample_offset,
+            num_samples=b.num_samples,
+            rollout_step=b.rollout_step,
+            payload=decode_stored(b.payload) if msgpack else _batch_json_decoder.decode(b.payload),
+        )
+        for b in claim.batches
+    ]
+
+
+_batch_json_decoder = msgspec.json.Decoder(TrainingBatch)
 
 
 class AckItem(_Request):

@@ -126,6 +126,15 @@ def version() -> None:
 def serve(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            envvar="LORALOOM_API_WORKERS",
+            help="uvicorn worker processes (one process is CPU-bound at a few thousand samples/s of "
+            "ingestion; the service is stateless apart from Postgres and the data directory).",
+        ),
+    ] = 1,
 ) -> None:
     """Run the API service (settings from LORALOOM_* environment variables)."""
     import uvicorn
@@ -133,7 +142,9 @@ def serve(
     from app.serving import uvicorn_options
 
     # h11 with a header-size limit (431) and keep-alive timeout: see app/serving.py.
-    uvicorn.run("app.main:create_app", factory=True, host=host, port=port, **uvicorn_options())
+    uvicorn.run(
+        "app.main:create_app", factory=True, host=host, port=port, workers=workers, **uvicorn_options()
+    )
 
 
 @db_cli.command("upgrade")

@@ -29,10 +29,12 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import TypeAdapter
 
+from contracts.arrays import encode as encode_arrays
+from contracts.arrays import to_arrays
 from contracts.http import RetryPolicy, send_with_retries, send_with_retries_async
 from contracts.ids import is_run_id
 from contracts.run_config import RunConfig
-from contracts.wire import TrainingBatch, json_encoder, msgpack_encoder
+from contracts.wire import TrainingBatch, json_encoder
 from orchestrator.archive import extract_adapter, read_marker
 from orchestrator.errors import ApiError, error_from_response
 from orchestrator.models import (
@@ -172,7 +174,9 @@ class _Ops:
         if not isinstance(batch, TrainingBatch):
             raise TypeError(f"batch must be a contracts.wire.TrainingBatch, not {type(batch).__name__}")
         if fmt == "msgpack":
-            content, ctype = msgpack_encoder.encode(batch), "application/msgpack"
+            # The binary form (contracts/arrays.py): typed arrays the service checks with numpy and
+            # stores as sent; the per-token lists are converted here, once.
+            content, ctype = encode_arrays(to_arrays(batch)), "application/msgpack"
         elif fmt == "json":
             content, ctype = json_encoder.encode(batch), "application/json"
         else:

@@ -25,8 +25,8 @@ from contracts.pool_api import (
     StepReport,
 )
 from contracts.progress import Progress
-from trainer_core.run_left import run_has_left
 from trainer_core.export import unpack_adapter_archive
+from trainer_core.run_left import run_has_left
 from trainer_core.runs import RunRecord
 
 log = logging.getLogger("loraloom.worker")

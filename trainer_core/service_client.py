@@ -1,7 +1,7 @@
 """The worker pool's side of the service API (only the master rank talks to the service).
 
 Every request and answer is a model of `contracts.pool_api` (the service's routes use the same
-ones); the claim is decoded by msgspec straight into `TrainingBatch` payloads. Retries follow the
+ones); the claim is msgpack, its payloads the stored binary batches (`contracts.arrays.ArrayBatch`). Retries follow the
 SDK's policy (`contracts.http`); an error answer raises the typed error of `contracts.http`
 (`Conflict`, `NotFound`, ... all `ApiError`s carrying the service's `code`). Never logs the token.
 """
@@ -34,12 +34,13 @@ from contracts.pool_api import (
     RunAfterPush,
     StepReport,
     TrainerEvict,
+    claimed_batches,
 )
 from trainer_core.export import adapter_tar_bytes
 
 log = logging.getLogger("loraloom.worker")
 
-_claim_decoder = msgspec.json.Decoder(ClaimStruct)
+_claim_decoder = msgspec.msgpack.Decoder(ClaimStruct)
 
 
 class PoolServiceClient:
@@ -103,8 +104,14 @@ class PoolServiceClient:
 
     def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
         body = ClaimIn(pool_id=self._pool_id(), max_batches=max_batches)
-        response = self._request("POST", "/v1/pool/batches/claim", json=body.model_dump(mode="json"))
-        return _claim_decoder.decode(response.content).batches
+        # msgpack: the stored payloads arrive as stored (binary arrays) and numpy reads them in place.
+        response = self._request(
+            "POST",
+            "/v1/pool/batches/claim",
+            json=body.model_dump(mode="json"),
+            headers={"Accept": "application/msgpack"},
+        )
+        return claimed_batches(_claim_decoder.decode(response.content), msgpack=True)
 
     def ack(self, acks: list[AckItem]) -> int:
         """Acknowledge trained batches; returns how many the service marked (0 for no acks)."""

@@ -162,6 +162,34 @@ def make_source(args: WorkerArgs) -> RunSource:
 
 
 @dataclass
+class LoopTime:
+    """Where the loop's wall time went: training steps (with their claims, packing and pushes) or idle
+    polls while at least one run was admitted (the time the pack rule and timeout cost)."""
+
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    """Idle polls while runs were admitted (a pool with no run is not counted)."""
+    steps: int = 0
+
+    def add(self, *, busy: float = 0.0, idle: float = 0.0, has_runs: bool = True) -> None:
+        self.busy_s += busy
+        self.steps += busy > 0
+        if has_runs:
+            self.idle_s += idle
+
+    @property
+    def idle_share(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.steps} steps, busy {self.busy_s:.1f} s, idle with runs {self.idle_s:.1f} s "
+            f"(idle share {100 * self.idle_share:.0f} %)"
+        )
+
+
+@dataclass
 class Plan:
     """What every rank does in one iteration; the master decides it."""
 
@@ -196,6 +224,7 @@ class PoolTrainer:
         self.device = device
         self.stop_requested = False
         self._stepped = False
+        self.loop_time = LoopTime()
 
         # Every rank builds the same base model; the master builds the cache first.
         load = partial(
@@ -367,6 +396,7 @@ class PoolTrainer:
 
     def run(self) -> None:
         while True:
+            began = time.perf_counter()
             self._sync_slots()
             # The master decides; every rank follows the same plan, so collectives stay matched.
             plan, my_micro_batches = self._distribute(self._plan(self.master) if self.master else None)
@@ -374,6 +404,7 @@ class PoolTrainer:
                 break
             if plan.kind == "idle":
                 time.sleep(self.args.poll_interval_s)
+                self.loop_time.add(idle=time.perf_counter() - began, has_runs=bool(self.slots))
                 continue
             first = not self._stepped
             if first and self.world.is_master:
@@ -396,6 +427,8 @@ class PoolTrainer:
             self._stepped = True
             if self.master:
                 self._after_step(self.master, plan, result)
+            self.loop_time.add(busy=time.perf_counter() - began)
+        log.info("rank %d: %s", self.world.rank, self.loop_time.summary())
 
     def _plan(self, m: _Master) -> Plan:
         """Master: claim batches, pack if ready."""

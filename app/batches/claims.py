@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from app.batches.leases import expire_leases
 from app.batches.models import Batch
-from app.batches.storage import PayloadUnreadable, read_payload
+from app.batches.storage import PayloadUnreadable, read_payload_bytes
 from app.config import Settings
 from app.errors import Conflict
 from app.events.service import record_event
@@ -25,7 +25,6 @@ from app.pools.service import get_alive_pool
 from app.runs.models import Run
 from app.runs.service import get_run
 from contracts.status import BatchState, RunStatus
-from contracts.wire import TrainingBatch
 
 log = logging.getLogger("loraloom.batches")
 
@@ -37,7 +36,8 @@ _CLAIM_ROUNDS = 3
 class ClaimedItem:
     batch: Batch
     slot: int | None
-    payload: TrainingBatch
+    payload: bytes
+    """The stored bytes, as stored (served as they are in a msgpack claim)."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def claim_batches(
             if batch.run_id in broken_runs:
                 continue
             try:
-                payload = read_payload(settings, batch)
+                payload = read_payload_bytes(settings, batch)
             except PayloadUnreadable as exc:
                 # Stop serving this run (its batches are trained in order and this one cannot be),
                 # but keep serving every other run.

@@ -11,10 +11,11 @@ from app.batches.schemas import MSGPACK_CONTENT_TYPES
 from app.db import SessionDep, utcnow
 from app.errors import Conflict, NotFound, raises
 from app.runs.deps import RunIdPath
+from contracts.arrays import decode_stored, to_lists
 from contracts.pool_api import (
     AckIn,
     AckOut,
-    ClaimedBatchStruct,
+    ClaimedBatchWire,
     ClaimIn,
     ClaimOut,
     ClaimStruct,
@@ -26,6 +27,11 @@ router = APIRouter(tags=["pool"])
 
 _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()
+
+
+def _as_json(stored: bytes) -> bytes:
+    """A stored payload as the JSON of its list form (JSON claims are for people and tests)."""
+    return _json_encoder.encode(to_lists(decode_stored(stored)))
 
 
 @router.post(
@@ -54,26 +60,26 @@ def claim_batches(
     claim = claims.claim_batches(
         session, settings=settings, pool_id=body.pool_id, max_batches=body.max_batches, now=utcnow()
     )
-    # Encoded with msgspec rather than through the pydantic ClaimOut: the payloads are large lists
-    # of numbers and already msgspec structs. ClaimStruct is the shape ClaimOut documents, and the
-    # one the pool decodes.
+    wants_msgpack = accept is not None and any(t in accept for t in MSGPACK_CONTENT_TYPES)
+    # Encoded with msgspec rather than through the pydantic ClaimOut: ClaimStruct is the shape
+    # ClaimOut documents, and the one the pool decodes. A msgpack claim splices each stored payload
+    # in as its bytes (no decode, no re-encode); a JSON claim carries the list form.
     content = ClaimStruct(
         # The string msgspec writes for a datetime, so JSON and msgpack carry the same text.
         lease_expires_at=msgspec.to_builtins(claim.lease_expires_at),
         batches=[
-            ClaimedBatchStruct(
+            ClaimedBatchWire(
                 id=item.batch.id,
                 run_id=item.batch.run_id,
                 slot=item.slot,
                 sample_offset=item.batch.sample_offset,
                 num_samples=item.batch.num_samples,
                 rollout_step=item.batch.rollout_step,
-                payload=item.payload,
+                payload=msgspec.Raw(item.payload if wants_msgpack else _as_json(item.payload)),
             )
             for item in claim.items
         ],
     )
-    wants_msgpack = accept is not None and any(t in accept for t in MSGPACK_CONTENT_TYPES)
     if wants_msgpack:
         return Response(_msgpack_encoder.encode(content), media_type="application/msgpack")
     return Response(_json_encoder.encode(content), media_type="application/json")

@@ -11,7 +11,6 @@ finds the first batch instead of storing a second one.
 The pool's side (claims, acks, restarts) is in claims.py.
 """
 
-import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -20,18 +19,18 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from app.batches.ingest import ingest, request_digest
 from app.batches.models import Batch
 from app.batches.storage import StoredPayload, discard_payload, write_payload
-from app.batches.validation import batch_num_tokens, decode_and_validate, decode_batch
 from app.config import Settings
-from app.errors import Conflict, RateLimited, ValidationFailed
+from app.errors import Conflict, RateLimited
 from app.limits import PENDING_RETRY_AFTER_SECONDS
 from app.pools.models import Pool
 from app.rollouts.service import add_batch as add_rollout_batch
 from app.runs.models import Run
+from contracts.arrays import ArrayBatch, num_tokens
 from contracts.run_config import RunConfig
 from contracts.status import BatchState, PoolStatus, RunStatus
-from contracts.wire import TrainingBatch, msgpack_encoder
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ def _check_status(run: _RunState) -> None:
         )
 
 
-def _check_fresh(run: _RunState, batch: TrainingBatch, config: RunConfig) -> None:
+def _check_fresh(run: _RunState, batch: ArrayBatch, config: RunConfig) -> None:
     lag = run.step - batch.step
     if lag > config.max_async_level:
         raise Conflict(
@@ -114,20 +113,12 @@ def _replay(session: Session, *, run_id: str, idempotency_key: str, request_hash
     return existing
 
 
-def _canonical(batch: TrainingBatch) -> tuple[bytes, str]:
-    """The bytes stored, and their digest, which identifies the request: the same batch sent as
-    JSON or as msgpack is the same request."""
-    data = msgpack_encoder.encode(batch)
-    return data, hashlib.sha256(data).hexdigest()
-
-
 def _replay_of_body(
     session: Session, *, run_id: str, idempotency_key: str, body: bytes, msgpack: bool
 ) -> Batch | None:
     """The batch an earlier request with this key and body stored (None also for an undecodable body)."""
-    try:
-        _, digest = _canonical(decode_batch(body, msgpack=msgpack))
-    except (ValidationFailed, OverflowError):  # OverflowError: an integer past 64 bits, refused later
+    digest = request_digest(body, msgpack=msgpack)
+    if digest is None:
         return None
     return _replay(session, run_id=run_id, idempotency_key=idempotency_key, request_hash=digest)
 
@@ -175,8 +166,8 @@ def submit_batch(
             return SubmitResult(existing, created=False)
         raise
     vocab_size = vocab_size_for(session, base_model=run.base_model)
-    batch = decode_and_validate(body, msgpack=msgpack, seq_len=config.seq_len, vocab_size=vocab_size)
-    data, digest = _canonical(batch)
+    ingested = ingest(body, msgpack=msgpack, seq_len=config.seq_len, vocab_size=vocab_size)
+    batch, data, digest = ingested.batch, ingested.data, ingested.sha256
     try:
         _check_fresh(state, batch, config)
     except Conflict:
@@ -238,7 +229,7 @@ def _add_row(
     *,
     settings: Settings,
     run: Run,
-    batch: TrainingBatch,
+    batch: ArrayBatch,
     config: RunConfig,
     stored: StoredPayload,
     idempotency_key: str | None,
@@ -269,7 +260,7 @@ def _add_row(
             "request_hash": stored.sha256,
             "rollout_step": batch.step,
             "num_samples": num_samples,
-            "num_tokens": batch_num_tokens(batch),
+            "num_tokens": num_tokens(batch),
             "sample_offset": locked.submitted_samples - num_samples,
             "payload_path": stored.relative_path,
             "payload_bytes": stored.size_bytes,

@@ -1,6 +1,7 @@
 """Rollout payload files under `{data_dir}/runs/{run_id}/rollouts/step_N/`.
 
-A payload is the canonical msgpack encoding of the validated TrainingBatch, written
+A payload is the validated batch in its binary form (contracts/arrays.py: the body itself for a
+binary body, the canonical encoding of the converted lists for a list body), written
 atomically (temporary file, fsync, rename, fsync of the directory) BEFORE its row is
 committed. So a committed row always points at a complete file, and a crash between
 the two leaves at worst an unreferenced file: never served (the pool reads payloads
@@ -21,9 +22,9 @@ from app.batches.models import Batch
 from app.config import Settings
 from app.errors import AppError
 from app.projection import run_dir
+from contracts.arrays import ArrayBatch, decode_stored
 from contracts.durable import atomic_write_bytes
 from contracts.layout import ROLLOUTS_DIR, step_dir_name
-from contracts.wire import TrainingBatch, batch_msgpack_decoder
 
 log = logging.getLogger("loraloom.batches")
 
@@ -91,8 +92,8 @@ def read_payload_bytes(settings: Settings, batch: Batch) -> bytes:
     return data
 
 
-def read_payload(settings: Settings, batch: Batch) -> TrainingBatch:
-    return batch_msgpack_decoder.decode(read_payload_bytes(settings, batch))
+def read_payload(settings: Settings, batch: Batch) -> ArrayBatch:
+    return decode_stored(read_payload_bytes(settings, batch))
 
 
 def remove_orphan_payloads(session: Session, *, settings: Settings, older_than_s: float = 3600.0) -> int:

@@ -2,11 +2,12 @@
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Response, status
+from fastapi import APIRouter, Path, Request, Response, status
 
 from app.auth import AdminDep, SettingsDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
+from app.key_cache import key_cache
 from app.tenants import removal, service
 from app.tenants.schemas import ApiKeyCreated, ApiKeyList, ApiKeyOut, TenantCreate, TenantList, TenantOut
 
@@ -41,11 +42,13 @@ def list_tenants(_: AdminDep, session: SessionDep) -> TenantList:
 @router.delete("/{tenant_id}", status_code=status.HTTP_204_NO_CONTENT, operation_id="deleteTenant")
 @raises(NotFound)
 def delete_tenant(
-    tenant_id: TenantIdPath, _: AdminDep, session: SessionDep, settings: SettingsDep
+    tenant_id: TenantIdPath, _: AdminDep, session: SessionDep, settings: SettingsDep, request: Request
 ) -> Response:
     """Delete a tenant with its API keys and runs (each run deleted as by its owner: slot freed,
     files removed); the audit events stay (admin)."""
     removal.delete_tenant(session, tenant_id=tenant_id, settings=settings)
+    # Its keys stop working in this process now; in others within api_key_cache_seconds.
+    key_cache(request.app.state, settings.api_key_cache_seconds).clear()
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -72,7 +75,11 @@ def create_api_key(tenant_id: TenantIdPath, _: AdminDep, session: SessionDep) ->
     "/{tenant_id}/keys/{key_id}", status_code=status.HTTP_204_NO_CONTENT, operation_id="revokeApiKey"
 )
 @raises(NotFound)
-def revoke_api_key(tenant_id: TenantIdPath, key_id: KeyIdPath, _: AdminDep, session: SessionDep) -> Response:
+def revoke_api_key(
+    tenant_id: TenantIdPath, key_id: KeyIdPath, _: AdminDep, session: SessionDep, request: Request
+) -> Response:
     """Revoke an API key: requests with it get a 401 from now on (admin)."""
     service.revoke_api_key(session, tenant_id=tenant_id, key_id=key_id)
+    # This process forgets its cached keys now; other processes within api_key_cache_seconds.
+    key_cache(request.app.state, request.app.state.settings.api_key_cache_seconds).clear()
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from contracts.arrays import decode_stored, to_arrays, to_lists
 from contracts.wire import batch_json_decoder
 from tests.app.factories import Seeded
 from tests.common import ADMIN_KEY, WORKER_TOKEN
@@ -113,8 +114,16 @@ def rewarded_batch(
 
 
 def as_plain(body: dict[str, Any]) -> dict[str, Any]:
-    """What a body decodes to (defaults filled in, ints in float fields as floats)."""
-    plain: dict[str, Any] = msgspec.to_builtins(batch_json_decoder.decode(msgspec.json.encode(body)))
+    """What a body decodes to (defaults filled in, ints in float fields as floats, per-token floats
+    rounded to float32 as the binary form stores them)."""
+    batch = to_lists(to_arrays(batch_json_decoder.decode(msgspec.json.encode(body))))
+    plain: dict[str, Any] = msgspec.to_builtins(batch)
+    return plain
+
+
+def stored_plain(data: bytes) -> dict[str, Any]:
+    """A stored payload (or a msgpack claim's payload) as `as_plain` writes a body."""
+    plain: dict[str, Any] = msgspec.to_builtins(to_lists(decode_stored(data)))
     return plain
 
 

@@ -18,16 +18,16 @@ from app.batches.service import vocab_size_for
 from app.batches.storage import remove_orphan_payloads, rollouts_dir
 from app.batches.validation import decode_and_validate
 from app.runs.models import Run
+from contracts.arrays import decode_stored, to_lists
 from contracts.run_config import RunConfig
 from contracts.wire import (
     MAX_EXAMPLES_PER_BATCH,
     TrainingBatch,
     TrainingSample,
     batch_json_decoder,
-    batch_msgpack_decoder,
     msgpack_encoder,
 )
-from tests.app.api import MSGPACK, WORKER_HEADERS, as_plain, batch_body, post_batch, sample
+from tests.app.api import MSGPACK, WORKER_HEADERS, as_plain, batch_body, post_batch, sample, stored_plain
 from tests.app.factories import Seeded, add_pool, batch_count, committed, rollout_files, seed_run
 
 # --------------------------------------------------------------------------- happy path
@@ -77,7 +77,7 @@ def test_submit_stores_payload_and_row(settings, client, msgpack):
             data = path.read_bytes()
             assert hashlib.sha256(data).hexdigest() == row.payload_sha256 == row.request_hash
             assert row.payload_bytes == len(data)
-            assert msgspec.to_builtins(batch_msgpack_decoder.decode(data)) == as_plain(body)
+            assert stored_plain(data) == as_plain(body)
     assert not [p for p in rollout_files(settings) if p.name.endswith(".tmp")]
 
 
@@ -336,7 +336,7 @@ def test_rewards_weights_and_metrics_are_stored_as_sent(settings, client):
     assert post_batch(client, seeded, body).status_code == 201
     with committed(settings) as session:
         batch = session.scalars(select(Batch)).one()
-        stored = batch_msgpack_decoder.decode((settings.data_dir / batch.payload_path).read_bytes())
+        stored = to_lists(decode_stored((settings.data_dir / batch.payload_path).read_bytes()))
     first, second = stored.examples
     assert (first.reward, first.metrics, first.weights) == (0.75, {"format_ok": 1.0}, [1.0, 0.5, 0.0])
     assert (second.reward, second.token_rewards) == (None, [0.0, 0.0, 1.0])

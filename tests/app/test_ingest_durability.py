@@ -20,9 +20,8 @@ from app.batches.models import Batch
 from app.runs.models import Run
 from contracts.durable import TMP_SUFFIX
 from contracts.run_config import RunConfig
-from contracts.wire import batch_msgpack_decoder
 from loraloom.launch import free_port, start_service_process
-from tests.app.api import as_plain
+from tests.app.api import as_plain, stored_plain
 from tests.app.factories import Seeded, committed, seed_run
 from tests.common import ADMIN_KEY, WORKER_TOKEN
 
@@ -154,7 +153,7 @@ def test_kill_9_during_ingestion_loses_nothing_acknowledged(settings, tmp_path):
                 assert row.id == out["id"]
                 data = (settings.data_dir / row.payload_path).read_bytes()
                 assert hashlib.sha256(data).hexdigest() == row.payload_sha256
-                assert msgspec.to_builtins(batch_msgpack_decoder.decode(data)) == as_plain(body)
+                assert stored_plain(data) == as_plain(body)
             # 2. Nothing half-written is visible: every row's file is complete; no temporaries remain.
             for row in rows.values():
                 assert not row.payload_path.endswith(TMP_SUFFIX)

@@ -16,8 +16,10 @@ from app.db import utcnow
 from app.events.models import Event
 from app.main import create_app
 from app.runs.models import Run
-from contracts.pool_api import ClaimStruct
+from contracts.arrays import ArrayBatch, to_lists
+from contracts.pool_api import ClaimStruct, claimed_batches
 from contracts.run_config import RunConfig
+from contracts.wire import TrainingBatch
 from tests.app.api import WORKER_HEADERS, ack, as_plain, batch_body, claim, post_batch, restart
 from tests.app.factories import add_pool, batch_states, committed, seed_run
 
@@ -86,7 +88,9 @@ def test_claim_msgpack_response(settings, client):
         headers=WORKER_HEADERS | {"Accept": "application/msgpack"},
     )
     assert resp.headers["content-type"] == "application/msgpack"
-    assert msgspec.msgpack.decode(resp.content)["batches"][0]["payload"] == as_plain(body)
+    # The stored binary payload, spliced in as stored.
+    payload = msgspec.msgpack.decode(resp.content)["batches"][0]["payload"]
+    assert msgspec.to_builtins(to_lists(msgspec.convert(payload, ArrayBatch))) == as_plain(body)
 
 
 @pytest.mark.parametrize("accept", ["application/json", "application/msgpack"])
@@ -104,8 +108,11 @@ def test_claim_decodes_as_the_pools_structs(settings, client, accept):
     assert resp.status_code == 200, resp.text
     decode = msgspec.msgpack.decode if accept == "application/msgpack" else msgspec.json.decode
     claimed = decode(resp.content, type=ClaimStruct)
+    msgpack = accept == "application/msgpack"
     assert datetime.fromisoformat(claimed.lease_expires_at) > datetime.now(UTC)
-    [item] = claimed.batches
+    [item] = claimed_batches(claimed, msgpack=msgpack)
+    # msgpack: the binary form numpy reads in place; JSON: the list form.
+    assert isinstance(item.payload, ArrayBatch if msgpack else TrainingBatch)
     assert (item.id, item.run_id, item.slot, item.sample_offset, item.num_samples) == (
         batch_id,
         seeded.run_id,
@@ -113,7 +120,8 @@ def test_claim_decodes_as_the_pools_structs(settings, client, accept):
         0,
         2,
     )
-    assert msgspec.to_builtins(item.payload) == as_plain(body)
+    payload = to_lists(item.payload) if isinstance(item.payload, ArrayBatch) else item.payload
+    assert msgspec.to_builtins(payload) == as_plain(body)
 
 
 def test_unregistered_pool_cannot_claim(settings, client):

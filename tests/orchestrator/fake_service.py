@@ -19,8 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError as PydanticValidationError
 
+from contracts.arrays import decode_stored, to_lists
 from contracts.run_config import RunConfig
-from contracts.wire import TrainingBatch, batch_json_decoder, batch_msgpack_decoder
+from contracts.wire import TrainingBatch, batch_json_decoder
 
 
 class FakeError(Exception):
@@ -316,9 +317,8 @@ def _page(items: list[dict[str, Any]], *, limit: int, cursor: str | None) -> dic
 
 def _decode_batch(raw: bytes, content_type: str) -> TrainingBatch:
     msgpack = content_type.startswith("application/msgpack")
-    decoder = batch_msgpack_decoder if msgpack else batch_json_decoder
     try:
-        batch = decoder.decode(raw)
+        batch = to_lists(decode_stored(raw)) if msgpack else batch_json_decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise FakeError(422, "validation_error", f"bad batch: {exc}") from None
     if not batch.examples:

@@ -35,7 +35,7 @@ def _batch(step: int = 0, n: int = 2) -> TrainingBatch:
                 prompt_mask=[True] * 3,
                 completion_ids=[7, 2],
                 completion_mask=[True, True],
-                completion_logprobs=[-0.5, -0.1],
+                completion_logprobs=[-0.5, -0.125],  # float32-exact: the binary form stores float32
                 advantage=float(i) - 0.5,
             )
             for i in range(n)

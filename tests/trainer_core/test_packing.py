@@ -196,7 +196,10 @@ def test_set_progress_resumes_from_a_checkpoint():
 
 def test_ready_on_tokens_or_after_timeout():
     clock = FakeClock()
-    packer = Packer(n_slots=1, seq_len=16, dp_world_size=2, timeout_s=10.0, clock=clock)
+    # The timeout fallback alone (test_no_idle_wait_once_every_run_has_its_step covers the rule before it).
+    packer = Packer(
+        n_slots=1, seq_len=16, dp_world_size=2, timeout_s=10.0, clock=clock, pack_on_full_steps=False
+    )
     packer.add_run(0, batch_size=2)
     assert not packer.is_ready() and packer.pack() is None  # nothing buffered
     packer.add_batch(0, batch(*[sample(4, 4)] * 3), batch_id=0)  # 24 < 32 tokens
@@ -219,6 +222,34 @@ def test_ready_on_tokens_or_after_timeout():
     packer.add_batch(0, batch(sample(4, 4)), batch_id=1)
     assert not packer.is_ready()
     clock.now = 110.0
+    assert packer.is_ready()
+
+
+def test_no_idle_wait_once_every_run_has_its_step():
+    clock = FakeClock()
+    packer = Packer(n_slots=3, seq_len=64, dp_world_size=2, timeout_s=10.0, clock=clock)
+    packer.add_run(0, batch_size=2)
+    packer.add_run(1, batch_size=3)
+    packer.add_run(2, batch_size=2)  # no work buffered: does not hold the others back
+    packer.add_batch(0, batch(*[sample(4, 4)] * 2), batch_id=0)  # run 0: its whole step
+    packer.add_batch(1, batch(*[sample(4, 4)] * 2), batch_id=1)  # run 1: 2 of 3
+    assert packer.buffered_tokens() == 32 < packer.token_budget
+    assert not packer.is_ready()  # run 1 may still send its third sample: waiting can help
+    packer.add_batch(1, batch(sample(4, 4)), batch_id=2)
+    assert packer.is_ready()  # every run with work has its step: waiting cannot add to this pack
+    result = packer.pack()
+    assert result is not None and {s: r.step_completed for s, r in result.runs.items()} == {0: True, 1: True}
+    assert clock.now == 0.0  # no timeout was needed
+    # Mid-step: a run that already consumed part of its step needs only the rest.
+    packer.add_batch(1, batch(sample(4, 4)), batch_id=3)
+    packer.pack(force=True)
+    assert packer.samples_consumed_this_step(1) == 1
+    packer.add_batch(1, batch(*[sample(4, 4)] * 2), batch_id=4)
+    assert packer.is_ready()
+    # The rule can be switched off (the timeout then decides).
+    packer.pack_on_full_steps = False
+    assert not packer.is_ready()
+    clock.now = 10.0
     assert packer.is_ready()
 
 

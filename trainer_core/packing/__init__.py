@@ -1,7 +1,7 @@
 """Rollout packing for the worker pool: per-run buffers, fair selection, step accounting
 (`packer`), bin packing and rank balancing (`bins`), and the packed row layout (`rows`)."""
 
-from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd
+from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd, split_to_align
 from trainer_core.packing.packer import InvalidSampleError, Packer, PackResult, RunPackStats
 from trainer_core.packing.rows import BufferedSample, MicroBatch, RowFormat, SampleRef
 
@@ -17,4 +17,5 @@ __all__ = [
     "assign_to_ranks",
     "bin_cost",
     "pack_ffd",
+    "split_to_align",
 ]

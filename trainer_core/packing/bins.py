@@ -1,13 +1,15 @@
 """Bin packing and rank balancing for the Packer (DESIGN §6).
 
 `pack_ffd` groups sample lengths into ``seq_len`` rows (First-Fit-Decreasing); `bin_cost` estimates a
-row's compute; `assign_to_ranks` spreads rows over data-parallel ranks (longest-processing-time greedy).
+row's compute; `split_to_align` splits the heaviest rows until their count divides evenly over the
+data-parallel ranks (rather than topping ranks up with filler rows); `assign_to_ranks` spreads rows
+over ranks (longest-processing-time greedy).
 """
 
 import heapq
 from collections.abc import Sequence
 
-__all__ = ["assign_to_ranks", "bin_cost", "pack_ffd"]
+__all__ = ["assign_to_ranks", "bin_cost", "pack_ffd", "split_to_align"]
 
 
 def pack_ffd(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
@@ -87,3 +89,37 @@ def assign_to_ranks(costs: Sequence[float], n_ranks: int) -> list[list[int]]:
         if len(grid[rank]) < cap:  # a full rank leaves the heap for good
             heapq.heappush(heap, (load + costs[i], rank))
     return grid
+
+
+def split_to_align(
+    bins: list[list[int]], lengths: Sequence[int], n_ranks: int, attention_cost_weight: float
+) -> list[list[int]]:
+    """Split the heaviest bins (by `bin_cost`) in two until ``len(bins)`` is a multiple of ``n_ranks``.
+
+    A rank without a row of its own runs a filler (a pass with no loss) while the others train, and
+    the step lasts as long as the heaviest row. Splitting that row instead gives the idle rank real
+    work and shortens the critical path: 3 rows on 4 ranks become 4 rows and no filler; 2 rows become
+    2 + 2. Samples stay whole (a bin of one sample cannot split), so fillers remain only when no bin
+    with two or more samples is left. The halves are balanced by tokens (longest first, each to the
+    lighter half); inside each half the indices keep the bin's order. Returns new lists; ``bins`` is
+    not modified.
+    """
+    out = [list(b) for b in bins]
+
+    def cost(b: list[int]) -> float:
+        return bin_cost([lengths[i] for i in b], sum(lengths[i] for i in b), attention_cost_weight)
+
+    while out and len(out) % n_ranks:
+        splittable = [k for k, b in enumerate(out) if len(b) > 1]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda k: cost(out[k]))
+        halves: tuple[list[int], list[int]] = ([], [])
+        loads = [0, 0]
+        for i in sorted(out[k], key=lambda i: -lengths[i]):
+            side = 0 if loads[0] <= loads[1] else 1
+            halves[side].append(i)
+            loads[side] += lengths[i]
+        order = {i: n for n, i in enumerate(out[k])}
+        out[k : k + 1] = [sorted(h, key=order.__getitem__) for h in halves]
+    return out

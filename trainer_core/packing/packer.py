@@ -4,9 +4,12 @@ Source document 002 and DESIGN §6, with the step semantics of docs/contracts.md
 
 Flow of one `Packer.pack()`:
 
-1. **Wait** (`is_ready`): buffered tokens reach ``seq_len × dp_world_size``, or something has waited
-   ``timeout_s`` (measured from the later of the oldest buffered sample's arrival and the last pack,
-   so leftovers of a pack do not trigger an immediate tiny pack, and a lone sample is never stuck).
+1. **Wait** (`is_ready`): buffered tokens reach ``seq_len × dp_world_size``; or every run with buffered
+   samples has its whole step's worth (waiting could not add a sample to this pack: each run gives
+   at most what its step still needs — with on-policy RL the next batch comes only after this step's
+   adapter, so waiting is pure idle time); or, as the fallback, something has waited ``timeout_s``
+   (measured from the later of the oldest buffered sample's arrival and the last pack, so leftovers
+   of a pack do not trigger an immediate tiny pack, and a lone sample is never stuck).
 2. **Select** round-robin across runs with buffered work, one sample per turn, within a budget of
    ``dp_world_size`` rows of ``seq_len`` tokens (a ``seq_len × dp_world_size`` token budget, checked by
    first-fit placement rather than a plain sum — see `Packer._select_round_robin`). A run never gets
@@ -28,8 +31,9 @@ Flow of one `Packer.pack()`:
    most ``dp_world_size − 1`` filler micro-batches are needed; then every rank is topped up with fillers
    (minimal length, no loss, ``is_filler=True``) to the same count, because every rank must run the same
    number of forward/backward passes for the collective gradient reduction. With the row budget of
-   step 2 a pack has at most ``dp_world_size`` bins, so in practice every rank gets exactly one
-   micro-batch (ranks without a bin get one filler).
+   step 2 a pack has at most ``dp_world_size`` bins; when it has fewer, the heaviest bins are split
+   first (`split_to_align`, samples kept whole), so a filler is left only for a rank that no split
+   can feed (fewer samples than ranks).
 
 Row layout (sample boundaries, padding, fillers) is `trainer_core.packing.rows`; bin packing and rank
 balancing are `trainer_core.packing.bins`.
@@ -49,9 +53,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from contracts.arrays import ArrayBatch, array_batch_problems, batch_arrays, float_array, to_arrays
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, TrainingSample, sample_problems
-from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd
+from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd, split_to_align
 from trainer_core.packing.rows import BufferedSample, MicroBatch, RowFormat, SampleRef
 
 __all__ = ["InvalidSampleError", "PackResult", "Packer", "RunPackStats"]
@@ -130,6 +135,8 @@ class Packer:
         clock: monotonic seconds; injectable for tests.
         attention_cost_weight: w in `bin_cost`, ≈ 1 / (12 · hidden_size) of the base model.
         vocab_size: token ids must lie in [0, vocab_size) (None: only non-negative).
+        pack_on_full_steps: pack as soon as every run with buffered samples has its step's worth
+            (False: only on a full budget or the timeout, the behaviour before; for comparisons).
 
     Not thread-safe: the master rank owns it and calls it from its loop.
     """
@@ -146,6 +153,7 @@ class Packer:
         clock: Callable[[], float] = time.monotonic,
         attention_cost_weight: float = 1.0 / (12 * 1024),
         vocab_size: int | None = None,
+        pack_on_full_steps: bool = True,
     ) -> None:
         for name, value in (
             ("n_slots", n_slots),
@@ -165,6 +173,7 @@ class Packer:
         self.pad_token_id = pad_token_id
         self.attention_cost_weight = attention_cost_weight
         self.vocab_size = vocab_size
+        self.pack_on_full_steps = pack_on_full_steps
         self._rows = RowFormat(
             n_slots=n_slots, seq_len=seq_len, pad_to_multiple_of=pad_to_multiple_of, pad_token_id=pad_token_id
         )
@@ -231,13 +240,15 @@ class Packer:
 
     # ---- buffering -----------------------------------------------------------------------------
 
-    def add_batch(self, slot: int, batch: TrainingBatch, *, batch_id: int, skip: int = 0) -> int:
+    def add_batch(self, slot: int, batch: TrainingBatch | ArrayBatch, *, batch_id: int, skip: int = 0) -> int:
         """Buffer the samples of ``batch`` from index ``skip`` on; returns how many were buffered.
 
-        ``skip`` is the number of leading samples already trained (docs/contracts.md, exactly-once:
-        ``max(0, checkpoint total_samples − sample_offset)``). A batch with any malformed sample is
-        rejected whole (`InvalidSampleError`, a ValueError naming slot, batch and sample) and nothing of
-        it is buffered. A return of 0 means the batch was already fully trained: ack it directly.
+        ``batch``: the binary form (contracts/arrays.py: what a claim carries; its arrays are read in
+        place) or the list form (converted once). ``skip`` is the number of leading samples already
+        trained (docs/contracts.md, exactly-once: ``max(0, checkpoint total_samples − sample_offset)``).
+        A batch with any malformed sample is rejected whole (`InvalidSampleError`, a ValueError naming
+        slot, batch and sample) and nothing of it is buffered. A return of 0 means the batch was already
+        fully trained: ack it directly.
         """
         state = self._state(slot)
         if skip < 0:
@@ -247,61 +258,67 @@ class Packer:
             raise ValueError(
                 f"slot {slot}, batch {batch_id}: temperature must be finite and > 0, got {temperature}"
             )
-        for index, sample in enumerate(batch.examples):
-            self._check(slot, batch_id, index, sample)
+        if isinstance(batch, TrainingBatch):
+            for index, sample in enumerate(batch.examples):
+                self._check(slot, batch_id, index, sample)
+            try:
+                batch = to_arrays(batch)
+            except OverflowError:  # ids travel as int32; only a pool without a vocabulary sees this
+                raise ValueError(f"slot {slot}, batch {batch_id}: a token id does not fit int32") from None
+        else:
+            self._check_arrays(slot, batch_id, batch)
         kept = batch.examples[skip:]
         if not kept:
             return 0
 
-        # One list → array conversion per field for the whole batch; samples keep views into it.
-        ids: list[int] = []
-        mask: list[bool] = []
-        logprobs: list[float] = []
-        for s in kept:
-            ids.extend(s.prompt_ids)
-            ids.extend(s.completion_ids)
-            mask.extend(s.completion_mask)
-            logprobs.extend(s.completion_logprobs)
-        ids_all = np.fromiter(ids, dtype=np.int64, count=len(ids))  # (T,)
-        mask_all = np.frombuffer(bytes(mask), dtype=np.uint8) != 0  # (C_total,); bytes() is the fast path
-        logprobs_all = np.asarray(logprobs, dtype=np.float32)  # (C_total,)
+        # One join + frombuffer per field for the whole batch; samples keep views into it.
+        arrays = batch_arrays(kept)
+        mask_all = arrays.completion_mask  # (C_total,)
         loss_cumsum = np.concatenate(([0], np.cumsum(mask_all)))  # (C_total + 1,)
+        n_prompts = arrays.n_prompt.tolist()
+        token_ends = np.cumsum(arrays.n_prompt + arrays.n_completion).tolist()
+        completion_ends = np.cumsum(arrays.n_completion).tolist()
+        loss_counts = loss_cumsum[[0, *completion_ends]]
+        loss_per_sample = np.diff(loss_counts).tolist()
 
         now = self._clock()
         token_at = completion_at = 0
-        for index, s in enumerate(kept, start=skip):
-            n_prompt, n_completion = len(s.prompt_ids), len(s.completion_ids)
-            c0, c1 = completion_at, completion_at + n_completion
-            loss_tokens = int(loss_cumsum[c1] - loss_cumsum[c0])
+        buffer = state.buffer
+        for k, s in enumerate(kept):
+            n_prompt = n_prompts[k]
+            c0, c1 = completion_at, completion_ends[k]
+            loss_tokens = loss_per_sample[k]
             if n_prompt == 0 and mask_all[c0]:
                 loss_tokens -= 1  # the first token of a sample has no in-sample predecessor
-            assert s.advantage is not None  # checked above
-            advantage = (
-                np.asarray(s.advantage, dtype=np.float32)
-                if isinstance(s.advantage, list)
-                else float(s.advantage)
-            )
-            teacher = None if s.teacher_logprobs is None else np.asarray(s.teacher_logprobs, dtype=np.float32)
-            state.buffer.append(
+            advantage = s.advantage
+            assert advantage is not None  # checked above
+            buffer.append(
                 BufferedSample(
-                    ids=ids_all[token_at : token_at + n_prompt + n_completion],
+                    ids=arrays.ids[token_at : token_ends[k]],
                     n_prompt=n_prompt,
                     completion_mask=mask_all[c0:c1],
-                    completion_logprobs=logprobs_all[c0:c1],
-                    advantage=advantage,
-                    teacher_logprobs=teacher,
+                    completion_logprobs=arrays.completion_logprobs[c0:c1],
+                    advantage=float_array(advantage) if isinstance(advantage, bytes) else float(advantage),
+                    teacher_logprobs=None if s.teacher_logprobs is None else float_array(s.teacher_logprobs),
                     temperature=temperature,
-                    ref=SampleRef(batch_id=batch_id, index=index),
+                    ref=SampleRef(batch_id=batch_id, index=skip + k),
                     loss_tokens=loss_tokens,
                     arrived_at=now,
                     weights=None if s.weights is None else np.asarray(s.weights, dtype=np.float32),
                     rewards=_sample_rewards(s, mask_all[c0:c1]),
                 )
             )
-            token_at += n_prompt + n_completion
+            token_at = token_ends[k]
             completion_at = c1
-        state.buffered_tokens += len(ids)
+        state.buffered_tokens += token_at
         return len(kept)
+
+    def _check_arrays(self, slot: int, batch_id: int, batch: ArrayBatch) -> None:
+        """`_check` for a binary batch: vectorised over the batch (contracts.arrays)."""
+        problems = array_batch_problems(batch, seq_len=self.seq_len, vocab_size=self.vocab_size, full=False)
+        for p in problems:
+            if p.sample is not None:
+                raise InvalidSampleError(slot=slot, batch_id=batch_id, index=p.sample, reason=p.problem)
 
     def _check(self, slot: int, batch_id: int, index: int, sample: TrainingSample) -> None:
         """What training needs to be safe and exact (contracts.wire.sample_problems, full=False)."""
@@ -325,12 +342,18 @@ class Packer:
         return self.seq_len * self.dp_world_size
 
     def is_ready(self) -> bool:
-        """Enough tokens buffered for every rank, or something waited ``timeout_s`` (module docstring)."""
+        """Enough tokens buffered for every rank, every run with work has its step's worth, or something
+        waited ``timeout_s`` (module docstring)."""
         if self.buffered_tokens() >= self.token_budget:
             return True
-        heads = [state.buffer[0].arrived_at for state in self._runs.values() if state.buffer]
-        if not heads:
+        with_work = [state for state in self._runs.values() if state.buffer]
+        if not with_work:
             return False
+        if self.pack_on_full_steps and all(
+            len(state.buffer) >= state.batch_size - state.samples_consumed_this_step for state in with_work
+        ):
+            return True
+        heads = [state.buffer[0].arrived_at for state in with_work]
         waiting_since = max(min(heads), self._last_pack_at)
         return self._clock() - waiting_since >= self.timeout_s
 
@@ -362,6 +385,10 @@ class Packer:
             for i, (_, _, row) in enumerate(flat):
                 by_row.setdefault(row, []).append(i)
             bins = list(by_row.values())
+        # Ranks without a row would run a filler: split the heaviest rows instead (samples whole).
+        bins = split_to_align(
+            bins, [item.num_tokens for _, item, _ in flat], self.dp_world_size, self.attention_cost_weight
+        )
         rows = [self._rows.build([flat[i][:2] for i in sorted(b)]) for b in bins]
         return PackResult(micro_batches=self._distribute(rows), runs=runs)
 

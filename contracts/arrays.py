@@ -1,0 +1,365 @@
+"""The binary form of a rollout batch: per-token fields as little-endian typed arrays in msgpack
+`bytes` fields (token ids int32, masks uint8 0/1, per-token floats float32), read with
+`numpy.frombuffer` so no per-token Python object exists between the socket and the Packer.
+
+`ArrayBatch` is what the SDK sends by default, what the service stores (as received) and serves in
+claims, and what the Packer reads. `TrainingBatch` (lists, contracts.wire) stays the form of JSON
+bodies and of code that builds samples by hand; `to_arrays` / `to_lists` convert between the two
+(once, at the edge). `array_batch_problems` checks a whole batch with a few vectorised numpy
+operations; only when that check fails are the problems worded by the one definition of a
+trainable sample, `contracts.wire.sample_problems`, on the list form of the batch — so a binary
+body and a JSON body with the same fault get the same 422. Torch-free.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import cast
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from contracts.wire import (
+    MAX_EXAMPLES_PER_BATCH,
+    MAX_LABEL_CHARS,
+    MAX_SAMPLE_METRICS,
+    Problem,
+    TrainingBatch,
+    TrainingSample,
+    batch_field_problems,
+    batch_problems,
+    sample_problems,
+)
+
+IDS_DTYPE = np.dtype("<i4")
+MASK_DTYPE = np.dtype("u1")
+FLOAT_DTYPE = np.dtype("<f4")
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Token ids travel as int32: with no known vocabulary, ids above this are refused."""
+
+ARRAYS_CONTENT_TYPE = "application/msgpack"
+"""Binary batches are msgpack bodies like the list form; the service tells them apart by their
+field types (bytes against arrays)."""
+
+
+class ArraySample(msgspec.Struct, forbid_unknown_fields=True):
+    """`TrainingSample` with its per-token fields as little-endian typed arrays."""
+
+    prompt_ids: bytes
+    """int32 little-endian."""
+    prompt_mask: bytes
+    """uint8, 0 or 1."""
+    completion_ids: bytes
+    """int32 little-endian."""
+    completion_mask: bytes
+    """uint8, 0 or 1; 0 on completion tokens that carry no loss."""
+    completion_logprobs: bytes
+    """float32 little-endian."""
+    advantage: float | bytes | None = None
+    """A scalar, or float32 little-endian per completion token."""
+    teacher_logprobs: bytes | None = None
+    reward: float | None = None
+    token_rewards: bytes | None = None
+    weights: bytes | None = None
+    metrics: dict[str, float] | None = None
+
+
+class ArrayBatch(msgspec.Struct, forbid_unknown_fields=True):
+    """`TrainingBatch` with `ArraySample`s."""
+
+    examples: list[ArraySample]
+    temperature: float = 1.0
+    step: int = 0
+    env: str | None = None
+    agent: str | None = None
+
+
+array_batch_encoder = msgspec.msgpack.Encoder()
+array_batch_decoder = msgspec.msgpack.Decoder(ArrayBatch)
+
+# The per-token fields, their dtype, and the ids field whose length they must have.
+_PER_TOKEN: tuple[tuple[str, np.dtype, str], ...] = (
+    ("prompt_ids", IDS_DTYPE, "prompt_ids"),
+    ("prompt_mask", MASK_DTYPE, "prompt_ids"),
+    ("completion_ids", IDS_DTYPE, "completion_ids"),
+    ("completion_mask", MASK_DTYPE, "completion_ids"),
+    ("completion_logprobs", FLOAT_DTYPE, "completion_ids"),
+    ("advantage", FLOAT_DTYPE, "completion_ids"),
+    ("teacher_logprobs", FLOAT_DTYPE, "completion_ids"),
+    ("token_rewards", FLOAT_DTYPE, "completion_ids"),
+    ("weights", FLOAT_DTYPE, "completion_ids"),
+)
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def _ints(values: list[int]) -> bytes:
+    return np.asarray(values, dtype=IDS_DTYPE).tobytes()
+
+
+def _mask(values: list[bool]) -> bytes:
+    return np.asarray(values, dtype=MASK_DTYPE).tobytes()
+
+
+def _floats(values: list[float]) -> bytes:
+    return np.asarray(values, dtype=FLOAT_DTYPE).tobytes()
+
+
+def _opt_floats(values: list[float] | None) -> bytes | None:
+    return None if values is None else _floats(values)
+
+
+def to_arrays(batch: TrainingBatch) -> ArrayBatch:
+    """The binary form of a list batch (token ids must fit int32: check with `batch_problems` first)."""
+    return ArrayBatch(
+        examples=[
+            ArraySample(
+                prompt_ids=_ints(s.prompt_ids),
+                prompt_mask=_mask(s.prompt_mask),
+                completion_ids=_ints(s.completion_ids),
+                completion_mask=_mask(s.completion_mask),
+                completion_logprobs=_floats(s.completion_logprobs),
+                advantage=_floats(s.advantage) if isinstance(s.advantage, list) else s.advantage,
+                teacher_logprobs=_opt_floats(s.teacher_logprobs),
+                reward=s.reward,
+                token_rewards=_opt_floats(s.token_rewards),
+                weights=_opt_floats(s.weights),
+                metrics=s.metrics,
+            )
+            for s in batch.examples
+        ],
+        temperature=batch.temperature,
+        step=batch.step,
+        env=batch.env,
+        agent=batch.agent,
+    )
+
+
+def _floats_list(data: bytes) -> list[float]:
+    return cast(list[float], np.frombuffer(data, dtype=FLOAT_DTYPE).tolist())
+
+
+def _opt_floats_list(data: bytes | None) -> list[float] | None:
+    return None if data is None else _floats_list(data)
+
+
+def sample_to_lists(s: ArraySample) -> TrainingSample:
+    """The list form of one (well-aligned) binary sample."""
+    return TrainingSample(
+        prompt_ids=cast(list[int], np.frombuffer(s.prompt_ids, dtype=IDS_DTYPE).tolist()),
+        prompt_mask=(np.frombuffer(s.prompt_mask, dtype=MASK_DTYPE) != 0).tolist(),
+        completion_ids=cast(list[int], np.frombuffer(s.completion_ids, dtype=IDS_DTYPE).tolist()),
+        completion_mask=(np.frombuffer(s.completion_mask, dtype=MASK_DTYPE) != 0).tolist(),
+        completion_logprobs=_floats_list(s.completion_logprobs),
+        advantage=_floats_list(s.advantage) if isinstance(s.advantage, bytes) else s.advantage,
+        teacher_logprobs=_opt_floats_list(s.teacher_logprobs),
+        reward=s.reward,
+        token_rewards=_opt_floats_list(s.token_rewards),
+        weights=_opt_floats_list(s.weights),
+        metrics=s.metrics,
+    )
+
+
+def to_lists(batch: ArrayBatch) -> TrainingBatch:
+    """The list form of a (well-aligned) binary batch: for JSON answers and for wording problems."""
+    return TrainingBatch(
+        examples=[sample_to_lists(s) for s in batch.examples],
+        temperature=batch.temperature,
+        step=batch.step,
+        env=batch.env,
+        agent=batch.agent,
+    )
+
+
+def decode_stored(data: bytes) -> ArrayBatch:
+    """A stored payload or claimed batch: the binary form, or (payloads stored before the binary
+    form existed) the list form, converted."""
+    try:
+        return array_batch_decoder.decode(data)
+    except msgspec.ValidationError:
+        return to_arrays(msgspec.msgpack.decode(data, type=TrainingBatch))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _byte_problems(batch: ArrayBatch) -> list[Problem]:
+    """What only the binary form can get wrong: a field whose byte count is not a whole number of
+    elements, and masks with values other than 0 and 1."""
+    out: list[Problem] = []
+    for index, s in enumerate(batch.examples):
+        for name, dtype, _of in _PER_TOKEN:
+            data = getattr(s, name)
+            if isinstance(data, bytes) and len(data) % dtype.itemsize:
+                out.append(
+                    Problem(
+                        index,
+                        name,
+                        f"{name} has {len(data)} bytes, not a whole number of {dtype.itemsize}-byte "
+                        f"{dtype.name} little-endian values",
+                    )
+                )
+    if out:
+        return out
+    for name in ("prompt_mask", "completion_mask"):
+        values = np.frombuffer(b"".join(getattr(s, name) for s in batch.examples), dtype=MASK_DTYPE)
+        if values.size and int(values.max()) > 1:
+            out += _first_bad_mask(batch, name)
+    return out
+
+
+def _first_bad_mask(batch: ArrayBatch, name: str) -> list[Problem]:
+    for index, s in enumerate(batch.examples):
+        values = np.frombuffer(getattr(s, name), dtype=MASK_DTYPE)
+        bad = np.flatnonzero(values > 1)
+        if bad.size:
+            pos = int(bad[0])
+            return [Problem(index, name, f"{name} value {int(values[pos])} at position {pos} is not 0 or 1")]
+    return []  # pragma: no cover - the caller saw a value > 1
+
+
+def _joined(batch: ArrayBatch, name: str, dtype: np.dtype) -> npt.NDArray[np.generic]:
+    parts: Iterable[bytes] = (d for s in batch.examples if isinstance(d := getattr(s, name), bytes))
+    return np.frombuffer(b"".join(parts), dtype=dtype)
+
+
+def _all_finite(values: npt.NDArray[np.generic]) -> bool:
+    # sum is one pass and no temporary array; a NaN/inf anywhere (or an overflow of huge finite
+    # values, which the exact check then clears) makes it non-finite.
+    return bool(np.isfinite(values.sum(dtype=np.float64))) or bool(np.isfinite(values).all())
+
+
+def _values_ok(batch: ArrayBatch, *, vocab_size: int | None, full: bool) -> bool:
+    """The per-token and per-sample value rules of `sample_problems`, vectorised over the batch."""
+    limit = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+    for name in ("prompt_ids", "completion_ids"):
+        ids = _joined(batch, name, IDS_DTYPE)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+            return False
+    for name in ("advantage", "token_rewards", "weights"):
+        if not _all_finite(_joined(batch, name, FLOAT_DTYPE)):
+            return False
+    weights = _joined(batch, "weights", FLOAT_DTYPE)
+    if weights.size and float(weights.min()) < 0.0:
+        return False
+    scalars = [s.advantage for s in batch.examples if isinstance(s.advantage, float)]
+    scalars += [s.reward for s in batch.examples if s.reward is not None]
+    for s in batch.examples:
+        if s.metrics:
+            scalars += s.metrics.values()
+    if scalars and not _all_finite(np.asarray(scalars, dtype=np.float64)):
+        return False
+    if full:
+        for name in ("completion_logprobs", "teacher_logprobs"):
+            values = _joined(batch, name, FLOAT_DTYPE)
+            if values.size and not (_all_finite(values) and float(values.max()) <= 0.0):
+                return False
+    return True
+
+
+def _shapes_ok(batch: ArrayBatch, *, seq_len: int, full: bool) -> bool:
+    """The length rules of `sample_problems`, on byte counts (no per-token work)."""
+    for s in batch.examples:
+        n_prompt, n_completion = len(s.prompt_ids) // 4, len(s.completion_ids) // 4
+        if n_prompt + n_completion == 0 or n_prompt + n_completion > seq_len:
+            return False
+        if full and (n_prompt == 0 or n_completion == 0):
+            return False
+        if len(s.prompt_mask) != n_prompt or len(s.completion_mask) != n_completion:
+            return False
+        if len(s.completion_logprobs) != 4 * n_completion or s.advantage is None:
+            return False
+        for extra in (s.advantage, s.teacher_logprobs, s.token_rewards, s.weights):
+            if isinstance(extra, bytes) and len(extra) != 4 * n_completion:
+                return False
+        if s.metrics and (
+            len(s.metrics) > MAX_SAMPLE_METRICS
+            or any(not name or len(name) > MAX_LABEL_CHARS for name in s.metrics)
+        ):
+            return False  # worded (and the limits checked exactly) by sample_problems
+    return True
+
+
+def array_batch_problems(
+    batch: ArrayBatch, *, seq_len: int, vocab_size: int | None, full: bool = True
+) -> list[Problem]:
+    """Every rule `batch` breaks (the rules of `contracts.wire.batch_problems`, plus the byte rules of
+    the binary form); empty when it can be trained.
+
+    The common case (a good batch) costs a few numpy reductions over the whole batch; the problems
+    of a bad one are worded by `sample_problems` on its list form, as for a JSON body.
+    """
+    out = batch_field_problems(cast(TrainingBatch, batch))  # reads only the batch-level fields
+    if out and not 0 < len(batch.examples) <= MAX_EXAMPLES_PER_BATCH:
+        return out
+    bytes_wrong = _byte_problems(batch)
+    if bytes_wrong:
+        return out + bytes_wrong
+    if (
+        not out
+        and _shapes_ok(batch, seq_len=seq_len, full=full)
+        and _values_ok(batch, vocab_size=vocab_size, full=full)
+    ):
+        return []
+    lists = to_lists(batch)
+    limit = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+    if full:
+        return batch_problems(lists, seq_len=seq_len, vocab_size=limit)
+    problems = list(out)
+    for index, sample in enumerate(lists.examples):
+        problems += [
+            Problem(index, field, problem)
+            for field, problem in sample_problems(sample, seq_len=seq_len, vocab_size=limit, full=False)
+        ]
+    return problems
+
+
+# --------------------------------------------------------------------------- the Packer's view
+
+
+@dataclass(frozen=True)
+class BatchArrays:
+    """A binary batch as whole-batch numpy arrays (views of one joined buffer per field), with the
+    per-sample lengths that cut them into samples."""
+
+    ids: npt.NDArray[np.int32]
+    """(T,) every sample's prompt then completion ids, samples end to end."""
+    completion_mask: npt.NDArray[np.bool_]
+    """(C,) every sample's completion mask."""
+    completion_logprobs: npt.NDArray[np.float32]
+    """(C,)"""
+    n_prompt: npt.NDArray[np.int64]
+    """(N,)"""
+    n_completion: npt.NDArray[np.int64]
+    """(N,)"""
+
+
+def batch_arrays(examples: list[ArraySample]) -> BatchArrays:
+    """One join and one `frombuffer` per field for the whole batch (the samples must be aligned)."""
+    ids = b"".join(part for s in examples for part in (s.prompt_ids, s.completion_ids))
+    return BatchArrays(
+        ids=np.frombuffer(ids, dtype=IDS_DTYPE),
+        completion_mask=np.frombuffer(b"".join(s.completion_mask for s in examples), dtype=np.bool_),
+        completion_logprobs=np.frombuffer(
+            b"".join(s.completion_logprobs for s in examples), dtype=FLOAT_DTYPE
+        ),
+        n_prompt=np.fromiter((len(s.prompt_ids) >> 2 for s in examples), dtype=np.int64, count=len(examples)),
+        n_completion=np.fromiter(
+            (len(s.completion_ids) >> 2 for s in examples), dtype=np.int64, count=len(examples)
+        ),
+    )
+
+
+def float_array(data: bytes) -> npt.NDArray[np.float32]:
+    return np.frombuffer(data, dtype=FLOAT_DTYPE)
+
+
+def num_tokens(batch: ArrayBatch) -> int:
+    return sum(len(s.prompt_ids) + len(s.completion_ids) for s in batch.examples) >> 2
+
+
+def encode(batch: ArrayBatch) -> bytes:
+    """The canonical bytes of a binary batch (what the SDK sends and the service stores for a JSON body)."""
+    return array_batch_encoder.encode(batch)
