@@ -7,6 +7,7 @@ from app.events.models import Event
 from app.pools.models import Pool
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
+from app.tinker.models import TinkerFuture, TinkerModel, TinkerSession
 
 __all__ = [
     "Adapter",
@@ -19,4 +20,7 @@ __all__ = [
     "Run",
     "StepMetrics",
     "Tenant",
+    "TinkerFuture",
+    "TinkerModel",
+    "TinkerSession",
 ]
