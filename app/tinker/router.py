@@ -1,0 +1,138 @@
+"""The Tinker REST surface under /api/v1 (thin: parse, call the service, shape the answer).
+
+Every route authenticates with the tenant's `tml-` key. Calls loraloom does not serve yet reach
+the catch-all at the end and answer 400 `not supported by loraloom: <call>` (not retried by the
+SDK, which raises it as a BadRequestError with that message).
+"""
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request, Response, status
+from fastapi.responses import JSONResponse
+
+from app.auth import SettingsDep
+from app.db import SessionDep
+from app.tinker import service
+from app.tinker.auth import TinkerTenantDep
+from app.tinker.schemas import (
+    ClientConfig,
+    CreateModelRequest,
+    CreateSessionRequest,
+    Cursor,
+    FutureRetrieveRequest,
+    GetInfoRequest,
+    GetInfoResponse,
+    ServerCapabilities,
+    SessionHeartbeatRequest,
+    TrainingRunOut,
+    TrainingRunsOut,
+    TryAgain,
+    UntypedAPIFuture,
+)
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"])
+
+
+@router.get("/healthz", operation_id="tinkerHealthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.post("/client/config", operation_id="tinkerClientConfig")
+def client_config(_: TinkerTenantDep) -> ClientConfig:
+    return ClientConfig()
+
+
+@router.post("/client/dynamic_config", operation_id="tinkerClientDynamicConfig")
+def client_dynamic_config(_: TinkerTenantDep) -> dict[str, Any]:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.post("/telemetry", operation_id="tinkerTelemetry")
+def telemetry(_: TinkerTenantDep) -> dict[str, str]:
+    # The SDK reports its own events here; loraloom has its own event stream and keeps none of them.
+    return {"status": "accepted"}
+
+
+@router.post("/create_session", operation_id="tinkerCreateSession")
+def create_session(
+    principal: TinkerTenantDep, session: SessionDep, body: CreateSessionRequest
+) -> dict[str, str]:
+    row = service.create_session(session, tenant_id=principal.tenant_id, body=body)
+    return {"type": "create_session", "session_id": row.id}
+
+
+@router.post("/session_heartbeat", operation_id="tinkerSessionHeartbeat")
+def session_heartbeat(
+    principal: TinkerTenantDep, session: SessionDep, body: SessionHeartbeatRequest
+) -> dict[str, str]:
+    service.heartbeat(session, tenant_id=principal.tenant_id, session_id=body.session_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post(
+    "/sessions/{session_id}/finish",
+    status_code=status.HTTP_204_NO_CONTENT,
+    operation_id="tinkerFinishSession",
+)
+def finish_session(principal: TinkerTenantDep, session: SessionDep, session_id: str) -> Response:
+    service.finish_session(session, tenant_id=principal.tenant_id, session_id=session_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get("/get_server_capabilities", operation_id="tinkerServerCapabilities")
+def get_server_capabilities(_: TinkerTenantDep, session: SessionDep) -> ServerCapabilities:
+    return ServerCapabilities(supported_models=service.capabilities(session))
+
+
+@router.post("/create_model", operation_id="tinkerCreateModel")
+def create_model(
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: CreateModelRequest
+) -> UntypedAPIFuture:
+    future = service.create_model(
+        session, tenant_id=principal.tenant_id, api_key_id=principal.api_key_id, body=body, settings=settings
+    )
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/get_info", operation_id="tinkerGetInfo")
+def get_info(principal: TinkerTenantDep, session: SessionDep, body: GetInfoRequest) -> GetInfoResponse:
+    return service.model_info(session, tenant_id=principal.tenant_id, model_id=body.model_id)
+
+
+@router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
+def retrieve_future(
+    principal: TinkerTenantDep, session: SessionDep, body: FutureRetrieveRequest
+) -> JSONResponse:
+    """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` while
+    it is pending (the SDK then polls again)."""
+    future = service.get_future(session, tenant_id=principal.tenant_id, request_id=body.request_id)
+    if future.status == "pending":
+        return JSONResponse(TryAgain(request_id=future.id).model_dump())
+    if future.status == "failed":
+        return JSONResponse({"error": future.error, "category": future.error_category or "unknown"})
+    return JSONResponse(future.result)
+
+
+@router.get("/training_runs", operation_id="tinkerListTrainingRuns")
+def list_training_runs(
+    principal: TinkerTenantDep,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=200)] = 20,
+    offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+) -> TrainingRunsOut:
+    items, total = service.list_training_runs(
+        session, tenant_id=principal.tenant_id, limit=limit, offset=offset
+    )
+    return TrainingRunsOut(training_runs=items, cursor=Cursor(offset=offset, limit=limit, total_count=total))
+
+
+@router.get("/training_runs/{training_run_id}", operation_id="tinkerGetTrainingRun")
+def get_training_run(principal: TinkerTenantDep, session: SessionDep, training_run_id: str) -> TrainingRunOut:
+    model, run = service.get_model(session, tenant_id=principal.tenant_id, model_id=training_run_id)
+    return service.training_run_out(model, run)
+
+
+@router.api_route("/{call:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
+def not_supported(_: TinkerTenantDep, request: Request, call: str) -> None:
+    raise service.NotSupported(f"{request.method} /api/v1/{call}")
