@@ -23,6 +23,7 @@ from app.lifecycle import on_shutdown, on_startup
 from app.pools.router import router as pools_router
 from app.runs.router import router as runs_router
 from app.tenants.router import router as tenants_router
+from app.tinker.pool_router import router as pool_tinker_router
 from app.tinker.router import router as tinker_router
 
 log = logging.getLogger("loraloom")
@@ -152,6 +153,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pool_adapters_router,
         pools_router,
         tinker_router,
+        pool_tinker_router,
     ):
         app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)

@@ -50,6 +50,7 @@ from trainer_core.dist import (
 from trainer_core.http_source import HttpRunSource
 from trainer_core.ledger import RunLedger
 from trainer_core.lora import apply_multi_lora
+from trainer_core.manual import ManualExecutor, ManualWorkClient
 from trainer_core.models.registry import load_base_model
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch, Packer
@@ -201,6 +202,11 @@ class PoolTrainer:
         self.master: _Master | None = None
         if world.is_master:
             self.master = self._start_master(source or make_source(args))
+        self.manual: ManualExecutor | None = None
+        """Master: executes the manual-mode work (Tinker API) of the source, if it serves any."""
+        client = getattr(self.master.source, "client", None) if self.master else None
+        if isinstance(client, ManualWorkClient):
+            self.manual = ManualExecutor(client, seq_len=args.seq_len)
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
             args.slots,
@@ -310,6 +316,8 @@ class PoolTrainer:
     def run(self) -> None:
         while True:
             self._sync_slots()
+            if self._serve_manual() and self.world.world_size == 1:
+                continue
             # The master decides; every rank follows the same plan, so collectives stay matched.
             plan, my_micro_batches = self._distribute(self._plan(self.master) if self.master else None)
             if plan.kind == "stop":
@@ -329,6 +337,20 @@ class PoolTrainer:
             )
             if self.master:
                 self._after_step(self.master, plan, result)
+
+    def _serve_manual(self) -> bool:
+        """Master: one round of manual work (trainer_core.manual). On one rank only: with several,
+        the executor fails those requests, and the loop goes on to its collectives."""
+        if self.manual is None or self.master is None:
+            return False
+        return self.manual.serve(
+            model=self.model,
+            lora=self.lora,
+            optimizer=self.optimizer,
+            slots=self.slots,
+            publisher=self.master.publisher,
+            multi_rank=self.world.world_size > 1,
+        )
 
     def _plan(self, m: _Master) -> Plan:
         """Master: claim batches, pack if ready."""

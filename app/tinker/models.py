@@ -50,8 +50,12 @@ class TinkerFuture(Base):
     kind: Mapped[str] = mapped_column(String(32))
     model_id: Mapped[str | None] = mapped_column(String(64), default=None)
     seq_id: Mapped[int | None] = mapped_column(Integer, default=None)
+    run_id: Mapped[str | None] = mapped_column(String(16), default=None, index=True)
+    """The model's run, for work the pool executes (forward_backward, optim_step)."""
     status: Mapped[str] = mapped_column(String(16), default="pending")
-    """pending | complete | failed."""
+    """pending (waiting for the pool) | running (claimed by it) | complete | failed."""
+    request: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """The work for the pool (contracts.tinker_work.ManualWorkItem fields), while it is not done."""
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     error_category: Mapped[str | None] = mapped_column(String(16), default=None)

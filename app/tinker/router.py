@@ -7,12 +7,12 @@ SDK, which raises it as a BadRequestError with that message).
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Query, Request, Response, status
 from fastapi.responses import JSONResponse
 
 from app.auth import SettingsDep
 from app.db import SessionDep
-from app.tinker import service
+from app.tinker import service, work
 from app.tinker.auth import TinkerTenantDep
 from app.tinker.schemas import (
     ClientConfig,
@@ -107,11 +107,34 @@ def retrieve_future(
     """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` while
     it is pending (the SDK then polls again)."""
     future = service.get_future(session, tenant_id=principal.tenant_id, request_id=body.request_id)
-    if future.status == "pending":
+    work.fail_if_run_left(session, future=future)
+    if future.status in (work.PENDING, work.RUNNING):
         return JSONResponse(TryAgain(request_id=future.id).model_dump())
     if future.status == "failed":
         return JSONResponse({"error": future.error, "category": future.error_category or "unknown"})
+    if future.kind in ("forward", "forward_backward"):
+        # This SDK reads ForwardBackwardOutput only as protobuf.
+        return Response(work.forward_backward_proto(future.result or {}), media_type="application/x-protobuf")
     return JSONResponse(future.result)
+
+
+async def _raw_body(request: Request) -> bytes:
+    return await request.body()
+
+
+@router.post("/forward_backward", operation_id="tinkerForwardBackward")
+def forward_backward(
+    principal: TinkerTenantDep, session: SessionDep, body: Annotated[bytes, Depends(_raw_body)]
+) -> UntypedAPIFuture:
+    """A protobuf `ForwardBackwardRequest` (forward_only for `forward`), queued for the pool."""
+    future = work.submit_forward_backward(session, tenant_id=principal.tenant_id, body=body)
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/optim_step", operation_id="tinkerOptimStep")
+def optim_step(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
+    future = work.submit_optim_step(session, tenant_id=principal.tenant_id, body=body)
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
 @router.get("/training_runs", operation_id="tinkerListTrainingRuns")

@@ -34,6 +34,10 @@ from contracts.run_config import LoraSettings, RunConfig
 from contracts.status import PoolStatus, RunStatus
 
 
+MANUAL_MAX_STEPS = 1_000_000
+"""The largest max_steps a RunConfig allows: a manual run is stepped by its user, never completed."""
+
+
 class NotSupported(AppError):
     """A Tinker call or option loraloom does not serve (the SDK surfaces the message)."""
 
@@ -120,6 +124,8 @@ def _run_config(session: Session, body: CreateModelRequest) -> RunConfig:
         mode="manual",
         lora=LoraSettings(rank=lora.rank, alpha=TINKER_LORA_ALPHA, target_modules=lora.target_modules()),
         seq_len=seq_len,
+        # The user steps the run; it never completes by itself.
+        max_steps=MANUAL_MAX_STEPS,
         seed=lora.seed or 0,
     )
 

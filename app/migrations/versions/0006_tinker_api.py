@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-
 revision: str = "0006"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -26,7 +25,9 @@ def upgrade() -> None:
         sa.Column("kind", sa.String(length=32), nullable=False),
         sa.Column("model_id", sa.String(length=64), nullable=True),
         sa.Column("seq_id", sa.Integer(), nullable=True),
+        sa.Column("run_id", sa.String(length=16), nullable=True),
         sa.Column("status", sa.String(length=16), nullable=False),
+        sa.Column("request", sa.JSON(), nullable=True),
         sa.Column("result", sa.JSON(), nullable=True),
         sa.Column("error", sa.Text(), nullable=True),
         sa.Column("error_category", sa.String(length=16), nullable=True),
@@ -42,6 +43,7 @@ def upgrade() -> None:
         sa.UniqueConstraint("model_id", "seq_id", name=op.f("uq_tinker_futures_model_id_seq_id")),
     )
     with op.batch_alter_table("tinker_futures", schema=None) as batch_op:
+        batch_op.create_index(batch_op.f("ix_tinker_futures_run_id"), ["run_id"], unique=False)
         batch_op.create_index(batch_op.f("ix_tinker_futures_tenant_id"), ["tenant_id"], unique=False)
 
     op.create_table(
@@ -110,6 +112,7 @@ def downgrade() -> None:
     op.drop_table("tinker_sessions")
     with op.batch_alter_table("tinker_futures", schema=None) as batch_op:
         batch_op.drop_index(batch_op.f("ix_tinker_futures_tenant_id"))
+        batch_op.drop_index(batch_op.f("ix_tinker_futures_run_id"))
 
     op.drop_table("tinker_futures")
     # ### end Alembic commands ###

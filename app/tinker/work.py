@@ -1,0 +1,254 @@
+"""Work the pool executes for Tinker models: forward, forward_backward and optim_step requests.
+
+Submitted requests are stored as pending futures (one per model and `seq_id`: a retried
+submission finds the first one, so it is applied once). The pool of the model's base model claims
+the pending work of its active runs, per model in `seq_id` order up to and including the next
+`optim_step` (the step boundary: the pool runs the passes first, then the step), and posts each
+result back. A request whose run has left (evicted, deleted, failed, completed) fails with the
+reason when it is polled, and the pool never receives it.
+"""
+
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.db import utcnow
+from app.errors import AppError, ValidationFailed
+from app.pools.service import get_alive_pool
+from app.runs.admission import live_pool
+from app.runs.models import Run
+from app.runs.schemas import validation_problems
+from app.tinker import proto
+from app.tinker.models import TinkerFuture
+from app.tinker.service import NotSupported, get_model, touch_model
+from contracts.ids import new_id
+from contracts.status import MOVABLE_RUN_STATUSES, RunStatus
+from contracts.tinker_work import (
+    AdamStep,
+    ManualDatum,
+    ManualResult,
+    ManualWorkItem,
+)
+
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+PENDING, RUNNING = "pending", "running"
+
+
+class RunNotActive(AppError):
+    status = 400
+    code = "run_not_active"
+
+
+def _flat(tensor: proto.Tensor | None) -> list[Any] | None:
+    return None if tensor is None else tensor.data.ravel().tolist()
+
+
+def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
+    inputs = raw.loss_fn_inputs
+    unknown = sorted(set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"})
+    if unknown:
+        raise NotSupported(f"loss_fn_inputs {unknown} (datum {index})")
+    if "target_tokens" not in inputs:
+        raise ValidationFailed(f"datum {index}: loss_fn_inputs needs target_tokens")
+    if loss_fn != "cross_entropy" and not {"logprobs", "advantages"} <= set(inputs):
+        raise ValidationFailed(f"datum {index}: {loss_fn} needs loss_fn_inputs logprobs and advantages")
+    weights = _flat(inputs.get("weights")) or [1.0] * len(raw.tokens)
+    try:
+        return ManualDatum(
+            tokens=raw.tokens,
+            target_tokens=[int(t) for t in _flat(inputs["target_tokens"]) or []],
+            weights=weights,
+            logprobs=_flat(inputs.get("logprobs")) if loss_fn != "cross_entropy" else None,
+            advantages=_flat(inputs.get("advantages")) if loss_fn != "cross_entropy" else None,
+        )
+    except ValidationError as exc:
+        raise ValidationFailed(
+            f"datum {index}: invalid loss_fn_inputs",
+            details=validation_problems(exc, prefix=("data", str(index))),
+        ) from exc
+
+
+def _check_against_pool(session: Session, run: Run, data: list[ManualDatum]) -> None:
+    pool = live_pool(session, base_model=run.base_model)
+    if pool is None:
+        return
+    for i, d in enumerate(data):
+        if len(d.tokens) > pool.max_seq_len:
+            raise ValidationFailed(
+                f"datum {i}: {len(d.tokens)} tokens; the pool's max_seq_len is {pool.max_seq_len}"
+            )
+        tokens = np.asarray(d.tokens + d.target_tokens)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= pool.vocab_size):
+            raise ValidationFailed(f"datum {i}: a token id is outside the vocabulary [0, {pool.vocab_size})")
+
+
+def _existing(session: Session, *, model_id: str, seq_id: int) -> TinkerFuture | None:
+    return session.scalar(
+        select(TinkerFuture).where(TinkerFuture.model_id == model_id, TinkerFuture.seq_id == seq_id)
+    )
+
+
+def _submit(
+    session: Session, *, tenant_id: str, model_id: str, run: Run, item: ManualWorkItem
+) -> TinkerFuture:
+    if run.status not in MOVABLE_RUN_STATUSES:
+        raise RunNotActive(f"model {model_id}: its run {run.id} is {run.status}; it takes no more requests")
+    future = TinkerFuture(
+        id=item.request_id,
+        tenant_id=tenant_id,
+        kind=item.kind,
+        model_id=model_id,
+        seq_id=item.seq_id,
+        run_id=run.id,
+        status=PENDING,
+        request=item.model_dump(mode="json"),
+    )
+    session.add(future)
+    touch_model(session, model_id=model_id)
+    session.flush()
+    return future
+
+
+def submit_forward_backward(session: Session, *, tenant_id: str, body: bytes) -> TinkerFuture:
+    try:
+        req = proto.decode_forward_backward_request(body)
+    except proto.ProtoError as exc:
+        raise ValidationFailed(f"malformed ForwardBackwardRequest: {exc}") from exc
+    _, run = get_model(session, tenant_id=tenant_id, model_id=req.model_id)
+    existing = _existing(session, model_id=req.model_id, seq_id=req.seq_id)
+    if existing is not None:
+        return existing
+    if req.loss_fn not in LOSS_FNS:
+        raise NotSupported(f"loss_fn {req.loss_fn!r} (supported: {', '.join(LOSS_FNS)})")
+    if not req.data:
+        raise ValidationFailed("forward_backward needs at least one datum")
+    numbers = {k: v for k, v in req.loss_fn_config.items() if isinstance(v, float)}
+    if len(numbers) != len(req.loss_fn_config):
+        raise NotSupported("text values in loss_fn_config")
+    data = [_datum(i, d, req.loss_fn) for i, d in enumerate(req.data)]
+    _check_against_pool(session, run, data)
+    item = ManualWorkItem(
+        request_id=new_id("req"),
+        run_id=run.id,
+        seq_id=req.seq_id,
+        kind="forward" if req.forward_only else "forward_backward",
+        loss_fn=req.loss_fn,  # type: ignore[arg-type]  # checked against LOSS_FNS above
+        loss_fn_config=numbers,
+        data=data,
+    )
+    return _submit(session, tenant_id=tenant_id, model_id=req.model_id, run=run, item=item)
+
+
+def submit_optim_step(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+    model_id = str(body.get("model_id", ""))
+    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+    seq_id = body.get("seq_id")
+    if not isinstance(seq_id, int):
+        raise ValidationFailed("optim_step needs an integer seq_id")
+    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+    if existing is not None:
+        return existing
+    params = body.get("adam_params")
+    if not isinstance(params, dict):
+        raise NotSupported("optimizers other than Adam (send adam_params)")
+    defaults = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
+    try:
+        adam = AdamStep.model_validate({"grad_clip_norm": 0.0, **defaults, **params})
+    except ValidationError as exc:
+        raise ValidationFailed(
+            "invalid adam_params", details=validation_problems(exc, prefix=("adam_params",))
+        ) from exc
+    item = ManualWorkItem(
+        request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="optim_step", adam=adam
+    )
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+
+
+# --- the pool's side ----------------------------------------------------------------------------
+
+
+def claim(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
+    """The pending work of the pool's active runs, per run in seq_id order up to and including
+    its next optim_step, marked running."""
+    pool = get_alive_pool(session, pool_id=pool_id)
+    rows = session.scalars(
+        select(TinkerFuture)
+        .join(Run, Run.id == TinkerFuture.run_id)
+        .where(
+            TinkerFuture.status == PENDING,
+            Run.status == RunStatus.ACTIVE,
+            Run.base_model == pool.base_model,
+        )
+        .order_by(TinkerFuture.run_id, TinkerFuture.seq_id)
+        .limit(max_items)
+        .with_for_update(of=TinkerFuture, skip_locked=True)
+    ).all()
+    taken: list[ManualWorkItem] = []
+    stopped: set[str | None] = set()
+    for future in rows:
+        if future.run_id in stopped or future.request is None:
+            continue
+        future.status = RUNNING
+        taken.append(ManualWorkItem.model_validate(future.request))
+        if future.kind == "optim_step":
+            stopped.add(future.run_id)
+    return taken
+
+
+def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:
+    if future.kind == "optim_step":
+        return {"metrics": result.metrics}
+    return {
+        "logprobs": result.logprobs or [],
+        "elementwise_loss": result.elementwise_loss or [],
+        "metrics": result.metrics,
+    }
+
+
+def record_results(session: Session, *, pool_id: str, results: list[ManualResult]) -> int:
+    """Complete (or fail) the claimed futures; returns how many were recorded (a result for a
+    future that is no longer running, e.g. failed because its run left, is ignored)."""
+    get_alive_pool(session, pool_id=pool_id)
+    recorded = 0
+    for result in results:
+        future = session.get(TinkerFuture, result.request_id, with_for_update=True)
+        if future is None or future.status != RUNNING:
+            continue
+        if result.error is not None:
+            future.status, future.error, future.error_category = "failed", result.error, "user"
+        else:
+            future.status, future.result = "complete", _result_json(future, result)
+        future.request = None
+        future.completed_at = utcnow()
+        recorded += 1
+    return recorded
+
+
+def fail_if_run_left(session: Session, *, future: TinkerFuture) -> None:
+    """A pending or running future whose run has left fails now, with the reason."""
+    if future.status not in (PENDING, RUNNING) or future.run_id is None:
+        return
+    run = session.get(Run, future.run_id)
+    if run is not None and run.status in MOVABLE_RUN_STATUSES:
+        return
+    status = "deleted" if run is None else run.status
+    reason = None if run is None else (run.eviction_reason or run.failure_reason)
+    future.status = "failed"
+    future.error = f"the model's run {future.run_id} left ({status}{': ' + reason if reason else ''})"
+    future.error_category = "user"
+    future.request = None
+    future.completed_at = utcnow()
+
+
+def forward_backward_proto(result: dict[str, Any]) -> bytes:
+    """The stored result of a forward / forward_backward as the SDK's ForwardBackwardOutput."""
+    logprobs = [np.asarray(x, dtype=np.float32) for x in result.get("logprobs", [])]
+    losses = [np.asarray(x, dtype=np.float32) for x in result.get("elementwise_loss", [])]
+    return proto.encode_forward_backward_output(
+        outputs={"logprobs": logprobs, "elementwise_loss": losses},
+        num_datums=len(logprobs),
+        metrics={str(k): float(v) for k, v in result.get("metrics", {}).items()},
+    )
