@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
-WorkKind = Literal["forward", "forward_backward", "optim_step"]
+WorkKind = Literal["forward", "forward_backward", "optim_step", "save_weights_for_sampler"]
 MAX_ITEMS_PER_CLAIM = 256
 
 
@@ -54,6 +54,9 @@ class AdamStep(_Model):
 
 
 class ManualWorkItem(_Model):
+    """One request. `save_weights_for_sampler` is ordered like the others: the pool answers the
+    step its adapter is at (published at every optim_step), once the requests before it ran."""
+
     request_id: str
     run_id: str
     seq_id: int
@@ -62,6 +65,8 @@ class ManualWorkItem(_Model):
     loss_fn_config: dict[str, float] = Field(default_factory=dict)
     data: list[ManualDatum] = Field(default_factory=list)
     adam: AdamStep | None = None
+    name: str | None = Field(default=None, max_length=128)
+    """save_weights_for_sampler: the name the user gave the weights."""
 
 
 class ManualClaimIn(_Model):

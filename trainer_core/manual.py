@@ -111,12 +111,17 @@ class ManualExecutor:
             else:
                 runnable.append((index, item))
         outputs = self._passes(
-            model, lora, [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind != "optim_step"]
+            model,
+            lora,
+            [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind in ("forward", "forward_backward")],
         )
         for index, item in runnable:
             slot = slot_of[item.run_id]
             if item.kind == "optim_step":
                 results.append(_optim_step(item, slots[slot], optimizer, publisher))
+                continue
+            if item.kind == "save_weights_for_sampler":
+                results.append(_saved(item, slots[slot]))
                 continue
             out = outputs[index]
             run = slots[slot]
@@ -240,6 +245,13 @@ def _loss(item: ManualWorkItem, datum: ManualDatum, lp: Tensor) -> Tensor:
     low = item.loss_fn_config.get("clip_low_threshold", PPO_CLIP[0])
     high = item.loss_fn_config.get("clip_high_threshold", PPO_CLIP[1])
     return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+
+
+def _saved(item: ManualWorkItem, run: RunSlot) -> ManualResult:
+    """The run's adapter was published at its last optim_step: name that step."""
+    if run.progress.step == 0:
+        return _failed(item, "no optim_step yet: there are no trained weights to save")
+    return ManualResult(request_id=item.request_id, metrics={"step": run.progress.step})
 
 
 def _failed(item: ManualWorkItem, error: str) -> ManualResult:

@@ -115,7 +115,7 @@ def retrieve_future(
     if future.kind in ("forward", "forward_backward"):
         # This SDK reads ForwardBackwardOutput only as protobuf.
         return Response(work.forward_backward_proto(future.result or {}), media_type="application/x-protobuf")
-    return JSONResponse(future.result)
+    return JSONResponse({k: v for k, v in (future.result or {}).items() if not k.startswith("loraloom_")})
 
 
 async def _raw_body(request: Request) -> bytes:
@@ -135,6 +135,26 @@ def forward_backward(
 def optim_step(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
     future = work.submit_optim_step(session, tenant_id=principal.tenant_id, body=body)
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/save_weights_for_sampler", operation_id="tinkerSaveWeightsForSampler")
+def save_weights_for_sampler(
+    principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]
+) -> UntypedAPIFuture:
+    """Names the adapter of the model's step at this point of its request order (every
+    optim_step publishes one): `tinker://{model_id}/sampler_weights/{name}`."""
+    future = work.submit_save_for_sampler(session, tenant_id=principal.tenant_id, body=body)
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.get("/loraloom/resolve", operation_id="tinkerResolvePath")
+def resolve_path(
+    principal: TinkerTenantDep, session: SessionDep, path: Annotated[str, Query(max_length=512)]
+) -> dict[str, Any]:
+    """loraloom's own route: which run adapter a `tinker://` sampler path names, and where to
+    download it (GET /v1/runs/{run_id}/adapters/{step}, with the tenant's Bearer key)."""
+    run_id, step = work.resolve_sampler_path(session, tenant_id=principal.tenant_id, path=path)
+    return {"run_id": run_id, "step": step, "adapter_url": f"/v1/runs/{run_id}/adapters/{step}"}
 
 
 @router.get("/training_runs", operation_id="tinkerListTrainingRuns")

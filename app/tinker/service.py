@@ -33,7 +33,6 @@ from contracts.ids import new_id
 from contracts.run_config import LoraSettings, RunConfig
 from contracts.status import PoolStatus, RunStatus
 
-
 MANUAL_MAX_STEPS = 1_000_000
 """The largest max_steps a RunConfig allows: a manual run is stepped by its user, never completed."""
 

@@ -8,6 +8,7 @@ result back. A request whose run has left (evicted, deleted, failed, completed) 
 reason when it is polled, and the pool never receives it.
 """
 
+import re
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.db import utcnow
-from app.errors import AppError, ValidationFailed
+from app.errors import AppError, NotFound, ValidationFailed
 from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
 from app.runs.models import Run
@@ -34,6 +35,7 @@ from contracts.tinker_work import (
 )
 
 LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+SAVE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 PENDING, RUNNING = "pending", "running"
 
 
@@ -167,6 +169,51 @@ def submit_optim_step(session: Session, *, tenant_id: str, body: dict[str, Any])
     return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
 
 
+def submit_save_for_sampler(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+    model_id = str(body.get("model_id", ""))
+    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+    seq_id = body.get("seq_id")
+    if not isinstance(seq_id, int):
+        raise ValidationFailed("save_weights_for_sampler needs an integer seq_id")
+    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+    if existing is not None:
+        return existing
+    if body.get("kind", "snapshot") != "snapshot":
+        raise NotSupported(f"save_weights_for_sampler kind {body.get('kind')!r}")
+    name = str(body.get("path") or "sampler")
+    if not SAVE_NAME_RE.fullmatch(name):
+        raise ValidationFailed("the weights' name must be 1-128 of [A-Za-z0-9._-], not starting with a dot")
+    item = ManualWorkItem(
+        request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights_for_sampler", name=name
+    )
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+
+
+def sampler_path(model_id: str, name: str) -> str:
+    return f"tinker://{model_id}/sampler_weights/{name}"
+
+
+def resolve_sampler_path(session: Session, *, tenant_id: str, path: str) -> tuple[str, int]:
+    """`tinker://{model_id}/sampler_weights/{name}` → (run id, adapter step), the tenant's only."""
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "sampler_weights":
+        raise ValidationFailed(f"not a sampler weights path: {path!r}")
+    _, run = get_model(session, tenant_id=tenant_id, model_id=parts[0])
+    saved = session.scalars(
+        select(TinkerFuture)
+        .where(
+            TinkerFuture.model_id == parts[0],
+            TinkerFuture.kind == "save_weights_for_sampler",
+            TinkerFuture.status == "complete",
+        )
+        .order_by(TinkerFuture.seq_id.desc())
+    )
+    for future in saved:
+        if (future.result or {}).get("path") == path:
+            return run.id, int((future.result or {})["loraloom_step"])
+    raise NotFound(f"weights {path} not found")
+
+
 # --- the pool's side ----------------------------------------------------------------------------
 
 
@@ -201,6 +248,14 @@ def claim(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkI
 def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:
     if future.kind == "optim_step":
         return {"metrics": result.metrics}
+    if future.kind == "save_weights_for_sampler":
+        name = str((future.request or {}).get("name") or "sampler")
+        return {
+            "path": sampler_path(str(future.model_id), name),
+            "type": "save_weights_for_sampler",
+            # Ours, not the SDK's: which adapter the path names (left out of the SDK's answer).
+            "loraloom_step": int(result.metrics.get("step", 0)),
+        }
     return {
         "logprobs": result.logprobs or [],
         "elementwise_loss": result.elementwise_loss or [],

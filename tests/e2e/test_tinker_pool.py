@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 import tinker
 import torch
+from peft import PeftModel
 from tinker import types
 
 from tests.common import WORKER_TOKEN
-from tests.e2e.helpers import MODEL_CACHE, download_adapter_tensors, wait_for
+from tests.e2e.helpers import MODEL_CACHE, download_adapter_tensors, extract_adapter, wait_for
 from trainer_core.dist import World
 from trainer_core.http_source import HttpRunSource
+from trainer_core.models.registry import load_base_model
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.worker import PoolTrainer, WorkerArgs
 
@@ -51,7 +53,7 @@ def running_pool(url: str, tmp_path) -> Iterator[Pool]:
     args = WorkerArgs(
         url=url,
         token=WORKER_TOKEN,
-        slots=2,
+        slots=3,
         seq_len=64,
         max_rank=8,
         checkpoint_dir=tmp_path / "ckpt",
@@ -107,14 +109,18 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
         service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
         try:
             wait_for(
-                lambda: tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
-                .get_server_capabilities()
-                .result()
-                .supported_models,
+                lambda: (
+                    tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
+                    .get_server_capabilities()
+                    .result()
+                    .supported_models
+                ),
                 timeout=30,
                 what="the pool to register",
             )
-            training = service.create_lora_training_client(BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False).result()
+            training = service.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
+            ).result()
             data = _data()
 
             # forward: per-token logprobs of the targets, and nothing trained.
@@ -147,6 +153,29 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
                 assert res.metrics["loss:sum"] == pytest.approx(-0.5 * 18, rel=1e-4)
                 training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
+            # save_weights_for_sampler names the adapter of this step; it downloads and loads in peft,
+            # which gives the logprobs the trainer gives.
+            saved = training.save_weights_for_sampler("final").result()
+            assert saved.path == f"tinker://{training.model_id}/sampler_weights/final"
+            resolved = httpx.get(
+                f"{live_service.url}/api/v1/loraloom/resolve",
+                params={"path": saved.path},
+                headers={"X-API-Key": "tml-" + key},
+            ).json()
+            assert resolved["step"] == 12
+            now = training.forward(data, "cross_entropy").result()
+            adapter_dir = extract_adapter(http, resolved["run_id"], resolved["step"], tmp_path / "adapter")
+            peft_model = PeftModel.from_pretrained(
+                load_base_model(BASE_MODEL, cache_dir=MODEL_CACHE), adapter_dir
+            )
+            with torch.no_grad():
+                for datum, out in zip(data, now.loss_fn_outputs, strict=True):
+                    ids = torch.tensor([datum.model_input.to_ints()])
+                    logits = peft_model(input_ids=ids).logits[0]
+                    targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
+                    expected = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+                    assert np.allclose(out["logprobs"].to_numpy(), expected.numpy(), atol=1e-4)
+
             run = http.get("/v1/runs").json()["items"][0]
             assert run["config"]["mode"] == "manual"
             assert run["progress"]["step"] == 12
@@ -159,25 +188,66 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
             service.close("success").result()
 
 
-def test_two_tenants_share_passes_and_a_deleted_run_fails_only_its_own_futures(live_service, tmp_path):
+def test_two_tenants_share_passes_each_as_if_alone_and_a_deleted_run_fails_only_its_own_futures(
+    live_service, tmp_path
+):
     key_a, http_a = _key(live_service, "tinker-a")
     key_b, http_b = _key(live_service, "tinker-b")
-    with running_pool(live_service.url, tmp_path) as pool, http_a, http_b:
+    key_c, http_c = _key(live_service, "tinker-c")
+    with running_pool(live_service.url, tmp_path) as pool, http_a, http_b, http_c:
         a = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_a)
         b = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_b)
+        c = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_c)
         try:
-            ta = a.create_lora_training_client(BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False).result()
-            tb = b.create_lora_training_client(BASE_MODEL, rank=2, seed=2, train_unembed=False, train_mlp=False).result()
+            ta = a.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
+            ).result()
+            tb = b.create_lora_training_client(
+                BASE_MODEL, rank=2, seed=2, train_unembed=False, train_mlp=False
+            ).result()
 
             # Pause the pool's claims, submit both tenants' work, let it go: one claim takes both.
             pool.client.open.clear()
             fa = ta.forward_backward(_data(), "cross_entropy")
             fb = tb.forward_backward(_data(offset=3), "cross_entropy")
             wait_for(lambda: _pending(live_service) >= 2, timeout=30, what="both requests stored")
-            before = pool.trainer.manual.mixed_passes  # type: ignore[union-attr]
+            manual = pool.trainer.manual
+            assert manual is not None
+            before = manual.mixed_passes
             pool.client.open.set()
             fa.result(), fb.result()
-            assert pool.trainer.manual.mixed_passes > before  # type: ignore[union-attr]
+            assert manual.mixed_passes > before
+            ta.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+            tb.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+
+            # Tenant C makes A's calls alone: its adapter is A's.
+            tc = c.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
+            ).result()
+            mixed = manual.mixed_passes
+            _train(tc, _data(), steps=1)
+            assert manual.mixed_passes == mixed
+            run_a = http_a.get("/v1/runs").json()["items"][0]["id"]
+            run_c = http_c.get("/v1/runs").json()["items"][0]["id"]
+            shared, alone = download_adapter_tensors(http_a, run_a), download_adapter_tensors(http_c, run_c)
+            assert shared.keys() == alone.keys()
+            for name in shared:
+                assert torch.allclose(shared[name], alone[name], atol=1e-5), name
+
+            # Neither tenant sees the other's models or weights.
+            with pytest.raises(tinker.NotFoundError):
+                tinker.RestClient(base_url=live_service.url, api_key="tml-" + key_b).get_training_run(
+                    ta.model_id
+                ).result()
+            saved = ta.save_weights_for_sampler("mine").result()
+            assert (
+                httpx.get(
+                    f"{live_service.url}/api/v1/loraloom/resolve",
+                    params={"path": saved.path},
+                    headers={"X-API-Key": "tml-" + key_b},
+                ).status_code
+                == 404
+            )
 
             # Tenant B's run is deleted while its next request waits: that future fails with the
             # reason; tenant A's goes on.
@@ -191,8 +261,8 @@ def test_two_tenants_share_passes_and_a_deleted_run_fails_only_its_own_futures(l
                 pending_b.result()
             assert _train(ta, _data(), steps=2)[-1] > 0
         finally:
-            a.close("success").result()
-            b.close("success").result()
+            for client in (a, b, c):
+                client.close("success").result()
 
 
 def _pending(live_service) -> int:
@@ -201,6 +271,10 @@ def _pending(live_service) -> int:
     engine = create_engine(live_service.env["LORALOOM_DATABASE_URL"])
     try:
         with engine.connect() as conn:
-            return int(conn.execute(text("SELECT count(*) FROM tinker_futures WHERE status = 'pending'")).scalar_one())
+            return int(
+                conn.execute(
+                    text("SELECT count(*) FROM tinker_futures WHERE status = 'pending'")
+                ).scalar_one()
+            )
     finally:
         engine.dispose()
