@@ -299,11 +299,15 @@ def fail_if_run_left(session: Session, *, future: TinkerFuture) -> None:
 
 
 def forward_backward_proto(result: dict[str, Any]) -> bytes:
-    """The stored result of a forward / forward_backward as the SDK's ForwardBackwardOutput."""
+    """The stored result of a forward / forward_backward as the SDK's ForwardBackwardOutput (a
+    field is sent only when it has one array per datum)."""
     logprobs = [np.asarray(x, dtype=np.float32) for x in result.get("logprobs", [])]
+    outputs = {"logprobs": logprobs}
     losses = [np.asarray(x, dtype=np.float32) for x in result.get("elementwise_loss", [])]
+    if len(losses) == len(logprobs):
+        outputs["elementwise_loss"] = losses
     return proto.encode_forward_backward_output(
-        outputs={"logprobs": logprobs, "elementwise_loss": losses},
+        outputs=outputs,
         num_datums=len(logprobs),
         metrics={str(k): float(v) for k, v in result.get("metrics", {}).items()},
     )

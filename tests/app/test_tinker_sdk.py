@@ -64,10 +64,12 @@ def test_unsupported_calls_answer_a_clear_error_through_the_sdk(http):
             model_input=types.ModelInput.from_ints([1, 2, 3]),
             loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
         )
-        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/forward_backward"):
-            training.forward_backward([datum], "cross_entropy").result()
-        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/optim_step"):
-            training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: loss_fn 'cispo'"):
+            training.forward_backward([datum], "cispo").result()
+        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/save_weights"):
+            training.save_state("state").result()
+        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/create_sampling"):
+            service.create_sampling_client(base_model=BASE_MODEL).result()
     finally:
         service.close("success").result()
 
