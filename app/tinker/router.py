@@ -101,9 +101,7 @@ def get_info(principal: TinkerTenantDep, session: SessionDep, body: GetInfoReque
 
 
 @router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
-def retrieve_future(
-    principal: TinkerTenantDep, session: SessionDep, body: FutureRetrieveRequest
-) -> JSONResponse:
+def retrieve_future(principal: TinkerTenantDep, session: SessionDep, body: FutureRetrieveRequest) -> Response:
     """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` while
     it is pending (the SDK then polls again)."""
     future = service.get_future(session, tenant_id=principal.tenant_id, request_id=body.request_id)

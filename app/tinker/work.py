@@ -137,7 +137,7 @@ def submit_forward_backward(session: Session, *, tenant_id: str, body: bytes) ->
         run_id=run.id,
         seq_id=req.seq_id,
         kind="forward" if req.forward_only else "forward_backward",
-        loss_fn=req.loss_fn,  # type: ignore[arg-type]  # checked against LOSS_FNS above
+        loss_fn=req.loss_fn,  # checked against LOSS_FNS above
         loss_fn_config=numbers,
         data=data,
     )

@@ -59,16 +59,22 @@ def test_unsupported_calls_answer_a_clear_error_through_the_sdk(http):
     try:
         with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: train_unembed"):
             service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
-        training = service.create_lora_training_client(base_model=BASE_MODEL, rank=4, train_unembed=False).result()
+        training = service.create_lora_training_client(
+            base_model=BASE_MODEL, rank=4, train_unembed=False
+        ).result()
         datum = types.Datum(
             model_input=types.ModelInput.from_ints([1, 2, 3]),
             loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
         )
         with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: loss_fn 'cispo'"):
             training.forward_backward([datum], "cispo").result()
-        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/save_weights"):
+        with pytest.raises(
+            tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/save_weights"
+        ):
             training.save_state("state").result()
-        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/create_sampling"):
+        with pytest.raises(
+            tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/create_sampling"
+        ):
             service.create_sampling_client(base_model=BASE_MODEL).result()
     finally:
         service.close("success").result()
@@ -90,7 +96,9 @@ def test_keys_are_checked_and_tenants_see_only_their_own_models(http):
             _rest_client(http, globex).get_training_run(training.model_id).result()
         assert _rest_client(http, globex).list_training_runs().result().training_runs == []
         r = http.post(
-            "/api/v1/get_info", json={"model_id": training.model_id}, headers={"X-API-Key": "tml-" + globex.key}
+            "/api/v1/get_info",
+            json={"model_id": training.model_id},
+            headers={"X-API-Key": "tml-" + globex.key},
         )
         assert r.status_code == 404
     finally:

@@ -20,14 +20,13 @@ pytestmark = pytest.mark.postgres_only
 
 
 def _datum(tokens: list[int], **inputs: Any) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], **inputs},
-    )
+    # The SDK converts plain lists to TensorData.
+    loss_fn_inputs: dict[str, Any] = {"target_tokens": tokens[1:], **inputs}
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=loss_fn_inputs)
 
 
 def _fwdbwd_body(
-    model_id: str, seq_id: int, data: list[types.Datum], loss_fn: str = "cross_entropy"
+    model_id: str, seq_id: int, data: list[types.Datum], loss_fn: types.LossFnType = "cross_entropy"
 ) -> bytes:
     request = types.ForwardBackwardRequest(
         forward_backward_input=types.ForwardBackwardInput(data=data, loss_fn=loss_fn),

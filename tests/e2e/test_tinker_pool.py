@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from peft import PeftModel
 from tinker import types
 
+from contracts.tinker_work import ManualWorkItem
 from tests.common import WORKER_TOKEN
 from tests.e2e.helpers import MODEL_CACHE, download_adapter_tensors, extract_adapter, wait_for
 from trainer_core.dist import World
@@ -37,7 +39,7 @@ class GatedClient(PoolServiceClient):
         self.open = threading.Event()
         self.open.set()
 
-    def claim_manual(self, max_items: int):  # type: ignore[no-untyped-def]
+    def claim_manual(self, max_items: int) -> list[ManualWorkItem]:
         self.open.wait()
         return super().claim_manual(max_items)
 
@@ -84,12 +86,9 @@ def _data(offset: int = 0) -> list[types.Datum]:
     out = []
     for row in rows:
         seq = [t + offset for t in row]
-        out.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(seq[:-1]),
-                loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)},
-            )
-        )
+        # The SDK converts plain lists to TensorData.
+        inputs: dict[str, Any] = {"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)}
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs))
     return out
 
 
