@@ -5,15 +5,20 @@ the catch-all at the end and answer 400 `not supported by loraloom: <call>` (not
 SDK, which raises it as a BadRequestError with that message).
 """
 
+import asyncio
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
+from sqlalchemy.orm import Session, sessionmaker
 
 from app.auth import SettingsDep
 from app.db import SessionDep
 from app.tinker import service, work
 from app.tinker.auth import TinkerTenantDep
+from app.tinker.models import TinkerFuture
 from app.tinker.schemas import (
     ClientConfig,
     CreateModelRequest,
@@ -100,20 +105,49 @@ def get_info(principal: TinkerTenantDep, session: SessionDep, body: GetInfoReque
     return service.model_info(session, tenant_id=principal.tenant_id, model_id=body.model_id)
 
 
-@router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
-def retrieve_future(principal: TinkerTenantDep, session: SessionDep, body: FutureRetrieveRequest) -> Response:
-    """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` while
-    it is pending (the SDK then polls again)."""
-    future = service.get_future(session, tenant_id=principal.tenant_id, request_id=body.request_id)
-    work.fail_if_run_left(session, future=future)
+LONG_POLL_S = 2.0
+"""How long retrieve_future waits for a pending result before answering "try again": the SDK
+polls again at once on that answer, so the wait (not the SDK) sets the polling rate."""
+POLL_INTERVAL_S = 0.05
+
+
+def _answer(future: TinkerFuture) -> Response | None:
+    """What retrieve_future says about a future; None while it is pending."""
     if future.status in (work.PENDING, work.RUNNING):
-        return JSONResponse(TryAgain(request_id=future.id).model_dump())
+        return None
     if future.status == "failed":
         return JSONResponse({"error": future.error, "category": future.error_category or "unknown"})
     if future.kind in ("forward", "forward_backward"):
         # This SDK reads ForwardBackwardOutput only as protobuf.
         return Response(work.forward_backward_proto(future.result or {}), media_type="application/x-protobuf")
     return JSONResponse({k: v for k, v in (future.result or {}).items() if not k.startswith("loraloom_")})
+
+
+def _retrieve_once(factory: sessionmaker[Session], *, tenant_id: str, request_id: str) -> Response | None:
+    with factory() as session, session.begin():
+        future = service.get_future(session, tenant_id=tenant_id, request_id=request_id)
+        work.fail_if_run_left(session, future=future)
+        return _answer(future)
+
+
+@router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
+async def retrieve_future(
+    principal: TinkerTenantDep, request: Request, body: FutureRetrieveRequest
+) -> Response:
+    """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` if it
+    is still pending after a short long-poll (the SDK then polls again). Each check is its own
+    short transaction in the threadpool; the wait between checks holds no thread."""
+    factory: sessionmaker[Session] = request.app.state.session_factory
+    deadline = time.monotonic() + LONG_POLL_S
+    while True:
+        answer = await run_in_threadpool(
+            _retrieve_once, factory, tenant_id=principal.tenant_id, request_id=body.request_id
+        )
+        if answer is not None:
+            return answer
+        if time.monotonic() >= deadline:
+            return JSONResponse(TryAgain(request_id=body.request_id).model_dump())
+        await asyncio.sleep(POLL_INTERVAL_S)
 
 
 async def _raw_body(request: Request) -> bytes:
