@@ -7,7 +7,7 @@ from app.events.models import Event
 from app.pools.models import Pool
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
-from app.tinker.models import TinkerFuture, TinkerModel, TinkerSession
+from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession
 
 __all__ = [
     "Adapter",
@@ -22,5 +22,6 @@ __all__ = [
     "Tenant",
     "TinkerFuture",
     "TinkerModel",
+    "TinkerSamplingSession",
     "TinkerSession",
 ]

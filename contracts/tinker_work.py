@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
-WorkKind = Literal["forward", "forward_backward", "optim_step", "save_weights_for_sampler"]
+WorkKind = Literal["forward", "forward_backward", "optim_step", "save_weights_for_sampler", "sample"]
 MAX_ITEMS_PER_CLAIM = 256
 
 
@@ -53,6 +53,28 @@ class AdamStep(_Model):
     """0: no clipping."""
 
 
+class SamplingSpec(_Model):
+    """A `sample` request: `num_samples` continuations of `prompt` from the run's adapter, which
+    must still be at `step` (the step its sampler weights were saved at)."""
+
+    prompt: list[int] = Field(min_length=1, max_length=131_072)
+    num_samples: int = Field(ge=1, le=64)
+    max_tokens: int = Field(ge=1, le=4096)
+    temperature: float = Field(ge=0, le=100)
+    top_k: int = Field(ge=-1, le=1_000_000)
+    top_p: float = Field(gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop_tokens: list[int] = Field(default_factory=list, max_length=64)
+    step: int = Field(ge=1)
+
+
+class SampledSequence(_Model):
+    tokens: list[int]
+    logprobs: list[float]
+    """The model's logprob of each sampled token (at temperature 1: what a forward gives)."""
+    stop_reason: Literal["stop", "length"]
+
+
 class ManualWorkItem(_Model):
     """One request. `save_weights_for_sampler` is ordered like the others: the pool answers the
     step its adapter is at (published at every optim_step), once the requests before it ran."""
@@ -67,6 +89,7 @@ class ManualWorkItem(_Model):
     adam: AdamStep | None = None
     name: str | None = Field(default=None, max_length=128)
     """save_weights_for_sampler: the name the user gave the weights."""
+    sampling: SamplingSpec | None = None
 
 
 class ManualClaimIn(_Model):
@@ -85,6 +108,8 @@ class ManualResult(_Model):
     logprobs: list[list[float]] | None = None
     """forward / forward_backward: per datum, the logprob of each target token."""
     elementwise_loss: list[list[float]] | None = None
+    sequences: list[SampledSequence] | None = None
+    """sample: the sampled sequences."""
     metrics: dict[str, float] = Field(default_factory=dict)
 
 

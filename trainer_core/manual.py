@@ -27,13 +27,13 @@ runs yet (their requests fail with that reason).
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
-from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
+from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem, SampledSequence, SamplingSpec
 from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
@@ -115,8 +115,17 @@ class ManualExecutor:
             lora,
             [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind in ("forward", "forward_backward")],
         )
+        sampled = self._sample(
+            model,
+            lora,
+            [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind == "sample"],
+            slots,
+        )
         for index, item in runnable:
             slot = slot_of[item.run_id]
+            if item.kind == "sample":
+                results.append(sampled[index])
+                continue
             if item.kind == "optim_step":
                 results.append(_optim_step(item, slots[slot], optimizer, publisher))
                 continue
@@ -198,6 +207,107 @@ class ManualExecutor:
                 total = elementwise.sum() if total is None else total + elementwise.sum()
         if total is not None:
             total.backward()
+
+    # -- sampling ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _sample(
+        self,
+        model: nn.Module,
+        lora: MultiLoRA,
+        work: Sequence[tuple[int, ManualWorkItem, int]],
+        slots: Mapping[int, RunSlot],
+    ) -> dict[int, ManualResult]:
+        """Every sequence of every sample request decoded together: one packed forward per new
+        token for all of them (each row routed to its own run's adapter). No KV cache: each step
+        re-reads the whole sequence, which is what keeps the logprobs exactly a forward's."""
+        results: dict[int, ManualResult] = {}
+        live: list[_Decoding] = []
+        for index, item, slot in work:
+            spec = item.sampling
+            if spec is None:
+                results[index] = _failed(item, "sample without sampling parameters")
+            elif slots[slot].progress.step != spec.step:
+                results[index] = _failed(
+                    item,
+                    f"not supported by loraloom yet: sampling the weights of step {spec.step} after the "
+                    f"model moved on to step {slots[slot].progress.step}; save the current weights again",
+                )
+            else:
+                for k in range(spec.num_samples):
+                    generator = torch.Generator()
+                    generator.manual_seed(spec.seed + k if spec.seed is not None else int(torch.seed()) + k)
+                    live.append(_Decoding(index, item, spec, slot, list(spec.prompt), generator))
+        while any(not d.done for d in live):
+            active = sorted((d for d in live if not d.done), key=lambda d: d.slot)
+            rows = _rows(
+                [_Sample(slot=d.slot, item=i, datum=0, tokens=d.tokens) for i, d in enumerate(active)],
+                self.seq_len,
+            )
+            for row in rows:
+                mb = _micro_batch(row, lora.n_slots)
+                self.passes += 1
+                self.mixed_passes += int(len({s.slot for s in row}) > 1)
+                with lora.segments(mb.slot_token_counts):
+                    logits = forward_packed(model, mb).float()  # (L, V)
+                ends = torch.cumsum(torch.tensor([len(s.tokens) for s in row]), 0) - 1  # (S,)
+                for sample, end in zip(row, ends.tolist(), strict=True):
+                    active[sample.item].step(logits[end])
+        for d in live:
+            results.setdefault(d.index, ManualResult(request_id=d.item.request_id, sequences=[]))
+            sequences = results[d.index].sequences
+            assert sequences is not None
+            sequences.append(
+                SampledSequence(
+                    tokens=d.generated, logprobs=d.logprobs, stop_reason=d.stop_reason or "length"
+                )
+            )
+        return results
+
+
+@dataclass
+class _Decoding:
+    """One sequence being sampled."""
+
+    index: int
+    item: ManualWorkItem
+    spec: SamplingSpec
+    slot: int
+    tokens: list[int]
+    generator: torch.Generator
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: Literal["stop", "length"] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    def step(self, logits: Tensor) -> None:
+        """Draw the next token from `logits` (V,) of the last position."""
+        logprobs = torch.log_softmax(logits, dim=-1)  # (V,)
+        spec = self.spec
+        if spec.temperature == 0:
+            token = int(torch.argmax(logits))
+        else:
+            scaled = logits / spec.temperature
+            if spec.top_k > 0:
+                kth = torch.topk(scaled, min(spec.top_k, scaled.numel())).values[-1]
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+            probs = torch.softmax(scaled, dim=-1)
+            if spec.top_p < 1:
+                sorted_probs, order = torch.sort(probs, descending=True)
+                keep = torch.cumsum(sorted_probs, 0) - sorted_probs < spec.top_p
+                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        self.tokens.append(token)
+        self.generated.append(token)
+        # The model's own logprob (temperature 1): what a forward of these tokens gives.
+        self.logprobs.append(float(logprobs[token]))
+        if token in spec.stop_tokens:
+            self.stop_reason = "stop"
+        elif len(self.generated) >= spec.max_tokens:
+            self.stop_reason = "length"
 
 
 def _rows(samples: list[_Sample], seq_len: int) -> list[list[_Sample]]:

@@ -262,3 +262,19 @@ def encode_forward_backward_output(
         entry = _len_field(1, name.encode()) + _key(2, _I64) + struct.pack("<d", float(value))
         out += _len_field(3, entry)
     return out
+
+
+# --- SampleResponse (encode) -----------------------------------------------------------------
+
+STOP_REASONS = {"stop": 0, "length": 1}
+
+
+def encode_sample_response(sequences: list[tuple[list[int], list[float], str]]) -> bytes:
+    """A `SampleResponse`: per sequence its tokens (int32), logprobs (float32) and stop reason."""
+    out = b""
+    for tokens, logprobs, stop_reason in sequences:
+        seq = _key(1, _VARINT) + _varint(STOP_REASONS[stop_reason])
+        seq += _len_field(2, np.asarray(tokens, dtype="<i4").tobytes())
+        seq += _len_field(3, np.asarray(logprobs, dtype="<f4").tobytes())
+        out += _len_field(1, seq)
+    return out

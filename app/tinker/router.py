@@ -118,8 +118,10 @@ def _answer(future: TinkerFuture) -> Response | None:
     if future.status == "failed":
         return JSONResponse({"error": future.error, "category": future.error_category or "unknown"})
     if future.kind in ("forward", "forward_backward"):
-        # This SDK reads ForwardBackwardOutput only as protobuf.
+        # This SDK reads ForwardBackwardOutput and SampleResponse only as protobuf.
         return Response(work.forward_backward_proto(future.result or {}), media_type="application/x-protobuf")
+    if future.kind == "sample":
+        return Response(work.sample_proto(future.result or {}), media_type="application/x-protobuf")
     return JSONResponse({k: v for k, v in (future.result or {}).items() if not k.startswith("loraloom_")})
 
 
@@ -177,6 +179,30 @@ def save_weights_for_sampler(
     optim_step publishes one): `tinker://{model_id}/sampler_weights/{name}`."""
     future = work.submit_save_for_sampler(session, tenant_id=principal.tenant_id, body=body)
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/create_sampling_session", operation_id="tinkerCreateSamplingSession")
+def create_sampling_session(
+    principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]
+) -> dict[str, str]:
+    row = work.create_sampling_session(session, tenant_id=principal.tenant_id, body=body)
+    return {"type": "create_sampling_session", "sampling_session_id": row.id}
+
+
+@router.get("/samplers/{sampler_id}", operation_id="tinkerGetSampler")
+def get_sampler(principal: TinkerTenantDep, session: SessionDep, sampler_id: str) -> dict[str, str]:
+    sampler, base_model = work.get_sampling_session(
+        session, tenant_id=principal.tenant_id, sampler_id=sampler_id
+    )
+    return {"sampler_id": sampler.id, "base_model": base_model, "model_path": sampler.model_path}
+
+
+@router.post("/asample", operation_id="tinkerSample")
+def asample(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
+    """Served by the pool with the run's adapter, batched with every tenant's work."""
+    future = work.submit_sample(session, tenant_id=principal.tenant_id, body=body)
+    n = int((future.request or {}).get("sampling", {}).get("num_samples", 1))
+    return UntypedAPIFuture(request_id=future.id, sample_sequence_ids=[f"{future.id}-{i}" for i in range(n)])
 
 
 @router.get("/loraloom/resolve", operation_id="tinkerResolvePath")

@@ -67,6 +67,8 @@ class FutureRetrieveRequest(_Request):
 class UntypedAPIFuture(BaseModel):
     request_id: str
     model_id: str | None = None
+    sample_sequence_ids: list[str] | None = None
+    """sample: one id per requested sequence."""
 
 
 class TryAgain(BaseModel):

@@ -73,7 +73,7 @@ def test_unsupported_calls_answer_a_clear_error_through_the_sdk(http):
         ):
             training.save_state("state").result()
         with pytest.raises(
-            tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/create_sampling"
+            tinker.BadRequestError, match="not supported by loraloom: sampling the base model"
         ):
             service.create_sampling_client(base_model=BASE_MODEL).result()
     finally:

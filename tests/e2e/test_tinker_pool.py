@@ -162,6 +162,23 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
                 headers={"X-API-Key": "tml-" + key},
             ).json()
             assert resolved["step"] == 12
+
+            # sample from those weights: the returned logprobs are what a forward of the same tokens gives.
+            sampler = service.create_sampling_client(model_path=saved.path).result()
+            prompt = [1, 2, 3]
+            sampled = sampler.sample(
+                types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=5, seed=7)
+            ).result()
+            assert len(sampled.sequences) == 2
+            for seq in sampled.sequences:
+                assert len(seq.tokens) == 5 and seq.stop_reason == "length"
+                full = prompt + list(seq.tokens)
+                check = types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
+                )
+                scored = training.forward([check], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+                assert np.allclose(scored.tolist()[-5:], seq.logprobs, atol=1e-4)
             now = training.forward(data, "cross_entropy").result()
             adapter_dir = extract_adapter(http, resolved["run_id"], resolved["step"], tmp_path / "adapter")
             peft_model = PeftModel.from_pretrained(
