@@ -32,6 +32,8 @@ from app.request_guard import RequestGuard
 from app.runs.router import router as runs_router
 from app.telemetry.setup import install_metrics
 from app.tenants.router import router as tenants_router
+from app.tinker.pool_router import router as pool_tinker_router
+from app.tinker.router import router as tinker_router
 from app.ui.setup import install_ui
 
 log = logging.getLogger("loraloom")
@@ -151,6 +153,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pools_admin_router,
         pools_catalog_router,
         tenant_adapters_router,
+        tinker_router,
+        pool_tinker_router,
     ):
         app.include_router(router)
     install_ui(app)

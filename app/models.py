@@ -8,6 +8,7 @@ from app.pools.models import Pool
 from app.rollouts.models import RolloutStats
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
+from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession
 from app.ui.models import UiSession
 
 __all__ = [
@@ -23,4 +24,8 @@ __all__ = [
     "StepMetrics",
     "Tenant",
     "UiSession",
+    "TinkerFuture",
+    "TinkerModel",
+    "TinkerSamplingSession",
+    "TinkerSession",
 ]

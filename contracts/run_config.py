@@ -203,6 +203,11 @@ class RunConfig(_Strict):
     """Everything the trainer needs to train one run."""
 
     base_model: str = Field(default=DEFAULT_BASE_MODEL, min_length=1, max_length=256)
+    mode: Literal["rollout", "manual"] = Field(
+        default="rollout",
+        description="`manual`: the user steps the run (the Tinker API: forward_backward, optim_step), "
+        "no batch_size accounting.",
+    )
     lora: LoraSettings = LoraSettings()
     optim: OptimSettings = OptimSettings()
     scheduler: SchedulerSettings = SchedulerSettings()

@@ -166,6 +166,24 @@ class MultiRunOptimizer:
         """The lr the next step of ``slot`` will use."""
         return float(self._run(slot).optimizer.param_groups[0]["lr"])
 
+    def set_hyperparameters(
+        self,
+        slot: int,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        max_grad_norm: float,
+    ) -> None:
+        """Manual stepping (the Tinker API): the next step of ``slot`` uses these, as sent with it.
+        The schedule's base lr becomes ``lr`` too, so a constant schedule keeps it exactly."""
+        run = self._run(slot)
+        for group in run.optimizer.param_groups:
+            group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, initial_lr=lr)
+        run.scheduler.base_lrs = [lr for _ in run.optimizer.param_groups]
+        run.max_grad_norm = max_grad_norm
+
     def step(self, slots: Sequence[int]) -> dict[int, StepStats]:
         """Finish the step of exactly ``slots``; every other slot keeps accumulating."""
         return {slot: self._step_one(slot) for slot in slots}

@@ -36,6 +36,7 @@ from contracts.pool_api import (
     TrainerEvict,
     claimed_batches,
 )
+from contracts.tinker_work import ManualClaimIn, ManualClaimOut, ManualResult, ManualResultsIn, ManualWorkItem
 from trainer_core.export import adapter_tar_bytes
 
 log = logging.getLogger("loraloom.worker")
@@ -154,6 +155,18 @@ class PoolServiceClient:
     def report_checkpoint(self, run_id: str, report: CheckpointReport) -> None:
         # The answer is the service's own record of the checkpoint; the pool needs nothing from it.
         self._request("POST", f"/v1/pool/runs/{run_id}/checkpoints", json=report.model_dump(mode="json"))
+
+    # -- manual-mode work (the Tinker API; trainer_core.manual) --------------------------------------
+
+    def claim_manual(self, max_items: int) -> list[ManualWorkItem]:
+        body = ManualClaimIn(pool_id=self._pool_id(), max_items=max_items)
+        response = self._request("POST", "/v1/pool/manual/claim", json=body.model_dump(mode="json"))
+        return ManualClaimOut.model_validate_json(response.content).items
+
+    def report_manual(self, results: list[ManualResult]) -> None:
+        if results:
+            body = ManualResultsIn(pool_id=self._pool_id(), results=results)
+            self._request("POST", "/v1/pool/manual/results", json=body.model_dump(mode="json"))
 
     def evict(self, run_id: str, reason: str) -> RunAfterPush | None:
         """Evict a run; None when it had already stopped (evicted, completed, deleted: a 409)."""

@@ -54,6 +54,7 @@ from trainer_core.http_source import HttpRunSource
 from trainer_core.init_from import load_initial_weights, module_shapes
 from trainer_core.ledger import RunLedger
 from trainer_core.lora import apply_multi_lora
+from trainer_core.manual import ManualExecutor, ManualWorkClient
 from trainer_core.models.registry import load_base_model
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch, Packer
@@ -257,6 +258,11 @@ class PoolTrainer:
         self.master: _Master | None = None
         if world.is_master:
             self.master = self._start_master(source or make_source(args))
+        self.manual: ManualExecutor | None = None
+        """Master: executes the manual-mode work (Tinker API) of the source, if it serves any."""
+        client = getattr(self.master.source, "client", None) if self.master else None
+        if isinstance(client, ManualWorkClient):
+            self.manual = ManualExecutor(client, seq_len=args.seq_len)
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
             args.slots,
@@ -398,6 +404,8 @@ class PoolTrainer:
         while True:
             began = time.perf_counter()
             self._sync_slots()
+            if self._serve_manual() and self.world.world_size == 1:
+                continue
             # The master decides; every rank follows the same plan, so collectives stay matched.
             plan, my_micro_batches = self._distribute(self._plan(self.master) if self.master else None)
             if plan.kind == "stop":
@@ -429,6 +437,20 @@ class PoolTrainer:
                 self._after_step(self.master, plan, result)
             self.loop_time.add(busy=time.perf_counter() - began)
         log.info("rank %d: %s", self.world.rank, self.loop_time.summary())
+
+    def _serve_manual(self) -> bool:
+        """Master: one round of manual work (trainer_core.manual). On one rank only: with several,
+        the executor fails those requests, and the loop goes on to its collectives."""
+        if self.manual is None or self.master is None:
+            return False
+        return self.manual.serve(
+            model=self.model,
+            lora=self.lora,
+            optimizer=self.optimizer,
+            slots=self.slots,
+            publisher=self.master.publisher,
+            multi_rank=self.world.world_size > 1,
+        )
 
     def _plan(self, m: _Master) -> Plan:
         """Master: claim batches, pack if ready."""

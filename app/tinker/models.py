@@ -1,0 +1,76 @@
+"""Tinker sessions, training models (each one a loraloom run in manual mode) and futures."""
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from app.db import Base, utcnow
+
+
+class TinkerSession(Base):
+    __tablename__ = "tinker_sessions"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    sdk_version: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_heartbeat_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class TinkerModel(Base):
+    """A Tinker training model: `{session}:train:{model_seq_id}`, backed by one run."""
+
+    __tablename__ = "tinker_models"
+    __table_args__ = (UniqueConstraint("session_id", "model_seq_id"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("tinker_sessions.id", ondelete="CASCADE"))
+    model_seq_id: Mapped[int] = mapped_column(Integer)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class TinkerFuture(Base):
+    """One submitted request and, once done, its result or error (what retrieve_future answers).
+
+    (model_id, seq_id) is unique: the SDK numbers every request of a model, so a retried
+    submission finds the future of the first one instead of being applied twice."""
+
+    __tablename__ = "tinker_futures"
+    __table_args__ = (UniqueConstraint("model_id", "seq_id"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    model_id: Mapped[str | None] = mapped_column(String(64), default=None)
+    seq_id: Mapped[int | None] = mapped_column(Integer, default=None)
+    run_id: Mapped[str | None] = mapped_column(String(16), default=None, index=True)
+    """The model's run, for work the pool executes (forward_backward, optim_step)."""
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    """pending (waiting for the pool) | running (claimed by it) | complete | failed."""
+    request: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    """The work for the pool (contracts.tinker_work.ManualWorkItem fields), while it is not done."""
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    error_category: Mapped[str | None] = mapped_column(String(16), default=None)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+
+class TinkerSamplingSession(Base):
+    """A sampling client's session: the run adapter (at a step) it samples from."""
+
+    __tablename__ = "tinker_sampling_sessions"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    model_path: Mapped[str] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,0 +1,239 @@
+"""The Tinker REST surface under /api/v1 (thin: parse, call the service, shape the answer).
+
+Every route authenticates with the tenant's `tml-` key. Calls loraloom does not serve yet reach
+the catch-all at the end and answer 400 `not supported by loraloom: <call>` (not retried by the
+SDK, which raises it as a BadRequestError with that message).
+"""
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from sqlalchemy.orm import Session, sessionmaker
+
+from app.auth import SettingsDep
+from app.db import SessionDep
+from app.tinker import service, work
+from app.tinker.auth import TinkerTenantDep
+from app.tinker.models import TinkerFuture
+from app.tinker.schemas import (
+    ClientConfig,
+    CreateModelRequest,
+    CreateSessionRequest,
+    Cursor,
+    FutureRetrieveRequest,
+    GetInfoRequest,
+    GetInfoResponse,
+    ServerCapabilities,
+    SessionHeartbeatRequest,
+    TrainingRunOut,
+    TrainingRunsOut,
+    TryAgain,
+    UntypedAPIFuture,
+)
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"])
+
+
+@router.get("/healthz", operation_id="tinkerHealthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.post("/client/config", operation_id="tinkerClientConfig")
+def client_config(_: TinkerTenantDep) -> ClientConfig:
+    return ClientConfig()
+
+
+@router.post("/client/dynamic_config", operation_id="tinkerClientDynamicConfig")
+def client_dynamic_config(_: TinkerTenantDep) -> dict[str, Any]:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.post("/telemetry", operation_id="tinkerTelemetry")
+def telemetry(_: TinkerTenantDep) -> dict[str, str]:
+    # The SDK reports its own events here; loraloom has its own event stream and keeps none of them.
+    return {"status": "accepted"}
+
+
+@router.post("/create_session", operation_id="tinkerCreateSession")
+def create_session(
+    principal: TinkerTenantDep, session: SessionDep, body: CreateSessionRequest
+) -> dict[str, str]:
+    row = service.create_session(session, tenant_id=principal.tenant_id, body=body)
+    return {"type": "create_session", "session_id": row.id}
+
+
+@router.post("/session_heartbeat", operation_id="tinkerSessionHeartbeat")
+def session_heartbeat(
+    principal: TinkerTenantDep, session: SessionDep, body: SessionHeartbeatRequest
+) -> dict[str, str]:
+    service.heartbeat(session, tenant_id=principal.tenant_id, session_id=body.session_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post(
+    "/sessions/{session_id}/finish",
+    status_code=status.HTTP_204_NO_CONTENT,
+    operation_id="tinkerFinishSession",
+)
+def finish_session(principal: TinkerTenantDep, session: SessionDep, session_id: str) -> Response:
+    service.finish_session(session, tenant_id=principal.tenant_id, session_id=session_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get("/get_server_capabilities", operation_id="tinkerServerCapabilities")
+def get_server_capabilities(_: TinkerTenantDep, session: SessionDep) -> ServerCapabilities:
+    return ServerCapabilities(supported_models=service.capabilities(session))
+
+
+@router.post("/create_model", operation_id="tinkerCreateModel")
+def create_model(
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: CreateModelRequest
+) -> UntypedAPIFuture:
+    future = service.create_model(
+        session, tenant_id=principal.tenant_id, api_key_id=principal.api_key_id, body=body, settings=settings
+    )
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/get_info", operation_id="tinkerGetInfo")
+def get_info(principal: TinkerTenantDep, session: SessionDep, body: GetInfoRequest) -> GetInfoResponse:
+    return service.model_info(session, tenant_id=principal.tenant_id, model_id=body.model_id)
+
+
+LONG_POLL_S = 2.0
+"""How long retrieve_future waits for a pending result before answering "try again": the SDK
+polls again at once on that answer, so the wait (not the SDK) sets the polling rate."""
+POLL_INTERVAL_S = 0.05
+
+
+def _answer(future: TinkerFuture) -> Response | None:
+    """What retrieve_future says about a future; None while it is pending."""
+    if future.status in (work.PENDING, work.RUNNING):
+        return None
+    if future.status == "failed":
+        return JSONResponse({"error": future.error, "category": future.error_category or "unknown"})
+    if future.kind in ("forward", "forward_backward"):
+        # This SDK reads ForwardBackwardOutput and SampleResponse only as protobuf.
+        return Response(work.forward_backward_proto(future.result or {}), media_type="application/x-protobuf")
+    if future.kind == "sample":
+        return Response(work.sample_proto(future.result or {}), media_type="application/x-protobuf")
+    return JSONResponse({k: v for k, v in (future.result or {}).items() if not k.startswith("loraloom_")})
+
+
+def _retrieve_once(factory: sessionmaker[Session], *, tenant_id: str, request_id: str) -> Response | None:
+    with factory() as session, session.begin():
+        future = service.get_future(session, tenant_id=tenant_id, request_id=request_id)
+        work.fail_if_run_left(session, future=future)
+        return _answer(future)
+
+
+@router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
+async def retrieve_future(
+    principal: TinkerTenantDep, request: Request, body: FutureRetrieveRequest
+) -> Response:
+    """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` if it
+    is still pending after a short long-poll (the SDK then polls again). Each check is its own
+    short transaction in the threadpool; the wait between checks holds no thread."""
+    factory: sessionmaker[Session] = request.app.state.session_factory
+    deadline = time.monotonic() + LONG_POLL_S
+    while True:
+        answer = await run_in_threadpool(
+            _retrieve_once, factory, tenant_id=principal.tenant_id, request_id=body.request_id
+        )
+        if answer is not None:
+            return answer
+        if time.monotonic() >= deadline:
+            return JSONResponse(TryAgain(request_id=body.request_id).model_dump())
+        await asyncio.sleep(POLL_INTERVAL_S)
+
+
+async def _raw_body(request: Request) -> bytes:
+    return await request.body()
+
+
+@router.post("/forward_backward", operation_id="tinkerForwardBackward")
+def forward_backward(
+    principal: TinkerTenantDep, session: SessionDep, body: Annotated[bytes, Depends(_raw_body)]
+) -> UntypedAPIFuture:
+    """A protobuf `ForwardBackwardRequest` (forward_only for `forward`), queued for the pool."""
+    future = work.submit_forward_backward(session, tenant_id=principal.tenant_id, body=body)
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/optim_step", operation_id="tinkerOptimStep")
+def optim_step(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
+    future = work.submit_optim_step(session, tenant_id=principal.tenant_id, body=body)
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/save_weights_for_sampler", operation_id="tinkerSaveWeightsForSampler")
+def save_weights_for_sampler(
+    principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]
+) -> UntypedAPIFuture:
+    """Names the adapter of the model's step at this point of its request order (every
+    optim_step publishes one): `tinker://{model_id}/sampler_weights/{name}`."""
+    future = work.submit_save_for_sampler(session, tenant_id=principal.tenant_id, body=body)
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/create_sampling_session", operation_id="tinkerCreateSamplingSession")
+def create_sampling_session(
+    principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]
+) -> dict[str, str]:
+    row = work.create_sampling_session(session, tenant_id=principal.tenant_id, body=body)
+    return {"type": "create_sampling_session", "sampling_session_id": row.id}
+
+
+@router.get("/samplers/{sampler_id}", operation_id="tinkerGetSampler")
+def get_sampler(principal: TinkerTenantDep, session: SessionDep, sampler_id: str) -> dict[str, str]:
+    sampler, base_model = work.get_sampling_session(
+        session, tenant_id=principal.tenant_id, sampler_id=sampler_id
+    )
+    return {"sampler_id": sampler.id, "base_model": base_model, "model_path": sampler.model_path}
+
+
+@router.post("/asample", operation_id="tinkerSample")
+def asample(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
+    """Served by the pool with the run's adapter, batched with every tenant's work."""
+    future = work.submit_sample(session, tenant_id=principal.tenant_id, body=body)
+    n = int((future.request or {}).get("sampling", {}).get("num_samples", 1))
+    return UntypedAPIFuture(request_id=future.id, sample_sequence_ids=[f"{future.id}-{i}" for i in range(n)])
+
+
+@router.get("/loraloom/resolve", operation_id="tinkerResolvePath")
+def resolve_path(
+    principal: TinkerTenantDep, session: SessionDep, path: Annotated[str, Query(max_length=512)]
+) -> dict[str, Any]:
+    """loraloom's own route: which run adapter a `tinker://` sampler path names, and where to
+    download it (GET /v1/runs/{run_id}/adapters/{step}, with the tenant's Bearer key)."""
+    run_id, step = work.resolve_sampler_path(session, tenant_id=principal.tenant_id, path=path)
+    return {"run_id": run_id, "step": step, "adapter_url": f"/v1/runs/{run_id}/adapters/{step}"}
+
+
+@router.get("/training_runs", operation_id="tinkerListTrainingRuns")
+def list_training_runs(
+    principal: TinkerTenantDep,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=200)] = 20,
+    offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+) -> TrainingRunsOut:
+    items, total = service.list_training_runs(
+        session, tenant_id=principal.tenant_id, limit=limit, offset=offset
+    )
+    return TrainingRunsOut(training_runs=items, cursor=Cursor(offset=offset, limit=limit, total_count=total))
+
+
+@router.get("/training_runs/{training_run_id}", operation_id="tinkerGetTrainingRun")
+def get_training_run(principal: TinkerTenantDep, session: SessionDep, training_run_id: str) -> TrainingRunOut:
+    model, run = service.get_model(session, tenant_id=principal.tenant_id, model_id=training_run_id)
+    return service.training_run_out(model, run)
+
+
+@router.api_route("/{call:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
+def not_supported(_: TinkerTenantDep, request: Request, call: str) -> None:
+    raise service.NotSupported(f"{request.method} /api/v1/{call}")

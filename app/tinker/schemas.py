@@ -1,0 +1,141 @@
+"""Our models of the Tinker wire shapes we accept and answer (tinker 0.38.0's `tinker.types`).
+
+Requests ignore fields we do not use (the SDK adds optional fields between versions); the ones
+we use are bounded. Responses carry exactly the fields the SDK reads.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from contracts.run_config import KNOWN_TARGET_MODULES
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TINKER_LORA_ALPHA = 32.0
+"""The LoRA alpha of a Tinker model (the SDK does not send one)."""
+
+assert set(ATTN_MODULES + MLP_MODULES) == KNOWN_TARGET_MODULES
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class CreateSessionRequest(_Request):
+    tags: list[str] = Field(default_factory=list, max_length=64)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str = Field(default="unknown", max_length=64)
+
+
+class SessionHeartbeatRequest(_Request):
+    session_id: str = Field(max_length=64)
+
+
+class LoraConfig(_Request):
+    rank: int = Field(ge=1, le=256)
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+    def target_modules(self) -> tuple[str, ...]:
+        return (ATTN_MODULES if self.train_attn else ()) + (MLP_MODULES if self.train_mlp else ())
+
+
+class OptimizerConfig(_Request):
+    type: str = Field(default="adamw", max_length=32)
+
+
+class CreateModelRequest(_Request):
+    session_id: str = Field(max_length=64)
+    model_seq_id: int = Field(ge=0, le=1_000_000)
+    base_model: str = Field(min_length=1, max_length=256)
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig = OptimizerConfig()
+
+
+class GetInfoRequest(_Request):
+    model_id: str = Field(max_length=64)
+
+
+class FutureRetrieveRequest(_Request):
+    request_id: str = Field(max_length=64)
+
+
+class UntypedAPIFuture(BaseModel):
+    request_id: str
+    model_id: str | None = None
+    sample_sequence_ids: list[str] | None = None
+    """sample: one id per requested sequence."""
+
+
+class TryAgain(BaseModel):
+    type: Literal["try_again"] = "try_again"
+    request_id: str
+    queue_state: Literal["active", "paused_capacity", "paused_rate_limit"] = "active"
+
+
+class SupportedModel(BaseModel):
+    model_name: str
+    max_context_length: int
+    trainable: bool = True
+    sampleable: bool = False
+
+
+class ServerCapabilities(BaseModel):
+    supported_models: list[SupportedModel]
+
+
+class ClientConfig(BaseModel):
+    """The SDK's feature flags, set to what loraloom serves: API keys (no JWT exchange), plain
+    httpx, uncompressed protobuf forward_backward bodies, per-request futures."""
+
+    pjwt_auth_enabled: bool = False
+    credential_default_source: str = "api_key"
+    use_pyqwest_transport: bool = False
+    proto_compress_fwdbwd: bool = False
+    parallel_fwdbwd_chunks: bool = False
+    sample_use_retrieve_futures: bool = False
+    custom_loss_server_side: bool = False
+    sample_join_sampling_session: bool = False
+
+
+class ModelData(BaseModel):
+    arch: str | None = None
+    model_name: str
+    tokenizer_id: str
+
+
+class GetInfoResponse(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    type: Literal["get_info"] = "get_info"
+    model_data: ModelData
+    model_id: str
+    is_lora: bool = True
+    lora_rank: int
+    model_name: str
+
+
+class TrainingRunOut(BaseModel):
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool = True
+    corrupted: bool = False
+    lora_rank: int
+    last_request_time: str
+    user_metadata: dict[str, str] | None = None
+
+
+class Cursor(BaseModel):
+    offset: int
+    limit: int
+    total_count: int
+
+
+class TrainingRunsOut(BaseModel):
+    training_runs: list[TrainingRunOut]
+    cursor: Cursor

@@ -1,0 +1,255 @@
+"""Tinker sessions, training models and futures on top of runs. Keyword-only, raises domain
+errors, never commits.
+
+A Tinker training model is a loraloom run in manual mode (`config.mode = "manual"`), created
+and admitted like every other run, so it shows in GET /v1/runs, takes a slot within the
+tenant's quota and is evicted or deleted by the same rules.
+"""
+
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from app.config import Settings
+from app.db import utcnow
+from app.errors import AppError, NotFound, ValidationFailed
+from app.pools.models import Pool
+from app.runs import service as runs
+from app.runs.admission import admission_problems, live_pool
+from app.runs.models import Run
+from app.runs.schemas import RunCreate
+from app.tinker.models import TinkerFuture, TinkerModel, TinkerSession
+from app.tinker.schemas import (
+    TINKER_LORA_ALPHA,
+    CreateModelRequest,
+    CreateSessionRequest,
+    GetInfoResponse,
+    ModelData,
+    SupportedModel,
+    TrainingRunOut,
+)
+from contracts.ids import new_id
+from contracts.run_config import LoraSettings, RunConfig
+from contracts.status import PoolStatus, RunStatus
+
+MANUAL_MAX_STEPS = 1_000_000
+"""The largest max_steps a RunConfig allows: a manual run is stepped by its user, never completed."""
+
+
+class NotSupported(AppError):
+    """A Tinker call or option loraloom does not serve (the SDK surfaces the message)."""
+
+    status = 400
+    code = "not_supported"
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"not supported by loraloom: {what}")
+
+
+class SessionFinished(AppError):
+    """410: the SDK stops its heartbeat loop on this status."""
+
+    status = 410
+    code = "session_finished"
+
+
+# --- sessions -----------------------------------------------------------------------------
+
+
+def create_session(session: Session, *, tenant_id: str, body: CreateSessionRequest) -> TinkerSession:
+    row = TinkerSession(id=new_id("ses"), tenant_id=tenant_id, sdk_version=body.sdk_version)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerSession:
+    """The tenant's session; another tenant's is reported exactly like a missing one."""
+    row = session.get(TinkerSession, session_id)
+    if row is None or row.tenant_id != tenant_id:
+        raise NotFound(f"session {session_id} not found")
+    return row
+
+
+def heartbeat(session: Session, *, tenant_id: str, session_id: str) -> None:
+    row = get_session(session, tenant_id=tenant_id, session_id=session_id)
+    if row.finished_at is not None:
+        raise SessionFinished(f"session {session_id} has finished")
+    row.last_heartbeat_at = utcnow()
+
+
+def finish_session(session: Session, *, tenant_id: str, session_id: str) -> None:
+    """Mark the session finished (first call wins). Its models stay: they are runs the tenant
+    manages through /v1/runs."""
+    row = get_session(session, tenant_id=tenant_id, session_id=session_id)
+    if row.finished_at is None:
+        row.finished_at = utcnow()
+
+
+# --- capabilities and models ----------------------------------------------------------------
+
+
+def capabilities(session: Session) -> list[SupportedModel]:
+    """One entry per base model a live pool serves."""
+    pools = session.scalars(select(Pool).where(Pool.status == PoolStatus.ALIVE).order_by(Pool.base_model))
+    seen: dict[str, SupportedModel] = {}
+    for pool in pools:
+        seen.setdefault(
+            pool.base_model, SupportedModel(model_name=pool.base_model, max_context_length=pool.max_seq_len)
+        )
+    return list(seen.values())
+
+
+def _run_config(session: Session, body: CreateModelRequest) -> RunConfig:
+    lora = body.lora_config
+    if lora is None:
+        raise NotSupported(
+            "full fine-tuning (create_model without lora_config); loraloom trains LoRA adapters"
+        )
+    if lora.train_unembed:
+        raise NotSupported(
+            "train_unembed=True (LoRA on the unembedding layer); "
+            "pass train_unembed=False to create_lora_training_client"
+        )
+    if not lora.target_modules():
+        raise ValidationFailed("at least one of train_mlp or train_attn must be true")
+    if body.optimizer_config.type != "adamw":
+        raise NotSupported(f"optimizer {body.optimizer_config.type!r}; loraloom steps AdamW")
+    pool = live_pool(session, base_model=body.base_model)
+    seq_len = RunConfig.model_fields["seq_len"].default if pool is None else pool.max_seq_len
+    return RunConfig(
+        base_model=body.base_model,
+        mode="manual",
+        lora=LoraSettings(rank=lora.rank, alpha=TINKER_LORA_ALPHA, target_modules=lora.target_modules()),
+        seq_len=seq_len,
+        # The user steps the run; it never completes by itself.
+        max_steps=MANUAL_MAX_STEPS,
+        seed=lora.seed or 0,
+    )
+
+
+def create_model(
+    session: Session, *, tenant_id: str, api_key_id: str, body: CreateModelRequest, settings: Settings
+) -> TinkerFuture:
+    """Create the model's run (or find it again: a retried create with the same session and
+    model_seq_id is the same model) and return the completed creation future."""
+    owner = get_session(session, tenant_id=tenant_id, session_id=body.session_id)
+    model_id = f"{owner.id}:train:{body.model_seq_id}"
+    existing = session.scalar(
+        select(TinkerFuture).where(TinkerFuture.model_id == model_id, TinkerFuture.kind == "create_model")
+    )
+    if existing is not None:
+        return existing
+    config = _run_config(session, body)
+    problems = admission_problems(session, config=config.model_dump(mode="json"))
+    if problems:
+        raise ValidationFailed(
+            f"the pool serving {body.base_model} cannot train this model: {'; '.join(problems)}",
+            details=[{"loc": ["body", "lora_config"], "msg": p, "type": "pool_capability"} for p in problems],
+        )
+    run, _ = runs.create_run(
+        session,
+        tenant_id=tenant_id,
+        api_key_id=api_key_id,
+        body=RunCreate(name=f"tinker {model_id}", config=config),
+        idempotency_key=f"tinker:{model_id}",
+        settings=settings,
+    )
+    session.add(
+        TinkerModel(
+            id=model_id,
+            tenant_id=tenant_id,
+            session_id=owner.id,
+            model_seq_id=body.model_seq_id,
+            run_id=run.id,
+            user_metadata=body.user_metadata,
+        )
+    )
+    return complete_future(
+        session,
+        tenant_id=tenant_id,
+        kind="create_model",
+        model_id=model_id,
+        result={"model_id": model_id, "type": "create_model"},
+    )
+
+
+def get_model(session: Session, *, tenant_id: str, model_id: str) -> tuple[TinkerModel, Run]:
+    """The tenant's model and its run; another tenant's is reported exactly like a missing one."""
+    model = session.get(TinkerModel, model_id)
+    if model is None or model.tenant_id != tenant_id:
+        raise NotFound(f"model {model_id} not found")
+    return model, runs.get_run(session, run_id=model.run_id)
+
+
+def model_info(session: Session, *, tenant_id: str, model_id: str) -> GetInfoResponse:
+    model, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+    rank = int(run.config["lora"]["rank"])
+    return GetInfoResponse(
+        model_data=ModelData(model_name=run.base_model, tokenizer_id=run.base_model),
+        model_id=model.id,
+        lora_rank=rank,
+        model_name=run.base_model,
+    )
+
+
+def training_run_out(model: TinkerModel, run: Run) -> TrainingRunOut:
+    return TrainingRunOut(
+        training_run_id=model.id,
+        base_model=run.base_model,
+        model_owner=model.tenant_id,
+        lora_rank=int(run.config["lora"]["rank"]),
+        corrupted=run.status == RunStatus.FAILED,
+        last_request_time=model.last_request_at.isoformat(),
+        user_metadata={str(k): str(v) for k, v in (model.user_metadata or {}).items()} or None,
+    )
+
+
+def list_training_runs(
+    session: Session, *, tenant_id: str, limit: int, offset: int
+) -> tuple[list[TrainingRunOut], int]:
+    """The tenant's Tinker models whose runs are not deleted, newest first."""
+    base = (
+        select(TinkerModel, Run)
+        .join(Run, Run.id == TinkerModel.run_id)
+        .where(TinkerModel.tenant_id == tenant_id, Run.status != RunStatus.DELETED)
+    )
+    total = session.scalar(select(func.count()).select_from(base.subquery())) or 0
+    rows = session.execute(
+        base.order_by(TinkerModel.created_at.desc(), TinkerModel.id.desc()).limit(limit).offset(offset)
+    ).all()
+    return [training_run_out(model, run) for model, run in rows], int(total)
+
+
+# --- futures ------------------------------------------------------------------------------
+
+
+def complete_future(
+    session: Session, *, tenant_id: str, kind: str, model_id: str | None, result: dict[str, object]
+) -> TinkerFuture:
+    future = TinkerFuture(
+        id=new_id("req"),
+        tenant_id=tenant_id,
+        kind=kind,
+        model_id=model_id,
+        status="complete",
+        result=result,
+        completed_at=utcnow(),
+    )
+    session.add(future)
+    session.flush()
+    return future
+
+
+def get_future(session: Session, *, tenant_id: str, request_id: str) -> TinkerFuture:
+    future = session.get(TinkerFuture, request_id)
+    if future is None or future.tenant_id != tenant_id:
+        raise NotFound(f"request {request_id} not found")
+    return future
+
+
+def touch_model(session: Session, *, model_id: str, now: datetime | None = None) -> None:
+    model = session.get(TinkerModel, model_id)
+    if model is not None:
+        model.last_request_at = now or utcnow()

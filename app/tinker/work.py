@@ -1,0 +1,405 @@
+"""Work the pool executes for Tinker models: forward, forward_backward and optim_step requests.
+
+Submitted requests are stored as pending futures (one per model and `seq_id`: a retried
+submission finds the first one, so it is applied once). The pool of the model's base model claims
+the pending work of its active runs, per model in `seq_id` order up to and including the next
+`optim_step` (the step boundary: the pool runs the passes first, then the step), and posts each
+result back. A request whose run has left (evicted, deleted, failed, completed) fails with the
+reason when it is polled, and the pool never receives it.
+"""
+
+import re
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.db import utcnow
+from app.errors import AppError, NotFound, ValidationFailed
+from app.pools.service import get_alive_pool
+from app.runs.admission import live_pool
+from app.runs.models import Run
+from app.runs.schemas import validation_problems
+from app.tinker import proto
+from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
+from app.tinker.service import NotSupported, get_model, touch_model
+from contracts.ids import new_id
+from contracts.status import MOVABLE_RUN_STATUSES, RunStatus
+from contracts.tinker_work import (
+    AdamStep,
+    ManualDatum,
+    ManualResult,
+    ManualWorkItem,
+    SamplingSpec,
+)
+
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+SAVE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+PENDING, RUNNING = "pending", "running"
+
+
+class RunNotActive(AppError):
+    status = 400
+    code = "run_not_active"
+
+
+def _flat(tensor: proto.Tensor | None) -> list[Any] | None:
+    return None if tensor is None else tensor.data.ravel().tolist()
+
+
+def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
+    inputs = raw.loss_fn_inputs
+    unknown = sorted(set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"})
+    if unknown:
+        raise NotSupported(f"loss_fn_inputs {unknown} (datum {index})")
+    if "target_tokens" not in inputs:
+        raise ValidationFailed(f"datum {index}: loss_fn_inputs needs target_tokens")
+    if loss_fn != "cross_entropy" and not {"logprobs", "advantages"} <= set(inputs):
+        raise ValidationFailed(f"datum {index}: {loss_fn} needs loss_fn_inputs logprobs and advantages")
+    weights = _flat(inputs.get("weights")) or [1.0] * len(raw.tokens)
+    try:
+        return ManualDatum(
+            tokens=raw.tokens,
+            target_tokens=[int(t) for t in _flat(inputs["target_tokens"]) or []],
+            weights=weights,
+            logprobs=_flat(inputs.get("logprobs")) if loss_fn != "cross_entropy" else None,
+            advantages=_flat(inputs.get("advantages")) if loss_fn != "cross_entropy" else None,
+        )
+    except ValidationError as exc:
+        raise ValidationFailed(
+            f"datum {index}: invalid loss_fn_inputs",
+            details=validation_problems(exc, prefix=("data", str(index))),
+        ) from exc
+
+
+def _check_against_pool(session: Session, run: Run, data: list[ManualDatum]) -> None:
+    pool = live_pool(session, base_model=run.base_model)
+    if pool is None:
+        return
+    for i, d in enumerate(data):
+        if len(d.tokens) > pool.max_seq_len:
+            raise ValidationFailed(
+                f"datum {i}: {len(d.tokens)} tokens; the pool's max_seq_len is {pool.max_seq_len}"
+            )
+        tokens = np.asarray(d.tokens + d.target_tokens)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= pool.vocab_size):
+            raise ValidationFailed(f"datum {i}: a token id is outside the vocabulary [0, {pool.vocab_size})")
+
+
+def _existing(session: Session, *, model_id: str, seq_id: int) -> TinkerFuture | None:
+    return session.scalar(
+        select(TinkerFuture).where(TinkerFuture.model_id == model_id, TinkerFuture.seq_id == seq_id)
+    )
+
+
+def _submit(
+    session: Session, *, tenant_id: str, model_id: str, run: Run, item: ManualWorkItem, ordered: bool = True
+) -> TinkerFuture:
+    """Store the work as a pending future. `ordered`: it takes its model's seq_id (sampling
+    requests do not: they are numbered per sampling client, and order among them is free)."""
+    if run.status not in MOVABLE_RUN_STATUSES:
+        raise RunNotActive(f"model {model_id}: its run {run.id} is {run.status}; it takes no more requests")
+    future = TinkerFuture(
+        id=item.request_id,
+        tenant_id=tenant_id,
+        kind=item.kind,
+        model_id=model_id,
+        seq_id=item.seq_id if ordered else None,
+        run_id=run.id,
+        status=PENDING,
+        request=item.model_dump(mode="json"),
+    )
+    session.add(future)
+    touch_model(session, model_id=model_id)
+    session.flush()
+    return future
+
+
+def submit_forward_backward(session: Session, *, tenant_id: str, body: bytes) -> TinkerFuture:
+    try:
+        req = proto.decode_forward_backward_request(body)
+    except proto.ProtoError as exc:
+        raise ValidationFailed(f"malformed ForwardBackwardRequest: {exc}") from exc
+    _, run = get_model(session, tenant_id=tenant_id, model_id=req.model_id)
+    existing = _existing(session, model_id=req.model_id, seq_id=req.seq_id)
+    if existing is not None:
+        return existing
+    if req.loss_fn not in LOSS_FNS:
+        raise NotSupported(f"loss_fn {req.loss_fn!r} (supported: {', '.join(LOSS_FNS)})")
+    if not req.data:
+        raise ValidationFailed("forward_backward needs at least one datum")
+    numbers = {k: v for k, v in req.loss_fn_config.items() if isinstance(v, float)}
+    if len(numbers) != len(req.loss_fn_config):
+        raise NotSupported("text values in loss_fn_config")
+    data = [_datum(i, d, req.loss_fn) for i, d in enumerate(req.data)]
+    _check_against_pool(session, run, data)
+    item = ManualWorkItem(
+        request_id=new_id("req"),
+        run_id=run.id,
+        seq_id=req.seq_id,
+        kind="forward" if req.forward_only else "forward_backward",
+        loss_fn=req.loss_fn,  # checked against LOSS_FNS above
+        loss_fn_config=numbers,
+        data=data,
+    )
+    return _submit(session, tenant_id=tenant_id, model_id=req.model_id, run=run, item=item)
+
+
+def submit_optim_step(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+    model_id = str(body.get("model_id", ""))
+    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+    seq_id = body.get("seq_id")
+    if not isinstance(seq_id, int):
+        raise ValidationFailed("optim_step needs an integer seq_id")
+    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+    if existing is not None:
+        return existing
+    params = body.get("adam_params")
+    if not isinstance(params, dict):
+        raise NotSupported("optimizers other than Adam (send adam_params)")
+    defaults = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
+    try:
+        adam = AdamStep.model_validate({"grad_clip_norm": 0.0, **defaults, **params})
+    except ValidationError as exc:
+        raise ValidationFailed(
+            "invalid adam_params", details=validation_problems(exc, prefix=("adam_params",))
+        ) from exc
+    item = ManualWorkItem(
+        request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="optim_step", adam=adam
+    )
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+
+
+def submit_save_for_sampler(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+    model_id = str(body.get("model_id", ""))
+    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+    seq_id = body.get("seq_id")
+    if not isinstance(seq_id, int):
+        raise ValidationFailed("save_weights_for_sampler needs an integer seq_id")
+    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+    if existing is not None:
+        return existing
+    if body.get("kind", "snapshot") != "snapshot":
+        raise NotSupported(f"save_weights_for_sampler kind {body.get('kind')!r}")
+    name = str(body.get("path") or "sampler")
+    if not SAVE_NAME_RE.fullmatch(name):
+        raise ValidationFailed("the weights' name must be 1-128 of [A-Za-z0-9._-], not starting with a dot")
+    item = ManualWorkItem(
+        request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights_for_sampler", name=name
+    )
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+
+
+def sampler_path(model_id: str, name: str) -> str:
+    return f"tinker://{model_id}/sampler_weights/{name}"
+
+
+def resolve_sampler_path(session: Session, *, tenant_id: str, path: str) -> tuple[str, int]:
+    """`tinker://{model_id}/sampler_weights/{name}` → (run id, adapter step), the tenant's only."""
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "sampler_weights":
+        raise ValidationFailed(f"not a sampler weights path: {path!r}")
+    _, run = get_model(session, tenant_id=tenant_id, model_id=parts[0])
+    saved = session.scalars(
+        select(TinkerFuture)
+        .where(
+            TinkerFuture.model_id == parts[0],
+            TinkerFuture.kind == "save_weights_for_sampler",
+            TinkerFuture.status == "complete",
+        )
+        .order_by(TinkerFuture.seq_id.desc())
+    )
+    for future in saved:
+        if (future.result or {}).get("path") == path:
+            return run.id, int((future.result or {})["loraloom_step"])
+    raise NotFound(f"weights {path} not found")
+
+
+# --- the pool's side ----------------------------------------------------------------------------
+
+
+def claim(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
+    """The pending work of the pool's active runs, per run in seq_id order up to and including
+    its next optim_step, marked running."""
+    pool = get_alive_pool(session, pool_id=pool_id)
+    rows = session.scalars(
+        select(TinkerFuture)
+        .join(Run, Run.id == TinkerFuture.run_id)
+        .where(
+            TinkerFuture.status == PENDING,
+            Run.status == RunStatus.ACTIVE,
+            Run.base_model == pool.base_model,
+        )
+        .order_by(TinkerFuture.run_id, TinkerFuture.seq_id)
+        .limit(max_items)
+        .with_for_update(of=TinkerFuture, skip_locked=True)
+    ).all()
+    taken: list[ManualWorkItem] = []
+    stopped: set[str | None] = set()
+    for future in rows:
+        if future.run_id in stopped or future.request is None:
+            continue
+        future.status = RUNNING
+        taken.append(ManualWorkItem.model_validate(future.request))
+        if future.kind == "optim_step":
+            stopped.add(future.run_id)
+    return taken
+
+
+def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:
+    if future.kind == "optim_step":
+        return {"metrics": result.metrics}
+    if future.kind == "sample":
+        return {"sequences": [seq.model_dump(mode="json") for seq in result.sequences or []]}
+    if future.kind == "save_weights_for_sampler":
+        name = str((future.request or {}).get("name") or "sampler")
+        return {
+            "path": sampler_path(str(future.model_id), name),
+            "type": "save_weights_for_sampler",
+            # Ours, not the SDK's: which adapter the path names (left out of the SDK's answer).
+            "loraloom_step": int(result.metrics.get("step", 0)),
+        }
+    return {
+        "logprobs": result.logprobs or [],
+        "elementwise_loss": result.elementwise_loss or [],
+        "metrics": result.metrics,
+    }
+
+
+def record_results(session: Session, *, pool_id: str, results: list[ManualResult]) -> int:
+    """Complete (or fail) the claimed futures; returns how many were recorded (a result for a
+    future that is no longer running, e.g. failed because its run left, is ignored)."""
+    get_alive_pool(session, pool_id=pool_id)
+    recorded = 0
+    for result in results:
+        future = session.get(TinkerFuture, result.request_id, with_for_update=True)
+        if future is None or future.status != RUNNING:
+            continue
+        if result.error is not None:
+            future.status, future.error, future.error_category = "failed", result.error, "user"
+        else:
+            future.status, future.result = "complete", _result_json(future, result)
+        future.request = None
+        future.completed_at = utcnow()
+        recorded += 1
+    return recorded
+
+
+def fail_if_run_left(session: Session, *, future: TinkerFuture) -> None:
+    """A pending or running future whose run has left fails now, with the reason."""
+    if future.status not in (PENDING, RUNNING) or future.run_id is None:
+        return
+    run = session.get(Run, future.run_id)
+    if run is not None and run.status in MOVABLE_RUN_STATUSES:
+        return
+    status = "deleted" if run is None else run.status
+    reason = None if run is None else (run.eviction_reason or run.failure_reason)
+    future.status = "failed"
+    future.error = f"the model's run {future.run_id} left ({status}{': ' + reason if reason else ''})"
+    future.error_category = "user"
+    future.request = None
+    future.completed_at = utcnow()
+
+
+def forward_backward_proto(result: dict[str, Any]) -> bytes:
+    """The stored result of a forward / forward_backward as the SDK's ForwardBackwardOutput (a
+    field is sent only when it has one array per datum)."""
+    logprobs = [np.asarray(x, dtype=np.float32) for x in result.get("logprobs", [])]
+    outputs = {"logprobs": logprobs}
+    losses = [np.asarray(x, dtype=np.float32) for x in result.get("elementwise_loss", [])]
+    if len(losses) == len(logprobs):
+        outputs["elementwise_loss"] = losses
+    return proto.encode_forward_backward_output(
+        outputs=outputs,
+        num_datums=len(logprobs),
+        metrics={str(k): float(v) for k, v in result.get("metrics", {}).items()},
+    )
+
+
+# --- sampling ---------------------------------------------------------------------------------
+
+
+def create_sampling_session(
+    session: Session, *, tenant_id: str, body: dict[str, Any]
+) -> TinkerSamplingSession:
+    """A sampling client for `tinker://` sampler weights of the tenant's own model."""
+    path = body.get("model_path")
+    if not isinstance(path, str):
+        raise NotSupported(
+            "sampling the base model without an adapter (pass a tinker:// sampler weights path)"
+        )
+    run_id, step = resolve_sampler_path(session, tenant_id=tenant_id, path=path)
+    row = TinkerSamplingSession(
+        id=new_id("smp"), tenant_id=tenant_id, run_id=run_id, step=step, model_path=path
+    )
+    session.add(row)
+    session.flush()
+    return row
+
+
+def _prompt_tokens(prompt: Any) -> list[int]:
+    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+    if not isinstance(chunks, list):
+        raise ValidationFailed("prompt needs chunks")
+    tokens: list[int] = []
+    for chunk in chunks:
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise NotSupported("prompt chunks other than tokens (images, audio)")
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    return tokens
+
+
+def get_sampling_session(
+    session: Session, *, tenant_id: str, sampler_id: str
+) -> tuple[TinkerSamplingSession, str]:
+    """The tenant's sampling session and its base model; another tenant's is not found."""
+    sampler = session.get(TinkerSamplingSession, sampler_id)
+    run = None if sampler is None else session.get(Run, sampler.run_id)
+    if sampler is None or run is None or sampler.tenant_id != tenant_id:
+        raise NotFound(f"sampling session {sampler_id} not found")
+    return sampler, run.base_model
+
+
+def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+    sampler_id = str(body.get("sampling_session_id", ""))
+    sampler, _ = get_sampling_session(session, tenant_id=tenant_id, sampler_id=sampler_id)
+    run = session.get(Run, sampler.run_id)
+    assert run is not None  # get_sampling_session found it
+    pool = live_pool(session, base_model=run.base_model)
+    max_seq_len = int(run.config.get("seq_len", 512)) if pool is None else pool.max_seq_len
+    for option in ("prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if body.get(option):
+            raise NotSupported(f"sample option {option}")
+    params = body.get("sampling_params") or {}
+    stop = params.get("stop")
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(t, int) for t in stop)):
+        raise NotSupported("stop strings (pass stop token ids)")
+    prompt = _prompt_tokens(body.get("prompt"))
+    try:
+        spec = SamplingSpec(
+            prompt=prompt,
+            num_samples=body.get("num_samples", 1),
+            max_tokens=params.get("max_tokens") or max(1, min(64, max_seq_len - len(prompt))),
+            temperature=params.get("temperature", 1.0),
+            top_k=params.get("top_k", -1),
+            top_p=params.get("top_p", 1.0),
+            seed=params.get("seed"),
+            stop_tokens=stop or [],
+            step=sampler.step,
+        )
+    except ValidationError as exc:
+        raise ValidationFailed("invalid sample request", details=validation_problems(exc)) from exc
+    if len(prompt) + spec.max_tokens > max_seq_len:
+        raise ValidationFailed(f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}")
+    model_id = session.scalar(select(TinkerModel.id).where(TinkerModel.run_id == run.id))
+    request_id = new_id("req")
+    item = ManualWorkItem(request_id=request_id, run_id=run.id, seq_id=0, kind="sample", sampling=spec)
+    return _submit(session, tenant_id=tenant_id, model_id=str(model_id), run=run, item=item, ordered=False)
+
+
+def sample_proto(result: dict[str, Any]) -> bytes:
+    return proto.encode_sample_response(
+        [(s["tokens"], s["logprobs"], s["stop_reason"]) for s in result.get("sequences", [])]
+    )

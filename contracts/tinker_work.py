@@ -1,0 +1,118 @@
+"""Manual-mode work between the service and the pool (the Tinker API, DESIGN §11).
+
+A Tinker `forward`, `forward_backward` or `optim_step` is stored by the service as a pending
+future; the pool claims the pending work of its active manual runs (per model in `seq_id` order,
+up to and including the next `optim_step`: the step boundary), executes it in shared passes and
+posts each result back. Torch-free and fastapi-free: both ends use these models.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
+WorkKind = Literal["forward", "forward_backward", "optim_step", "save_weights_for_sampler", "sample"]
+MAX_ITEMS_PER_CLAIM = 256
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ManualDatum(_Model):
+    """One Tinker datum, as the pool needs it: the model input and per-position loss inputs
+    (position i predicts `target_tokens[i]` from `tokens[: i + 1]`)."""
+
+    tokens: list[int] = Field(min_length=1, max_length=131_072)
+    target_tokens: list[int]
+    weights: list[float]
+    logprobs: list[float] | None = None
+    """The sampler's logprobs of the targets (importance_sampling, ppo)."""
+    advantages: list[float] | None = None
+    """Per-position advantages (importance_sampling, ppo)."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "ManualDatum":
+        n = len(self.tokens)
+        for name in ("target_tokens", "weights", "logprobs", "advantages"):
+            value = getattr(self, name)
+            if value is not None and len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries; the model input has {n} tokens")
+        return self
+
+
+class AdamStep(_Model):
+    """The request's Adam parameters (AdamW with decoupled weight decay, as in torch)."""
+
+    learning_rate: float = Field(gt=0, le=1.0)
+    beta1: float = Field(ge=0, lt=1)
+    beta2: float = Field(ge=0, lt=1)
+    eps: float = Field(gt=0, le=1.0)
+    weight_decay: float = Field(ge=0, le=1.0)
+    grad_clip_norm: float = Field(ge=0, le=1e9)
+    """0: no clipping."""
+
+
+class SamplingSpec(_Model):
+    """A `sample` request: `num_samples` continuations of `prompt` from the run's adapter, which
+    must still be at `step` (the step its sampler weights were saved at)."""
+
+    prompt: list[int] = Field(min_length=1, max_length=131_072)
+    num_samples: int = Field(ge=1, le=64)
+    max_tokens: int = Field(ge=1, le=4096)
+    temperature: float = Field(ge=0, le=100)
+    top_k: int = Field(ge=-1, le=1_000_000)
+    top_p: float = Field(gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop_tokens: list[int] = Field(default_factory=list, max_length=64)
+    step: int = Field(ge=1)
+
+
+class SampledSequence(_Model):
+    tokens: list[int]
+    logprobs: list[float]
+    """The model's logprob of each sampled token (at temperature 1: what a forward gives)."""
+    stop_reason: Literal["stop", "length"]
+
+
+class ManualWorkItem(_Model):
+    """One request. `save_weights_for_sampler` is ordered like the others: the pool answers the
+    step its adapter is at (published at every optim_step), once the requests before it ran."""
+
+    request_id: str
+    run_id: str
+    seq_id: int
+    kind: WorkKind
+    loss_fn: LossFn | None = None
+    loss_fn_config: dict[str, float] = Field(default_factory=dict)
+    data: list[ManualDatum] = Field(default_factory=list)
+    adam: AdamStep | None = None
+    name: str | None = Field(default=None, max_length=128)
+    """save_weights_for_sampler: the name the user gave the weights."""
+    sampling: SamplingSpec | None = None
+
+
+class ManualClaimIn(_Model):
+    pool_id: str = Field(min_length=1, max_length=32)
+    max_items: int = Field(default=64, ge=1, le=MAX_ITEMS_PER_CLAIM)
+
+
+class ManualClaimOut(BaseModel):
+    items: list[ManualWorkItem]
+
+
+class ManualResult(_Model):
+    request_id: str
+    error: str | None = None
+    """Set when the pool could not execute the item (the future fails with it)."""
+    logprobs: list[list[float]] | None = None
+    """forward / forward_backward: per datum, the logprob of each target token."""
+    elementwise_loss: list[list[float]] | None = None
+    sequences: list[SampledSequence] | None = None
+    """sample: the sampled sequences."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class ManualResultsIn(_Model):
+    pool_id: str = Field(min_length=1, max_length=32)
+    results: list[ManualResult] = Field(max_length=MAX_ITEMS_PER_CLAIM)

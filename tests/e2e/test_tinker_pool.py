@@ -1,0 +1,296 @@
+"""The unmodified `tinker` SDK against the real service (uvicorn on Postgres) and a real pool (the
+built-in model, one rank, in a thread of this process so the test can pause its claims):
+forward_backward + optim_step train, the losses run, several tenants share passes, a run that
+leaves fails its futures and the pool goes on."""
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import torch
+from peft import PeftModel
+from tinker import types
+
+from contracts.tinker_work import ManualWorkItem
+from tests.common import WORKER_TOKEN
+from tests.e2e.helpers import MODEL_CACHE, download_adapter_tensors, extract_adapter, wait_for
+from trainer_core.dist import World
+from trainer_core.http_source import HttpRunSource
+from trainer_core.models.registry import load_base_model
+from trainer_core.service_client import PoolServiceClient
+from trainer_core.worker import PoolTrainer, WorkerArgs
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.timeout(300)]
+
+BASE_MODEL = "loraloom-tiny"
+
+
+class GatedClient(PoolServiceClient):
+    """The pool's service client with a pause point before each claim of manual work."""
+
+    def __init__(self, url: str, token: str) -> None:
+        super().__init__(url, token)
+        self.open = threading.Event()
+        self.open.set()
+
+    def claim_manual(self, max_items: int) -> list[ManualWorkItem]:
+        self.open.wait()
+        return super().claim_manual(max_items)
+
+
+@dataclass
+class Pool:
+    trainer: PoolTrainer
+    client: GatedClient
+
+
+@contextmanager
+def running_pool(url: str, tmp_path) -> Iterator[Pool]:
+    args = WorkerArgs(
+        url=url,
+        token=WORKER_TOKEN,
+        slots=3,
+        seq_len=64,
+        max_rank=8,
+        checkpoint_dir=tmp_path / "ckpt",
+        model_cache_dir=MODEL_CACHE,
+        pack_timeout_s=0.05,
+        poll_interval_s=0.02,
+    )
+    client = GatedClient(url, WORKER_TOKEN)
+    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
+    thread = threading.Thread(target=trainer.run, daemon=True)
+    thread.start()
+    try:
+        yield Pool(trainer, client)
+    finally:
+        client.open.set()
+        trainer.stop_requested = True
+        thread.join(timeout=60)
+        trainer.close()
+
+
+def _key(live_service, name: str) -> tuple[str, httpx.Client]:
+    http = live_service.tenant_client(name)
+    return http.headers["Authorization"].removeprefix("Bearer "), http
+
+
+def _data(offset: int = 0) -> list[types.Datum]:
+    rows = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5, 4], [2, 4, 6, 8, 10, 12, 14]]
+    out = []
+    for row in rows:
+        seq = [t + offset for t in row]
+        # The SDK converts plain lists to TensorData.
+        inputs: dict[str, Any] = {"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)}
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs))
+    return out
+
+
+def _train(training, data, steps: int, lr: float = 2e-2) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        fb = training.forward_backward(data, "cross_entropy")
+        opt = training.optim_step(types.AdamParams(learning_rate=lr))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
+
+
+def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_path):
+    key, http = _key(live_service, "tinker-train")
+    with running_pool(live_service.url, tmp_path) as pool, http:
+        service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
+        try:
+            wait_for(
+                lambda: (
+                    tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
+                    .get_server_capabilities()
+                    .result()
+                    .supported_models
+                ),
+                timeout=30,
+                what="the pool to register",
+            )
+            training = service.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
+            ).result()
+            data = _data()
+
+            # forward: per-token logprobs of the targets, and nothing trained.
+            fwd = training.forward(data, "cross_entropy").result()
+            assert [len(o["logprobs"].tolist()) for o in fwd.loss_fn_outputs] == [7, 5, 6]
+            lp = np.concatenate([o["logprobs"].to_numpy() for o in fwd.loss_fn_outputs])
+            assert np.all(lp < 0)
+            assert fwd.metrics["loss:sum"] == pytest.approx(-lp.sum(), rel=1e-5)
+
+            losses = _train(training, data, steps=10)
+            assert losses[0] == pytest.approx(fwd.metrics["loss:sum"], rel=1e-5)
+            assert losses[-1] < 0.8 * losses[0], losses
+
+            # importance_sampling and ppo, with the sampler's logprobs and advantages.
+            for loss_fn in ("importance_sampling", "ppo"):
+                now = training.forward(data, "cross_entropy").result()
+                rl = [
+                    types.Datum(
+                        model_input=d.model_input,
+                        loss_fn_inputs={
+                            "target_tokens": d.loss_fn_inputs["target_tokens"],
+                            "logprobs": out["logprobs"].tolist(),
+                            "advantages": [0.5] * len(out["logprobs"].tolist()),
+                        },
+                    )
+                    for d, out in zip(data, now.loss_fn_outputs, strict=True)
+                ]
+                res = training.forward_backward(rl, loss_fn).result()
+                # At ratio 1 both losses are −Σ advantages.
+                assert res.metrics["loss:sum"] == pytest.approx(-0.5 * 18, rel=1e-4)
+                training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+            # save_weights_for_sampler names the adapter of this step; it downloads and loads in peft,
+            # which gives the logprobs the trainer gives.
+            saved = training.save_weights_for_sampler("final").result()
+            assert saved.path == f"tinker://{training.model_id}/sampler_weights/final"
+            resolved = httpx.get(
+                f"{live_service.url}/api/v1/loraloom/resolve",
+                params={"path": saved.path},
+                headers={"X-API-Key": "tml-" + key},
+            ).json()
+            assert resolved["step"] == 12
+
+            # sample from those weights: the returned logprobs are what a forward of the same tokens gives.
+            sampler = service.create_sampling_client(model_path=saved.path).result()
+            prompt = [1, 2, 3]
+            sampled = sampler.sample(
+                types.ModelInput.from_ints(prompt), 2, types.SamplingParams(max_tokens=5, seed=7)
+            ).result()
+            assert len(sampled.sequences) == 2
+            for seq in sampled.sequences:
+                assert len(seq.tokens) == 5 and seq.stop_reason == "length"
+                full = prompt + list(seq.tokens)
+                check = types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
+                )
+                scored = training.forward([check], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+                assert np.allclose(scored.tolist()[-5:], seq.logprobs, atol=1e-4)
+            now = training.forward(data, "cross_entropy").result()
+            adapter_dir = extract_adapter(http, resolved["run_id"], resolved["step"], tmp_path / "adapter")
+            peft_model = PeftModel.from_pretrained(
+                load_base_model(BASE_MODEL, cache_dir=MODEL_CACHE), adapter_dir
+            )
+            with torch.no_grad():
+                for datum, out in zip(data, now.loss_fn_outputs, strict=True):
+                    ids = torch.tensor([datum.model_input.to_ints()])
+                    logits = peft_model(input_ids=ids).logits[0]
+                    targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].tolist())
+                    expected = torch.log_softmax(logits, -1).gather(-1, targets[:, None])[:, 0]
+                    assert np.allclose(out["logprobs"].to_numpy(), expected.numpy(), atol=1e-4)
+
+            run = http.get("/v1/runs").json()["items"][0]
+            assert run["config"]["mode"] == "manual"
+            assert run["progress"]["step"] == 12
+            metrics = http.get(f"/v1/runs/{run['id']}/metrics").json()["items"]
+            assert [m["step"] for m in metrics] == list(range(1, 13))
+            tensors = download_adapter_tensors(http, run["id"])
+            assert any("lora_B" in name and tensors[name].abs().sum() > 0 for name in tensors)
+            assert pool.trainer.manual is not None and pool.trainer.manual.passes > 0
+        finally:
+            service.close("success").result()
+
+
+def test_two_tenants_share_passes_each_as_if_alone_and_a_deleted_run_fails_only_its_own_futures(
+    live_service, tmp_path
+):
+    key_a, http_a = _key(live_service, "tinker-a")
+    key_b, http_b = _key(live_service, "tinker-b")
+    key_c, http_c = _key(live_service, "tinker-c")
+    with running_pool(live_service.url, tmp_path) as pool, http_a, http_b, http_c:
+        a = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_a)
+        b = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_b)
+        c = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_c)
+        try:
+            ta = a.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
+            ).result()
+            tb = b.create_lora_training_client(
+                BASE_MODEL, rank=2, seed=2, train_unembed=False, train_mlp=False
+            ).result()
+
+            # Pause the pool's claims, submit both tenants' work, let it go: one claim takes both.
+            pool.client.open.clear()
+            fa = ta.forward_backward(_data(), "cross_entropy")
+            fb = tb.forward_backward(_data(offset=3), "cross_entropy")
+            wait_for(lambda: _pending(live_service) >= 2, timeout=30, what="both requests stored")
+            manual = pool.trainer.manual
+            assert manual is not None
+            before = manual.mixed_passes
+            pool.client.open.set()
+            fa.result(), fb.result()
+            assert manual.mixed_passes > before
+            ta.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+            tb.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+
+            # Tenant C makes A's calls alone: its adapter is A's.
+            tc = c.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
+            ).result()
+            mixed = manual.mixed_passes
+            _train(tc, _data(), steps=1)
+            assert manual.mixed_passes == mixed
+            run_a = http_a.get("/v1/runs").json()["items"][0]["id"]
+            run_c = http_c.get("/v1/runs").json()["items"][0]["id"]
+            shared, alone = download_adapter_tensors(http_a, run_a), download_adapter_tensors(http_c, run_c)
+            assert shared.keys() == alone.keys()
+            for name in shared:
+                assert torch.allclose(shared[name], alone[name], atol=1e-5), name
+
+            # Neither tenant sees the other's models or weights.
+            with pytest.raises(tinker.NotFoundError):
+                tinker.RestClient(base_url=live_service.url, api_key="tml-" + key_b).get_training_run(
+                    ta.model_id
+                ).result()
+            saved = ta.save_weights_for_sampler("mine").result()
+            assert (
+                httpx.get(
+                    f"{live_service.url}/api/v1/loraloom/resolve",
+                    params={"path": saved.path},
+                    headers={"X-API-Key": "tml-" + key_b},
+                ).status_code
+                == 404
+            )
+
+            # Tenant B's run is deleted while its next request waits: that future fails with the
+            # reason; tenant A's goes on.
+            pool.client.open.clear()
+            pending_b = tb.forward_backward(_data(offset=3), "cross_entropy")
+            wait_for(lambda: _pending(live_service) >= 1, timeout=30, what="B's request stored")
+            run_b = http_b.get("/v1/runs").json()["items"][0]["id"]
+            assert http_b.delete(f"/v1/runs/{run_b}").status_code in (200, 204)
+            pool.client.open.set()
+            with pytest.raises(tinker.RequestFailedError, match="left"):
+                pending_b.result()
+            assert _train(ta, _data(), steps=2)[-1] > 0
+        finally:
+            for client in (a, b, c):
+                client.close("success").result()
+
+
+def _pending(live_service) -> int:
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(live_service.env["LORALOOM_DATABASE_URL"])
+    try:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    text("SELECT count(*) FROM tinker_futures WHERE status = 'pending'")
+                ).scalar_one()
+            )
+    finally:
+        engine.dispose()
