@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from app.db import utcnow
 from app.events.service import record_event
 from app.rollouts.models import RolloutStats
+from contracts.arrays import ArrayBatch
 from contracts.wire import TrainingBatch
 
 MAX_STEP_METRICS = 32
@@ -82,7 +83,9 @@ def metric_summaries(row: RolloutStats) -> dict[str, Summary]:
     return {name: Summary.from_list(raw) for name, raw in sorted(row.metrics.items())}
 
 
-def add_batch(session: Session, *, run_id: str, tenant_id: str, batch_id: int, batch: TrainingBatch) -> None:
+def add_batch(
+    session: Session, *, run_id: str, tenant_id: str, batch_id: int, batch: TrainingBatch | ArrayBatch
+) -> None:
     """Merge a stored batch's rewards and metrics into its rollout step; record a `batch.received`
     event with the step's aggregate so far. Call under the run row lock, in the batch's transaction."""
     rewards = Summary.of([s.reward for s in batch.examples if s.reward is not None])

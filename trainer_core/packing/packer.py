@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from contracts.arrays import ArrayBatch, array_batch_problems, batch_arrays, float_array, to_arrays
+from contracts.arrays import ArrayBatch, ArraySample, array_batch_problems, batch_arrays, float_array, to_arrays
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, TrainingSample, sample_problems
 from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd, split_to_align
@@ -304,7 +304,7 @@ class Packer:
                     ref=SampleRef(batch_id=batch_id, index=skip + k),
                     loss_tokens=loss_tokens,
                     arrived_at=now,
-                    weights=None if s.weights is None else np.asarray(s.weights, dtype=np.float32),
+                    weights=None if s.weights is None else float_array(s.weights),
                     rewards=_sample_rewards(s, mask_all[c0:c1]),
                 )
             )
@@ -495,14 +495,14 @@ class Packer:
             raise ValueError(f"slot {slot} has no run") from None
 
 
-def _sample_rewards(sample: TrainingSample, completion_mask: np.ndarray) -> np.ndarray | None:
+def _sample_rewards(sample: ArraySample, completion_mask: np.ndarray) -> np.ndarray | None:
     """(C,) float32 rewards for GAE: `token_rewards`, else `reward` on the last loss-carrying completion
     token (the last completion token when none carries loss), else None."""
     if sample.token_rewards is not None:
-        return np.asarray(sample.token_rewards, dtype=np.float32)
-    if sample.reward is None or not sample.completion_ids:
+        return float_array(sample.token_rewards)
+    if sample.reward is None or not len(completion_mask):
         return None
-    out = np.zeros(len(sample.completion_ids), dtype=np.float32)
+    out = np.zeros(len(completion_mask), dtype=np.float32)
     carrying = np.flatnonzero(completion_mask)
     out[int(carrying[-1]) if carrying.size else -1] = sample.reward
     return out
