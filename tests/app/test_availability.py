@@ -73,7 +73,7 @@ def test_held_partial_bodies_do_not_starve_another_tenant(served):
                 sock.sendall(head + b'{"examples": [')  # and never the rest
                 sockets.append(sock)
             time.sleep(0.5)  # every upload is now waiting in the service
-            engine = server.server.config.app.state.engine  # type: ignore[attr-defined]
+            engine = server.server.config.app.state.engine
             latencies = []
             deadline = time.monotonic() + 4.0  # well inside the 6 s read deadline
             while time.monotonic() < deadline:
