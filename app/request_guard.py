@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import error_body
+from app.serving import MAX_HEADER_BYTES
 
 MAX_JSON_DEPTH = 32
 """Deepest nesting of arrays/objects accepted in a JSON body (the deepest legitimate one is ~6)."""
@@ -45,6 +46,11 @@ class RequestGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if _head_bytes(scope) > MAX_HEADER_BYTES:
+            # h11 refuses a head that outgrows the limit while it is still arriving (app/serving.py);
+            # one that arrived whole in a single read is caught here, so the limit is exact.
+            await _refuse(send, 431, _headers_too_large())
             return
         problem = _query_problem(scope)
         if problem is not None:
@@ -112,6 +118,18 @@ async def _refuse(send: Send, status: int, body: dict[str, Any]) -> None:
 
 async def _empty_receive() -> Message:
     return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def _head_bytes(scope: Scope) -> int:
+    """The size of the request line and headers, as sent (near enough: separators counted)."""
+    line = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + 16
+    return line + sum(len(name) + len(value) + 4 for name, value in scope.get("headers") or [])
+
+
+def _headers_too_large() -> dict[str, Any]:
+    return error_body(
+        "request_header_fields_too_large", f"request line and headers exceed {MAX_HEADER_BYTES} bytes"
+    )
 
 
 def _too_large(limit: int) -> dict[str, Any]:
