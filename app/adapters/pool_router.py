@@ -29,7 +29,7 @@ StepParam = Annotated[int, PathParam(ge=0, le=10_000_000)]
 
 
 async def _upload_body(request: Request) -> AsyncIterator[IO[bytes]]:
-    """The raw request body, streamed into a spooled file (BodySizeLimit caps its size), so
+    """The raw request body, streamed into a spooled file (the request guard caps its size), so
     the synchronous handler can read it as a file without holding a large adapter twice."""
     with tempfile.SpooledTemporaryFile(max_size=_SPOOL_MEMORY_BYTES) as spool:
         async for chunk in request.stream():

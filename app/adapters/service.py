@@ -94,7 +94,11 @@ def store_adapter(
     """
     run = get_run(session, run_id=run_id)
     _require_artifacts_allowed(run, "adapters")
-    parent = broadcast_dir(settings, run.id)
+    run_id = run.id
+    # The read ends here: the connection goes back to the pool while the files are extracted and
+    # fsynced (no lock was held across them before either).
+    session.commit()
+    parent = broadcast_dir(settings, run_id)
     parent.mkdir(parents=True, exist_ok=True)
     # Same directory as the target, so the final move is one rename on one filesystem.
     staging = parent / f".step_{step}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"

@@ -183,6 +183,7 @@ def submit_batch(
     # written and fsynced (_add_row re-reads the run under its lock).
     session.commit()
     stored = write_payload(settings, run_id=run.id, rollout_step=batch.step, data=data, sha256=digest)
+    stored.release_when_transaction_ends(session)  # the start-up clean-up skips it until then
     try:
         result = _add_row(
             session,

@@ -5,17 +5,25 @@ binary body, the canonical encoding of the converted lists for a list body), wri
 atomically (temporary file, fsync, rename, fsync of the directory) BEFORE its row is
 committed. So a committed row always points at a complete file, and a crash between
 the two leaves at worst an unreferenced file: never served (the pool reads payloads
-through rows only), and removable by `remove_orphan_payloads`.
+through rows only), and removed by `remove_orphan_payloads` at start-up.
+
+"Never a file a request is writing": the writer holds a shared flock on the file from before
+it exists under its final name (the lock is taken on the temporary file; the rename keeps the
+inode) until its transaction ends (`StoredPayload.release`, called on commit or rollback). The
+clean-up takes the exclusive lock without waiting, skips a file it cannot lock, and only then
+asks the database whether a row references the file. Works across processes on one host.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import logging
-import time
+import os
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy import select
+from sqlalchemy import event, exists, select
 from sqlalchemy.orm import Session
 
 from app.batches.models import Batch
@@ -23,7 +31,7 @@ from app.config import Settings
 from app.errors import AppError
 from app.projection import run_dir
 from contracts.arrays import ArrayBatch, decode_stored
-from contracts.durable import atomic_write_bytes
+from contracts.durable import TMP_SUFFIX, fsync_path
 from contracts.layout import ROLLOUTS_DIR, step_dir_name
 
 log = logging.getLogger("loraloom.batches")
@@ -44,6 +52,20 @@ class StoredPayload:
     """Relative to data_dir (what the row stores)."""
     size_bytes: int
     sha256: str
+    lock_fd: int | None = field(default=None, compare=False)
+    """An open descriptor holding a shared flock on the file until `release`."""
+
+    def release(self) -> None:
+        if self.lock_fd is not None:
+            with contextlib.suppress(OSError):  # closed already
+                os.close(self.lock_fd)
+
+    def release_when_transaction_ends(self, session: Session) -> None:
+        def _release(_session: Session, *_args: object) -> None:
+            self.release()
+
+        event.listen(session, "after_commit", _release, once=True)
+        event.listen(session, "after_rollback", _release, once=True)
 
 
 def rollouts_dir(settings: Settings, run_id: str) -> Path:
@@ -60,11 +82,26 @@ def write_payload(
         / step_dir_name(rollout_step)
         / f"batch_{uuid.uuid4().hex}{PAYLOAD_SUFFIX}"
     )
-    atomic_write_bytes(path, data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # held across the rename, until the transaction ends
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
     return StoredPayload(
         relative_path=path.relative_to(settings.data_dir).as_posix(),
         size_bytes=len(data),
         sha256=sha256 or hashlib.sha256(data).hexdigest(),
+        lock_fd=fd,
     )
 
 
@@ -96,27 +133,33 @@ def read_payload(settings: Settings, batch: Batch) -> ArrayBatch:
     return decode_stored(read_payload_bytes(settings, batch))
 
 
-def remove_orphan_payloads(session: Session, *, settings: Settings, older_than_s: float = 3600.0) -> int:
-    """Delete payload files no row references (a crash between the file write and the commit).
-
-    Only files older than `older_than_s` go: with several API replicas on one volume,
-    a younger file may belong to a request whose commit is still in flight.
-    Returns how many files were removed.
-    """
+def remove_orphan_payloads(session: Session, *, settings: Settings) -> int:
+    """Delete payload files no row references (a crash between the file write and the commit),
+    whatever their age, but never one a request is writing (see the module docstring).
+    Returns how many files were removed."""
     root = settings.runs_dir
     if not root.exists():
         return 0
     referenced = set(session.scalars(select(Batch.payload_path)))
-    cutoff = time.time() - older_than_s
     removed = 0
     for path in root.glob(f"run_*/rollouts/step_*/batch_*{PAYLOAD_SUFFIX}"):
         rel = path.relative_to(settings.data_dir).as_posix()
         if rel in referenced:
             continue
         try:
-            if path.stat().st_mtime < cutoff:
-                path.unlink()
-                removed += 1
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a request holds it: its row is being committed
+            # Unlocked: its writer's transaction has ended. Ask again (a fresh statement): it may
+            # have committed since the set above was read.
+            if not session.scalar(select(exists().where(Batch.payload_path == rel))):
+                path.unlink(missing_ok=True)
+                removed += 1
+        finally:
+            os.close(fd)
     return removed

@@ -1,10 +1,10 @@
 """Rollout batch ingestion: POST/GET /v1/runs/{run_id}/batches (JSON and msgpack), validation,
 idempotency, run-state conflicts. Real Postgres (or SQLite) through the fixtures."""
 
+import fcntl
 import hashlib
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -513,20 +513,25 @@ def test_vocab_size_for_prefers_the_live_pool(settings):
         assert vocab_size_for(session, base_model="other") is None
 
 
-def test_orphan_payloads_are_removed_only_when_old(settings, client):
+def test_orphan_payloads_are_removed_whatever_their_age_but_not_while_written(settings, client):
     seeded = seed_run(settings)
     assert post_batch(client, seeded, batch_body()).status_code == 201
     orphan_dir = rollouts_dir(settings, seeded.run_id) / "step_0"
-    old = orphan_dir / "batch_0123456789abcdef0123456789abcdef.msgpack"
-    young = orphan_dir / "batch_fedcba9876543210fedcba9876543210.msgpack"
-    old.write_bytes(b"left by a crash between the file and the commit")
-    young.write_bytes(b"a request still in flight on another replica")
-    past = time.time() - 7200
-    os.utime(old, (past, past))
+    crashed = orphan_dir / "batch_0123456789abcdef0123456789abcdef.msgpack"
+    in_flight = orphan_dir / "batch_fedcba9876543210fedcba9876543210.msgpack"
+    crashed.write_bytes(b"left by a crash between the file and the commit (seconds ago)")
+    in_flight.write_bytes(b"a request on another process, its commit still to come")
+    writer = os.open(in_flight, os.O_RDONLY)
+    fcntl.flock(writer, fcntl.LOCK_SH)  # what write_payload holds until the transaction ends
+    try:
+        with committed(settings) as session:
+            assert remove_orphan_payloads(session, settings=settings) == 1
+        assert not crashed.exists() and in_flight.exists()
+    finally:
+        os.close(writer)
     with committed(settings) as session:
-        assert remove_orphan_payloads(session, settings=settings) == 1
-    assert not old.exists() and young.exists()
-    assert len([p for p in rollout_files(settings) if p != young]) == 1  # the committed batch's file stays
+        assert remove_orphan_payloads(session, settings=settings) == 1  # its writer is gone now
+    assert len(rollout_files(settings)) == 1  # the committed batch's file stays
 
 
 def test_replay_after_the_run_moved_on(settings, client):
