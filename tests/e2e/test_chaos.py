@@ -23,7 +23,10 @@ from tests.e2e.helpers import kill_pool, run_config, start_pool, synthetic_batch
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
 
 SEED = 20261122
-MAX_STEPS = 3
+MAX_STEPS = 4
+SAMPLES = 16
+"""One batch of SAMPLES samples per step: steps long enough (about a second) for the chaos to land
+inside training."""
 SERVICE_ENV = {
     "LORALOOM_MAX_CONCURRENT_RUNS": "2",
     "LORALOOM_LEASE_SECONDS": "60",
@@ -40,7 +43,7 @@ def _batch_seed(run_index: int, step: int) -> int:
 
 
 def _tokens(run_index: int, step: int) -> int:
-    batch = synthetic_batch(_batch_seed(run_index, step), n_samples=4)
+    batch = synthetic_batch(_batch_seed(run_index, step), n_samples=SAMPLES)
     return sum(len(e["prompt_ids"]) + len(e["completion_ids"]) for e in batch["examples"])
 
 
@@ -73,7 +76,7 @@ class Chaos:
 
     def create(self, client: httpx.Client) -> None:
         index = len(self.runs)
-        config = run_config(max_steps=MAX_STEPS, seed=index, batch_size=4)
+        config = run_config(max_steps=MAX_STEPS, seed=index, batch_size=SAMPLES)
         response = client.post("/v1/runs", json={"name": f"run-{index}", "config": config})
         assert response.status_code == 201, response.text
         run_id = response.json()["id"]
@@ -91,7 +94,7 @@ class Chaos:
                     self.fed.add(run_id)
                 continue
             for step in range(MAX_STEPS):
-                body = synthetic_batch(_batch_seed(index, step), n_samples=4, rollout_step=step)
+                body = synthetic_batch(_batch_seed(index, step), n_samples=SAMPLES, rollout_step=step)
                 headers = {"Idempotency-Key": f"{run_id}-{step}"}
                 r = client.post(f"/v1/runs/{run_id}/batches", json=body, headers=headers)
                 if r.status_code == 409 and self.status(client, run_id)["status"] in FINAL:
@@ -136,7 +139,12 @@ class Chaos:
         if action == "kill_pool":
             kill_pool(self.pool)  # SIGKILL to torchrun; its ranks die with it
             self.kills["pool"] += 1
+            registered = self.pool_log().count("registered pool")
             self.pool = self._start_pool()
+            # Wait for the new pool to train, so that the next action lands on a working pool.
+            wait_for(
+                lambda: self.pool_log().count("registered pool") > registered, timeout=90, what="the pool"
+            )
             return "kill -9 pool, restarted"
         os.killpg(self.service.process.pid, signal.SIGKILL)
         self.service.process.wait(timeout=30)
@@ -157,17 +165,22 @@ def test_chaos(database_url, tmp_path):
         kill_pool(chaos.pool)
         chaos.service.stop()
     elapsed = time.monotonic() - started
+    log = chaos.pool_log()
     print(
         f"chaos: {len(chaos.runs)} runs, actions {done}, kills {chaos.kills}, "
-        f"{len(chaos.gone)} runs evicted/deleted, {elapsed:.0f} s"
+        f"{len(chaos.gone)} runs evicted/deleted, {log.count('registered pool')} pool registrations, "
+        f"{log.count('has left the pool')} runs left mid-step, {log.count(' step ')} step reports, "
+        f"{elapsed:.0f} s"
     )
-    assert elapsed < 180
+    # Bounded by its waits (each has a timeout), not asserted on the clock: about 2.5 minutes on the
+    # shared 2-core machine.
 
 
 def _chaos(chaos: Chaos, rng: random.Random, done: list[str]) -> None:
     tenants = [chaos.service.tenant_client(f"t{i}", quota=4) for i in range(3)]
     for i in range(6):
         chaos.create(tenants[i % 3])
+    wait_for(lambda: " step 1:" in chaos.pool_log(), timeout=90, what="the first step")
     actions = ACTIONS[:]
     rng.shuffle(actions)
     for action in actions:
@@ -188,7 +201,9 @@ def _check(chaos: Chaos, done: list[str]) -> None:
             continue
         run = chaos.status(client, run_id)
         assert run["status"] == "completed", (run_id, run, done)
-        assert run["progress"]["step"] == MAX_STEPS and run["progress"]["total_samples"] == 4 * MAX_STEPS
+        assert (
+            run["progress"]["step"] == MAX_STEPS and run["progress"]["total_samples"] == SAMPLES * MAX_STEPS
+        )
         batches = client.get(f"/v1/runs/{run_id}/batches").json()["items"]
         # Exactly once: each batch trained into exactly one step, each step from exactly its batch.
         assert [(b["state"], b["trained_step"]) for b in sorted(batches, key=lambda b: b["id"])] == [
@@ -197,4 +212,4 @@ def _check(chaos: Chaos, done: list[str]) -> None:
         metrics = client.get(f"/v1/runs/{run_id}/metrics").json()["items"]
         assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1)), (run_id, metrics)
         for m in metrics:  # only its own samples and tokens: no other run's steps
-            assert (m["samples"], m["tokens"]) == (4, _tokens(index, m["step"] - 1)), (run_id, m)
+            assert (m["samples"], m["tokens"]) == (SAMPLES, _tokens(index, m["step"] - 1)), (run_id, m)
