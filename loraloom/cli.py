@@ -596,7 +596,7 @@ def worker(
     def forward(signum: int, _frame: FrameType | None) -> None:
         # The pool runs in its own process group: pass Ctrl-C / SIGTERM on, so torchrun stops its
         # ranks (each finishes its step, the pool deregisters). A second one kills torchrun; its
-        # ranks die with it (worker._die_with_parent).
+        # ranks die with it (trainer_core.parent_death).
         nonlocal signals
         signals += 1
         if signals > 1:
