@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from trainer_core.parent_death import LAUNCHER_PID_ENV
+
 _ROOT = Path(__file__).resolve().parent.parent
 """Where the packages are (the repository, or site-packages for a wheel): the service child imports
 `app` from here, never from a same-named directory in the caller's working directory."""
@@ -110,11 +112,16 @@ def launch_pool(
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start the pool in its own process group; its ranks die with it (see worker._die_with_parent)."""
+    """Start the pool in its own process group; its ranks die with it (see trainer_core.parent_death)."""
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child inherits it
+    command = torchrun_command(
+        nproc_per_node=nproc_per_node, worker_args=worker_args, master_port=master_port
+    )
     try:
         return subprocess.Popen(
-            torchrun_command(nproc_per_node=nproc_per_node, worker_args=worker_args, master_port=master_port),
+            # torchrun's own pid, exported to its ranks (the shell execs into torchrun, keeping its
+            # pid): a rank orphaned before it could follow its launcher sees it and exits.
+            ["/bin/sh", "-c", f'export {LAUNCHER_PID_ENV}=$$; exec "$@"', "sh", *command],
             env=absolute_env({**os.environ, **(env or {})}),
             start_new_session=True,
             stdout=log,

@@ -17,9 +17,14 @@ LoRA slot per concurrent run. Each iteration:
 Only the master talks to the run source; ranks talk through torch.distributed (`trainer_core.dist`).
 """
 
+# ruff: noqa: E402 - the rank must follow its launcher before importing torch (see below)
+from trainer_core.parent_death import die_with_parent
+
+if __name__ == "__main__":
+    # First thing: a launcher killed during the seconds of torch imports must not orphan this rank.
+    die_with_parent()
+
 import argparse
-import contextlib
-import ctypes
 import dataclasses
 import logging
 import os
@@ -562,19 +567,8 @@ class PoolTrainer:
             self.master.source.close()
 
 
-def _die_with_parent() -> None:
-    """Linux: a rank gets SIGKILL when its torchrun parent dies, so killing the launcher kills the pool.
-
-    torchrun starts ranks in their own sessions; without this an orphaned rank would keep
-    training on leases the service already handed to a new pool.
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def main(argv: list[str] | None = None) -> None:
-    _die_with_parent()
+    die_with_parent()  # again, for callers of main() other than `-m trainer_core.worker`
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the log
     args = parse_args(argv)

@@ -21,7 +21,7 @@ import pytest
 from loraloom.launch import free_port
 from tests.common import WORKER_TOKEN
 from tests.e2e.conftest import start_service
-from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch, wait_for
+from tests.e2e.helpers import MODEL_CACHE, kill_pool, run_config, start_pool, synthetic_batch, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
 
@@ -139,3 +139,23 @@ def test_ctrl_c_stops_every_process_and_returns_the_leases(database_url, tmp_pat
         print(f"single Ctrl-C: every pool process gone in {took:.2f} s")
     finally:
         service.stop()
+
+
+def test_ranks_die_with_a_launcher_killed_while_they_import_torch(tmp_path):
+    """kill -9 of torchrun while its ranks are still starting (importing torch, seconds): they must
+    not live on under PID 1 (the chaos test's restarts left such ranks hanging in the rendezvous)."""
+    pool = start_pool("http://127.0.0.1:9", data_dir=tmp_path, log_path=tmp_path / "pool.log")
+    try:
+
+        def ranks() -> set[int]:
+            return {
+                pid
+                for pid in _descendants(pool.pid)
+                if b"trainer_core.worker" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
+            }
+
+        started = wait_for(lambda: len(ranks()) >= 2 and ranks(), timeout=60, interval=0.05, what="2 ranks")
+    finally:
+        kill_pool(pool)
+    took = _gone_within(started, pool, 10)
+    print(f"ranks gone {took:.2f} s after kill -9 of their launcher mid-import")

@@ -1,0 +1,30 @@
+"""A rank dies with its torchrun launcher (stdlib only: it must run before the seconds of torch imports).
+
+torchrun starts every rank in a session of its own, so neither a signal to the launcher's process
+group nor the launcher's death reaches the ranks. Without this an orphaned rank would keep
+training on leases the service already handed to a new pool (or, killed while it was still
+importing torch, hang in the rendezvous under PID 1 for half an hour: seen in the chaos test).
+"""
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+LAUNCHER_PID_ENV = "LORALOOM_LAUNCHER_PID"
+"""The pid of torchrun, set by `loraloom.launch.launch_pool`: a rank whose parent is no longer it was
+orphaned before it could ask to die with it (killed within the rank's interpreter start-up)."""
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies; exit now if the parent already has."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    parent = int(launcher) if launcher.isdigit() else os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:
+        os._exit(1)  # the launcher is already gone: nothing would ever kill this rank
