@@ -50,6 +50,14 @@ def _header(description: str) -> dict[str, Any]:
 _ETAG = _header("The adapter's sha256 of its weights, quoted.")
 _STEP = _header("The step of the adapter sent (resolves `latest`).")
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
+# A component of its own (app/openapi.py names titled schemas): PEFT's adapter_config.json, as PEFT wrote it.
+_ADAPTER_CONFIG = {
+    "title": "AdapterConfig",
+    "type": "object",
+    "description": "PEFT's adapter_config.json (peft_type, r, lora_alpha, target_modules, ...).",
+    "properties": {},
+    "additionalProperties": True,
+}
 
 
 def _parse_step(step: str) -> int | None:
@@ -139,7 +147,8 @@ def download_adapter(
     response_class=FileResponse,
     responses={
         200: {
-            "content": {"application/json": _BINARY, "application/octet-stream": _BINARY},
+            # Bytes first: a generated client that reads one media type reads both files as bytes.
+            "content": {"application/octet-stream": _BINARY, "application/json": {"schema": _ADAPTER_CONFIG}},
             "description": "The file: adapter_config.json as JSON, the safetensors weights as bytes.",
             "headers": {
                 "ETag": _header("For the weights, the adapter's sha256, quoted."),

@@ -206,6 +206,13 @@ def test_generated_client_drives_the_tenant_lifecycle(server: LiveServer, genera
     with tarfile.open(fileobj=io.BytesIO(r.parsed.payload.read()), mode="r:gz") as tar:
         assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
     etag = r.headers["ETag"]
+    files = _imp(adapters, "download_adapter_file")
+    for file_name in m.DownloadAdapterFileName:
+        r = files.sync_detailed(run_id, "latest", file_name, client=me)
+        assert r.status_code == 200 and isinstance(r.parsed, lc.types.File)
+        assert r.parsed.payload.read()
+    config_bytes = files.sync(run_id, "1", m.DownloadAdapterFileName("adapter_config.json"), client=me)
+    assert json.loads(config_bytes.payload.read())["peft_type"] == "LORA"
     r = adapters.download_adapter.sync_detailed(run_id, "1", client=me, if_none_match=etag)
     assert r.status_code == 304 and r.content == b""
 
