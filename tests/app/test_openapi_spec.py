@@ -164,7 +164,11 @@ def test_cursors_are_opaque_everywhere():
     for _, path, op in _operations(PUBLIC):
         for param in op.get("parameters", []):
             if param["name"] == "cursor":
-                assert param["schema"]["anyOf"][0] == {"type": "string", "maxLength": 512}, path
+                assert param["schema"]["anyOf"][0] == {
+                    "type": "string",
+                    "maxLength": 512,
+                    "pattern": "^[A-Za-z0-9_-]+$",
+                }, path
 
 
 @pytest.mark.parametrize(("doc", "method", "path", "op"), ALL_OPERATIONS, ids=IDS)
