@@ -23,7 +23,11 @@ MAX_LIMIT = 200
 LimitQuery = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Page size (1..200).")]
 CursorQuery = Annotated[
     str | None,
-    Query(max_length=512, description="`next_cursor` of the previous page; omit for the first page."),
+    Query(
+        max_length=512,
+        pattern=r"^[A-Za-z0-9_-]+$",  # base64url: what encode_cursor writes
+        description="`next_cursor` of the previous page (opaque); omit for the first page.",
+    ),
 ]
 
 

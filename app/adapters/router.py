@@ -17,7 +17,8 @@ from app.pagination import MAX_LIMIT, LimitQuery
 from app.runs.deps import OwnedRunDep
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 
-router = APIRouter(tags=["adapters"])
+# Tags per route: metrics are their own group in the document (and in generated clients).
+router = APIRouter()
 
 StepPath = Annotated[
     str,
@@ -51,6 +52,14 @@ def _header(description: str) -> dict[str, Any]:
 _ETAG = _header("The adapter's sha256 of its weights, quoted.")
 _STEP = _header("The step of the adapter sent (resolves `latest`).")
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
+# A component of its own (app/openapi.py names titled schemas): PEFT's adapter_config.json, as PEFT wrote it.
+_ADAPTER_CONFIG = {
+    "title": "AdapterConfig",
+    "type": "object",
+    "description": "PEFT's adapter_config.json (peft_type, r, lora_alpha, target_modules, ...).",
+    "properties": {},
+    "additionalProperties": True,
+}
 
 
 def _parse_step(step: str) -> int | None:
@@ -83,7 +92,9 @@ def _adapter_headers(adapter: Adapter, etag: str | None) -> dict[str, str]:
     return headers
 
 
-@router.get("/v1/runs/{run_id}/adapters", response_model=AdapterList, operation_id="listAdapters")
+@router.get(
+    "/v1/runs/{run_id}/adapters", response_model=AdapterList, operation_id="listAdapters", tags=["adapters"]
+)
 def list_adapters(run: OwnedRunDep, session: SessionDep) -> AdapterList:
     return AdapterList(
         items=[
@@ -96,6 +107,7 @@ def list_adapters(run: OwnedRunDep, session: SessionDep) -> AdapterList:
 @router.get(
     "/v1/runs/{run_id}/adapters/{step}",
     operation_id="downloadAdapter",
+    tags=["adapters"],
     response_class=FileResponse,
     responses={
         200: {
@@ -133,10 +145,12 @@ def download_adapter(
 @router.get(
     "/v1/runs/{run_id}/adapters/{step}/files/{name}",
     operation_id="downloadAdapterFile",
+    tags=["adapters"],
     response_class=FileResponse,
     responses={
         200: {
-            "content": {"application/json": _BINARY, "application/octet-stream": _BINARY},
+            # Bytes first: a generated client that reads one media type reads both files as bytes.
+            "content": {"application/octet-stream": _BINARY, "application/json": {"schema": _ADAPTER_CONFIG}},
             "description": "The file: adapter_config.json as JSON, the safetensors weights as bytes.",
             "headers": {
                 "ETag": _header("For the weights, the adapter's sha256, quoted."),
@@ -165,7 +179,9 @@ def download_adapter_file(
     return FileResponse(path, media_type=media_type, filename=name, headers=_adapter_headers(adapter, etag))
 
 
-@router.get("/v1/runs/{run_id}/metrics", response_model=MetricsList, operation_id="getMetrics")
+@router.get(
+    "/v1/runs/{run_id}/metrics", response_model=MetricsList, operation_id="getMetrics", tags=["metrics"]
+)
 def get_metrics(
     run: OwnedRunDep,
     session: SessionDep,

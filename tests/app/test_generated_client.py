@@ -114,13 +114,14 @@ def test_generated_client_drives_the_tenant_lifecycle(server: LiveServer, genera
     document = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     lc = generate_client(document)
     m = _imp(lc, "models")
-    api = {name: _imp(lc, f"api.{name}") for name in ("tenants", "runs", "batches", "adapters")}
-    tenants, runs, batches, adapters = (api[n] for n in ("tenants", "runs", "batches", "adapters"))
+    names = ("tenants", "runs", "batches", "adapters", "metrics")
+    tenants, runs, batches, adapters, metrics_api = (_imp(lc, f"api.{name}") for name in names)
     for mod, ops in (
         (tenants, ("create_tenant", "create_api_key", "list_tenants")),
         (runs, ("create_run", "list_runs", "get_run", "evict_run", "delete_run")),
         (batches, ("submit_batch", "list_batches")),
-        (adapters, ("get_metrics", "download_adapter", "list_adapters")),
+        (adapters, ("download_adapter", "list_adapters")),
+        (metrics_api, ("get_metrics",)),
     ):
         for op in ops:
             setattr(mod, op, _imp(mod, op))
@@ -197,7 +198,7 @@ def test_generated_client_drives_the_tenant_lifecycle(server: LiveServer, genera
         )
         assert r.status_code == 201, r.text
 
-    metrics = adapters.get_metrics.sync(run_id, client=me)
+    metrics = metrics_api.get_metrics.sync(run_id, client=me)
     assert isinstance(metrics, m.MetricsList)
     # Rollout steps with no trained step yet (the batch's step 0) are listed too, without a loss.
     assert [(i.step, i.loss) for i in metrics.items if i.loss is not None] == [(1, 0.5)]
@@ -206,6 +207,13 @@ def test_generated_client_drives_the_tenant_lifecycle(server: LiveServer, genera
     with tarfile.open(fileobj=io.BytesIO(r.parsed.payload.read()), mode="r:gz") as tar:
         assert sorted(tar.getnames()) == ["adapter_config.json", "adapter_model.safetensors"]
     etag = r.headers["ETag"]
+    files = _imp(adapters, "download_adapter_file")
+    for file_name in m.DownloadAdapterFileName:
+        r = files.sync_detailed(run_id, "latest", file_name, client=me)
+        assert r.status_code == 200 and isinstance(r.parsed, lc.types.File)
+        assert r.parsed.payload.read()
+    config_bytes = files.sync(run_id, "1", m.DownloadAdapterFileName("adapter_config.json"), client=me)
+    assert json.loads(config_bytes.payload.read())["peft_type"] == "LORA"
     r = adapters.download_adapter.sync_detailed(run_id, "1", client=me, if_none_match=etag)
     assert r.status_code == 304 and r.content == b""
 

@@ -42,16 +42,16 @@ def _as_bytes(value: Any) -> bytes:
 
 
 @schemathesis.serializer("application/x-tar", "application/toml")
-def _raw_serializer(_ctx: Any, value: Any) -> dict[str, Any]:
-    return {"data": _as_bytes(value)}
+def _raw_serializer(_ctx: Any, value: Any) -> bytes:
+    return _as_bytes(value)
 
 
 @schemathesis.serializer("application/msgpack")
-def _msgpack_serializer(_ctx: Any, value: Any) -> dict[str, Any]:
+def _msgpack_serializer(_ctx: Any, value: Any) -> bytes:
     try:
-        return {"data": msgspec.msgpack.encode(value)}
+        return msgspec.msgpack.encode(value)
     except (TypeError, OverflowError):
-        return {"data": _as_bytes(value)}
+        return _as_bytes(value)
 
 
 def _credentials(operation: Any, tenant_headers: dict[str, str]) -> dict[str, str]:

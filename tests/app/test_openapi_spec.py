@@ -164,4 +164,15 @@ def test_cursors_are_opaque_everywhere():
     for _, path, op in _operations(PUBLIC):
         for param in op.get("parameters", []):
             if param["name"] == "cursor":
-                assert param["schema"]["anyOf"][0] == {"type": "string", "maxLength": 512}, path
+                assert param["schema"]["anyOf"][0] == {
+                    "type": "string",
+                    "maxLength": 512,
+                    "pattern": "^[A-Za-z0-9_-]+$",
+                }, path
+
+
+@pytest.mark.parametrize(("doc", "method", "path", "op"), ALL_OPERATIONS, ids=IDS)
+def test_every_operation_has_one_tag_and_an_operation_id(doc, method, path, op):
+    # Generated clients group operations by their first tag (`api.runs`, `api.metrics`, ...).
+    assert len(op.get("tags", [])) == 1
+    assert re.fullmatch(r"[a-z][A-Za-z0-9]*", op["operationId"])
