@@ -34,7 +34,9 @@ def _problem(field: str, message: str) -> dict[str, Any]:
     return {"loc": ["body", field], "msg": message}
 
 
-def _check(staging: Path, *, base_model: str, session: Session) -> tuple[int, float, list[str], list[dict[str, Any]]]:
+def _check(
+    staging: Path, *, base_model: str, session: Session
+) -> tuple[int, float, list[str], list[dict[str, Any]]]:
     """(rank, alpha, target modules, problems) of the adapter in `staging`."""
     pool = live_pool(session, base_model=base_model)
     if pool is None or pool.module_shapes is None or pool.num_layers is None:
