@@ -57,7 +57,8 @@ def _operations() -> list[tuple[str, str, str]]:
 
 OPERATIONS = _operations()
 RUN_ROUTES = [op for op in OPERATIONS if op[1].startswith("/v1/runs/{run_id}")]
-TENANT_ROUTES = [op for op in OPERATIONS if op[1].startswith("/v1/runs")]
+# Uploaded adapters are tenant-scoped too; another tenant's is a 404 (tests/e2e/test_uploaded_adapter_e2e.py).
+TENANT_ROUTES = [op for op in OPERATIONS if op[1].startswith(("/v1/runs", "/v1/adapters"))]
 ADMIN_ROUTES = [op for op in OPERATIONS if op[1].startswith("/v1/tenants")]
 POOL_ROUTES = [op for op in OPERATIONS if op[1].startswith("/v1/pool")]
 
@@ -87,7 +88,7 @@ def test_every_v1_route_is_classified():
     unclassified = [
         (m, p)
         for m, p, _ in OPERATIONS
-        if p.startswith("/v1") and not p.startswith(("/v1/runs", "/v1/tenants", "/v1/pool"))
+        if p.startswith("/v1") and not p.startswith(("/v1/runs", "/v1/tenants", "/v1/pool", "/v1/adapters"))
     ]
     assert unclassified == []
 

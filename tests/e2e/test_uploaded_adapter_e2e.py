@@ -97,6 +97,7 @@ def test_uploaded_adapter_checked_scoped_and_used_by_init_from(live_service, tmp
         assert (adapter["rank"], adapter["target_modules"]) == (config["r"], sorted(config["target_modules"]))
         assert [a["id"] for a in alice.get("/v1/adapters").json()["items"]] == [adapter["id"]]
         assert bob.get(f"/v1/adapters/{adapter['id']}").status_code == 404
+        assert bob.delete(f"/v1/adapters/{adapter['id']}").status_code == 404
         assert bob.get("/v1/adapters").json()["items"] == []
         r = bob.post(
             "/v1/runs", json={"name": "x", "config": run_config(), "init_from": {"adapter_id": adapter["id"]}}
