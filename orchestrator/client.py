@@ -35,7 +35,7 @@ from contracts.http import RetryPolicy, send_with_retries, send_with_retries_asy
 from contracts.ids import is_run_id
 from contracts.run_config import RunConfig
 from contracts.wire import TrainingBatch, json_encoder
-from orchestrator.archive import extract_adapter, read_marker
+from orchestrator.archive import adapter_dir_tar, extract_adapter, read_marker
 from orchestrator.errors import ApiError, error_from_response
 from orchestrator.models import (
     AdapterDownload,
@@ -238,6 +238,17 @@ class _Ops:
         response = yield _Request("GET", f"/v1/runs/{check_run_id(run_id)}/metrics")
         return _METRICS.validate_python(response.json()["items"])
 
+    @staticmethod
+    def upload_adapter(adapter_dir: Path, name: str, base_model: str | None) -> _Op[dict[str, Any]]:
+        response = yield _Request(
+            "POST",
+            "/v1/adapters",
+            params={"name": name, **({"base_model": base_model} if base_model else {})},
+            content=adapter_dir_tar(adapter_dir),
+            headers={"Content-Type": "application/x-tar"},
+        )
+        return dict(response.json())
+
 
 @dataclass(frozen=True)
 class ClientSettings:
@@ -378,6 +389,13 @@ class LoraloomClient:
     def download_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> Path:
         return self.fetch_adapter(run_id, step, dest_dir).path
 
+    def upload_adapter(
+        self, adapter_dir: str | Path, *, name: str = "adapter", base_model: str | None = None
+    ) -> dict[str, Any]:
+        """Upload a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start runs
+        from (`create_run(..., init_from={"adapter_id": ...})`); returns the stored adapter (its `id`)."""
+        return self._run(_Ops.upload_adapter(Path(adapter_dir), name, base_model))
+
     def get_metrics(self, run_id: str) -> list[StepMetrics]:
         return self._run(_Ops.get_metrics(run_id))
 
@@ -479,6 +497,12 @@ class AsyncLoraloomClient:
 
     async def download_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> Path:
         return (await self.fetch_adapter(run_id, step, dest_dir)).path
+
+    async def upload_adapter(
+        self, adapter_dir: str | Path, *, name: str = "adapter", base_model: str | None = None
+    ) -> dict[str, Any]:
+        """As `LoraloomClient.upload_adapter`."""
+        return await self._run(_Ops.upload_adapter(Path(adapter_dir), name, base_model))
 
     async def get_metrics(self, run_id: str) -> list[StepMetrics]:
         return await self._run(_Ops.get_metrics(run_id))

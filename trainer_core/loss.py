@@ -12,7 +12,8 @@ Policy terms (``pg_t``) by kind:
     ppo                      pg_t = max(-r_t * A_t, -clip(r_t) * A_t)
                              with dual_clip c and A_t < 0:  pg_t = min(pg_t, -c * A_t)
     cispo                    pg_t = -sg(clip(r_t)) * A_t * logp_t    (MiniMax-M1's CISPO)
-    cross_entropy            pg_t = -w_t * logp_t                    (SFT; w_t = `weights` or the loss mask)
+    cross_entropy            pg_t = -w_t * logp_t                    (SFT; w_t = `weights` or the loss mask;
+                                                                      logp_t at temperature 1)
 
 ``r_t`` carries the gradient in token_is/sequence_is/ppo, so their gradient is ``-A_t r_t grad logp_t``
 where the ratio is not clipped (ppo: zero once the clip binds in the direction of the advantage). In
@@ -480,6 +481,8 @@ def compute_loss(
     temp_ok = torch.isfinite(temp) & (temp > 0)
     # A bad temperature must not be divided by even for a zero gradient (0 / 0 = NaN).
     temp = torch.where(temp_ok, temp, torch.ones_like(temp))
+    # SFT is the model's own cross-entropy: a batch's sampling temperature means nothing to it.
+    temp = torch.where(kind == _CROSS_ENTROPY, torch.ones_like(temp), temp)
 
     # fp32 for the log-softmax whatever the model's dtype: logprob differences feed exp().
     scaled = logits.index_select(0, pos).float() / temp[:, None]  # (N, V)

@@ -59,8 +59,11 @@ def _operations() -> list[tuple[str, str, str]]:
 
 OPERATIONS = _operations()
 RUN_ROUTES = [op for op in OPERATIONS if op[1].startswith("/v1/runs/{run_id}")]
-TENANT_ROUTES = [op for op in OPERATIONS if op[1].startswith("/v1/runs") or op[1] == "/v1/pools"]
-ADMIN_ROUTES = [op for op in OPERATIONS if op[1].startswith("/v1/tenants")]
+# Uploaded adapters are tenant-scoped too; another tenant's is a 404 (tests/e2e/test_uploaded_adapter_e2e.py).
+TENANT_ROUTES = [
+    op for op in OPERATIONS if op[1].startswith(("/v1/runs", "/v1/adapters")) or op[1] == "/v1/pools"
+]
+ADMIN_ROUTES = [op for op in OPERATIONS if op[1].startswith(("/v1/tenants", "/v1/admin/"))]
 POOL_ROUTES = [op for op in OPERATIONS if op[1].startswith("/v1/pool/")]
 
 
@@ -90,7 +93,7 @@ def test_every_v1_route_is_classified():
         (m, p)
         for m, p, _ in OPERATIONS
         if p.startswith("/v1")
-        and not p.startswith(("/v1/runs", "/v1/tenants", "/v1/pool/"))
+        and not p.startswith(("/v1/runs", "/v1/tenants", "/v1/admin/", "/v1/pool/", "/v1/adapters"))
         and p != "/v1/pools"
     ]
     assert unclassified == []

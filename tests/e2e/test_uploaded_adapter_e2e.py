@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from orchestrator import LoraloomClient
 from tests.e2e.helpers import (
     download_adapter_tensors,
     extract_adapter,
@@ -89,13 +90,14 @@ def test_uploaded_adapter_checked_scoped_and_used_by_init_from(live_service, tmp
             p.name for p in (live_service.data_dir / "adapters").iterdir() if not p.name.startswith(".")
         ] == []
 
-        # A good one: stored once, tenant-scoped.
-        up = _upload(alice, _tar(config, tensors))
-        assert up.status_code == 201, up.text
-        adapter = up.json()
+        # A good one, through the SDK: stored once, tenant-scoped.
+        key = alice.headers["Authorization"].removeprefix("Bearer ")
+        with LoraloomClient(live_service.url, api_key=key) as sdk:
+            adapter = sdk.upload_adapter(peft, name="mine")
         assert (adapter["rank"], adapter["target_modules"]) == (config["r"], sorted(config["target_modules"]))
         assert [a["id"] for a in alice.get("/v1/adapters").json()["items"]] == [adapter["id"]]
         assert bob.get(f"/v1/adapters/{adapter['id']}").status_code == 404
+        assert bob.delete(f"/v1/adapters/{adapter['id']}").status_code == 404
         assert bob.get("/v1/adapters").json()["items"] == []
         r = bob.post(
             "/v1/runs", json={"name": "x", "config": run_config(), "init_from": {"adapter_id": adapter["id"]}}
@@ -103,16 +105,10 @@ def test_uploaded_adapter_checked_scoped_and_used_by_init_from(live_service, tmp
         assert r.status_code == 404, r.text
 
         # A run from it; one step on advantages of 0 leaves it as it started.
-        run = alice.post(
-            "/v1/runs",
-            json={
-                "name": "from-upload",
-                "config": run_config(max_steps=1, seed=77),
-                "init_from": {"adapter_id": adapter["id"]},
-            },
-        )
-        assert run.status_code == 201, run.text
-        run_id = run.json()["id"]
+        with LoraloomClient(live_service.url, api_key=key) as sdk:
+            run_id = sdk.create_run(
+                "from-upload", run_config(max_steps=1, seed=77), init_from={"adapter_id": adapter["id"]}
+            ).id
         alice.post(
             f"/v1/runs/{run_id}/batches", json=synthetic_batch(9, n_samples=4, advantage_scale=0.0)
         ).raise_for_status()

@@ -80,6 +80,7 @@ def _train(client: MemoryPoolClient, checkpoint_dir: Path) -> None:
         trainer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_value_head_exported_reloaded_and_checkpoint_resumed_exactly(tmp_path: Path) -> None:
     first = RecordingClient(_payloads(), _config())

@@ -283,3 +283,62 @@ def test_mixed_losses_c_adapter_and_value_head_equal_c_alone(c_alone):
     assert float(head["value_head.weight"].abs().max()) > 1e-4  # the critic learned something
     assert _worst(together.heads["C"], head) <= 1e-5
     assert _worst(together.adapters["C"], c_alone.adapters["C"]) <= 1e-5
+
+
+def test_sft_step_normalises_by_the_sum_of_weights():
+    """Through `train_step`: a cross_entropy run's gradient is that of the weighted mean CE (sum of w·CE
+    over the sum of w), the normaliser the optimizer divides by (its grad norm before clipping)."""
+    spec = Spec(
+        "S",
+        LossSettings(kind="cross_entropy"),
+        weights=True,
+        batch_size=3,
+        optim=OptimSettings(lr=1e-3, max_grad_norm=1e6),
+    )
+
+    def setup():
+        model = build_model("llama", seed=0, vocab_size=VOCAB, hidden_size=HIDDEN)
+        lora = apply_multi_lora(model, TARGETS, N_SLOTS, MAX_RANK)
+        lora.configure_slot(1, rank=spec.rank, alpha=spec.alpha)
+        lora.reset_slot(1, seed=1)
+        with torch.no_grad():
+            for p in lora.slot_parameters(1):
+                p.add_(0.01)  # B != 0: both factors get a gradient
+        return model, lora
+
+    packer = Packer(n_slots=N_SLOTS, seq_len=SEQ_LEN, dp_world_size=1)
+    packer.add_run(1, batch_size=spec.batch_size)
+    batch = make_batch(spec, 0)
+    packer.add_batch(1, batch, batch_id=0)
+    packed = packer.pack(force=True)
+    assert packed is not None
+    rows = [mb for rank_rows in packed.micro_batches for mb in rank_rows if not mb.is_filler]
+
+    model, lora = setup()
+    opt = MultiRunOptimizer(N_SLOTS)
+    opt.create(1, lora.slot_parameters(1), optim=spec.optim, scheduler=SchedulerSettings(), max_steps=8)
+    result = train_step(
+        model=model,
+        lora=lora,
+        optimizer=opt,
+        micro_batches=rows,
+        loss_settings={1: spec.loss},
+        completing=packer.take_ready(),
+        world=World(),
+        device=torch.device("cpu"),
+    )
+    assert 1 in result.stepped
+
+    model, lora = setup()
+    total, weight_sum = torch.zeros(()), 0.0
+    for mb in rows:
+        with lora.segments(mb.slot_token_counts):
+            logits = forward_packed(model, mb)
+        lp = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, mb.input_ids[1:, None]).squeeze(1)
+        keep = mb.loss_mask[1:] & (mb.sample_ids[1:] == mb.sample_ids[:-1])
+        w = mb.weights[1:] * keep
+        total = total - (w * lp).sum()
+        weight_sum += float(w.sum())
+    (total / weight_sum).backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in lora.slot_parameters(1)]))
+    assert result.stepped[1].grad_norm == pytest.approx(float(want), rel=1e-4)
