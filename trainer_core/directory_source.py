@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from contracts.arrays import array_batch_decoder, to_lists
 from contracts.durable import atomic_replace_dir, atomic_write_bytes, atomic_write_text, fsync_path
 from contracts.ids import is_valid_run_id, validate_run_id
 from contracts.layout import (
@@ -323,8 +324,12 @@ class DirectoryRunSource:
         is not a trainable batch evicts the run, with a reason that names the file and the problem."""
         where = f"{ROLLOUTS_DIR}/{step_dir_name(step)}/{path.name}"
         try:
-            batch = batch_msgpack_decoder.decode(path.read_bytes())
-        except (OSError, msgspec.MsgspecError) as exc:
+            data = path.read_bytes()
+            try:
+                batch = batch_msgpack_decoder.decode(data)
+            except msgspec.ValidationError:  # the binary form (a service's stored payload)
+                batch = to_lists(array_batch_decoder.decode(data))
+        except (OSError, ValueError, msgspec.MsgspecError) as exc:
             self.evict(run_id, f"{where} is not a msgpack TrainingBatch: {exc}")
             return None
         assert self._seq_len is not None, "open() the source first"

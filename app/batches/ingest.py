@@ -3,7 +3,8 @@
 A binary body (msgpack, per-token fields as `bytes`) is decoded once into an `ArrayBatch` — the
 per-token arrays stay bytes, no Python object per token — checked with whole-batch numpy reductions,
 and stored as received: its sha256 is the digest of the body itself. A list body (JSON, or msgpack
-with lists) is decoded, checked with `contracts.wire.batch_problems`, converted once to the binary
+with lists) is decoded and checked by the constrained decoder of validation.py (the rules of
+`contracts.wire.batch_problems`, in msgspec's C loop), converted once to the binary
 form and stored as that form's canonical encoding (`contracts.arrays.encode`, the SDK's encoder), so
 the same batch sent as JSON and as binary stores the same bytes under the same digest.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from app.batches.validation import _problem_from_msgspec, decode_batch, reject
+from app.batches.validation import _problem_from_msgspec, decode_and_validate, decode_batch, reject
 from app.errors import ValidationFailed
 from contracts.arrays import (
     MAX_TOKEN_ID,
@@ -23,7 +24,7 @@ from contracts.arrays import (
     encode,
     to_arrays,
 )
-from contracts.wire import Problem, batch_problems
+from contracts.wire import Problem
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,10 @@ def _decode_binary(body: bytes) -> tuple[ArrayBatch | None, msgspec.MsgspecError
 
 def _from_lists(body: bytes, *, msgpack: bool, seq_len: int, vocab_size: int | None) -> Ingested:
     """A list body: checked as lists (so messages quote the values sent), then converted once."""
+    limit = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size  # ids travel as int32
     try:
-        lists = decode_batch(body, msgpack=msgpack)
+        # The constrained decoder checks values inside msgspec's C loop (validation.py).
+        lists = decode_and_validate(body, msgpack=msgpack, seq_len=seq_len, vocab_size=limit)
     except ValidationFailed as list_error:
         # A binary body with a wrong field: the list decoder would only say "got bytes" at the first
         # array; the binary decoder names the real fault (and the list decoder is right for lists).
@@ -52,10 +55,6 @@ def _from_lists(body: bytes, *, msgpack: bool, seq_len: int, vocab_size: int | N
         if exc is not None and "got `bytes`" in list_error.message:
             raise reject([_problem_from_msgspec(exc)]) from None
         raise
-    limit = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size  # ids travel as int32
-    problems = batch_problems(lists, seq_len=seq_len, vocab_size=limit)
-    if problems:
-        raise reject(problems)
     batch = to_arrays(lists)
     # float64 values beyond float32's range become ±inf in the conversion: checked once more.
     problems = array_batch_problems(batch, seq_len=seq_len, vocab_size=vocab_size)

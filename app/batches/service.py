@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from app.batches.ingest import ingest, request_digest
 from app.batches.models import Batch
+from app.batches.one_statement import reserve_and_insert
 from app.batches.storage import StoredPayload, discard_payload, write_payload
 from app.config import Settings
 from app.errors import Conflict, RateLimited
@@ -203,7 +204,7 @@ def submit_batch(
 
 
 def _check_pending_room(session: Session, *, run_id: str, settings: Settings, adding_bytes: int) -> None:
-    """429 if the run's unclaimed batches are at their limits (under the run row lock: exact)."""
+    """429 if the run's unclaimed batches are at their limits (a flood guard; see _add_row)."""
     count, size = session.execute(
         select(func.count(), func.coalesce(func.sum(Batch.payload_bytes), 0)).where(
             Batch.run_id == run_id, Batch.state == BatchState.PENDING
@@ -237,38 +238,33 @@ def _add_row(
 ) -> SubmitResult:
     """The batch's row, under the run row lock; or, if a batch with this key was stored meanwhile, that one."""
     num_samples = len(batch.examples)
-    # One statement takes the run row lock (held to the commit, so concurrent submissions get
-    # disjoint offsets), reserves this batch's sample range and re-reads the run's state.
-    locked = session.execute(
-        update(Run)
-        .where(Run.id == run.id)
-        .values(submitted_samples=Run.submitted_samples + num_samples)
-        .returning(Run.submitted_samples, Run.status, Run.step, Run.eviction_reason, Run.evicted_by)
-        .execution_options(synchronize_session=False)
-    ).one()
     run_id, tenant_id = run.id, run.tenant_id
-    session.expire(run)
-    state = _RunState(run_id, locked.status, locked.step, locked.eviction_reason, locked.evicted_by)
-    _check_status(state)  # the run may have moved while the file was written
-    _check_fresh(state, batch, config)
+    # Before the reservation (which inserts on Postgres): read without the run row lock, so two
+    # concurrent submissions may pass the limit by one batch; it is a flood guard, not an invariant.
     _check_pending_room(session, run_id=run_id, settings=settings, adding_bytes=stored.size_bytes)
-
-    row = _insert_new(
-        session,
-        {
-            "run_id": run_id,
-            "idempotency_key": idempotency_key,
-            "request_hash": stored.sha256,
-            "rollout_step": batch.step,
-            "num_samples": num_samples,
-            "num_tokens": num_tokens(batch),
-            "sample_offset": locked.submitted_samples - num_samples,
-            "payload_path": stored.relative_path,
-            "payload_bytes": stored.size_bytes,
-            "payload_sha256": stored.sha256,
-            "state": BatchState.PENDING,
-        },
-    )
+    values: dict[str, object] = {
+        "run_id": run_id,
+        "idempotency_key": idempotency_key,
+        "request_hash": stored.sha256,
+        "rollout_step": batch.step,
+        "num_samples": num_samples,
+        "num_tokens": num_tokens(batch),
+        "payload_path": stored.relative_path,
+        "payload_bytes": stored.size_bytes,
+        "payload_sha256": stored.sha256,
+    }
+    if session.get_bind().dialect.name == "postgresql":
+        # One round trip: reserve the range under the run row lock and insert (one_statement.py).
+        reserved = reserve_and_insert(session, values=values, max_async_level=config.max_async_level)
+        session.expire(run)
+        state = _RunState(
+            run_id, reserved.status, reserved.step, reserved.eviction_reason, reserved.evicted_by
+        )
+        _check_status(state)  # the run may have moved while the file was written (rollback: no range taken)
+        _check_fresh(state, batch, config)
+        row = reserved.batch
+    else:
+        row = _reserve_then_insert(session, run=run, batch=batch, config=config, values=values)
     if row is not None:
         add_rollout_batch(session, run_id=run_id, tenant_id=tenant_id, batch_id=row.id, batch=batch)
         return SubmitResult(row, created=True)
@@ -285,6 +281,31 @@ def _add_row(
     if existing is None:  # pragma: no cover - the conflict says it exists
         raise RuntimeError("idempotency conflict without a batch")
     return SubmitResult(existing, created=False)
+
+
+def _reserve_then_insert(
+    session: Session, *, run: Run, batch: ArrayBatch, config: RunConfig, values: dict[str, object]
+) -> Batch | None:
+    """The two-statement form (SQLite): the run-row UPDATE, the checks, then the INSERT."""
+    num_samples = len(batch.examples)
+    # One statement takes the run row lock (held to the commit, so concurrent submissions get
+    # disjoint offsets), reserves this batch's sample range and re-reads the run's state.
+    locked = session.execute(
+        update(Run)
+        .where(Run.id == run.id)
+        .values(submitted_samples=Run.submitted_samples + num_samples)
+        .returning(Run.submitted_samples, Run.status, Run.step, Run.eviction_reason, Run.evicted_by)
+        .execution_options(synchronize_session=False)
+    ).one()
+    run_id = run.id
+    session.expire(run)
+    state = _RunState(run_id, locked.status, locked.step, locked.eviction_reason, locked.evicted_by)
+    _check_status(state)  # the run may have moved while the file was written
+    _check_fresh(state, batch, config)
+    return _insert_new(
+        session,
+        values | {"sample_offset": locked.submitted_samples - num_samples, "state": BatchState.PENDING},
+    )
 
 
 def list_batches(

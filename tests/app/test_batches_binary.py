@@ -19,7 +19,7 @@ from tests.app.api import MSGPACK, batch_body, post_batch
 from tests.app.factories import Seeded, batch_count, committed, rollout_files, seed_run
 from tests.app.test_batches import BAD_INPUTS, Bad, validating_run  # noqa: F401 (a fixture)
 
-_DTYPES = {
+_DTYPES: dict[str, np.dtype] = {
     "prompt_ids": IDS_DTYPE,
     "completion_ids": IDS_DTYPE,
     "prompt_mask": MASK_DTYPE,

@@ -133,6 +133,10 @@ def test_two_runs_through_loraloom_worker_runs_dir(tmp_path: Path) -> None:
             want = load_file(reference_dir / run_dir.name / "broadcast" / f"step_{step}" / ADAPTER_WEIGHTS)
             assert got.keys() == want.keys()
             for key in want:
-                torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
+                # Float tolerance, not bit equality: on 2 ranks the Packer splits a pack's heaviest row
+                # over both ranks (split to align) where 1 rank trains it as one row, so a run's
+                # gradient sums in another order; Adam's early steps (m / sqrt(v) near eps) amplify that
+                # on a few near-zero-gradient weights (measured: 1.2e-4 on 1 of 1024).
+                torch.testing.assert_close(got[key], want[key], rtol=0, atol=5e-4)
     final_a = load_file(a / "broadcast" / "step_3" / ADAPTER_WEIGHTS)
     assert any(v.abs().max() > 0 for k, v in final_a.items() if "lora_B" in k)  # it trained

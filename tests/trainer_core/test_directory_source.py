@@ -9,6 +9,8 @@ import tomli_w
 import torch
 from safetensors.torch import load_file, save_file
 
+from contracts.arrays import encode as encode_arrays
+from contracts.arrays import to_arrays
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, EVICTED_FILE, STABLE_MARKER
 from contracts.pool_api import PoolRegister
 from contracts.progress import Progress
@@ -181,5 +183,16 @@ def test_decodes_what_the_service_stores(tmp_path: Path) -> None:
     step_dir = write_rollout_step(tmp_path / RUN_A, 0, [batch(2, tag=7)])
     (path,) = step_dir.glob("*.msgpack")
     assert msgspec.msgpack.decode(path.read_bytes(), type=TrainingBatch) == batch(2, tag=7)
+    source.restart_run(RUN_A, Progress())
+    assert source.claim(1)[0].payload == batch(2, tag=7)
+
+
+def test_decodes_the_binary_form_the_service_stores_now(tmp_path: Path) -> None:
+    """The service stores the binary form (contracts/arrays.py); a run directory holding such a file
+    (e.g. a service's data directory) trains from it too."""
+    source = make_source(tmp_path, RUN_A)
+    step_dir = write_rollout_step(tmp_path / RUN_A, 0, [batch(2, tag=7)])
+    (path,) = step_dir.glob("*.msgpack")
+    path.write_bytes(encode_arrays(to_arrays(batch(2, tag=7))))
     source.restart_run(RUN_A, Progress())
     assert source.claim(1)[0].payload == batch(2, tag=7)
