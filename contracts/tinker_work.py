@@ -105,6 +105,9 @@ class ManualResult(_Model):
     request_id: str
     error: str | None = None
     """Set when the pool could not execute the item (the future fails with it)."""
+    release: bool = False
+    """The pool has not admitted the item's run yet (it became active after the pool's last look):
+    the item goes back to pending, to be claimed again."""
     logprobs: list[list[float]] | None = None
     """forward / forward_backward: per datum, the logprob of each target token."""
     elementwise_loss: list[list[float]] | None = None

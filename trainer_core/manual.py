@@ -94,7 +94,7 @@ class ManualExecutor:
         publisher: Publisher,
         multi_rank: bool,
     ) -> bool:
-        """Claim and execute one round of manual work; False when there was none."""
+        """Claim and execute one round of manual work; False when none ran."""
         items = self.client.claim_manual(MAX_CLAIM)
         if not items:
             return False
@@ -107,7 +107,9 @@ class ManualExecutor:
                     _failed(item, "not supported by loraloom yet: Tinker models on a multi-rank pool")
                 )
             elif item.run_id not in slot_of:
-                results.append(_failed(item, f"run {item.run_id} is not training on this pool (it left)"))
+                # Not admitted here yet (active at the service since this loop's look), or leaving:
+                # the service hands it out again, or fails it if the run has left.
+                results.append(ManualResult(request_id=item.request_id, release=True))
             else:
                 runnable.append((index, item))
         outputs = self._passes(
@@ -149,7 +151,8 @@ class ManualExecutor:
                 )
             )
         self.client.report_manual(results)
-        return True
+        # Only released items: nothing ran, so the loop may sleep as when idle.
+        return any(not r.release for r in results)
 
     # -- passes ------------------------------------------------------------------------------------
 

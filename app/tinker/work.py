@@ -277,6 +277,9 @@ def record_results(session: Session, *, pool_id: str, results: list[ManualResult
         future = session.get(TinkerFuture, result.request_id, with_for_update=True)
         if future is None or future.status != RUNNING:
             continue
+        if result.release:
+            future.status = PENDING
+            continue
         if result.error is not None:
             future.status, future.error, future.error_category = "failed", result.error, "user"
         else:
