@@ -11,7 +11,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
-WorkKind = Literal["forward", "forward_backward", "optim_step", "save_weights_for_sampler", "sample"]
+WorkKind = Literal[
+    "forward",
+    "forward_backward",
+    "optim_step",
+    "save_weights_for_sampler",
+    "sample",
+    "save_weights",
+    "load_weights",
+]
 MAX_ITEMS_PER_CLAIM = 256
 
 
@@ -88,7 +96,11 @@ class ManualWorkItem(_Model):
     data: list[ManualDatum] = Field(default_factory=list)
     adam: AdamStep | None = None
     name: str | None = Field(default=None, max_length=128)
-    """save_weights_for_sampler: the name the user gave the weights."""
+    """save_weights_for_sampler, save_weights, load_weights: the name the user gave the weights."""
+    source_run_id: str | None = None
+    """load_weights: the run whose saved state `name` is loaded."""
+    with_optimizer: bool = False
+    """load_weights: the optimizer state too (Adam moments and step count), not only the weights."""
     sampling: SamplingSpec | None = None
 
 

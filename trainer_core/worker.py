@@ -206,7 +206,7 @@ class PoolTrainer:
         """Master: executes the manual-mode work (Tinker API) of the source, if it serves any."""
         client = getattr(self.master.source, "client", None) if self.master else None
         if isinstance(client, ManualWorkClient):
-            self.manual = ManualExecutor(client, seq_len=args.seq_len)
+            self.manual = ManualExecutor(client, seq_len=args.seq_len, checkpoint_dir=args.checkpoint_home)
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
             args.slots,

@@ -181,6 +181,23 @@ def save_weights_for_sampler(
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
+@router.post("/save_weights", operation_id="tinkerSaveWeights")
+def save_weights(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
+    """save_state: adapter and optimizer state by name, `tinker://{model_id}/weights/{name}`."""
+    future = work.submit_save_weights(session, tenant_id=principal.tenant_id, body=body)
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/load_weights", operation_id="tinkerLoadWeights")
+def load_weights(
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
+) -> UntypedAPIFuture:
+    future = work.submit_load_weights(
+        session, tenant_id=principal.tenant_id, api_key_id=principal.api_key_id, body=body, settings=settings
+    )
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
 @router.post("/create_sampling_session", operation_id="tinkerCreateSamplingSession")
 def create_sampling_session(
     principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]

@@ -294,3 +294,38 @@ def _pending(live_service) -> int:
             )
     finally:
         engine.dispose()
+
+
+def test_save_state_then_load_with_optimizer_continues_like_the_original(live_service, tmp_path):
+    key, http = _key(live_service, "tinker-state")
+    with running_pool(live_service.url, tmp_path), http:
+        service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
+        try:
+            original = service.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=5, train_unembed=False, train_mlp=False
+            ).result()
+            data = _data()
+            _train(original, data, steps=3)
+            saved = original.save_state("after-3").result()
+            assert saved.path == f"tinker://{original.model_id}/weights/after-3"
+            at_save = original.forward(data, "cross_entropy").result()
+
+            resumed = service.create_training_client_from_state_with_optimizer(saved.path).result()
+            weights_only = service.create_training_client_from_state(saved.path).result()
+            # The weights are the saved ones.
+            for client in (resumed, weights_only):
+                out = client.forward(data, "cross_entropy").result()
+                for got, want in zip(out.loss_fn_outputs, at_save.loss_fn_outputs, strict=True):
+                    assert np.allclose(got["logprobs"].to_numpy(), want["logprobs"].to_numpy(), atol=1e-5)
+
+            # With the optimizer state, training goes on exactly as the original's.
+            assert np.allclose(_train(resumed, data, steps=2), _train(original, data, steps=2), rtol=1e-5)
+            a = original.forward(data, "cross_entropy").result()
+            b = resumed.forward(data, "cross_entropy").result()
+            for got, want in zip(b.loss_fn_outputs, a.loss_fn_outputs, strict=True):
+                assert np.allclose(got["logprobs"].to_numpy(), want["logprobs"].to_numpy(), atol=1e-5)
+
+            runs = http.get("/v1/runs").json()["items"]
+            assert len(runs) == 3 and all(r["config"]["mode"] == "manual" for r in runs)
+        finally:
+            service.close("success").result()
