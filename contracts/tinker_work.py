@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
 WorkKind = Literal[
     "forward",
     "forward_backward",

@@ -16,7 +16,7 @@ The losses, with lp the current logprob of each target token and w, old_lp, A th
 weights, sampler logprobs and advantages (elementwise, summed over tokens and datums):
 cross_entropy −w·lp; importance_sampling −exp(lp − old_lp)·A; ppo −min(r·A, clip(r, lo, hi)·A)
 with r = exp(lp − old_lp) and lo/hi = loss_fn_config clip_low_threshold / clip_high_threshold
-(default 0.8 / 1.2).
+(default 0.8 / 1.2); cispo −sg(clip(r, lo, hi))·A·lp (sg: no gradient through the weight).
 
 Isolation holds as for rollout batches: a row's attention never crosses samples, each token goes
 through its own run's adapter only, and the row's loss is a plain sum, so each run's gradients
@@ -367,6 +367,9 @@ def _loss(item: ManualWorkItem, datum: ManualDatum, lp: Tensor) -> Tensor:
         return -ratio * adv
     low = item.loss_fn_config.get("clip_low_threshold", PPO_CLIP[0])
     high = item.loss_fn_config.get("clip_high_threshold", PPO_CLIP[1])
+    if item.loss_fn == "cispo":
+        # The clipped ratio is a weight, not a path for gradients: every token keeps its gradient.
+        return -(ratio.clamp(low, high).detach() * adv * lp)
     return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
 
 

@@ -37,7 +37,7 @@ from contracts.tinker_work import (
     SamplingSpec,
 )
 
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 SAVE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 PENDING, RUNNING = "pending", "running"
 
