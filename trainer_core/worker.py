@@ -343,6 +343,8 @@ class PoolTrainer:
         the executor fails those requests, and the loop goes on to its collectives."""
         if self.manual is None or self.master is None:
             return False
+        if not any(run.config.mode == "manual" and run.leaving is None for run in self.slots.values()):
+            return False  # no manual run here: no request to the service
         return self.manual.serve(
             model=self.model,
             lora=self.lora,
