@@ -10,8 +10,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LossFn = Literal["cross_entropy", "importance_sampling", "ppo"]
-WorkKind = Literal["forward", "forward_backward", "optim_step", "save_weights_for_sampler", "sample"]
+LossFn = Literal["cross_entropy", "importance_sampling", "ppo", "cispo"]
+WorkKind = Literal[
+    "forward",
+    "forward_backward",
+    "optim_step",
+    "save_weights_for_sampler",
+    "sample",
+    "save_weights",
+    "load_weights",
+]
 MAX_ITEMS_PER_CLAIM = 256
 
 
@@ -88,7 +96,11 @@ class ManualWorkItem(_Model):
     data: list[ManualDatum] = Field(default_factory=list)
     adam: AdamStep | None = None
     name: str | None = Field(default=None, max_length=128)
-    """save_weights_for_sampler: the name the user gave the weights."""
+    """save_weights_for_sampler, save_weights, load_weights: the name the user gave the weights."""
+    source_run_id: str | None = None
+    """load_weights: the run whose saved state `name` is loaded."""
+    with_optimizer: bool = False
+    """load_weights: the optimizer state too (Adam moments and step count), not only the weights."""
     sampling: SamplingSpec | None = None
 
 
@@ -105,6 +117,9 @@ class ManualResult(_Model):
     request_id: str
     error: str | None = None
     """Set when the pool could not execute the item (the future fails with it)."""
+    release: bool = False
+    """The pool has not admitted the item's run yet (it became active after the pool's last look):
+    the item goes back to pending, to be claimed again."""
     logprobs: list[list[float]] | None = None
     """forward / forward_backward: per datum, the logprob of each target token."""
     elementwise_loss: list[list[float]] | None = None

@@ -16,7 +16,7 @@ The losses, with lp the current logprob of each target token and w, old_lp, A th
 weights, sampler logprobs and advantages (elementwise, summed over tokens and datums):
 cross_entropy −w·lp; importance_sampling −exp(lp − old_lp)·A; ppo −min(r·A, clip(r, lo, hi)·A)
 with r = exp(lp − old_lp) and lo/hi = loss_fn_config clip_low_threshold / clip_high_threshold
-(default 0.8 / 1.2).
+(default 0.8 / 1.2); cispo −sg(clip(r, lo, hi))·A·lp (sg: no gradient through the weight).
 
 Isolation holds as for rollout batches: a row's attention never crosses samples, each token goes
 through its own run's adapter only, and the row's loss is a plain sum, so each run's gradients
@@ -28,12 +28,14 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem, SampledSequence, SamplingSpec
+from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
@@ -79,6 +81,8 @@ class _Outputs:
 class ManualExecutor:
     client: ManualWorkClient
     seq_len: int
+    checkpoint_dir: Path
+    """The pool's checkpoint home: saved Tinker states live in `{run_id}/tinker_states/{name}`."""
     passes: int = 0
     """Forward passes (rows) run for manual work."""
     mixed_passes: int = 0
@@ -94,7 +98,7 @@ class ManualExecutor:
         publisher: Publisher,
         multi_rank: bool,
     ) -> bool:
-        """Claim and execute one round of manual work; False when there was none."""
+        """Claim and execute one round of manual work; False when none ran."""
         items = self.client.claim_manual(MAX_CLAIM)
         if not items:
             return False
@@ -107,7 +111,9 @@ class ManualExecutor:
                     _failed(item, "not supported by loraloom yet: Tinker models on a multi-rank pool")
                 )
             elif item.run_id not in slot_of:
-                results.append(_failed(item, f"run {item.run_id} is not training on this pool (it left)"))
+                # Not admitted here yet (active at the service since this loop's look), or leaving:
+                # the service hands it out again, or fails it if the run has left.
+                results.append(ManualResult(request_id=item.request_id, release=True))
             else:
                 runnable.append((index, item))
         outputs = self._passes(
@@ -132,6 +138,12 @@ class ManualExecutor:
             if item.kind == "save_weights_for_sampler":
                 results.append(_saved(item, slots[slot]))
                 continue
+            if item.kind == "save_weights":
+                results.append(_save_state(item, slots[slot], lora, optimizer, self.checkpoint_dir))
+                continue
+            if item.kind == "load_weights":
+                results.append(_load_state(item, slots[slot], lora, optimizer, self.checkpoint_dir))
+                continue
             out = outputs[index]
             run = slots[slot]
             if item.kind == "forward_backward":
@@ -149,7 +161,8 @@ class ManualExecutor:
                 )
             )
         self.client.report_manual(results)
-        return True
+        # Only released items: nothing ran, so the loop may sleep as when idle.
+        return any(not r.release for r in results)
 
     # -- passes ------------------------------------------------------------------------------------
 
@@ -354,6 +367,9 @@ def _loss(item: ManualWorkItem, datum: ManualDatum, lp: Tensor) -> Tensor:
         return -ratio * adv
     low = item.loss_fn_config.get("clip_low_threshold", PPO_CLIP[0])
     high = item.loss_fn_config.get("clip_high_threshold", PPO_CLIP[1])
+    if item.loss_fn == "cispo":
+        # The clipped ratio is a weight, not a path for gradients: every token keeps its gradient.
+        return -(ratio.clamp(low, high).detach() * adv * lp)
     return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
 
 
@@ -362,6 +378,49 @@ def _saved(item: ManualWorkItem, run: RunSlot) -> ManualResult:
     if run.progress.step == 0:
         return _failed(item, "no optim_step yet: there are no trained weights to save")
     return ManualResult(request_id=item.request_id, metrics={"step": run.progress.step})
+
+
+def state_root(checkpoint_dir: Path, run_id: str, name: str) -> Path:
+    return checkpoint_dir / run_id / "tinker_states" / name
+
+
+def _save_state(
+    item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer, checkpoint_dir: Path
+) -> ManualResult:
+    """The adapter and the optimizer state (moments, step count, schedule) under the given name."""
+    save_checkpoint(
+        state_root(checkpoint_dir, run.run_id, item.name or "state"),
+        run.progress.step,
+        adapter=lora.slot_state_dict(run.slot),
+        optimizer_state=optimizer.state_dict(run.slot),
+        progress={
+            "step": run.progress.step,
+            "total_tokens": run.progress.total_tokens,
+            "total_samples": run.progress.total_samples,
+        },
+        keep_last=1,
+    )
+    return ManualResult(request_id=item.request_id, metrics={"step": run.progress.step})
+
+
+def _load_state(
+    item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer, checkpoint_dir: Path
+) -> ManualResult:
+    """A saved state into this run's slot: the weights, and with_optimizer also the optimizer;
+    gradients accumulated so far are dropped."""
+    path = latest_checkpoint(state_root(checkpoint_dir, item.source_run_id or "", item.name or "state"))
+    if path is None:
+        return _failed(item, f"saved weights {item.name!r} not found on this pool")
+    ckpt = load_checkpoint(path)
+    try:
+        lora.load_slot_state_dict(run.slot, ckpt.adapter)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        return _failed(item, f"the saved weights do not fit this model: {exc}")
+    optimizer.zero_grad(run.slot)
+    if item.with_optimizer:
+        optimizer.load_state_dict(run.slot, ckpt.optimizer_state)
+    run.progress.step = ckpt.step
+    return ManualResult(request_id=item.request_id, metrics={"step": ckpt.step})
 
 
 def _failed(item: ManualWorkItem, error: str) -> ManualResult:

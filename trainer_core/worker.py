@@ -267,7 +267,7 @@ class PoolTrainer:
         """Master: executes the manual-mode work (Tinker API) of the source, if it serves any."""
         client = getattr(self.master.source, "client", None) if self.master else None
         if isinstance(client, ManualWorkClient):
-            self.manual = ManualExecutor(client, seq_len=args.seq_len)
+            self.manual = ManualExecutor(client, seq_len=args.seq_len, checkpoint_dir=args.checkpoint_home)
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
             args.slots,
@@ -448,6 +448,8 @@ class PoolTrainer:
         the executor fails those requests, and the loop goes on to its collectives."""
         if self.manual is None or self.master is None:
             return False
+        if not any(run.config.mode == "manual" and run.leaving is None for run in self.slots.values()):
+            return False  # no manual run here: no request to the service
         return self.manual.serve(
             model=self.model,
             lora=self.lora,

@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from app.auth import TenantPrincipal, hash_key
 from app.db import SessionDep
@@ -19,6 +20,11 @@ TINKER_KEY_PREFIX = "tml-"
 
 
 def require_tinker_tenant(request: Request, session: SessionDep) -> TenantPrincipal:
+    return tinker_tenant(session, request)
+
+
+def tinker_tenant(session: Session, request: Request) -> TenantPrincipal:
+    """The caller of a Tinker route, from its X-API-Key (401 if missing, malformed or revoked)."""
     given = request.headers.get("x-api-key", "").strip()
     if not given.startswith(TINKER_KEY_PREFIX):
         raise Unauthorized("missing or malformed X-API-Key header; expected 'tml-' + a loraloom API key")

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from app.auth import SettingsDep
 from app.db import SessionDep
 from app.tinker import service, work
-from app.tinker.auth import TinkerTenantDep
+from app.tinker.auth import TinkerTenantDep, tinker_tenant
 from app.tinker.models import TinkerFuture
 from app.tinker.schemas import (
     ClientConfig,
@@ -125,26 +125,25 @@ def _answer(future: TinkerFuture) -> Response | None:
     return JSONResponse({k: v for k, v in (future.result or {}).items() if not k.startswith("loraloom_")})
 
 
-def _retrieve_once(factory: sessionmaker[Session], *, tenant_id: str, request_id: str) -> Response | None:
+def _retrieve_once(factory: sessionmaker[Session], *, request: Request, request_id: str) -> Response | None:
+    # Authenticates in its own transaction: this route holds no session across the wait (on
+    # SQLite a second one would wait for the first's write lock).
     with factory() as session, session.begin():
+        tenant_id = tinker_tenant(session, request).tenant_id
         future = service.get_future(session, tenant_id=tenant_id, request_id=request_id)
         work.fail_if_run_left(session, future=future)
         return _answer(future)
 
 
 @router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
-async def retrieve_future(
-    principal: TinkerTenantDep, request: Request, body: FutureRetrieveRequest
-) -> Response:
+async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Response:
     """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` if it
     is still pending after a short long-poll (the SDK then polls again). Each check is its own
     short transaction in the threadpool; the wait between checks holds no thread."""
     factory: sessionmaker[Session] = request.app.state.session_factory
     deadline = time.monotonic() + LONG_POLL_S
     while True:
-        answer = await run_in_threadpool(
-            _retrieve_once, factory, tenant_id=principal.tenant_id, request_id=body.request_id
-        )
+        answer = await run_in_threadpool(_retrieve_once, factory, request=request, request_id=body.request_id)
         if answer is not None:
             return answer
         if time.monotonic() >= deadline:
@@ -178,6 +177,23 @@ def save_weights_for_sampler(
     """Names the adapter of the model's step at this point of its request order (every
     optim_step publishes one): `tinker://{model_id}/sampler_weights/{name}`."""
     future = work.submit_save_for_sampler(session, tenant_id=principal.tenant_id, body=body)
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/save_weights", operation_id="tinkerSaveWeights")
+def save_weights(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
+    """save_state: adapter and optimizer state by name, `tinker://{model_id}/weights/{name}`."""
+    future = work.submit_save_weights(session, tenant_id=principal.tenant_id, body=body)
+    return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
+
+
+@router.post("/load_weights", operation_id="tinkerLoadWeights")
+def load_weights(
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
+) -> UntypedAPIFuture:
+    future = work.submit_load_weights(
+        session, tenant_id=principal.tenant_id, api_key_id=principal.api_key_id, body=body, settings=settings
+    )
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 

@@ -7,6 +7,7 @@ tenant's quota and is evicted or deleted by the same rules.
 """
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -141,11 +142,42 @@ def create_model(
     )
     if existing is not None:
         return existing
-    config = _run_config(session, body)
+    new_model_run(
+        session,
+        tenant_id=tenant_id,
+        api_key_id=api_key_id,
+        owner=owner,
+        model_seq_id=body.model_seq_id,
+        config=_run_config(session, body),
+        user_metadata=body.user_metadata,
+        settings=settings,
+    )
+    return complete_future(
+        session,
+        tenant_id=tenant_id,
+        kind="create_model",
+        model_id=model_id,
+        result={"model_id": model_id, "type": "create_model"},
+    )
+
+
+def new_model_run(
+    session: Session,
+    *,
+    tenant_id: str,
+    api_key_id: str,
+    owner: TinkerSession,
+    model_seq_id: int,
+    config: RunConfig,
+    user_metadata: dict[str, Any] | None,
+    settings: Settings,
+) -> tuple[TinkerModel, Run]:
+    """The run of a new model `{session}:train:{model_seq_id}` (422 if the live pool cannot train it)."""
+    model_id = f"{owner.id}:train:{model_seq_id}"
     problems = admission_problems(session, config=config.model_dump(mode="json"))
     if problems:
         raise ValidationFailed(
-            f"the pool serving {body.base_model} cannot train this model: {'; '.join(problems)}",
+            f"the pool serving {config.base_model} cannot train this model: {'; '.join(problems)}",
             details=[{"loc": ["body", "lora_config"], "msg": p, "type": "pool_capability"} for p in problems],
         )
     run, _ = runs.create_run(
@@ -156,23 +188,17 @@ def create_model(
         idempotency_key=f"tinker:{model_id}",
         settings=settings,
     )
-    session.add(
-        TinkerModel(
-            id=model_id,
-            tenant_id=tenant_id,
-            session_id=owner.id,
-            model_seq_id=body.model_seq_id,
-            run_id=run.id,
-            user_metadata=body.user_metadata,
-        )
-    )
-    return complete_future(
-        session,
+    model = TinkerModel(
+        id=model_id,
         tenant_id=tenant_id,
-        kind="create_model",
-        model_id=model_id,
-        result={"model_id": model_id, "type": "create_model"},
+        session_id=owner.id,
+        model_seq_id=model_seq_id,
+        run_id=run.id,
+        user_metadata=user_metadata,
     )
+    session.add(model)
+    session.flush()
+    return model, run
 
 
 def get_model(session: Session, *, tenant_id: str, model_id: str) -> tuple[TinkerModel, Run]:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.config import Settings
 from app.db import utcnow
 from app.errors import AppError, NotFound, ValidationFailed
 from app.pools.service import get_alive_pool
@@ -24,8 +25,9 @@ from app.runs.models import Run
 from app.runs.schemas import validation_problems
 from app.tinker import proto
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
-from app.tinker.service import NotSupported, get_model, touch_model
+from app.tinker.service import NotSupported, get_model, get_session, new_model_run, touch_model
 from contracts.ids import new_id
+from contracts.run_config import RunConfig
 from contracts.status import MOVABLE_RUN_STATUSES, RunStatus
 from contracts.tinker_work import (
     AdamStep,
@@ -35,7 +37,7 @@ from contracts.tinker_work import (
     SamplingSpec,
 )
 
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo")
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 SAVE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 PENDING, RUNNING = "pending", "running"
 
@@ -192,6 +194,101 @@ def submit_save_for_sampler(session: Session, *, tenant_id: str, body: dict[str,
     return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
 
 
+def submit_save_weights(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+    """save_state: the adapter and optimizer state, by name, at this point of the request order."""
+    model_id = str(body.get("model_id", ""))
+    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+    seq_id = body.get("seq_id")
+    if not isinstance(seq_id, int):
+        raise ValidationFailed("save_weights needs an integer seq_id")
+    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+    if existing is not None:
+        return existing
+    name = str(body.get("path") or "state")
+    if not SAVE_NAME_RE.fullmatch(name):
+        raise ValidationFailed("the weights' name must be 1-128 of [A-Za-z0-9._-], not starting with a dot")
+    item = ManualWorkItem(
+        request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights", name=name
+    )
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+
+
+def weights_path(model_id: str, name: str) -> str:
+    return f"tinker://{model_id}/weights/{name}"
+
+
+def _saved_state(session: Session, *, tenant_id: str, path: str) -> tuple[Run, str]:
+    """`tinker://{model_id}/weights/{name}` saved by the tenant → (its run, the name)."""
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
+        raise ValidationFailed(f"not a saved weights path: {path!r}")
+    _, run = get_model(session, tenant_id=tenant_id, model_id=parts[0])
+    saved = session.scalars(
+        select(TinkerFuture).where(
+            TinkerFuture.model_id == parts[0],
+            TinkerFuture.kind == "save_weights",
+            TinkerFuture.status == "complete",
+        )
+    )
+    if not any((f.result or {}).get("path") == path for f in saved):
+        raise NotFound(f"weights {path} not found")
+    return run, parts[2]
+
+
+def submit_load_weights(
+    session: Session, *, tenant_id: str, api_key_id: str, body: dict[str, Any], settings: Settings
+) -> TinkerFuture:
+    """Load saved weights (and optimizer state) into a new model (the SDK's create-from-state:
+    session_id + model_seq_id, same LoRA as the source) or into an existing one (model_id + seq_id)."""
+    path = str(body.get("path", ""))
+    source, name = _saved_state(session, tenant_id=tenant_id, path=path)
+    if body.get("session_id") is not None:
+        owner = get_session(session, tenant_id=tenant_id, session_id=str(body["session_id"]))
+        model_seq_id = body.get("model_seq_id")
+        if not isinstance(model_seq_id, int):
+            raise ValidationFailed("load_weights with session_id needs an integer model_seq_id")
+        model_id = f"{owner.id}:train:{model_seq_id}"
+        if session.get(TinkerModel, model_id) is not None:
+            existing = _existing(session, model_id=model_id, seq_id=0)
+            if existing is not None:
+                return existing
+            raise ValidationFailed(f"model {model_id} exists already")
+        config = RunConfig.model_validate(source.config)
+        _, run = new_model_run(
+            session,
+            tenant_id=tenant_id,
+            api_key_id=api_key_id,
+            owner=owner,
+            model_seq_id=model_seq_id,
+            config=config,
+            user_metadata=body.get("user_metadata"),
+            settings=settings,
+        )
+        seq_id = 0
+    else:
+        model_id = str(body.get("model_id", ""))
+        _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+        raw_seq_id = body.get("seq_id")
+        if not isinstance(raw_seq_id, int):
+            raise ValidationFailed("load_weights with model_id needs an integer seq_id")
+        seq_id = raw_seq_id
+        existing = _existing(session, model_id=model_id, seq_id=seq_id)
+        if existing is not None:
+            return existing
+        if run.config["lora"] != source.config["lora"]:
+            raise ValidationFailed("the saved weights have another LoRA shape (rank, alpha, target modules)")
+    item = ManualWorkItem(
+        request_id=new_id("req"),
+        run_id=run.id,
+        seq_id=seq_id,
+        kind="load_weights",
+        name=name,
+        source_run_id=source.id,
+        with_optimizer=bool(body.get("optimizer")),
+    )
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+
+
 def sampler_path(model_id: str, name: str) -> str:
     return f"tinker://{model_id}/sampler_weights/{name}"
 
@@ -253,6 +350,11 @@ def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:
         return {"metrics": result.metrics}
     if future.kind == "sample":
         return {"sequences": [seq.model_dump(mode="json") for seq in result.sequences or []]}
+    if future.kind == "save_weights":
+        name = str((future.request or {}).get("name") or "state")
+        return {"path": weights_path(str(future.model_id), name), "type": "save_weights"}
+    if future.kind == "load_weights":
+        return {"model_id": future.model_id, "type": "load_weights"}
     if future.kind == "save_weights_for_sampler":
         name = str((future.request or {}).get("name") or "sampler")
         return {
@@ -276,6 +378,9 @@ def record_results(session: Session, *, pool_id: str, results: list[ManualResult
     for result in results:
         future = session.get(TinkerFuture, result.request_id, with_for_update=True)
         if future is None or future.status != RUNNING:
+            continue
+        if result.release:
+            future.status = PENDING
             continue
         if result.error is not None:
             future.status, future.error, future.error_category = "failed", result.error, "user"

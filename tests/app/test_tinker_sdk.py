@@ -66,12 +66,12 @@ def test_unsupported_calls_answer_a_clear_error_through_the_sdk(http):
             model_input=types.ModelInput.from_ints([1, 2, 3]),
             loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
         )
-        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: loss_fn 'cispo'"):
-            training.forward_backward([datum], "cispo").result()
+        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: loss_fn 'dro'"):
+            training.forward_backward([datum], "dro").result()
         with pytest.raises(
-            tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/save_weights"
+            tinker.BadRequestError, match="not supported by loraloom: GET /api/v1/training_runs/"
         ):
-            training.save_state("state").result()
+            _rest_client(http, tenant).list_checkpoints(training.model_id).result()
         with pytest.raises(
             tinker.BadRequestError, match="not supported by loraloom: sampling the base model"
         ):

@@ -200,3 +200,24 @@ def test_a_run_that_leaves_fails_its_pending_futures(client, tenant):
         "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 2, [_datum([1, 2])]), headers=headers
     )
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "run_not_active"
+
+
+def test_work_of_a_run_the_pool_has_not_admitted_yet_is_released_and_claimed_again(client, tenant):
+    pool_id = register(client)
+    model_id, headers = _model(client, tenant)
+    fb = client.post(
+        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum([1, 2, 3])]), headers=headers
+    )
+    first = client.post("/v1/pool/manual/claim", json={"pool_id": pool_id}, headers=WORKER_HEADERS).json()[
+        "items"
+    ]
+    assert [i["request_id"] for i in first] == [fb.json()["request_id"]]
+    released = {"pool_id": pool_id, "results": [{"request_id": first[0]["request_id"], "release": True}]}
+    assert client.post("/v1/pool/manual/results", json=released, headers=WORKER_HEADERS).json() == {
+        "recorded": 0
+    }
+    assert _retrieve(client, fb.json()["request_id"], headers).json()["type"] == "try_again"
+    again = client.post("/v1/pool/manual/claim", json={"pool_id": pool_id}, headers=WORKER_HEADERS).json()[
+        "items"
+    ]
+    assert again == first

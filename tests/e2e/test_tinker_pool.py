@@ -134,7 +134,7 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
             assert losses[-1] < 0.8 * losses[0], losses
 
             # importance_sampling and ppo, with the sampler's logprobs and advantages.
-            for loss_fn in ("importance_sampling", "ppo"):
+            for loss_fn in ("importance_sampling", "ppo", "cispo"):
                 now = training.forward(data, "cross_entropy").result()
                 rl = [
                     types.Datum(
@@ -148,8 +148,11 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
                     for d, out in zip(data, now.loss_fn_outputs, strict=True)
                 ]
                 res = training.forward_backward(rl, loss_fn).result()
-                # At ratio 1 both losses are −Σ advantages.
-                assert res.metrics["loss:sum"] == pytest.approx(-0.5 * 18, rel=1e-4)
+                if loss_fn == "cispo":  # −Σ A·lp at ratio 1
+                    lp_now = np.concatenate([o["logprobs"].to_numpy() for o in now.loss_fn_outputs])
+                    assert res.metrics["loss:sum"] == pytest.approx(-0.5 * lp_now.sum(), rel=1e-4)
+                else:  # at ratio 1 both are −Σ A
+                    assert res.metrics["loss:sum"] == pytest.approx(-0.5 * 18, rel=1e-4)
                 training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
 
             # save_weights_for_sampler names the adapter of this step; it downloads and loads in peft,
@@ -161,7 +164,7 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
                 params={"path": saved.path},
                 headers={"X-API-Key": "tml-" + key},
             ).json()
-            assert resolved["step"] == 12
+            assert resolved["step"] == 13
 
             # sample from those weights: the returned logprobs are what a forward of the same tokens gives.
             sampler = service.create_sampling_client(model_path=saved.path).result()
@@ -194,9 +197,9 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
 
             run = http.get("/v1/runs").json()["items"][0]
             assert run["config"]["mode"] == "manual"
-            assert run["progress"]["step"] == 12
+            assert run["progress"]["step"] == 13
             metrics = http.get(f"/v1/runs/{run['id']}/metrics").json()["items"]
-            assert [m["step"] for m in metrics] == list(range(1, 13))
+            assert [m["step"] for m in metrics] == list(range(1, 14))
             tensors = download_adapter_tensors(http, run["id"])
             assert any("lora_B" in name and tensors[name].abs().sum() > 0 for name in tensors)
             assert pool.trainer.manual is not None and pool.trainer.manual.passes > 0
@@ -294,3 +297,38 @@ def _pending(live_service) -> int:
             )
     finally:
         engine.dispose()
+
+
+def test_save_state_then_load_with_optimizer_continues_like_the_original(live_service, tmp_path):
+    key, http = _key(live_service, "tinker-state")
+    with running_pool(live_service.url, tmp_path), http:
+        service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
+        try:
+            original = service.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=5, train_unembed=False, train_mlp=False
+            ).result()
+            data = _data()
+            _train(original, data, steps=3)
+            saved = original.save_state("after-3").result()
+            assert saved.path == f"tinker://{original.model_id}/weights/after-3"
+            at_save = original.forward(data, "cross_entropy").result()
+
+            resumed = service.create_training_client_from_state_with_optimizer(saved.path).result()
+            weights_only = service.create_training_client_from_state(saved.path).result()
+            # The weights are the saved ones.
+            for client in (resumed, weights_only):
+                out = client.forward(data, "cross_entropy").result()
+                for got, want in zip(out.loss_fn_outputs, at_save.loss_fn_outputs, strict=True):
+                    assert np.allclose(got["logprobs"].to_numpy(), want["logprobs"].to_numpy(), atol=1e-5)
+
+            # With the optimizer state, training goes on exactly as the original's.
+            assert np.allclose(_train(resumed, data, steps=2), _train(original, data, steps=2), rtol=1e-5)
+            a = original.forward(data, "cross_entropy").result()
+            b = resumed.forward(data, "cross_entropy").result()
+            for got, want in zip(b.loss_fn_outputs, a.loss_fn_outputs, strict=True):
+                assert np.allclose(got["logprobs"].to_numpy(), want["logprobs"].to_numpy(), atol=1e-5)
+
+            runs = http.get("/v1/runs").json()["items"]
+            assert len(runs) == 3 and all(r["config"]["mode"] == "manual" for r in runs)
+        finally:
+            service.close("success").result()
