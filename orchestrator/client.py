@@ -226,9 +226,18 @@ class _Ops:
         return AdapterDownload(path=dest, step=got_step, sha256=sha, changed=True)
 
     @staticmethod
-    def get_metrics(run_id: str) -> _Op[list[StepMetrics]]:
-        response = yield _Request("GET", f"/v1/runs/{check_run_id(run_id)}/metrics")
-        return _METRICS.validate_python(response.json()["items"])
+    def get_metrics(run_id: str, since_step: int = 0) -> _Op[list[StepMetrics]]:
+        """Every step from `since_step` on, following the service's pages."""
+        items: list[StepMetrics] = []
+        next_step: int | None = since_step
+        while next_step is not None:
+            response = yield _Request(
+                "GET", f"/v1/runs/{check_run_id(run_id)}/metrics", params={"since_step": next_step}
+            )
+            body = response.json()
+            items += _METRICS.validate_python(body["items"])
+            next_step = body.get("next_since_step")
+        return items
 
 
 @dataclass(frozen=True)
@@ -367,8 +376,8 @@ class LoraloomClient:
     def download_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> Path:
         return self.fetch_adapter(run_id, step, dest_dir).path
 
-    def get_metrics(self, run_id: str) -> list[StepMetrics]:
-        return self._run(_Ops.get_metrics(run_id))
+    def get_metrics(self, run_id: str, *, since_step: int = 0) -> list[StepMetrics]:
+        return self._run(_Ops.get_metrics(run_id, since_step))
 
 
 class AsyncLoraloomClient:
@@ -467,5 +476,5 @@ class AsyncLoraloomClient:
     async def download_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> Path:
         return (await self.fetch_adapter(run_id, step, dest_dir)).path
 
-    async def get_metrics(self, run_id: str) -> list[StepMetrics]:
-        return await self._run(_Ops.get_metrics(run_id))
+    async def get_metrics(self, run_id: str, *, since_step: int = 0) -> list[StepMetrics]:
+        return await self._run(_Ops.get_metrics(run_id, since_step))
