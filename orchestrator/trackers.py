@@ -82,7 +82,7 @@ class WandbLogger:
 
     def log(self, scalars: Mapping[str, float], step: int) -> None:
         values: dict[str, Any] = dict(finite(scalars))
-        values["loop_step"] = step
+        values["step"] = step  # the x axis; W&B's own _step counts log() calls
         self.run.log(values)
 
     def close(self) -> None:
