@@ -72,7 +72,7 @@ def test_whole_lifecycle_over_real_http(settings, http, db):
     assert "evicted" in r.json()["error"]["message"]
 
     actions = [e.action for e in db.scalars(select(Event).where(Event.run_id == r3["id"]).order_by(Event.id))]
-    assert actions == ["run.created", "run.admitted", "run.deleted"]
+    assert actions == ["run.created", "run.queued", "run.admitted", "run.deleted"]
 
 
 def test_quota_queues_runs_beyond_it(client, settings):
