@@ -107,6 +107,8 @@ def test_metrics_since_step_and_paging(client: TestClient, tenant: TenantHandle)
     ref = run_ref(tenant, run["id"])
     for step in range(0, 7, 2):  # rollouts at 0, 2, 4, 6; trained steps 1..6
         assert post_batch(client, ref, rewarded_batch([float(step)], step=step)).status_code == 201
+    for step in range(7, 12):  # samples without rewards: no figure of their own
+        assert post_batch(client, ref, rewarded_batch([None], step=step)).status_code == 201
     for step in range(1, 7):
         report_step(client, run["id"], step)
     seen: list[int] = []
