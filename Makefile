@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PG_URL ?= postgresql+psycopg://root@127.0.0.1:5432/postgres
 
-.PHONY: install demo test test-postgres test-sqlite lint typecheck postgres serve clean
+.PHONY: install demo test test-postgres test-sqlite lint typecheck postgres serve clean browser
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -48,7 +48,14 @@ test-postgres: install postgres
 test-sqlite: install
 	LORALOOM_TEST_DB=sqlite $(VENV)/bin/pytest -q tests/app
 
-test: lint test-postgres test-sqlite
+# The dashboard's browser test (tests/e2e/test_dashboard_browser.py) drives Debian's chromium through
+# chromium-driver; apt runs only when they are missing (the test skips, saying why, if this fails).
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then echo "chromium: present"; else \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver \
+	  || echo "could not install chromium (not root?): the browser test will skip"; fi
+
+test: browser lint test-postgres test-sqlite
 
 serve: install
 	$(VENV)/bin/loraloom serve

@@ -234,9 +234,18 @@ class _Ops:
         return AdapterDownload(path=dest, step=got_step, sha256=sha, changed=True)
 
     @staticmethod
-    def get_metrics(run_id: str) -> _Op[list[StepMetrics]]:
-        response = yield _Request("GET", f"/v1/runs/{check_run_id(run_id)}/metrics")
-        return _METRICS.validate_python(response.json()["items"])
+    def get_metrics(run_id: str, since_step: int = 0) -> _Op[list[StepMetrics]]:
+        """Every step from `since_step` on, following the service's pages."""
+        items: list[StepMetrics] = []
+        next_step: int | None = since_step
+        while next_step is not None:
+            response = yield _Request(
+                "GET", f"/v1/runs/{check_run_id(run_id)}/metrics", params={"since_step": next_step}
+            )
+            body = response.json()
+            items += _METRICS.validate_python(body["items"])
+            next_step = body.get("next_since_step")
+        return items
 
     @staticmethod
     def upload_adapter(adapter_dir: Path, name: str, base_model: str | None) -> _Op[dict[str, Any]]:
@@ -396,8 +405,8 @@ class LoraloomClient:
         from (`create_run(..., init_from={"adapter_id": ...})`); returns the stored adapter (its `id`)."""
         return self._run(_Ops.upload_adapter(Path(adapter_dir), name, base_model))
 
-    def get_metrics(self, run_id: str) -> list[StepMetrics]:
-        return self._run(_Ops.get_metrics(run_id))
+    def get_metrics(self, run_id: str, *, since_step: int = 0) -> list[StepMetrics]:
+        return self._run(_Ops.get_metrics(run_id, since_step))
 
 
 class AsyncLoraloomClient:
@@ -504,5 +513,5 @@ class AsyncLoraloomClient:
         """As `LoraloomClient.upload_adapter`."""
         return await self._run(_Ops.upload_adapter(Path(adapter_dir), name, base_model))
 
-    async def get_metrics(self, run_id: str) -> list[StepMetrics]:
-        return await self._run(_Ops.get_metrics(run_id))
+    async def get_metrics(self, run_id: str, *, since_step: int = 0) -> list[StepMetrics]:
+        return await self._run(_Ops.get_metrics(run_id, since_step))

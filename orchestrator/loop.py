@@ -52,6 +52,7 @@ from orchestrator.client import BatchFormat, EvictedBy
 from orchestrator.engine import MultiAgentEngine, Rollouts, RunBatch, ValidationResult
 from orchestrator.errors import Conflict, RunEvicted
 from orchestrator.models import AdapterDownload, AdapterInfo, BatchInfo, Heartbeat, Page, Run
+from orchestrator.trackers import TrackerLogger
 
 log = logging.getLogger(__name__)
 
@@ -179,13 +180,18 @@ class RolloutLoop:
         config: LoopConfig | None = None,
         *,
         on_step: Sequence[StepCallback] = (),
+        loggers: Sequence[TrackerLogger] = (),
     ) -> None:
         """`client`: an `AsyncLoraloomClient` (or anything with the methods of `LoopClient`).
-        The runs are the engine's: each agent's policy names its run and sampler."""
+        The runs are the engine's: each agent's policy names its run and sampler. `loggers`:
+        experiment trackers (orchestrator/trackers.py), closed when `run()` ends."""
         self.client = client
         self.engine = engine
         self.config = config or LoopConfig()
         self.on_step = list(on_step)
+        self.loggers = list(loggers)
+        self._logged_steps: dict[str, int] = {}
+        """Per run: the next trainer step to fetch for the loggers."""
         self.runs: dict[str, RunProgress] = {}
         self.history: list[StepReport] = []
         self.reward_history: dict[str, list[float]] = {a: [] for a in engine.turn_order}
@@ -372,8 +378,13 @@ class RolloutLoop:
                 self.history.append(report)
                 for callback in self.on_step:
                     callback(report)
+                await self._log(report)
                 iteration += 1
         finally:
+            if self.loggers:
+                await self._log_trainer_metrics()  # the steps trained since the last iteration
+            for logger in self.loggers:
+                logger.close()
             if beat_task is not None:
                 beat_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -424,6 +435,46 @@ class RolloutLoop:
                 continue
             batches[run_id] = await self._submit(state, run_batch)
         return batches
+
+    # ---- experiment trackers ------------------------------------------------------------------
+
+    async def _log(self, report: StepReport) -> None:
+        if not self.loggers:
+            return
+        scalars: dict[str, float] = {}
+        for agent, value in report.mean_reward.items():
+            scalars[f"rollout/{agent}/mean_reward"] = value
+        for agent, value in report.success_rate.items():
+            scalars[f"rollout/{agent}/success_rate"] = value
+        if report.validation is not None:
+            for agent, value in report.validation.mean_reward.items():
+                scalars[f"validation/{agent}/mean_reward"] = value
+            for agent, value in report.validation.success_rate.items():
+                scalars[f"validation/{agent}/success_rate"] = value
+        for logger in self.loggers:
+            logger.log(scalars, report.iteration)
+        await self._log_trainer_metrics()
+
+    async def _log_trainer_metrics(self) -> None:
+        """The service's per-step figures of each run (trainer metrics, reward aggregates), each
+        step once, at its own step number, under `train/{run_id}/...`."""
+        get_metrics = getattr(self.client, "get_metrics", None)
+        if get_metrics is None:
+            return
+        for run_id in self.runs:
+            since = self._logged_steps.get(run_id, 0)
+            items = await get_metrics(run_id, since_step=since)
+            for item in items:
+                if item.loss is None and item.step >= self.runs[run_id].trained_step:
+                    break  # rewards only, not trained yet: log it (and what follows) once it is
+                values = item.model_dump(exclude={"step", "created_at", "reward", "sample_metrics"})
+                scalars = {f"train/{run_id}/{k}": v for k, v in values.items() if isinstance(v, int | float)}
+                if item.reward is not None:
+                    scalars[f"train/{run_id}/reward_mean"] = item.reward.mean
+                    scalars[f"train/{run_id}/reward_std"] = item.reward.std
+                for logger in self.loggers:
+                    logger.log(scalars, item.step)
+                self._logged_steps[run_id] = item.step + 1
 
     def run_sync(self) -> list[StepReport]:
         """`run()` in a fresh event loop, for scripts."""

@@ -98,8 +98,24 @@ class AdapterInfo(_Model):
     created_at: datetime | None = None
 
 
+class Aggregate(_Model):
+    """Over the samples of one rollout step (std: population, ddof=0)."""
+
+    mean: float
+    std: float
+    min: float | None = None
+    max: float | None = None
+    count: int
+
+
 class StepMetrics(_Model):
+    """One step: the trainer's figures (None while not trained) and the rewards of the rollout
+    batches sampled at that step (None if none came with rewards)."""
+
     step: int
+    reward: Aggregate | None = None
+    sample_metrics: dict[str, Aggregate] | None = None
+    samples_received: int | None = None
     loss: float | None = None
     entropy: float | None = None
     mismatch_kl: float | None = None

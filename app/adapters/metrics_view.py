@@ -23,23 +23,32 @@ def _rollout_fields(row: RolloutStats) -> dict[str, object]:
 def metrics_page(
     session: Session, *, run_id: str, since_step: int, limit: int
 ) -> tuple[list[MetricsItem], int | None]:
-    """Up to `limit` steps >= since_step that have a trainer report or rollout batches, and the
-    `since_step` of the next page (None at the end)."""
-    trained = {
-        m.step: m
-        for m in session.scalars(
+    """Up to `limit` steps >= since_step that have a trainer report, or rollout batches with
+    rewards or per-sample metrics, and the `since_step` of the next page (None at the end)."""
+    trained_rows = list(
+        session.scalars(
             select(StepMetrics)
             .where(StepMetrics.run_id == run_id, StepMetrics.step >= since_step)
             .order_by(StepMetrics.step)
             .limit(limit + 1)
         )
-    }
-    rollouts = {
-        r.rollout_step: r for r in list_stats(session, run_id=run_id, since_step=since_step, limit=limit + 1)
-    }
-    steps = sorted(trained.keys() | rollouts.keys())
-    # Each source brought up to limit + 1 steps, so the first limit + 1 of the union are exact.
-    page, rest = steps[:limit], steps[limit:]
+    )
+    rollout_rows = list_stats(session, run_id=run_id, since_step=since_step, limit=limit + 1)
+    # Each source is complete up to its last row when it was cut at limit + 1 rows (else to the end):
+    # the union is known up to the smaller of those bounds.
+    bound_trained = trained_rows[-1].step if len(trained_rows) > limit else _NO_BOUND
+    bound_rollouts = rollout_rows[-1].rollout_step if len(rollout_rows) > limit else _NO_BOUND
+    bound = min(bound_trained, bound_rollouts)
+    trained = {m.step: m for m in trained_rows if m.step <= bound}
+    rollouts = {r.rollout_step: r for r in rollout_rows if r.rollout_step <= bound}
+    # A rollout step is listed for its rewards or per-sample metrics; samples alone are no figure.
+    with_figures = {step for step, r in rollouts.items() if r.reward_count or r.metrics}
+    steps = sorted(trained.keys() | with_figures)
+    page = steps[:limit]
+    if len(steps) > limit:
+        next_step: int | None = steps[limit]
+    else:
+        next_step = None if bound == _NO_BOUND else bound + 1
     items = []
     for step in page:
         fields: dict[str, object] = {"step": step}
@@ -48,4 +57,7 @@ def metrics_page(
         if (r := rollouts.get(step)) is not None:
             fields |= _rollout_fields(r)
         items.append(MetricsItem.model_validate(fields))
-    return items, (rest[0] if rest else None)
+    return items, next_step
+
+
+_NO_BOUND = 2**62

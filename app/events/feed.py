@@ -4,10 +4,12 @@ Ids alone cannot be a feed's cursor on Postgres: ids are taken at INSERT, but tr
 commit in any order, so event 9 may become visible after a reader has already moved past 10.
 So every event carries its transaction's id (`txid`, from pg_current_xact_id()), the feed is
 ordered by (txid, id), and a read serves only events whose transaction is older than the oldest
-transaction still running (pg_snapshot_xmin): that prefix can no longer grow, and every later
+transaction of this database still running: that prefix can no longer grow, and every later
 event sorts after it. The price: an event waits for transactions that began before its own to
-finish (milliseconds for this service's short transactions). SQLite serialises writers, so there
-txid is 0 and the order is the id's.
+finish (milliseconds for this service's short transactions). Only this database's transactions
+count (pg_stat_activity, pg_prepared_xacts): a long transaction in another database of a shared
+cluster does not hold the feed back. SQLite serialises writers, so there txid is 0 and the order
+is the id's.
 """
 
 import base64
@@ -49,12 +51,35 @@ class FeedPosition:
             ) from exc
 
 
+# The oldest running transaction of this database, as a full (epoch-qualified) id: the running
+# ids of the snapshot (xid8) whose low 32 bits are a backend_xid of this database; else the
+# snapshot's xmax (every id below it has ended). Events are written only by the service's own
+# role, whose sessions pg_stat_activity always shows.
+_HORIZON_SQL = text(
+    """
+    WITH snap AS (SELECT pg_current_snapshot() AS s),
+    mine AS (
+        SELECT backend_xid::text::bigint AS x FROM pg_stat_activity
+        WHERE datname = current_database() AND backend_xid IS NOT NULL
+        UNION ALL
+        SELECT transaction::text::bigint FROM pg_prepared_xacts WHERE database = current_database()
+    )
+    SELECT coalesce(
+        (SELECT min(r.x8) FROM (SELECT pg_snapshot_xip(s)::text::bigint AS x8 FROM snap) AS r
+         WHERE (r.x8 & 4294967295) IN (SELECT x FROM mine)),
+        (SELECT pg_snapshot_xmax(s)::text::bigint FROM snap)
+    )
+    """
+)
+
+
 def _horizon(session: Session) -> int:
     """Events with a txid below this are final (their transactions have all ended)."""
     if session.get_bind().dialect.name != "postgresql":
         return _NO_HORIZON
-    value = session.scalar(text("SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"))
-    return int(value)
+    # pg_stat_activity is read once per transaction and cached: read it afresh.
+    session.execute(text("SELECT pg_stat_clear_snapshot()"))
+    return int(session.scalar(_HORIZON_SQL))
 
 
 def read_feed(

@@ -315,7 +315,7 @@ def test_restart_returns_exactly_the_batches_after_the_checkpoint(settings, clie
         event = session.scalar(
             select(Event).where(Event.run_id == seeded.run_id, Event.action == "run.restart_from_checkpoint")
         )
-        assert event.action == "run.restart_from_checkpoint" and event.details["returned_batches"] == ids[2:]
+        assert event is not None and event.details["returned_batches"] == ids[2:]
 
     # Re-claimed in order; sample_offsets let the pool skip samples below the checkpoint's total.
     again = claim(client, pool_id)["batches"]

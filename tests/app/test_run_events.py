@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
 
 from app.config import Settings
 from app.events.service import record_event
@@ -27,7 +28,7 @@ from tests.app.api import (
     rewarded_batch,
 )
 from tests.app.factories import Seeded, committed
-from tests.common import backend_under_test
+from tests.common import backend_under_test, create_postgres_database, drop_postgres_database
 
 
 def run_ref(tenant: TenantHandle, run_id: str) -> Seeded:
@@ -106,6 +107,8 @@ def test_metrics_since_step_and_paging(client: TestClient, tenant: TenantHandle)
     ref = run_ref(tenant, run["id"])
     for step in range(0, 7, 2):  # rollouts at 0, 2, 4, 6; trained steps 1..6
         assert post_batch(client, ref, rewarded_batch([float(step)], step=step)).status_code == 201
+    for step in range(7, 12):  # samples without rewards: no figure of their own
+        assert post_batch(client, ref, rewarded_batch([None], step=step)).status_code == 201
     for step in range(1, 7):
         report_step(client, run["id"], step)
     seen: list[int] = []
@@ -320,3 +323,27 @@ def test_sse_delivers_steps_live_and_resumes(live_server: LiveServer, http: http
     assert [(a, s) for _, a, s in missed] == [("run.step", 2), ("run.step", 3)]
     everything = all_events(http, tenant, run["id"])
     assert [e["cursor"] for e in everything] == [c for c, _ in seen] + [c for c, _, _ in missed]
+
+
+@pytest.mark.postgres_only
+def test_a_long_transaction_in_another_database_does_not_hold_the_feed(
+    client: TestClient, tenant: TenantHandle
+) -> None:
+    """Only this database's transactions count: a shared cluster's other databases (other
+    services, other test sessions) cannot stall the feed."""
+    if backend_under_test() != "postgres":
+        pytest.skip("Postgres only")
+    other_url = create_postgres_database()
+    engine = create_engine(other_url)
+    try:
+        with engine.connect() as other:
+            other.execute(text("CREATE TABLE t (x int)"))
+            other.execute(text("INSERT INTO t VALUES (1)"))  # holds an xid, uncommitted
+            run = create_run(client, tenant, max_steps=10)
+            report_step(client, run["id"], 1)
+            actions = [e["action"] for e in all_events(client, tenant, run["id"])]
+            assert actions[-1] == "run.step"
+            other.rollback()
+    finally:
+        engine.dispose()
+        drop_postgres_database(other_url)

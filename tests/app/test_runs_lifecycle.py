@@ -72,7 +72,6 @@ def test_whole_lifecycle_over_real_http(settings, http, db):
     assert "evicted" in r.json()["error"]["message"]
 
     actions = [e.action for e in db.scalars(select(Event).where(Event.run_id == r3["id"]).order_by(Event.id))]
-    # Queued first: no pool serving its base model had registered when it was created.
     assert actions == ["run.created", "run.queued", "run.admitted", "run.deleted"]
 
 

@@ -1,0 +1,165 @@
+"""The dashboard in a real browser: Debian's chromium, headless, driven by Selenium through
+chromium-driver (`make browser` installs both), against the service under uvicorn and a real
+worker pool training the run while the page is open."""
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import LiveService
+from tests.e2e.helpers import MODEL_CACHE, kill_pool, run_config, run_status, start_pool, synthetic_batch
+
+CHROMIUM = Path(os.environ.get("LORALOOM_CHROMIUM", "/usr/bin/chromium"))
+CHROMEDRIVER = Path(os.environ.get("LORALOOM_CHROMEDRIVER", "/usr/bin/chromedriver"))
+DOCS_SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "dashboard_run.png"
+
+pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
+
+if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+    pytest.skip(
+        f"no browser: {CHROMIUM} or {CHROMEDRIVER} is missing (run `make browser`, which installs Debian's "
+        "chromium and chromium-driver)",
+        allow_module_level=True,
+    )
+
+from selenium import webdriver  # noqa: E402 - only once the browser is known to exist
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@pytest.fixture
+def browser() -> Iterator[webdriver.Chrome]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1000"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tiny_model_cached() -> None:
+    """Build the tiny model's cache here, once, so the pool under test only loads it."""
+    from trainer_core.models.registry import load_base_model
+
+    load_base_model("loraloom-tiny", cache_dir=MODEL_CACHE)
+
+
+def _tenant_key(service: LiveService, name: str) -> str:
+    with service.admin() as admin:
+        tenant = admin.post("/v1/tenants", json={"name": name, "max_concurrent_runs": 2})
+        tenant.raise_for_status()
+        key = admin.post(f"/v1/tenants/{tenant.json()['id']}/keys")
+        key.raise_for_status()
+        return str(key.json()["key"])
+
+
+def _push(client: httpx.Client, run_id: str, seed: int, rollout_step: int) -> None:
+    body = synthetic_batch(seed, n_samples=4, rollout_step=rollout_step)
+    for i, example in enumerate(body["examples"]):
+        example["reward"] = 0.25 * i + 0.5 * rollout_step  # the curve should rise
+    r = client.post(f"/v1/runs/{run_id}/batches", json=body)
+    assert r.status_code == 201, r.text
+
+
+def _reward_points(driver: webdriver.Chrome) -> int:
+    points = driver.find_element(By.CSS_SELECTOR, "#reward-chart .line").get_attribute("points") or ""
+    return len(points.split())
+
+
+def test_dashboard_in_chromium(live_service: LiveService, browser: webdriver.Chrome, tmp_path: Path) -> None:
+    url = live_service.url
+    alice_key, bob_key = _tenant_key(live_service, "alice"), _tenant_key(live_service, "bob")
+    alice = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {alice_key}"}, timeout=30)
+    bob = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {bob_key}"}, timeout=30)
+    run_id = alice.post("/v1/runs", json={"name": "alice-grpo", "config": run_config(max_steps=10)}).json()[
+        "id"
+    ]
+    bob_run = bob.post("/v1/runs", json={"name": "bob-secret", "config": run_config(max_steps=10)}).json()[
+        "id"
+    ]
+    wait = WebDriverWait(browser, 90, poll_frequency=0.2)
+
+    # Sign in with the key; the runs page lists Alice's run and not Bob's.
+    browser.get(f"{url}/ui/login")
+    browser.find_element(By.ID, "key").send_keys(alice_key)
+    browser.find_element(By.ID, "sign-in").click()
+    wait.until(lambda d: d.current_url.endswith("/ui/runs"))
+    runs_table = browser.find_element(By.ID, "runs").text
+    assert "alice-grpo" in runs_table and run_id in runs_table
+    assert "bob-secret" not in browser.page_source and bob_run not in browser.page_source
+    cookie = browser.get_cookie("loraloom_session")
+    assert cookie is not None and cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert browser.execute_script("return document.cookie") == ""  # not readable by scripts
+
+    # Open the run; a real pool trains it while the page stays open (no reload: the marker survives).
+    browser.find_element(By.LINK_TEXT, run_id).click()
+    wait.until(lambda d: d.find_element(By.ID, "step").text == "0")
+    browser.execute_script("window.__noReload = true")
+    _push(alice, run_id, seed=1, rollout_step=0)
+    pool = start_pool(url, data_dir=live_service.data_dir, nproc=1, log_path=tmp_path / "pool.log")
+    try:
+        # The pool's start (torchrun, the model) is slow on a loaded 2-core machine: a generous wait.
+        WebDriverWait(browser, 300, poll_frequency=0.2).until(
+            lambda d: d.find_element(By.ID, "step").text == "1"
+        )
+        assert _reward_points(browser) == 1
+        _push(alice, run_id, seed=2, rollout_step=1)
+        wait.until(lambda d: d.find_element(By.ID, "step").text == "2")
+        wait.until(lambda d: _reward_points(d) == 2)
+        loss_points = browser.find_element(By.CSS_SELECTOR, "#loss-chart .line").get_attribute("points")
+        assert loss_points and len(loss_points.split()) == 2
+        assert browser.execute_script("return window.__noReload") is True
+        assert browser.find_element(By.ID, "progress").get_attribute("value") == "2"
+        events = browser.find_element(By.ID, "events").text
+        assert "run.step" in events and "batch.received" in events
+        shot = tmp_path / "run.png"
+        browser.save_screenshot(str(shot))
+        assert shot.stat().st_size < 300_000
+        if os.environ.get("LORALOOM_UPDATE_SCREENSHOT"):
+            shutil.copyfile(shot, DOCS_SCREENSHOT)
+
+        # A forged POST without the CSRF token, from the signed-in browser itself, is refused.
+        status = browser.execute_async_script(
+            "const done = arguments[arguments.length - 1];"
+            f"fetch('/ui/runs/{run_id}/evict', {{method: 'POST', body: new URLSearchParams({{confirm: 'yes'}})}})"
+            ".then(r => done(r.status));"
+        )
+        assert status == 403
+        assert run_status(alice, run_id)["status"] == "active"
+
+        # Evict through the form: confirm box, then the browser's confirmation dialog.
+        browser.find_element(By.ID, "evict-reason").send_keys("seen enough")
+        browser.find_element(By.ID, "evict-confirm").click()
+        browser.find_element(By.ID, "evict-button").click()
+        wait.until(lambda d: d.switch_to.alert).accept()
+        wait.until(lambda d: d.find_element(By.ID, "status").text == "evicted")
+        out = run_status(alice, run_id)
+        assert (
+            out["status"] == "evicted"
+            and out["evicted_by"] == "user"
+            and out["eviction_reason"] == "seen enough"
+        )
+    finally:
+        kill_pool(pool)
+
+    # Sign out: the cookie no longer opens anything, in the browser or replayed by hand.
+    browser.find_element(By.ID, "sign-out").click()
+    wait.until(lambda d: d.current_url.endswith("/ui/login"))
+    browser.get(f"{url}/ui/runs/{run_id}")
+    assert browser.current_url.endswith("/ui/login")
+    replay = httpx.get(
+        f"{url}/ui/runs", cookies={"loraloom_session": cookie["value"]}, follow_redirects=False
+    )
+    assert replay.status_code == 303 and replay.headers["location"] == "/ui/login"
+    alice.close()
+    bob.close()
