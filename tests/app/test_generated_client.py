@@ -82,7 +82,10 @@ def generate_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Genera
 @pytest.fixture
 def small_body_app(settings: Settings) -> FastAPI:
     # A small body limit, so a 413 costs a small request.
-    return create_app(settings.model_copy(update={"max_body_bytes": MAX_BODY_BYTES}))
+    # And at most two unclaimed batches per run, so a 429 costs a third one.
+    return create_app(
+        settings.model_copy(update={"max_body_bytes": MAX_BODY_BYTES, "run_max_pending_batches": 2})
+    )
 
 
 @pytest.fixture
@@ -177,6 +180,10 @@ def test_generated_client_drives_the_tenant_lifecycle(server: LiveServer, genera
             run_id, client=me, body=m.TrainingBatch(examples=[sample(0), sample(1)], step=step)
         )
         assert r.status_code == 201 and isinstance(r.parsed, m.BatchOut), r.content
+    third = m.TrainingBatch(examples=[sample(0)], step=1)
+    limited = batches.submit_batch.sync_detailed(run_id, client=me, body=third)
+    error(limited, 429, "rate_limited")
+    assert int(limited.headers["retry-after"]) >= 1
     page = batches.list_batches.sync(run_id, client=me, limit=1)
     assert isinstance(page, m.BatchPage) and isinstance(page.next_cursor, str)
     assert not page.next_cursor.isdigit()  # opaque, like the runs cursor
