@@ -40,7 +40,7 @@ class AppError(Exception):
 class ValidationFailed(AppError):
     status = 422
     code = "validation_error"
-    codes = ("invalid_adapter",)
+    codes = ("invalid_adapter", "no_pool")
 
 
 class Unauthorized(AppError):
@@ -52,13 +52,13 @@ class Unauthorized(AppError):
 class Forbidden(AppError):
     status = 403
     code = "forbidden"
-    codes = ()
+    codes = ("csrf_failed", "not_confirmed")  # the dashboard's form posts (app/ui)
 
 
 class NotFound(AppError):
     status = 404
     code = "not_found"
-    codes = ("adapter_not_found", "pool_not_found")
+    codes = ("adapter_not_found", "pool_not_found", "checkpoint_not_found")
 
 
 class MethodNotAllowed(AppError):
@@ -106,6 +106,14 @@ class RequestTimeout(AppError):
 
     status = 408
     code = "request_timeout"
+    codes = ()
+
+
+class HeaderTooLarge(AppError):
+    """431: request line and headers over the limit (app/serving.py, app/request_guard.py)."""
+
+    status = 431
+    code = "request_header_fields_too_large"
     codes = ()
 
 

@@ -106,9 +106,15 @@ def trainer_evict(
     "/v1/pool/runs/{run_id}/init-adapter",
     response_class=FileResponse,
     operation_id="getInitAdapter",
-    responses={200: {"content": {"application/gzip": {}}, "description": "tar.gz of the PEFT directory."}},
+    responses={
+        200: {
+            "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}},
+            "description": "tar.gz of the PEFT directory.",
+        }
+    },
 )
-def init_adapter(_: WorkerDep, run_id: str, session: SessionDep, settings: SettingsDep) -> FileResponse:
+@raises(NotFound)
+def init_adapter(_: WorkerDep, run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> FileResponse:
     """The adapter a run starts from (its `init_from`), for the pool to load at admission."""
     run = get_run(session, run_id=run_id)
     uploaded = run.init_from.get("adapter_id") if run.init_from else None

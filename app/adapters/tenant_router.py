@@ -3,7 +3,7 @@ GET /v1/adapters, GET and DELETE /v1/adapters/{adapter_id} (thin: parse, call th
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Path, Query, status
 from pydantic import BaseModel
 
 from app.adapters import uploads
@@ -11,10 +11,22 @@ from app.adapters.models import TenantAdapter
 from app.adapters.pool_router import UploadBody
 from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
+from app.errors import NotFound, ValidationFailed, raises
 from app.timestamps import UtcDatetime
 from contracts.run_config import DEFAULT_BASE_MODEL
 
 router = APIRouter(tags=["adapters"])
+
+AdapterIdPath = Annotated[
+    str,
+    Path(
+        description="`adp_` + 12 lowercase hex digits.",
+        examples=["adp_0123456789ab"],
+        max_length=64,
+        # Documented, not enforced: any other id is the same 404 as another tenant's adapter.
+        json_schema_extra={"pattern": r"^adp_[0-9a-f]{12}$"},
+    ),
+]
 
 
 class TenantAdapterOut(BaseModel):
@@ -60,6 +72,7 @@ class TenantAdapterList(BaseModel):
         }
     },
 )
+@raises(ValidationFailed)
 def upload(
     principal: TenantDep,
     body: UploadBody,
@@ -81,7 +94,8 @@ def list_adapters(principal: TenantDep, session: SessionDep) -> TenantAdapterLis
 
 
 @router.get("/v1/adapters/{adapter_id}", response_model=TenantAdapterOut, operation_id="getTenantAdapter")
-def get_adapter(principal: TenantDep, adapter_id: str, session: SessionDep) -> TenantAdapterOut:
+@raises(NotFound)
+def get_adapter(principal: TenantDep, adapter_id: AdapterIdPath, session: SessionDep) -> TenantAdapterOut:
     return TenantAdapterOut.of(
         uploads.get_tenant_adapter(session, tenant_id=principal.tenant_id, adapter_id=adapter_id)
     )
@@ -90,7 +104,10 @@ def get_adapter(principal: TenantDep, adapter_id: str, session: SessionDep) -> T
 @router.delete(
     "/v1/adapters/{adapter_id}", status_code=status.HTTP_204_NO_CONTENT, operation_id="deleteTenantAdapter"
 )
-def delete_adapter(principal: TenantDep, adapter_id: str, session: SessionDep, settings: SettingsDep) -> None:
+@raises(NotFound)
+def delete_adapter(
+    principal: TenantDep, adapter_id: AdapterIdPath, session: SessionDep, settings: SettingsDep
+) -> None:
     uploads.delete_tenant_adapter(
         session, tenant_id=principal.tenant_id, adapter_id=adapter_id, settings=settings
     )

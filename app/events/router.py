@@ -30,7 +30,9 @@ SSE_MAX_SECONDS = 3600.0
 FeedCursor = Annotated[
     str | None,
     Query(
-        max_length=512, description="`next_cursor` (or an event's `cursor`) to go on after; omit to start."
+        max_length=512,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="`next_cursor` (or an event's `cursor`) to go on after; omit to start.",
     ),
 ]
 

@@ -1,6 +1,7 @@
 """Pool routes for manual-mode work (the Tinker API): claim it, post its results."""
 
 from fastapi import APIRouter
+from pydantic import BaseModel
 
 from app.auth import WorkerDep
 from app.db import SessionDep
@@ -10,11 +11,16 @@ from contracts.tinker_work import ManualClaimIn, ManualClaimOut, ManualResultsIn
 router = APIRouter(prefix="/v1/pool/manual", tags=["pool"])
 
 
+class ManualResultsOut(BaseModel):
+    recorded: int
+    """How many of the posted results were recorded (a result for a future already done is not)."""
+
+
 @router.post("/claim", operation_id="poolClaimManualWork")
 def claim_manual_work(_: WorkerDep, session: SessionDep, body: ManualClaimIn) -> ManualClaimOut:
     return ManualClaimOut(items=work.claim(session, pool_id=body.pool_id, max_items=body.max_items))
 
 
 @router.post("/results", operation_id="poolManualResults")
-def post_manual_results(_: WorkerDep, session: SessionDep, body: ManualResultsIn) -> dict[str, int]:
-    return {"recorded": work.record_results(session, pool_id=body.pool_id, results=body.results)}
+def post_manual_results(_: WorkerDep, session: SessionDep, body: ManualResultsIn) -> ManualResultsOut:
+    return ManualResultsOut(recorded=work.record_results(session, pool_id=body.pool_id, results=body.results))

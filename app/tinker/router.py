@@ -35,7 +35,8 @@ from app.tinker.schemas import (
     UntypedAPIFuture,
 )
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+# The Tinker SDK's surface (its own protocol, documented by the SDK): not in our OpenAPI documents.
+router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 
 
 @router.get("/healthz", operation_id="tinkerHealthz")
