@@ -93,7 +93,7 @@ def claim_batches(
         409: {"description": "ack_rejected: a batch is unknown or not held by this pool (details name it)."}
     },
 )
-@raises(Conflict)
+@raises(NotFound, Conflict)
 def ack_batches(body: AckIn, _: WorkerDep, session: SessionDep) -> AckOut:
     """Mark batches trained, after the optimizer step that used them. All or nothing."""
     acked = claims.ack_batches(

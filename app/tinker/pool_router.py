@@ -5,6 +5,7 @@ from pydantic import BaseModel
 
 from app.auth import WorkerDep
 from app.db import SessionDep
+from app.errors import Conflict, NotFound, raises
 from app.tinker import work
 from contracts.tinker_work import ManualClaimIn, ManualClaimOut, ManualResultsIn
 
@@ -17,10 +18,12 @@ class ManualResultsOut(BaseModel):
 
 
 @router.post("/claim", operation_id="poolClaimManualWork")
+@raises(NotFound, Conflict)
 def claim_manual_work(_: WorkerDep, session: SessionDep, body: ManualClaimIn) -> ManualClaimOut:
     return ManualClaimOut(items=work.claim(session, pool_id=body.pool_id, max_items=body.max_items))
 
 
 @router.post("/results", operation_id="poolManualResults")
+@raises(NotFound, Conflict)
 def post_manual_results(_: WorkerDep, session: SessionDep, body: ManualResultsIn) -> ManualResultsOut:
     return ManualResultsOut(recorded=work.record_results(session, pool_id=body.pool_id, results=body.results))
