@@ -348,4 +348,4 @@ def test_the_worker_extra_accepts_the_pinned_torch():
     assert Version(TORCH_PIN) in worker["torch"].specifier
     assert {Requirement(r).name for r in extras["plot"]} == {"matplotlib"}
     all_extras = Requirement(extras["all"][0])
-    assert all_extras.name == "loraloom" and all_extras.extras == {"worker", "plot"}
+    assert all_extras.name == "loraloom" and all_extras.extras == {"worker", "plot", "tensorboard"}

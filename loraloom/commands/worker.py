@@ -36,6 +36,13 @@ def worker(
     token: Annotated[
         str | None, _opt(SERVICE, "The service's worker token [LORALOOM_WORKER_TOKEN].", envvar=None)
     ] = None,
+    token_file: Annotated[
+        Path | None,
+        _opt(
+            SERVICE,
+            "Read the worker token from this file (e.g. a Docker secret) [LORALOOM_WORKER_TOKEN_FILE].",
+        ),
+    ] = None,
     runs_dir: Annotated[
         Path | None,
         _opt(
@@ -107,9 +114,13 @@ def worker(
     ] = False,
 ) -> None:
     """Run the worker pool under torchrun (ranks talk gloo on CPU, nccl on GPU)."""
-    flags = {k: v for k, v in locals().items() if k not in ("token", "dry_run") and v is not None}
+    flags = {
+        k: v for k, v in locals().items() if k not in ("token", "token_file", "dry_run") and v is not None
+    }
     if token is not None:
         flags["worker_token"] = token
+    if token_file is not None:
+        flags["worker_token_file"] = token_file
     settings = build_settings(flags)
     if dry_run:
         typer.echo(json.dumps(settings.model_dump(mode="json", exclude={"worker_token"}), indent=2))

@@ -21,6 +21,7 @@ from trainer_core.worker import WorkerArgs, parse_args, parse_settings
 CASES: dict[str, tuple[str, str, str, object]] = {
     "url": ("LORALOOM_URL", "http://env:1", "http://flag:2", "http://flag:2"),
     "worker_token": ("LORALOOM_WORKER_TOKEN", "env-token", "flag-token", "flag-token"),
+    "worker_token_file": ("LORALOOM_WORKER_TOKEN_FILE", "/env/tok", "/flag/tok", Path("/flag/tok")),
     "runs_dir": ("LORALOOM_RUNS_DIR", "/env/runs", "/flag/runs", Path("/flag/runs")),
     "heartbeat_file": ("LORALOOM_HEARTBEAT_FILE", "/env/hb", "/flag/hb", Path("/flag/hb")),
     "base_model": ("LORALOOM_BASE_MODEL", "org/env-model", "org/flag-model", "org/flag-model"),
@@ -71,7 +72,9 @@ def test_the_cli_offers_every_setting_and_its_flag_wins(
     command = typer.main.get_command(cli).commands["worker"]  # type: ignore[attr-defined]
     options = {opt for p in command.params for opt in p.opts}
     for name in CASES:
-        flag = "--token" if name == "worker_token" else "--" + name.replace("_", "-")
+        flag = {"worker_token": "--token", "worker_token_file": "--token-file"}.get(
+            name, "--" + name.replace("_", "-")
+        )
         assert flag in options, flag
 
     monkeypatch.chdir(tmp_path)
