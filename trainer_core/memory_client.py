@@ -60,7 +60,7 @@ class MemoryPoolClient:
         """Each run's latest uploaded adapter_model.safetensors."""
         self.pending = [
             ClaimedBatchStruct(
-                id=i * 1000 + s,
+                id=i * 1000 + s + 1,  # database ids start at 1 (AckItem.batch_id >= 1)
                 run_id=f"run_{i:012x}",
                 slot=i,
                 sample_offset=sum(len(b["examples"]) for b in batches[:s]),
