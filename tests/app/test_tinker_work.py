@@ -85,6 +85,10 @@ def _model(client: TestClient, tenant: TenantHandle) -> tuple[str, dict[str, str
     return created.json()["model_id"], headers
 
 
+# What the SDK sends with a protobuf body (tinker/resources/training.py).
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+
+
 def _retrieve(client: TestClient, request_id: str, headers: dict[str, str]) -> Any:
     r = client.post("/api/v1/retrieve_future", json={"request_id": request_id}, headers=headers)
     assert r.status_code == 200, r.text
@@ -102,8 +106,12 @@ def test_work_is_stored_once_answered_try_again_and_claimed_up_to_the_step(clien
     pool_id = register(client)
     model_id, headers = _model(client, tenant)
     data = [_datum([1, 2, 3, 4], weights=[1.0, 1.0, 1.0])]
-    fb = client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, data), headers=headers)
-    again = client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, data), headers=headers)
+    fb = client.post(
+        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, data), headers=headers | PROTOBUF
+    )
+    again = client.post(
+        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, data), headers=headers | PROTOBUF
+    )
     assert fb.status_code == 200, fb.text
     assert again.json()["request_id"] == fb.json()["request_id"]  # the SDK's retry: applied once
     step = client.post(
@@ -111,7 +119,9 @@ def test_work_is_stored_once_answered_try_again_and_claimed_up_to_the_step(clien
         json={"model_id": model_id, "seq_id": 2, "adam_params": {"learning_rate": 0.01}},
         headers=headers,
     )
-    after = client.post("/api/v1/forward_backward", content=_fwdbwd_body(model_id, 3, data), headers=headers)
+    after = client.post(
+        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 3, data), headers=headers | PROTOBUF
+    )
     assert _stored(db) == 3
 
     # Not done yet: the SDK's "try again" (it polls again).
@@ -167,11 +177,13 @@ def test_bad_input_stores_nothing_and_other_tenants_get_404(client, tenant, othe
         _fwdbwd_body(model_id, 1, [_datum([1, 2, 3], weights=[1.0])]),  # misaligned weights
     ]
     for body in bad:
-        r = client.post("/api/v1/forward_backward", content=body, headers=headers)
+        r = client.post("/api/v1/forward_backward", content=body, headers=headers | PROTOBUF)
         assert r.status_code == 422, r.text
     other = {"X-API-Key": "tml-" + other_tenant.key}
     r = client.post(
-        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum([1, 2])]), headers=other
+        "/api/v1/forward_backward",
+        content=_fwdbwd_body(model_id, 1, [_datum([1, 2])]),
+        headers=other | PROTOBUF,
     )
     assert r.status_code == 404
     assert _stored(db) == 0
@@ -181,7 +193,9 @@ def test_a_run_that_leaves_fails_its_pending_futures(client, tenant):
     pool_id = register(client)
     model_id, headers = _model(client, tenant)
     fb = client.post(
-        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum([1, 2, 3])]), headers=headers
+        "/api/v1/forward_backward",
+        content=_fwdbwd_body(model_id, 1, [_datum([1, 2, 3])]),
+        headers=headers | PROTOBUF,
     )
     run_id = client.get("/v1/runs", headers=tenant.headers).json()["items"][0]["id"]
     assert (
@@ -197,7 +211,9 @@ def test_a_run_that_leaves_fails_its_pending_futures(client, tenant):
     claim = client.post("/v1/pool/manual/claim", json={"pool_id": pool_id}, headers=WORKER_HEADERS)
     assert claim.json()["items"] == []
     refused = client.post(
-        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 2, [_datum([1, 2])]), headers=headers
+        "/api/v1/forward_backward",
+        content=_fwdbwd_body(model_id, 2, [_datum([1, 2])]),
+        headers=headers | PROTOBUF,
     )
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "run_not_active"
 
@@ -206,7 +222,9 @@ def test_work_of_a_run_the_pool_has_not_admitted_yet_is_released_and_claimed_aga
     pool_id = register(client)
     model_id, headers = _model(client, tenant)
     fb = client.post(
-        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, [_datum([1, 2, 3])]), headers=headers
+        "/api/v1/forward_backward",
+        content=_fwdbwd_body(model_id, 1, [_datum([1, 2, 3])]),
+        headers=headers | PROTOBUF,
     )
     first = client.post("/v1/pool/manual/claim", json={"pool_id": pool_id}, headers=WORKER_HEADERS).json()[
         "items"
