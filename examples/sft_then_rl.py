@@ -196,6 +196,8 @@ def run(
             {
                 **run_config,
                 "loss": {"kind": "cross_entropy"},
+                # SFTLoop sends up to 2 batches ahead of the trained step (no sampler to keep fresh).
+                "max_async_level": 2,
                 "optim": {"lr": sft_lr, "max_grad_norm": 1.0},
                 "batch_size": sft_batch,
                 "max_steps": sft_steps,
@@ -330,13 +332,13 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sft-steps", type=int, default=40)
-    parser.add_argument("--sft-batch", type=int, default=32)
-    parser.add_argument("--sft-lr", type=float, default=3e-3)
-    parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--sft-batch", type=int, default=64)
+    parser.add_argument("--sft-lr", type=float, default=5e-3)
+    parser.add_argument("--rl-steps", type=int, default=100)
     parser.add_argument("--problems", type=int, default=16, help="RL problems per step")
     parser.add_argument("--group", type=int, default=8, help="RL samples per problem (GRPO group)")
-    parser.add_argument("--rl-lr", type=float, default=3e-3)
+    parser.add_argument("--rl-lr", type=float, default=5e-4)
     parser.add_argument("--output-dir", type=Path, default=Path("out/sft_then_rl"))
     parser.add_argument("--state-dir", type=Path, default=Path(".loraloom/sft_then_rl"))
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
