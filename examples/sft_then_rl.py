@@ -37,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from contracts.layout import step_dir_name
+from typer import echo as say  # flushes: progress shows when stdout is a file
+
 from contracts.tokenizer import CharTokenizer
 from loraloom.embedded import embedded_stack
 from loraloom.launch import free_port
@@ -178,7 +179,7 @@ def run(
             return {"reward": result.mean_reward["solver"], "success": result.success_rate["solver"]}
 
         validation = {"base": validate()}
-        print(f"[sft_then_rl] base model: validation reward {validation['base']['reward']:.3f}")
+        say(f"[sft_then_rl] base model: validation reward {validation['base']['reward']:.3f}")
 
         client = LoraloomClient(stack.url, key)
         run_config: dict[str, Any] = {
@@ -206,7 +207,7 @@ def run(
 
         def on_sft_step(s: SFTStep) -> None:
             if s.step == 1 or s.step % 10 == 0 or s.step == sft_steps:
-                print(f"[sft_then_rl] SFT step {s.step}/{sft_steps}: loss {s.loss:.3f}")
+                say(f"[sft_then_rl] SFT step {s.step}/{sft_steps}: loss {s.loss:.3f}")
 
         sft_steps_done = SFTLoop(client, sft.id, tokenizer, on_step=on_sft_step).run(sft_examples(seed))
         sft_adapter_step = wait_for_adapter(client, sft.id, sft_steps)
@@ -214,7 +215,7 @@ def run(
         timings["sft_s"] = time.monotonic() - t0
         val_sampler.load_adapter_sync(sft_adapter, "sft", sft_adapter_step)
         validation["sft"] = validate()
-        print(f"[sft_then_rl] SFT adapter: validation reward {validation['sft']['reward']:.3f}")
+        say(f"[sft_then_rl] SFT adapter: validation reward {validation['sft']['reward']:.3f}")
 
         # 2. RL from the SFT adapter.
         t0 = time.monotonic()
@@ -243,7 +244,7 @@ def run(
             reward = report.mean_reward.get("solver", float("nan"))
             rl_rewards.append(reward)
             if len(rl_rewards) == 1 or len(rl_rewards) % 5 == 0:
-                print(f"[sft_then_rl] RL step {len(rl_rewards)}/{rl_steps}: mean training reward {reward:.3f}")
+                say(f"[sft_then_rl] RL step {len(rl_rewards)}/{rl_steps}: mean training reward {reward:.3f}")
 
         loop = RolloutLoop(
             AsyncLoraloomClient(stack.url, key),
@@ -286,17 +287,17 @@ def run(
     (output_dir / "results.json").write_text(json.dumps(results, indent=2))
     _print_table(validation)
     _plot(results, output_dir / "sft_then_rl.png")
-    print(f"[sft_then_rl] times: {results['seconds']}; plot: {output_dir / 'sft_then_rl.png'}")
+    say(f"[sft_then_rl] times: {results['seconds']}; plot: {output_dir / 'sft_then_rl.png'}")
     return results
 
 
 def _print_table(validation: dict[str, dict[str, float]]) -> None:
-    print()
-    print(f"{'model':12s} {'val reward':>11s} {'exact':>7s}")
+    say("")
+    say(f"{'model':12s} {'val reward':>11s} {'exact':>7s}")
     for name, label in (("base", "base"), ("sft", "SFT adapter"), ("rl", "RL adapter")):
         v = validation[name]
-        print(f"{label:12s} {v['reward']:11.3f} {v['success']:7.2f}")
-    print(f"(validation: {VAL_PROBLEMS} fixed problems x {VAL_SAMPLES} samples at temperature 1)")
+        say(f"{label:12s} {v['reward']:11.3f} {v['success']:7.2f}")
+    say(f"(validation: {VAL_PROBLEMS} fixed problems x {VAL_SAMPLES} samples at temperature 1)")
 
 
 def _plot(results: dict[str, Any], path: Path) -> None:
@@ -314,14 +315,12 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     rewards = results["rl_reward"]
     ax_rl.plot(range(1, len(rewards) + 1), rewards, label="RL training reward")
     for name, style in (("base", ":"), ("sft", "--"), ("rl", "-.")):
-        ax_rl.axhline(results["validation"][name]["reward"], linestyle=style, color="gray", alpha=0.8)
-        ax_rl.annotate(
-            f"val {name}", (0, results["validation"][name]["reward"]), fontsize=8, va="bottom", color="gray"
-        )
+        reward = results["validation"][name]["reward"]
+        ax_rl.axhline(reward, linestyle=style, color="gray", label=f"validation, {name}: {reward:.3f}")
     ax_rl.set_xlabel("RL step")
     ax_rl.set_ylabel("mean reward")
     ax_rl.set_title("2. RL (ppo, GRPO) from the SFT adapter")
-    ax_rl.legend(loc="lower right")
+    ax_rl.legend(loc="center right", fontsize=8)
     for ax in (ax_sft, ax_rl):
         ax.grid(alpha=0.3)
     fig.suptitle(results["task"])
@@ -331,11 +330,13 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sft-steps", type=int, default=200)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sft-steps", type=int, default=150)
     parser.add_argument("--sft-batch", type=int, default=64)
     parser.add_argument("--sft-lr", type=float, default=5e-3)
-    parser.add_argument("--rl-steps", type=int, default=100)
+    parser.add_argument("--rl-steps", type=int, default=120)
     parser.add_argument("--problems", type=int, default=16, help="RL problems per step")
     parser.add_argument("--group", type=int, default=8, help="RL samples per problem (GRPO group)")
     parser.add_argument("--rl-lr", type=float, default=5e-4)
