@@ -10,6 +10,7 @@ has a noise of about 0.015. About 1.5-2 minutes once the base model is cached.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from loraloom.launch import free_port
+from tests.e2e.helpers import MODEL_CACHE
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +31,9 @@ def test_sft_then_rl_orders_the_rewards(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "examples" / "sft_then_rl.py")]
         + ["--sft-steps", "150", "--sft-batch", "64", "--rl-steps", "40"]
         + ["--output-dir", str(out), "--state-dir", str(tmp_path / "state"), "--port", str(free_port())],
-        cwd=ROOT,  # the built base model is shared with `loraloom demo` (.loraloom/models)
+        cwd=ROOT,
+        # The built base model is shared with the other tests (built once).
+        env={**os.environ, "LORALOOM_MODEL_CACHE": str(MODEL_CACHE.resolve())},
         check=True,
         timeout=900,
     )
