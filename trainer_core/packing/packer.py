@@ -53,7 +53,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from contracts.arrays import ArrayBatch, ArraySample, array_batch_problems, batch_arrays, float_array, to_arrays
+from contracts.arrays import (
+    ArrayBatch,
+    ArraySample,
+    array_batch_problems,
+    batch_arrays,
+    float_array,
+    to_arrays,
+)
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, TrainingSample, sample_problems
 from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd, split_to_align
