@@ -6,7 +6,8 @@ temperature 1) must order RL adapter > SFT adapter > base model.
 Sizes (measured on the shared 2-core machine, see the example's README section): the base model
 scores about 0.23 (it never reverses: it answers with sums); 150 SFT steps of 64 examples take it to
 about 0.66-0.68 (exact reversals ~40% of samples); 40 RL steps at lr 5e-4 added 0.055-0.071 in
-four runs (RL 0.729-0.748). A validation mean has a noise of about 0.015. About 1.5-2 minutes once the base model is cached.
+four runs (RL 0.729-0.748). A validation mean has a noise of about 0.015. About 1.5-2 minutes
+once the base model is cached.
 """
 
 import json
