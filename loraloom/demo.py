@@ -32,16 +32,12 @@ import copy
 import dataclasses
 import json
 import os
-import secrets
-import shutil
-import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-import httpx
 import typer
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the dev dependencies (types-tqdm)
 
@@ -164,145 +160,94 @@ def run_demo(
     `model_cache` the built base model."""
     import torch
 
-    from app.migrate import upgrade
-    from loraloom.launch import launch_pool, start_service_process
+    from loraloom.embedded import embedded_stack
     from orchestrator.samplers.local import LocalSampler
     from trainer_core.models.registry import load_base_model
 
     # Sampling the tiny model gains nothing from more threads, and the pool's rank trains at
     # the same time: one thread here keeps the two from oversubscribing a small machine.
-    # Relative paths mean the caller's working directory, resolved once here: every child gets
-    # absolute ones (the service and the pool must see the same database and files).
-    state_dir, output_dir, model_cache = (
-        p.expanduser().resolve() for p in (state_dir, output_dir, model_cache)
-    )
+    output_dir, model_cache = output_dir.expanduser().resolve(), model_cache.expanduser().resolve()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    shutil.rmtree(state_dir, ignore_errors=True)
-    state_dir.mkdir(parents=True)
     output_dir.mkdir(parents=True, exist_ok=True)
-    admin_key, worker_token = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
-    db_url = f"sqlite:///{state_dir / 'loraloom.db'}"
-    env = {
-        **os.environ,
-        "LORALOOM_DATABASE_URL": db_url,
-        "LORALOOM_DATA_DIR": str(state_dir / "data"),
-        "LORALOOM_ADMIN_KEY": admin_key,
-        "LORALOOM_WORKER_TOKEN": worker_token,
-        "LORALOOM_MAX_CONCURRENT_RUNS": "4",
-        "OMP_NUM_THREADS": "1",
-    }
     say = typer.echo
-    say(f"[demo] database {db_url}; artifacts under {state_dir / 'data'}")
-    upgrade(db_url)
-    service, url = start_service_process(env=env, port=port, log_path=state_dir / "service.log")
-    pool = None
+    stack_cm = embedded_stack(
+        state_dir=state_dir,
+        model_cache=model_cache,
+        port=port,
+        slots=4,
+        max_rank=LORA_RANK,
+        target_modules=LORA_TARGETS,
+        pack_len=PACK_LEN,
+        say=say,
+    )
     try:
-        say(f"[demo] service up at {url}")
-        say("[demo] building/loading the built-in base model loraloom-tiny (cached after the first run)")
-        base = load_base_model("loraloom-tiny", cache_dir=model_cache)
-        pool = launch_pool(
-            nproc_per_node=1,
-            worker_args=[
-                "--url",
-                url,
-                "--slots",
-                "4",
-                "--seq-len",
-                str(PACK_LEN),
-                "--max-rank",
-                str(LORA_RANK),
-                "--target-modules",
-                ",".join(LORA_TARGETS),
-                "--checkpoint-dir",
-                str(state_dir / "data" / "runs"),
-                "--model-cache-dir",
-                str(model_cache),
-                "--pack-timeout",
-                "0.3",
-                "--poll-interval",
-                "0.05",
-            ],
-            # The token in the environment, never on a command line (`ps` shows those).
-            env={"OMP_NUM_THREADS": "1", "LORALOOM_WORKER_TOKEN": worker_token},
-            log_path=state_dir / "worker.log",
-        )
-        say(f"[demo] worker pool started (1 CPU rank); log: {state_dir / 'worker.log'}")
+        with stack_cm as stack:
+            url, state_dir = stack.url, stack.state_dir
+            say("[demo] building/loading the built-in base model loraloom-tiny (cached after the first run)")
+            base = load_base_model("loraloom-tiny", cache_dir=model_cache)
+            keys = {tenant: stack.create_tenant(tenant) for tenant in ("alice", "bob")}
+            say("[demo] tenants alice and bob, each with an API key")
 
-        keys: dict[str, str] = {}
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin_key}"}) as admin:
-            for tenant in ("alice", "bob"):
-                t = admin.post("/v1/tenants", json={"name": tenant, "max_concurrent_runs": 3}).json()
-                keys[tenant] = admin.post(f"/v1/tenants/{t['id']}/keys").json()["key"]
-                say(f"[demo] tenant {tenant} ({t['id']}) with an API key")
-
-        systems = _systems(problems, group)
-        tokenizer = CharTokenizer()
-        run_ids: dict[str, str] = {}
-        loops: list[SystemLoop] = []
-        bars: dict[str, tqdm] = {}
-        sampler_seed = 0
-        for i, system in enumerate(systems):
-            client = LoraloomClient(url, keys[system.tenant])
-            policies: dict[str, AgentPolicy] = {}
-            for agent, run_name in system.runs.items():
-                run = client.create_run(
-                    run_name, _run_config(max_steps=steps, batch_size=problems * group, seed=i)
+            systems = _systems(problems, group)
+            tokenizer = CharTokenizer()
+            run_ids: dict[str, str] = {}
+            loops: list[SystemLoop] = []
+            bars: dict[str, tqdm] = {}
+            sampler_seed = 0
+            for i, system in enumerate(systems):
+                client = LoraloomClient(url, keys[system.tenant])
+                policies: dict[str, AgentPolicy] = {}
+                for agent, run_name in system.runs.items():
+                    run = client.create_run(
+                        run_name, _run_config(max_steps=steps, batch_size=problems * group, seed=i)
+                    )
+                    run_ids[run_name] = run.id
+                    say(f"[demo] {system.tenant} created run {run_name} ({run.id}): {run.status}")
+                    # One seed per sampler: two agents sampling from the same random stream would
+                    # draw correlated actions (the checker's verdict tied to the solver's luck).
+                    sampler = LocalSampler(
+                        copy.deepcopy(base), eos_token_id=tokenizer.eos_token_id, seed=sampler_seed
+                    )
+                    sampler_seed += 1
+                    policies[agent] = AgentPolicy(run_id=run.id, sampler=sampler, tokenizer=tokenizer)
+                    bars[run_name] = tqdm(total=steps, desc=f"{run_name:12s}", position=len(bars), leave=True)
+                client.close()
+                engine = MultiAgentEngine(system.engine_config, policies)
+                loop = RolloutLoop(
+                    AsyncLoraloomClient(url, keys[system.tenant]),
+                    engine,
+                    LoopConfig(
+                        max_iterations=steps,
+                        adapter_dir=state_dir / "adapters" / system.label,
+                        poll_interval_s=0.1,
+                        heartbeat_interval_s=5.0,
+                    ),
+                    on_step=[_progress(system, bars)],
                 )
-                run_ids[run_name] = run.id
-                say(f"[demo] {system.tenant} created run {run_name} ({run.id}): {run.status}")
-                # One seed per sampler: two agents sampling from the same random stream would
-                # draw correlated actions (the checker's verdict tied to the solver's luck).
-                sampler = LocalSampler(
-                    copy.deepcopy(base), eos_token_id=tokenizer.eos_token_id, seed=sampler_seed
-                )
-                sampler_seed += 1
-                policies[agent] = AgentPolicy(run_id=run.id, sampler=sampler, tokenizer=tokenizer)
-                bars[run_name] = tqdm(total=steps, desc=f"{run_name:12s}", position=len(bars), leave=True)
-            client.close()
-            engine = MultiAgentEngine(system.engine_config, policies)
-            loop = RolloutLoop(
-                AsyncLoraloomClient(url, keys[system.tenant]),
-                engine,
-                LoopConfig(
-                    max_iterations=steps,
-                    adapter_dir=state_dir / "adapters" / system.label,
-                    poll_interval_s=0.1,
-                    heartbeat_interval_s=5.0,
-                ),
-                on_step=[_progress(system, bars)],
-            )
-            loops.append((system, loop))
+                loops.append((system, loop))
 
-        started = time.monotonic()
-        validation: dict[str, dict[str, Scores]] = {}
+            started = time.monotonic()
+            validation: dict[str, dict[str, Scores]] = {}
 
-        async def _all() -> None:
-            say(f"[demo] validation before training ({VAL_PROBLEMS} problems x {VAL_SAMPLES} samples)")
-            validation["before"] = await _validate(loops)
-            await asyncio.gather(*(loop.run() for _, loop in loops))
-            for bar in bars.values():
-                bar.close()
-            say(f"[demo] {steps} steps of every run in {time.monotonic() - started:.0f} s")
-            await _load_final_adapters(loops, steps)
-            validation["after"] = await _validate(loops)
+            async def _all() -> None:
+                say(f"[demo] validation before training ({VAL_PROBLEMS} problems x {VAL_SAMPLES} samples)")
+                validation["before"] = await _validate(loops)
+                await asyncio.gather(*(loop.run() for _, loop in loops))
+                for bar in bars.values():
+                    bar.close()
+                say(f"[demo] {steps} steps of every run in {time.monotonic() - started:.0f} s")
+                await _load_final_adapters(loops, steps)
+                validation["after"] = await _validate(loops)
 
-        asyncio.run(_all())
-        results = _report(loops, validation, output_dir, say)
-        results_meta = {"steps": steps, "seconds": round(time.monotonic() - started, 1)}
-        _download_adapters(url, keys, systems, run_ids, output_dir, say)
-        (output_dir / "results.json").write_text(json.dumps({**results_meta, "runs": results}, indent=2))
-        return results
+            asyncio.run(_all())
+            results = _report(loops, validation, output_dir, say)
+            results_meta = {"steps": steps, "seconds": round(time.monotonic() - started, 1)}
+            _download_adapters(url, keys, systems, run_ids, output_dir, say)
+            (output_dir / "results.json").write_text(json.dumps({**results_meta, "runs": results}, indent=2))
+            return results
     finally:
         torch.set_num_threads(threads)
-        if pool is not None and pool.poll() is None:
-            pool.terminate()
-            try:
-                pool.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pool.kill()
-        service.terminate()
-        service.wait(timeout=20)
 
 
 def _progress(system: DemoSystem, bars: dict[str, tqdm]) -> StepCallback:
