@@ -81,7 +81,13 @@ def test_init_from_a_run_adapter(live_service, tmp_path):
         )
         assert created.status_code == 201, created.text
         new = created.json()
-        assert new["init_from"] == {"run_id": src, "step": 2, "checkpoint": None, "with_optimizer": False}
+        assert new["init_from"] == {
+            "run_id": src,
+            "step": 2,
+            "checkpoint": None,
+            "with_optimizer": False,
+            "adapter_id": None,
+        }
         _push(alice, new["id"], 7, advantage_scale=0.0)
         _wait_completed(alice, new["id"])
 
