@@ -125,6 +125,7 @@ def worker(
     if dry_run:
         typer.echo(json.dumps(settings.model_dump(mode="json", exclude={"worker_token"}), indent=2))
         return
+    _check_base_model(settings.base_model)  # local, so before the network: the first problem named is ours
     if settings.runs_dir is None:
         if not settings.token:
             raise CliError(
@@ -133,7 +134,6 @@ def worker(
                 hint="pass --token or set LORALOOM_WORKER_TOKEN (or --runs-dir DIR to train without the service)",
             )
         check_token(settings.url, settings.token)
-    _check_base_model(settings.base_model)
     raise typer.Exit(_launch(settings))
 
 
