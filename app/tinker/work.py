@@ -149,13 +149,27 @@ def submit_forward_backward(session: Session, *, tenant_id: str, body: bytes) ->
     return _submit(session, tenant_id=tenant_id, model_id=req.model_id, run=run, item=item)
 
 
-def submit_optim_step(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+def _in_order(
+    session: Session, *, tenant_id: str, body: dict[str, Any], call: str
+) -> tuple[str, Run, int, TinkerFuture | None]:
+    """(model id, its run, the request's seq_id, the future an earlier request with that seq_id made)."""
     model_id = str(body.get("model_id", ""))
     _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
     seq_id = body.get("seq_id")
     if not isinstance(seq_id, int):
-        raise ValidationFailed("optim_step needs an integer seq_id")
-    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+        raise ValidationFailed(f"{call} needs an integer seq_id")
+    return model_id, run, seq_id, _existing(session, model_id=model_id, seq_id=seq_id)
+
+
+def _save_name(body: dict[str, Any], default: str) -> str:
+    name = str(body.get("path") or default)
+    if not SAVE_NAME_RE.fullmatch(name):
+        raise ValidationFailed("the weights' name must be 1-128 of [A-Za-z0-9._-], not starting with a dot")
+    return name
+
+
+def submit_optim_step(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+    model_id, run, seq_id, existing = _in_order(session, tenant_id=tenant_id, body=body, call="optim_step")
     if existing is not None:
         return existing
     params = body.get("adam_params")
@@ -175,19 +189,14 @@ def submit_optim_step(session: Session, *, tenant_id: str, body: dict[str, Any])
 
 
 def submit_save_for_sampler(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
-    model_id = str(body.get("model_id", ""))
-    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
-    seq_id = body.get("seq_id")
-    if not isinstance(seq_id, int):
-        raise ValidationFailed("save_weights_for_sampler needs an integer seq_id")
-    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+    model_id, run, seq_id, existing = _in_order(
+        session, tenant_id=tenant_id, body=body, call="save_weights_for_sampler"
+    )
     if existing is not None:
         return existing
     if body.get("kind", "snapshot") != "snapshot":
         raise NotSupported(f"save_weights_for_sampler kind {body.get('kind')!r}")
-    name = str(body.get("path") or "sampler")
-    if not SAVE_NAME_RE.fullmatch(name):
-        raise ValidationFailed("the weights' name must be 1-128 of [A-Za-z0-9._-], not starting with a dot")
+    name = _save_name(body, "sampler")
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights_for_sampler", name=name
     )
@@ -196,17 +205,10 @@ def submit_save_for_sampler(session: Session, *, tenant_id: str, body: dict[str,
 
 def submit_save_weights(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
     """save_state: the adapter and optimizer state, by name, at this point of the request order."""
-    model_id = str(body.get("model_id", ""))
-    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
-    seq_id = body.get("seq_id")
-    if not isinstance(seq_id, int):
-        raise ValidationFailed("save_weights needs an integer seq_id")
-    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+    model_id, run, seq_id, existing = _in_order(session, tenant_id=tenant_id, body=body, call="save_weights")
     if existing is not None:
         return existing
-    name = str(body.get("path") or "state")
-    if not SAVE_NAME_RE.fullmatch(name):
-        raise ValidationFailed("the weights' name must be 1-128 of [A-Za-z0-9._-], not starting with a dot")
+    name = _save_name(body, "state")
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights", name=name
     )
