@@ -16,14 +16,12 @@ from safetensors.torch import load_file
 
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from contracts.run_config import RunConfig
-from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch
-from trainer_core.dist import World
+from tests.e2e.helpers import run_config, synthetic_batch
+from tests.trainer_core.memory_pool import train_in_memory
 from trainer_core.export import export_peft_adapter
-from trainer_core.http_source import HttpRunSource
 from trainer_core.lora import apply_multi_lora, grouped_mm_available
 from trainer_core.memory_client import MemoryPoolClient
 from trainer_core.models.tiny import build_model
-from trainer_core.worker import PoolTrainer, WorkerArgs
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
@@ -94,23 +92,7 @@ def test_the_pool_trains_and_exports_only_the_runs_modules(tmp_path: Path) -> No
     lora = {"rank": 4, "alpha": 8.0, "target_modules": ATTENTION}
     config = RunConfig.model_validate(run_config(max_steps=2, seed=5, lora=lora)).model_dump(mode="json")
     client = MemoryPoolClient([[synthetic_batch(1, n_samples=4), synthetic_batch(2, n_samples=4)]], config)
-    args = WorkerArgs(
-        url="memory",
-        token="memory",
-        slots=2,
-        seq_len=64,
-        max_rank=8,
-        checkpoint_dir=tmp_path / "ckpt",
-        model_cache_dir=MODEL_CACHE,
-        pack_timeout_s=0.05,
-        poll_interval_s=0.01,
-        exit_when_idle_s=0.3,
-    )
-    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
+    train_in_memory(client, tmp_path)
     assert client.runs["run_000000000000"].step == 2
     tensors = load_safetensors(client.adapters["run_000000000000"])
     modules = {key.split(".")[-3] for key in tensors}

@@ -16,33 +16,15 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from contracts.run_config import RunConfig
-from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch
-from trainer_core.dist import World
-from trainer_core.http_source import HttpRunSource
+from tests.e2e.helpers import run_config, synthetic_batch
+from tests.trainer_core.memory_pool import train_in_memory
 from trainer_core.memory_client import MemoryPoolClient
-from trainer_core.worker import PoolTrainer, WorkerArgs
 
 
 def _train(payloads: list[list[dict]], tmp_path: Path) -> MemoryPoolClient:
     config = RunConfig.model_validate(run_config(max_steps=2, seed=5)).model_dump(mode="json")
     client = MemoryPoolClient(payloads, config)
-    args = WorkerArgs(
-        url="memory",
-        token="memory",
-        slots=2,
-        seq_len=64,
-        max_rank=8,
-        checkpoint_dir=tmp_path / "ckpt",
-        model_cache_dir=MODEL_CACHE,
-        pack_timeout_s=0.05,
-        poll_interval_s=0.01,
-        exit_when_idle_s=0.3,
-    )
-    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
+    train_in_memory(client, tmp_path)
     return client
 
 

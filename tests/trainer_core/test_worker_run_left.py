@@ -14,12 +14,10 @@ from safetensors.torch import load as load_safetensors
 from contracts.http import ApiError, Conflict, NotFound, ServerError
 from contracts.pool_api import AdapterStored, RunAfterPush, StepReport
 from contracts.run_config import RunConfig
-from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch
-from trainer_core.dist import World
-from trainer_core.http_source import HttpRunSource
+from tests.e2e.helpers import run_config, synthetic_batch
+from tests.trainer_core.memory_pool import train_in_memory
 from trainer_core.memory_client import MemoryPoolClient
 from trainer_core.run_left import run_has_left
-from trainer_core.worker import PoolTrainer, WorkerArgs
 
 VICTIM, OTHER = "run_000000000000", "run_000000000001"
 
@@ -54,27 +52,6 @@ class LeavingClient(MemoryPoolClient):
         return super().report_step(run_id, report)
 
 
-def _train(client: MemoryPoolClient, tmp_path: Path) -> PoolTrainer:
-    args = WorkerArgs(
-        url="memory",
-        token="memory",
-        slots=2,
-        seq_len=64,
-        max_rank=8,
-        checkpoint_dir=tmp_path / "ckpt",
-        model_cache_dir=MODEL_CACHE,
-        pack_timeout_s=0.05,
-        poll_interval_s=0.01,
-        exit_when_idle_s=0.3,
-    )
-    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
-    try:
-        trainer.run()  # returns only when idle: an exception here is the pool dying
-    finally:
-        trainer.close()
-    return trainer
-
-
 def _config() -> dict:
     return RunConfig.model_validate(run_config(max_steps=3, seed=5)).model_dump(mode="json")
 
@@ -86,7 +63,7 @@ VICTIM_BATCHES = [synthetic_batch(s, n_samples=4) for s in (11, 12, 13)]
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory) -> dict[str, torch.Tensor]:
     client = MemoryPoolClient([GOOD], _config())
-    _train(client, tmp_path_factory.mktemp("alone"))
+    train_in_memory(client, tmp_path_factory.mktemp("alone"))
     return load_safetensors(client.adapters[VICTIM])  # the only run is run 0
 
 
@@ -107,7 +84,7 @@ def alone(tmp_path_factory) -> dict[str, torch.Tensor]:
 )
 def test_a_run_leaving_mid_step_is_released_and_the_other_trains_on(tmp_path, alone, at, answer) -> None:
     client = LeavingClient([VICTIM_BATCHES, GOOD], _config(), at=at, answer=answer)
-    trainer = _train(client, tmp_path)
+    trainer = train_in_memory(client, tmp_path)
 
     assert client.left
     assert trainer.slots == {}  # both released: the victim when it left, the other when complete
@@ -127,7 +104,7 @@ def test_an_error_that_is_not_about_the_run_still_stops_the_pool(tmp_path) -> No
         [VICTIM_BATCHES, GOOD], _config(), at="upload", answer=ServerError("boom", status=500)
     )
     with pytest.raises(ServerError):
-        _train(client, tmp_path)
+        train_in_memory(client, tmp_path)
 
 
 @pytest.mark.parametrize(

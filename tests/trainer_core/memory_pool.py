@@ -1,0 +1,35 @@
+"""The real PoolTrainer fed from memory (trainer_core.memory_client): one small CPU pool, trained until
+it is idle. The service is tested end to end in tests/e2e; these tests need only the pool's side."""
+
+from pathlib import Path
+
+import torch
+
+from tests.e2e.helpers import MODEL_CACHE
+from trainer_core.dist import World
+from trainer_core.http_source import HttpRunSource
+from trainer_core.memory_client import MemoryPoolClient
+from trainer_core.worker import PoolTrainer, WorkerArgs
+
+
+def train_in_memory(client: MemoryPoolClient, tmp_path: Path) -> PoolTrainer:
+    """Train every run of `client` on a 2-slot pool until nothing is left (exits after 0.3 s idle).
+    An exception from `run()` is the pool dying: it propagates."""
+    args = WorkerArgs(
+        url="memory",
+        token="memory",
+        slots=2,
+        seq_len=64,
+        max_rank=8,
+        checkpoint_dir=tmp_path / "ckpt",
+        model_cache_dir=MODEL_CACHE,
+        pack_timeout_s=0.05,
+        poll_interval_s=0.01,
+        exit_when_idle_s=0.3,
+    )
+    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    return trainer
