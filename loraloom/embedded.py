@@ -8,9 +8,11 @@ pool, yields an `EmbeddedStack` (its URL, the admin key, `create_tenant`), and s
 import os
 import secrets
 import shutil
+import signal
 import subprocess
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +75,9 @@ def embedded_stack(
     upgrade(db_url)
     service, url = start_service_process(env=env, port=port, log_path=state_dir / "service.log")
     pool = None
+    # The children run in sessions of their own (a terminal's Ctrl-C reaches only us): whatever stops
+    # us must go through the `finally` below, or the service and the pool outlive us.
+    stops = signals_as_exit() if threading.current_thread() is threading.main_thread() else nullcontext()
     try:
         say(f"[embedded] service up at {url}")
         pool = launch_pool(
@@ -102,7 +107,8 @@ def embedded_stack(
             log_path=state_dir / "worker.log",
         )
         say(f"[embedded] worker pool started (1 CPU rank); log: {state_dir / 'worker.log'}")
-        yield EmbeddedStack(url=url, admin_key=admin_key, state_dir=state_dir)
+        with stops:
+            yield EmbeddedStack(url=url, admin_key=admin_key, state_dir=state_dir)
     finally:
         if pool is not None and pool.poll() is None:
             pool.terminate()
@@ -112,3 +118,19 @@ def embedded_stack(
                 pool.kill()
         service.terminate()
         service.wait(timeout=20)
+
+
+@contextmanager
+def signals_as_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise SystemExit while the stack is up (their default kills the process at
+    once, skipping the clean-up); the previous handlers come back after."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
