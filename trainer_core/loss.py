@@ -6,7 +6,7 @@ temperature-scaled logits, ``logp_inf_t`` the inference (sampler) logprob, ``r_t
 logp_inf_t)`` the importance ratio, ``A_t`` the advantage, ``w_t`` the token's weight, ``sg`` a
 stop-gradient, ``clip(x) = min(max(x, 1 - clip_low), 1 + clip_high)``.
 
-Policy terms (``pg_t``) by kind:
+Policy terms (``pg_t``) by kind (`trainer_core.policy_terms`, shared with the Tinker losses):
 
     token_is / sequence_is   pg_t = -r_t * A_t                      (ratio masking, below)
     ppo                      pg_t = max(-r_t * A_t, -clip(r_t) * A_t)
@@ -67,6 +67,7 @@ from torch import Tensor
 
 from contracts.run_config import AdvantageSettings, LossSettings
 from trainer_core.critic import gae_advantages, value_loss
+from trainer_core.policy_terms import cispo_term, cross_entropy_term, importance_sampling_term, ppo_term
 
 _KINDS = ("token_is", "sequence_is", "cross_entropy", "ppo", "cispo")
 _TOKEN_IS, _SEQUENCE_IS, _CROSS_ENTROPY, _PPO, _CISPO = range(len(_KINDS))
@@ -376,15 +377,14 @@ def _token_losses(x: _TokenInputs, tab: _SlotTable, slots: Tensor) -> Tensor:
     kind = tab.kind[slots]
     ratio = torch.exp(x.log_ratio)
     lo, hi = tab.clip_low[slots], tab.clip_high[slots]
-    clipped = torch.clamp(ratio, min=lo, max=hi)  # passes the gradient inside [lo, hi], bounds included
-    is_pg = -ratio * x.adv
-    ppo = torch.maximum(is_pg, -clipped * x.adv)
+    is_pg = importance_sampling_term(ratio, x.adv)
+    ppo = ppo_term(ratio, x.adv, lo, hi)
     dual = tab.dual[slots]
     has_dual = torch.isfinite(dual)
     dual = torch.where(has_dual, dual, 0.0)  # inf * 0 would be NaN even in the branch not taken
     ppo = torch.where((x.adv < 0) & has_dual, torch.minimum(ppo, -dual * x.adv), ppo)
-    cispo = -clipped.detach() * x.adv * x.logp
-    ce = -x.weight * x.logp
+    cispo = cispo_term(ratio, x.adv, x.logp, lo, hi)
+    ce = cross_entropy_term(x.logp, x.weight)
     pg = torch.where(kind == _PPO, ppo, torch.where(kind == _CISPO, cispo, is_pg))
     rl = (
         pg

@@ -40,13 +40,13 @@ from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch
+from trainer_core.policy_terms import tinker_loss
 from trainer_core.publish import Publisher
 from trainer_core.slots import RunSlot
 
 log = logging.getLogger("loraloom.worker")
 
 MAX_CLAIM = 64
-PPO_CLIP = (0.8, 1.2)
 
 __all__ = ["ManualExecutor", "ManualWorkClient"]
 
@@ -358,19 +358,14 @@ def _micro_batch(row: list[_Sample], n_slots: int) -> MicroBatch:
 
 def _loss(item: ManualWorkItem, datum: ManualDatum, lp: Tensor) -> Tensor:
     """Elementwise loss (n,) of one datum; its sum is the datum's contribution to the request's loss."""
-    if item.loss_fn == "cross_entropy":
-        return -torch.tensor(datum.weights, dtype=lp.dtype, device=lp.device) * lp
-    old = torch.tensor(datum.logprobs or [], dtype=lp.dtype, device=lp.device)  # (n,)
-    adv = torch.tensor(datum.advantages or [], dtype=lp.dtype, device=lp.device)  # (n,)
-    ratio = torch.exp(lp - old)
-    if item.loss_fn == "importance_sampling":
-        return -ratio * adv
-    low = item.loss_fn_config.get("clip_low_threshold", PPO_CLIP[0])
-    high = item.loss_fn_config.get("clip_high_threshold", PPO_CLIP[1])
-    if item.loss_fn == "cispo":
-        # The clipped ratio is a weight, not a path for gradients: every token keeps its gradient.
-        return -(ratio.clamp(low, high).detach() * adv * lp)
-    return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+    return tinker_loss(
+        item.loss_fn or "cross_entropy",
+        lp,
+        weights=datum.weights,
+        sampler_logprobs=datum.logprobs,
+        advantages=datum.advantages,
+        config=item.loss_fn_config,
+    )
 
 
 def _saved(item: ManualWorkItem, run: RunSlot) -> ManualResult:
