@@ -13,8 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, fi
 DEFAULT_BASE_MODEL = "loraloom-tiny"
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 KNOWN_TARGET_MODULES = frozenset(
-    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"}
 )
+"""The attention and MLP projections, and `lm_head` (the unembedding; with tied embeddings its LoRA
+delta is the adapter's own, the shared weight stays frozen)."""
 
 
 def _numeric(annotation: Any) -> bool:
@@ -60,8 +62,8 @@ class LoraSettings(_Strict):
     target_modules: tuple[str, ...] = Field(
         default=DEFAULT_TARGET_MODULES,
         min_length=1,
-        max_length=7,
-        description="Linear layers that get an adapter (names as in Llama/Qwen/Mistral).",
+        max_length=8,
+        description="Linear layers that get an adapter (names as in Llama/Qwen/Mistral; lm_head: the unembedding).",
         json_schema_extra={
             "items": {"type": "string", "enum": list[JsonValue](sorted(KNOWN_TARGET_MODULES))},
             "uniqueItems": True,

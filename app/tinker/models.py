@@ -8,6 +8,10 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
 
+CHECKPOINT_DELETED = "loraloom_deleted"
+"""Set in a save's result when the user deletes the checkpoint it named (the future itself stays:
+it answers a retried request with the same seq_id). Keys prefixed `loraloom_` never reach the SDK."""
+
 
 class TinkerSession(Base):
     __tablename__ = "tinker_sessions"
@@ -61,6 +65,15 @@ class TinkerFuture(Base):
     error_category: Mapped[str | None] = mapped_column(String(16), default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+
+    def saved_path(self) -> str | None:
+        """The `tinker://` path a completed save names; None for other futures and once the user
+        deleted that checkpoint (`app.tinker.checkpoints`)."""
+        result = self.result or {}
+        if self.status != "complete" or result.get(CHECKPOINT_DELETED):
+            return None
+        path = result.get("path")
+        return path if isinstance(path, str) else None
 
 
 class TinkerSamplingSession(Base):

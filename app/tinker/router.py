@@ -16,10 +16,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.auth import SettingsDep
 from app.db import SessionDep
-from app.tinker import service, work
+from app.tinker import checkpoints, service, work
 from app.tinker.auth import TinkerTenantDep, tinker_tenant
 from app.tinker.models import TinkerFuture
 from app.tinker.schemas import (
+    CheckpointsOut,
     ClientConfig,
     CreateModelRequest,
     CreateSessionRequest,
@@ -33,6 +34,8 @@ from app.tinker.schemas import (
     TrainingRunsOut,
     TryAgain,
     UntypedAPIFuture,
+    WeightsInfoOut,
+    WeightsInfoRequest,
 )
 
 # The Tinker SDK's surface (its own protocol, documented by the SDK): not in our OpenAPI documents.
@@ -102,8 +105,12 @@ def create_model(
 
 
 @router.post("/get_info", operation_id="tinkerGetInfo")
-def get_info(principal: TinkerTenantDep, session: SessionDep, body: GetInfoRequest) -> GetInfoResponse:
-    return service.model_info(session, tenant_id=principal.tenant_id, model_id=body.model_id)
+def get_info(
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: GetInfoRequest
+) -> GetInfoResponse:
+    return service.model_info(
+        session, tenant_id=principal.tenant_id, model_id=body.model_id, settings=settings
+    )
 
 
 LONG_POLL_S = 2.0
@@ -242,13 +249,61 @@ def list_training_runs(
     items, total = service.list_training_runs(
         session, tenant_id=principal.tenant_id, limit=limit, offset=offset
     )
+    items = [
+        checkpoints.with_latest_checkpoints(session, tenant_id=principal.tenant_id, run_out=item)
+        for item in items
+    ]
     return TrainingRunsOut(training_runs=items, cursor=Cursor(offset=offset, limit=limit, total_count=total))
 
 
 @router.get("/training_runs/{training_run_id}", operation_id="tinkerGetTrainingRun")
 def get_training_run(principal: TinkerTenantDep, session: SessionDep, training_run_id: str) -> TrainingRunOut:
+    """Also what `get_training_run_by_tinker_path` asks for (the SDK parses the path itself)."""
     model, run = service.get_model(session, tenant_id=principal.tenant_id, model_id=training_run_id)
-    return service.training_run_out(model, run)
+    return checkpoints.with_latest_checkpoints(
+        session, tenant_id=principal.tenant_id, run_out=service.training_run_out(model, run)
+    )
+
+
+@router.get("/training_runs/{training_run_id}/checkpoints", operation_id="tinkerListCheckpoints")
+def list_checkpoints(principal: TinkerTenantDep, session: SessionDep, training_run_id: str) -> CheckpointsOut:
+    items = checkpoints.model_checkpoints(session, tenant_id=principal.tenant_id, model_id=training_run_id)
+    return CheckpointsOut(checkpoints=items)
+
+
+@router.delete(
+    "/training_runs/{training_run_id}/checkpoints/{checkpoint_id:path}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    operation_id="tinkerDeleteCheckpoint",
+)
+def delete_checkpoint(
+    principal: TinkerTenantDep, session: SessionDep, training_run_id: str, checkpoint_id: str
+) -> Response:
+    """`checkpoint_id` is `weights/<name>` or `sampler_weights/<name>` (it holds a slash)."""
+    if checkpoint_id.endswith("/publish"):
+        raise service.NotSupported("unpublishing checkpoints (loraloom does not publish them)")
+    checkpoints.delete_checkpoint(
+        session, tenant_id=principal.tenant_id, model_id=training_run_id, checkpoint_id=checkpoint_id
+    )
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get("/checkpoints", operation_id="tinkerListUserCheckpoints")
+def list_user_checkpoints(
+    principal: TinkerTenantDep,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+) -> CheckpointsOut:
+    items, total = checkpoints.user_checkpoints(
+        session, tenant_id=principal.tenant_id, limit=limit, offset=offset
+    )
+    return CheckpointsOut(checkpoints=items, cursor=Cursor(offset=offset, limit=limit, total_count=total))
+
+
+@router.post("/weights_info", operation_id="tinkerWeightsInfo")
+def weights_info(principal: TinkerTenantDep, session: SessionDep, body: WeightsInfoRequest) -> WeightsInfoOut:
+    return checkpoints.weights_info(session, tenant_id=principal.tenant_id, path=body.tinker_path)
 
 
 @router.api_route("/{call:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)

@@ -12,10 +12,12 @@ from contracts.run_config import KNOWN_TARGET_MODULES
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+"""train_unembed: LoRA on the unembedding (with tied embeddings, a delta of its own)."""
 TINKER_LORA_ALPHA = 32.0
 """The LoRA alpha of a Tinker model (the SDK does not send one)."""
 
-assert set(ATTN_MODULES + MLP_MODULES) == KNOWN_TARGET_MODULES
+assert set(ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES) == KNOWN_TARGET_MODULES
 
 
 class _Request(BaseModel):
@@ -40,7 +42,11 @@ class LoraConfig(_Request):
     train_attn: bool = True
 
     def target_modules(self) -> tuple[str, ...]:
-        return (ATTN_MODULES if self.train_attn else ()) + (MLP_MODULES if self.train_mlp else ())
+        return (
+            (ATTN_MODULES if self.train_attn else ())
+            + (MLP_MODULES if self.train_mlp else ())
+            + (UNEMBED_MODULES if self.train_unembed else ())
+        )
 
 
 class OptimizerConfig(_Request):
@@ -127,6 +133,10 @@ class TrainingRunOut(BaseModel):
     corrupted: bool = False
     lora_rank: int
     last_request_time: str
+    last_checkpoint: "CheckpointOut | None" = None
+    """The newest training checkpoint (save_state), if any."""
+    last_sampler_checkpoint: "CheckpointOut | None" = None
+    """The newest sampler checkpoint (save_weights_for_sampler), if any."""
     user_metadata: dict[str, str] | None = None
 
 
@@ -139,3 +149,39 @@ class Cursor(BaseModel):
 class TrainingRunsOut(BaseModel):
     training_runs: list[TrainingRunOut]
     cursor: Cursor
+
+
+class CheckpointOut(BaseModel):
+    """tinker 0.38.0's `types.Checkpoint`: what `save_state` (training) or
+    `save_weights_for_sampler` (sampler) named."""
+
+    checkpoint_id: str
+    """`weights/<name>` or `sampler_weights/<name>`: the path's last two segments."""
+    checkpoint_type: Literal["training", "sampler"]
+    time: str
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+
+
+class CheckpointsOut(BaseModel):
+    checkpoints: list[CheckpointOut]
+    cursor: Cursor | None = None
+
+
+class WeightsInfoRequest(_Request):
+    tinker_path: str = Field(max_length=512)
+
+
+class WeightsInfoOut(BaseModel):
+    """tinker 0.38.0's `types.WeightsInfoResponse`: what a checkpoint loads into."""
+
+    base_model: str
+    is_lora: bool = True
+    lora_rank: int
+    train_unembed: bool
+    train_mlp: bool
+    train_attn: bool
+
+
+TrainingRunOut.model_rebuild()  # its checkpoint fields name CheckpointOut, defined after it

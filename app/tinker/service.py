@@ -31,8 +31,9 @@ from app.tinker.schemas import (
     TrainingRunOut,
 )
 from contracts.ids import new_id
-from contracts.run_config import LoraSettings, RunConfig
+from contracts.run_config import DEFAULT_BASE_MODEL, LoraSettings, RunConfig
 from contracts.status import PoolStatus, RunStatus
+from contracts.tokenizer_files import save_char_tokenizer
 
 MANUAL_MAX_STEPS = 1_000_000
 """The largest max_steps a RunConfig allows: a manual run is stepped by its user, never completed."""
@@ -108,13 +109,8 @@ def _run_config(session: Session, body: CreateModelRequest) -> RunConfig:
         raise NotSupported(
             "full fine-tuning (create_model without lora_config); loraloom trains LoRA adapters"
         )
-    if lora.train_unembed:
-        raise NotSupported(
-            "train_unembed=True (LoRA on the unembedding layer); "
-            "pass train_unembed=False to create_lora_training_client"
-        )
     if not lora.target_modules():
-        raise ValidationFailed("at least one of train_mlp or train_attn must be true")
+        raise ValidationFailed("at least one of train_attn, train_mlp or train_unembed must be true")
     if body.optimizer_config.type != "adamw":
         raise NotSupported(f"optimizer {body.optimizer_config.type!r}; loraloom steps AdamW")
     pool = live_pool(session, base_model=body.base_model)
@@ -209,11 +205,22 @@ def get_model(session: Session, *, tenant_id: str, model_id: str) -> tuple[Tinke
     return model, runs.get_run(session, run_id=model.run_id)
 
 
-def model_info(session: Session, *, tenant_id: str, model_id: str) -> GetInfoResponse:
+def tokenizer_id(base_model: str, *, settings: Settings) -> str:
+    """What the SDK's `AutoTokenizer.from_pretrained` loads offline for `base_model`: for the
+    built-in model, its character tokenizer as Hugging Face files in the data directory (written
+    on first use); a local model's directory and a hub id name their own tokenizer."""
+    if base_model != DEFAULT_BASE_MODEL:
+        return base_model
+    return str(save_char_tokenizer(settings.data_dir.resolve() / "tokenizers" / base_model))
+
+
+def model_info(session: Session, *, tenant_id: str, model_id: str, settings: Settings) -> GetInfoResponse:
     model, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
     rank = int(run.config["lora"]["rank"])
     return GetInfoResponse(
-        model_data=ModelData(model_name=run.base_model, tokenizer_id=run.base_model),
+        model_data=ModelData(
+            model_name=run.base_model, tokenizer_id=tokenizer_id(run.base_model, settings=settings)
+        ),
         model_id=model.id,
         lora_rank=rank,
         model_name=run.base_model,

@@ -232,7 +232,7 @@ def _saved_state(session: Session, *, tenant_id: str, path: str) -> tuple[Run, s
             TinkerFuture.status == "complete",
         )
     )
-    if not any((f.result or {}).get("path") == path for f in saved):
+    if not any(f.saved_path() == path for f in saved):
         raise NotFound(f"weights {path} not found")
     return run, parts[2]
 
@@ -311,7 +311,7 @@ def resolve_sampler_path(session: Session, *, tenant_id: str, path: str) -> tupl
         .order_by(TinkerFuture.seq_id.desc())
     )
     for future in saved:
-        if (future.result or {}).get("path") == path:
+        if future.saved_path() == path:
             return run.id, int((future.result or {})["loraloom_step"])
     raise NotFound(f"weights {path} not found")
 

@@ -7,6 +7,7 @@ import pytest
 import tinker
 from tinker import types
 
+from contracts.tokenizer import CharTokenizer
 from tests.app.api import TenantHandle, new_tenant
 
 BASE_MODEL = "loraloom-tiny"
@@ -57,11 +58,7 @@ def test_unsupported_calls_answer_a_clear_error_through_the_sdk(http):
     tenant = new_tenant(http, quota=2)
     service = _service_client(http, tenant)
     try:
-        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: train_unembed"):
-            service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
-        training = service.create_lora_training_client(
-            base_model=BASE_MODEL, rank=4, train_unembed=False
-        ).result()
+        training = service.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
         datum = types.Datum(
             model_input=types.ModelInput.from_ints([1, 2, 3]),
             loss_fn_inputs={"target_tokens": [2, 3, 4], "weights": [1.0, 1.0, 1.0]},
@@ -69,9 +66,21 @@ def test_unsupported_calls_answer_a_clear_error_through_the_sdk(http):
         with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: loss_fn 'dro'"):
             training.forward_backward([datum], "dro").result()
         with pytest.raises(
-            tinker.BadRequestError, match="not supported by loraloom: GET /api/v1/training_runs/"
+            tinker.BadRequestError, match="not supported by loraloom: POST /api/v1/training_runs/.*/publish"
         ):
-            _rest_client(http, tenant).list_checkpoints(training.model_id).result()
+            _rest_client(http, tenant).publish_checkpoint_from_tinker_path(
+                f"tinker://{training.model_id}/sampler_weights/final"
+            ).result()
+        with pytest.raises(tinker.BadRequestError, match="not supported by loraloom: unpublishing"):
+            _rest_client(http, tenant).unpublish_checkpoint_from_tinker_path(
+                f"tinker://{training.model_id}/sampler_weights/final"
+            ).result()
+        with pytest.raises(
+            tinker.BadRequestError, match="not supported by loraloom: PUT /api/v1/training_runs/"
+        ):
+            _rest_client(http, tenant).set_checkpoint_ttl_from_tinker_path(
+                f"tinker://{training.model_id}/weights/final", 60
+            ).result()
         with pytest.raises(
             tinker.BadRequestError, match="not supported by loraloom: sampling the base model"
         ):
@@ -104,3 +113,85 @@ def test_keys_are_checked_and_tenants_see_only_their_own_models(http):
     finally:
         service.close("success").result()
         other.close("success").result()
+
+
+def test_sdk_defaults_create_a_model_with_the_unembedding_and_a_tokenizer_that_loads_offline(
+    http, monkeypatch
+):
+    tenant = new_tenant(http, quota=2)
+    service = _service_client(http, tenant)
+    try:
+        # Unmodified user code: rank 32, train_attn, train_mlp and train_unembed all true.
+        training = service.create_lora_training_client(BASE_MODEL).result()
+        config = http.get("/v1/runs", headers=tenant.headers).json()["items"][0]["config"]
+        assert config["lora"]["rank"] == 32
+        assert config["lora"]["target_modules"] == [
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"
+        ]  # fmt: skip
+
+        # get_tokenizer() loads the tokenizer_id with AutoTokenizer, here without the network.
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        tokenizer_id = training.get_info().model_data.tokenizer_id
+        assert tokenizer_id != BASE_MODEL and tokenizer_id.startswith("/")
+        tokenizer = training.get_tokenizer()
+        chars = CharTokenizer()
+        text = "12+34=46 ok?\nHello, World!"
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert ids == chars.encode(text)
+        assert tokenizer.decode(ids) == text
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+            chars.bos_token_id,
+            chars.eos_token_id,
+            chars.pad_token_id,
+        )
+        assert (
+            tokenizer.decode([chars.bos_token_id, *ids, chars.eos_token_id], skip_special_tokens=True) == text
+        )
+
+        # The SDK checks this itself; a raw request gets the service's own 422, and no model.
+        body = {
+            "session_id": service.holder.get_session_id(),
+            "model_seq_id": 7,
+            "base_model": BASE_MODEL,
+            "lora_config": {"rank": 4, "train_attn": False, "train_mlp": False, "train_unembed": False},
+        }
+        r = http.post("/api/v1/create_model", json=body, headers={"X-API-Key": "tml-" + tenant.key})
+        assert r.status_code == 422
+        assert "at least one of train_attn, train_mlp or train_unembed" in r.json()["error"]["message"]
+        assert len(http.get("/v1/runs", headers=tenant.headers).json()["items"]) == 1
+    finally:
+        service.close("success").result()
+
+
+def test_checkpoint_calls_are_scoped_to_the_tenant_and_check_their_paths(http):
+    acme, globex = new_tenant(http), new_tenant(http)
+    service = _service_client(http, acme)
+    try:
+        training = service.create_lora_training_client(BASE_MODEL, rank=2, train_unembed=False).result()
+        rest, other = _rest_client(http, acme), _rest_client(http, globex)
+        assert rest.list_checkpoints(training.model_id).result().checkpoints == []
+        listed = rest.list_user_checkpoints().result()
+        assert listed.checkpoints == [] and listed.cursor is not None and listed.cursor.total_count == 0
+        never_saved = f"tinker://{training.model_id}/weights/nothing"
+        with pytest.raises(tinker.NotFoundError):
+            rest.get_weights_info_by_tinker_path(never_saved).result()
+        with pytest.raises(tinker.NotFoundError):
+            rest.delete_checkpoint_from_tinker_path(never_saved).result()
+        with pytest.raises(tinker.NotFoundError):
+            other.list_checkpoints(training.model_id).result()
+        with pytest.raises(tinker.NotFoundError):
+            other.get_training_run_by_tinker_path(never_saved).result()
+        # Not a checkpoint path: 400 with the shape it should have.
+        r = http.post(
+            "/api/v1/weights_info",
+            json={"tinker_path": f"tinker://{training.model_id}/elsewhere/x"},
+            headers={"X-API-Key": "tml-" + acme.key},
+        )
+        assert r.status_code in (400, 422) and "not a checkpoint path" in r.json()["error"]["message"]
+        r = http.delete(
+            f"/api/v1/training_runs/{training.model_id}/checkpoints/weights",
+            headers={"X-API-Key": "tml-" + acme.key},
+        )
+        assert r.status_code in (400, 422), r.text
+    finally:
+        service.close("success").result()

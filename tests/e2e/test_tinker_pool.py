@@ -6,7 +6,7 @@ leaves fails its futures and the pool goes on."""
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -51,7 +51,8 @@ class Pool:
 
 
 @contextmanager
-def running_pool(url: str, tmp_path) -> Iterator[Pool]:
+def running_pool(url: str, tmp_path, **overrides: Any) -> Iterator[Pool]:
+    """A one-rank pool in a thread; `overrides`: WorkerArgs fields (target_modules, max_rank, ...)."""
     args = WorkerArgs(
         url=url,
         token=WORKER_TOKEN,
@@ -63,6 +64,7 @@ def running_pool(url: str, tmp_path) -> Iterator[Pool]:
         pack_timeout_s=0.05,
         poll_interval_s=0.02,
     )
+    args = replace(args, **overrides)
     client = GatedClient(url, WORKER_TOKEN)
     trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
     thread = threading.Thread(target=trainer.run, daemon=True)

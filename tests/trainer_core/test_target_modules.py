@@ -101,3 +101,47 @@ def test_the_pool_trains_and_exports_only_the_runs_modules(tmp_path: Path) -> No
     # Its checkpoint holds the same modules: a restarted pool restores exactly them.
     ckpt = sorted((tmp_path / "ckpt" / "run_000000000000" / "checkpoints").glob("step_*"))
     assert ckpt
+
+
+@pytest.mark.filterwarnings("ignore:Model has .tie_word_embeddings=True.:UserWarning")
+@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("qwen2", True), ("qwen3", True)])
+def test_lm_head_gets_its_own_delta_and_peft_loads_it(arch, tied: bool, tmp_path: Path) -> None:
+    """train_unembed: LoRA on the unembedding. With tied embeddings the delta is the slot's own: the
+    shared weight stays frozen and shared, a slot without lm_head sees the plain unembedding."""
+    model = build_model(arch, seed=0, tie_word_embeddings=tied)
+    embedding = model.get_input_embeddings().weight
+    assert isinstance(embedding, torch.Tensor)
+    assert (model.get_submodule("lm_head").weight is embedding) == tied
+    before = embedding.detach().clone()
+    handle = apply_multi_lora(model, [*ATTENTION, "lm_head"], n_slots=2, max_rank=4)
+    assert "lm_head" in handle.layers
+    assert (handle.layers["lm_head"].base.weight is embedding) == tied  # still one weight when tied
+    handle.configure_slot(0, rank=4, alpha=8.0)
+    handle.reset_slot(0, seed=1)
+    handle.configure_slot(1, rank=4, alpha=8.0, target_modules=ATTENTION)
+    handle.reset_slot(1, seed=2)
+    opt = torch.optim.AdamW(handle.slot_parameters(0) + handle.slot_parameters(1), lr=1e-2)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        ids = torch.randint(0, 256, (1, 16), generator=gen)
+        opt.zero_grad()
+        with handle.segments([8, 8]):
+            model(ids, labels=ids).loss.backward()
+        opt.step()
+    assert handle.layers["lm_head"].lora_B[0].any()  # slot 0 trained its unembedding delta
+    assert not handle.layers["lm_head"].lora_B[1].any()  # slot 1 has none
+    assert torch.equal(embedding, before) and not embedding.requires_grad
+
+    ids = torch.randint(0, 256, (1, 12), generator=gen)
+    for slot, counts in ((0, [12, 0]), (1, [0, 12])):
+        out = export_peft_adapter(handle, slot, tmp_path / f"adapter{slot}", base_model_name_or_path=arch)
+        modules = json.loads((out / ADAPTER_CONFIG).read_text())["target_modules"]
+        assert ("lm_head" in modules) == (slot == 0)
+        with torch.no_grad(), handle.segments(counts):
+            ours = model(ids).logits
+        peft_model = PeftModel.from_pretrained(
+            build_model(arch, seed=0, tie_word_embeddings=tied), out
+        ).eval()
+        with torch.no_grad():
+            theirs = peft_model(ids).logits
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)

@@ -28,6 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 # The tokenizer is the SDK's character tokenizer: the model and the envs must share one vocabulary.
 from contracts.tokenizer import CharTokenizer
+from contracts.tokenizer_files import TOKENIZER_FILE, save_char_tokenizer
 from trainer_core.models.attention import PACKED_ATTENTION
 
 TOKENIZER = CharTokenizer()
@@ -186,4 +187,9 @@ def load(
         # If another process finished first, theirs is identical (seeded): keep it.
         with contextlib.suppress(OSError):
             os.replace(tmp, path)
+    if not (path / TOKENIZER_FILE).exists():
+        # Beside the weights (caches built before it was written get it now): the directory loads
+        # in transformers as a whole, model and tokenizer.
+        with contextlib.suppress(OSError):
+            save_char_tokenizer(path, TOKENIZER)
     return LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)

@@ -50,8 +50,10 @@ def tiny_config(
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
     max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = False,
 ) -> PretrainedConfig:
-    """A small config of `arch` with untied embeddings and head_dim = hidden_size / num_heads."""
+    """A small config of `arch` with head_dim = hidden_size / num_heads (and untied embeddings unless
+    asked: small Qwen models tie theirs)."""
     if arch not in _CONFIG_CLASSES:
         raise ValueError(f"unknown arch {arch!r}; known: {sorted(_CONFIG_CLASSES)}")
     if hidden_size % num_heads or num_heads % num_kv_heads:
@@ -72,7 +74,7 @@ def tiny_config(
         # Qwen3 defaults head_dim to 128 whatever the hidden size; pin it for every arch.
         head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         **extra,
     )
 
