@@ -178,3 +178,18 @@ def test_checkpoints_list_describe_and_delete_for_their_tenant_only(live_service
             assert [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints] == [again]
         finally:
             service.close("success").result()
+
+
+def test_a_pool_without_the_sdks_defaults_names_what_it_lacks(live_service, tmp_path):
+    key, http = _key(live_service, "tinker-narrow-pool")
+    # Attention only, rank 8: neither the SDK's default rank (32) nor its MLP / unembedding fit.
+    with running_pool(live_service.url, tmp_path), http:
+        _wait_for_pool(live_service.url, key)
+        service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
+        try:
+            with pytest.raises(tinker.UnprocessableEntityError, match="lm_head") as refused:
+                service.create_lora_training_client(BASE_MODEL).result()
+            assert "rank" in str(refused.value)
+            assert http.get("/v1/runs").json()["items"] == []  # nothing stored
+        finally:
+            service.close("success").result()
