@@ -40,8 +40,14 @@ from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch
+from trainer_core.pause_point import (
+    MANUAL_BEFORE_CLAIM,
+    MANUAL_BEFORE_OPTIM,
+    MANUAL_BEFORE_OPTIM_REPORT,
+    pause_at,
+)
 from trainer_core.publish import Publisher
-from trainer_core.slots import RunSlot
+from trainer_core.slots import ManualBoundary, RunSlot
 
 log = logging.getLogger("loraloom.worker")
 
@@ -98,22 +104,30 @@ class ManualExecutor:
         publisher: Publisher,
         multi_rank: bool,
     ) -> bool:
-        """Claim and execute one round of manual work; False when none ran."""
+        """Claim and execute one round of manual work; False when none ran.
+
+        Results go back in three reports, so that a pool killed anywhere loses nothing the next
+        pool cannot rebuild: the passes (and samples) first, before any adapter changes; then the
+        saves and loads; then the optim_steps, each applied and checkpointed before its report.
+        """
+        pause_at(MANUAL_BEFORE_CLAIM)
         items = self.client.claim_manual(MAX_CLAIM)
         if not items:
             return False
         slot_of = {run.run_id: slot for slot, run in slots.items() if run.leaving is None}
-        results: list[ManualResult] = []
+        first: list[ManualResult] = []
         runnable: list[tuple[int, ManualWorkItem]] = []
         for index, item in enumerate(items):
             if multi_rank:
-                results.append(
+                first.append(
                     _failed(item, "not supported by loraloom yet: Tinker models on a multi-rank pool")
                 )
             elif item.run_id not in slot_of:
                 # Not admitted here yet (active at the service since this loop's look), or leaving:
                 # the service hands it out again, or fails it if the run has left.
-                results.append(ManualResult(request_id=item.request_id, release=True))
+                first.append(ManualResult(request_id=item.request_id, release=True))
+            elif (answer := _in_checkpoint(item, slots[slot_of[item.run_id]])) is not None:
+                first.append(answer)
             else:
                 runnable.append((index, item))
         outputs = self._passes(
@@ -127,42 +141,41 @@ class ManualExecutor:
             [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind == "sample"],
             slots,
         )
+        states: list[ManualWorkItem] = []
+        steps: list[ManualWorkItem] = []
         for index, item in runnable:
-            slot = slot_of[item.run_id]
             if item.kind == "sample":
-                results.append(sampled[index])
-                continue
-            if item.kind == "optim_step":
-                results.append(_optim_step(item, slots[slot], optimizer, publisher))
-                continue
-            if item.kind == "save_weights_for_sampler":
-                results.append(_saved(item, slots[slot]))
-                continue
-            if item.kind == "save_weights":
-                results.append(_save_state(item, slots[slot], lora, optimizer, self.checkpoint_dir))
-                continue
-            if item.kind == "load_weights":
-                results.append(_load_state(item, slots[slot], lora, optimizer, self.checkpoint_dir))
-                continue
-            out = outputs[index]
-            run = slots[slot]
-            if item.kind == "forward_backward":
-                acc = run.step_metrics
-                acc.loss_sum += out.loss_sum
-                acc.loss_tokens += out.weighted_tokens
-                acc.tokens += sum(len(d.tokens) for d in item.data)
-                acc.samples += len(item.data)
-            results.append(
-                ManualResult(
-                    request_id=item.request_id,
-                    logprobs=out.logprobs,
-                    elementwise_loss=out.losses,
-                    metrics={"loss:sum": out.loss_sum},
-                )
+                first.append(sampled[index])
+            elif item.kind in ("forward", "forward_backward"):
+                first.append(_pass_result(item, slots[slot_of[item.run_id]], outputs[index]))
+            elif item.kind == "optim_step":
+                steps.append(item)
+            else:
+                states.append(item)
+        if first:
+            self.client.report_manual(first)
+        if states:
+            self.client.report_manual(
+                [self._state(item, slots[slot_of[item.run_id]], lora, optimizer) for item in states]
             )
-        self.client.report_manual(results)
+        if steps:
+            pause_at(MANUAL_BEFORE_OPTIM)
+            stepped = [_optim_step(item, slots[slot_of[item.run_id]], optimizer, publisher) for item in steps]
+            pause_at(MANUAL_BEFORE_OPTIM_REPORT)
+            self.client.report_manual(stepped)
         # Only released items: nothing ran, so the loop may sleep as when idle.
-        return any(not r.release for r in results)
+        return bool(states or steps) or any(not r.release for r in first)
+
+    def _state(
+        self, item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer
+    ) -> ManualResult:
+        """save_weights_for_sampler, save_weights, load_weights."""
+        if item.kind == "save_weights_for_sampler":
+            return _saved(item, run)
+        if item.kind == "save_weights":
+            return _save_state(item, run, lora, optimizer, self.checkpoint_dir)
+        result = _load_state(item, run, lora, optimizer, self.checkpoint_dir)
+        return ManualResult(request_id=item.request_id, replayed=True) if item.replay else result
 
     # -- passes ------------------------------------------------------------------------------------
 
@@ -373,6 +386,43 @@ def _loss(item: ManualWorkItem, datum: ManualDatum, lp: Tensor) -> Tensor:
     return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
 
 
+def _pass_result(item: ManualWorkItem, run: RunSlot, out: _Outputs) -> ManualResult:
+    """A forward / forward_backward's result; a replayed one adds to the step's metrics again (they
+    were lost with the pool that ran it) and reports only that it was replayed."""
+    if item.kind == "forward_backward":
+        acc = run.step_metrics
+        acc.loss_sum += out.loss_sum
+        acc.loss_tokens += out.weighted_tokens
+        acc.tokens += sum(len(d.tokens) for d in item.data)
+        acc.samples += len(item.data)
+    if item.replay:
+        return ManualResult(request_id=item.request_id, replayed=True)
+    return ManualResult(
+        request_id=item.request_id,
+        logprobs=out.logprobs,
+        elementwise_loss=out.losses,
+        metrics={"loss:sum": out.loss_sum},
+    )
+
+
+def _in_checkpoint(item: ManualWorkItem, run: RunSlot) -> ManualResult | None:
+    """The answer to a re-delivered request that the run's restored checkpoint already holds (the
+    pool that ran it died after checkpointing its step, before reporting the step); None for one
+    still to run. The step is not applied twice: its lost report is sent from the checkpoint."""
+    boundary = run.manual_boundary
+    if boundary is None or item.kind == "sample" or item.seq_id > boundary.seq_id:
+        return None
+    if item.replay:
+        return ManualResult(request_id=item.request_id, replayed=True)
+    if item.kind == "optim_step" and item.seq_id == boundary.seq_id:
+        return ManualResult(request_id=item.request_id, metrics=boundary.metrics)
+    # The service hands out nothing of a step unreported after its optim_step ran (the passes are
+    # reported first), so this is a broken invariant, not a user error: fail it loudly.
+    return _failed(
+        item, f"request {item.seq_id} came back after optim_step {boundary.seq_id} was checkpointed"
+    )
+
+
 def _saved(item: ManualWorkItem, run: RunSlot) -> ManualResult:
     """The run's adapter was published at its last optim_step: name that step."""
     if run.progress.step == 0:
@@ -451,8 +501,9 @@ def _optim_step(
     run.progress.step += 1
     run.progress.total_tokens += acc.tokens
     run.progress.total_samples += acc.samples
+    metrics = {"grad_norm": stats.grad_norm, "lr": stats.lr, "step": float(run.progress.step)}
+    # Checkpointed with the step (a manual run checkpoints every step): what a pool restoring the
+    # run needs to skip this step's requests and answer its report if this pool dies before it.
+    run.manual_boundary = ManualBoundary(seq_id=item.seq_id, metrics=metrics)
     publisher.publish_step(run, run.progress.step, stats)
-    return ManualResult(
-        request_id=item.request_id,
-        metrics={"grad_norm": stats.grad_norm, "lr": stats.lr, "step": run.progress.step},
-    )
+    return ManualResult(request_id=item.request_id, metrics=metrics)

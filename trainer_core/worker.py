@@ -64,7 +64,7 @@ from trainer_core.models.registry import load_base_model
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch, Packer
 from trainer_core.pause_point import pause_before_publish
-from trainer_core.publish import Publisher, restore_slot
+from trainer_core.publish import Publisher, restore_manual_boundary, restore_slot
 from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
 from trainer_core.service_client import PoolServiceClient
@@ -359,6 +359,8 @@ class PoolTrainer:
             value_heads=self.value_heads,
         )
         run = RunSlot(slot, run_id, config, progress, ledger=RunLedger(next_sample=progress.total_samples))
+        if config.mode == "manual":
+            run.manual_boundary = restore_manual_boundary(self.args.checkpoint_home, run_id)
         self.slots[slot] = run
         if self.master and initial.error is not None:
             self._evict(run, f"its init_from weights could not be loaded: {initial.error}")
