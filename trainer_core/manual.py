@@ -1,7 +1,8 @@
 """Manual-mode work on the pool (the Tinker API, DESIGN §11): forward, forward_backward, optim_step.
 
     claim         the pending work of every active manual run (per run in seq_id order, up to and
-                  including its next optim_step: the service cuts each run's list at that boundary)
+                  including its next optim_step or load_weights: the service cuts each run's list
+                  there), and the work to replay after a pool crash (`ManualWorkItem.replay`)
     passes        every datum of every claimed forward / forward_backward, of every tenant, packed
                   into rows of at most seq_len tokens in ascending slot order: one forward per row
                   through the multi-LoRA layers (each run's tokens through its own adapter), then
@@ -11,6 +12,11 @@
                   are sums over tokens), then the adapter and the step's metrics are published
                   like any other run's step
     results       logprobs of every target token, the elementwise loss and "loss:sum" per request
+
+After a pool crash the next pool restores each run from its last optim_step's checkpoint (every
+manual step is checkpointed, with its seq_id: `ManualBoundary`), rebuilds the gradients of the
+step's already-delivered forward_backwards from the replayed requests without reporting them again,
+and answers from the checkpoint an optim_step that the dead pool applied but did not report.
 
 The losses, with lp the current logprob of each target token and w, old_lp, A the datum's
 weights, sampler logprobs and advantages (elementwise, summed over tokens and datums):
@@ -115,21 +121,7 @@ class ManualExecutor:
         if not items:
             return False
         slot_of = {run.run_id: slot for slot, run in slots.items() if run.leaving is None}
-        first: list[ManualResult] = []
-        runnable: list[tuple[int, ManualWorkItem]] = []
-        for index, item in enumerate(items):
-            if multi_rank:
-                first.append(
-                    _failed(item, "not supported by loraloom yet: Tinker models on a multi-rank pool")
-                )
-            elif item.run_id not in slot_of:
-                # Not admitted here yet (active at the service since this loop's look), or leaving:
-                # the service hands it out again, or fails it if the run has left.
-                first.append(ManualResult(request_id=item.request_id, release=True))
-            elif (answer := _in_checkpoint(item, slots[slot_of[item.run_id]])) is not None:
-                first.append(answer)
-            else:
-                runnable.append((index, item))
+        first, runnable = _triage(items, slots, slot_of, multi_rank=multi_rank)
         outputs = self._passes(
             model,
             lora,
@@ -384,6 +376,30 @@ def _loss(item: ManualWorkItem, datum: ManualDatum, lp: Tensor) -> Tensor:
         # The clipped ratio is a weight, not a path for gradients: every token keeps its gradient.
         return -(ratio.clamp(low, high).detach() * adv * lp)
     return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+
+
+def _triage(
+    items: Sequence[ManualWorkItem],
+    slots: Mapping[int, RunSlot],
+    slot_of: Mapping[str, int],
+    *,
+    multi_rank: bool,
+) -> tuple[list[ManualResult], list[tuple[int, ManualWorkItem]]]:
+    """(the answers of the items that do not run here, the (claim index, item) of those that do)."""
+    answers: list[ManualResult] = []
+    runnable: list[tuple[int, ManualWorkItem]] = []
+    for index, item in enumerate(items):
+        if multi_rank:
+            answers.append(_failed(item, "not supported by loraloom yet: Tinker models on a multi-rank pool"))
+        elif item.run_id not in slot_of:
+            # Not admitted here yet (active at the service since this loop's look), or leaving:
+            # the service hands it out again, or fails it if the run has left.
+            answers.append(ManualResult(request_id=item.request_id, release=True))
+        elif (answer := _in_checkpoint(item, slots[slot_of[item.run_id]])) is not None:
+            answers.append(answer)
+        else:
+            runnable.append((index, item))
+    return answers, runnable
 
 
 def _pass_result(item: ManualWorkItem, run: RunSlot, out: _Outputs) -> ManualResult:

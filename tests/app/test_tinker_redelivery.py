@@ -108,7 +108,7 @@ def test_a_replaced_pools_step_is_replayed_by_the_next_pool_and_its_late_results
     # The delivered result never changes.
     assert _logprobs(client, fb1, headers) == [[-1.0, -2.0]]
 
-    results = [
+    results: list[dict[str, Any]] = [
         {"request_id": fb2, "logprobs": [[-0.5, -0.25]], "metrics": {"loss:sum": 0.75}},
         {"request_id": step, "metrics": {"grad_norm": 0.5, "step": 1.0}},
     ]
@@ -144,7 +144,10 @@ def test_done_futures_are_purged_after_the_retention_and_then_answer_404(
     fb1, step = _fb(client, model_id, 1, headers), _step(client, model_id, 2, headers)
     fb3 = _fb(client, model_id, 3, headers)
     _claim(client, pool_id)
-    done = [{"request_id": fb1, "logprobs": [[-1.0, -1.0]]}, {"request_id": step, "metrics": {"step": 1.0}}]
+    done: list[dict[str, Any]] = [
+        {"request_id": fb1, "logprobs": [[-1.0, -1.0]]},
+        {"request_id": step, "metrics": {"step": 1.0}},
+    ]
     assert _report(client, pool_id, done).json() == {"recorded": 2}
     _claim(client, pool_id)
     assert _report(client, pool_id, [{"request_id": fb3, "logprobs": [[-1.0, -1.0]]}]).json() == {
