@@ -26,8 +26,9 @@ with r = exp(lp − old_lp) and lo/hi = loss_fn_config clip_low_threshold / clip
 
 Isolation holds as for rollout batches: a row's attention never crosses samples, each token goes
 through its own run's adapter only, and the row's loss is a plain sum, so each run's gradients
-are exactly those of its own loss. Master-only: a pool with several ranks does not serve manual
-runs yet (their requests fail with that reason).
+are exactly those of its own loss. On a multi-rank pool the master claims and broadcasts the work,
+rank r runs rows r, r + world_size, ..., the master gathers their outputs and reports, and each
+run's gradients are all-reduced (summed) at its optim_step; sampling runs on the master alone.
 """
 
 import logging
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem, SampledSequence, SamplingSpec
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_core.dist import World, all_reduce_grads_, broadcast_from_master, gather_to_master
 from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
@@ -89,12 +91,28 @@ class _Outputs:
     weighted_tokens: int = 0
 
 
+_FIRST_KINDS = ("forward", "forward_backward", "sample")
+"""Reported first, before any adapter changes."""
+
+
+@dataclass
+class _Round:
+    """The master's claim, as every rank executes it."""
+
+    work: list[tuple[int, ManualWorkItem, int]]
+    """(index in the claim, item, slot) of the items that run here."""
+    answered: bool
+    """Some item was answered without running (failed, or already in the checkpoint)."""
+
+
 @dataclass
 class ManualExecutor:
-    client: ManualWorkClient
+    client: ManualWorkClient | None
+    """The service side: on the master only; the other ranks execute the claims it broadcasts."""
     seq_len: int
     checkpoint_dir: Path
     """The pool's checkpoint home: saved Tinker states live in `{run_id}/tinker_states/{name}`."""
+    world: World = field(default_factory=World)
     passes: int = 0
     """Forward passes (rows) run for manual work."""
     mixed_passes: int = 0
@@ -107,64 +125,68 @@ class ManualExecutor:
         lora: MultiLoRA,
         optimizer: MultiRunOptimizer,
         slots: Mapping[int, RunSlot],
-        publisher: Publisher,
-        multi_rank: bool,
+        publisher: Publisher | None,
     ) -> bool:
-        """Claim and execute one round of manual work; False when none ran.
+        """Claim (master) and execute (every rank) one round of manual work; False when none ran.
+        Every rank calls it at the same point of the loop: the master's claim is broadcast.
 
         Results go back in three reports, so that a pool killed anywhere loses nothing the next
         pool cannot rebuild: the passes (and samples) first, before any adapter changes; then the
         saves and loads; then the optim_steps, each applied and checkpointed before its report.
         """
-        pause_at(MANUAL_BEFORE_CLAIM)
-        items = self.client.claim_manual(MAX_CLAIM)
-        if not items:
-            return False
-        slot_of = {run.run_id: slot for slot, run in slots.items() if run.leaving is None}
-        first, runnable = _triage(items, slots, slot_of, multi_rank=multi_rank)
-        outputs = self._passes(
-            model,
-            lora,
-            [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind in ("forward", "forward_backward")],
-        )
-        sampled = self._sample(
-            model,
-            lora,
-            [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind == "sample"],
-            slots,
-        )
-        states: list[ManualWorkItem] = []
-        steps: list[ManualWorkItem] = []
-        for index, item in runnable:
-            if item.kind == "sample":
-                first.append(sampled[index])
-            elif item.kind in ("forward", "forward_backward"):
-                first.append(_pass_result(item, slots[slot_of[item.run_id]], outputs[index]))
-            elif item.kind == "optim_step":
-                steps.append(item)
-            else:
-                states.append(item)
-        if first:
-            self.client.report_manual(first)
-        if states:
-            self.client.report_manual(
-                [self._state(item, slots[slot_of[item.run_id]], lora, optimizer) for item in states]
+        master = self.client is not None
+        answers: list[ManualResult] = []
+        round_: _Round | None = None
+        if self.client is not None:
+            pause_at(MANUAL_BEFORE_CLAIM)
+            items = self.client.claim_manual(MAX_CLAIM)
+            slot_of = {run.run_id: slot for slot, run in slots.items() if run.leaving is None}
+            answers, runnable = _triage(items, slots, slot_of)
+            round_ = _Round(
+                work=[(i, it, slot_of[it.run_id]) for i, it in runnable],
+                answered=any(not r.release for r in answers),
             )
+        round_ = broadcast_from_master(round_, self.world)
+        work = round_.work
+        outputs = self._passes(model, lora, [w for w in work if w[1].kind in ("forward", "forward_backward")])
+        # Sampling needs no collective: the master decodes every sequence alone.
+        sampled = (
+            self._sample(model, lora, [w for w in work if w[1].kind == "sample"], slots) if master else {}
+        )
+        states = [
+            (item, slots[slot]) for _, item, slot in work if item.kind not in _FIRST_KINDS + ("optim_step",)
+        ]
+        steps = [(item, slots[slot]) for _, item, slot in work if item.kind == "optim_step"]
+        for index, item, slot in work:
+            if item.kind == "sample" and master:
+                answers.append(sampled[index])
+            elif item.kind in ("forward", "forward_backward") and master:
+                answers.append(_pass_result(item, slots[slot], outputs[index]))
+        self._report(answers)
+        self._report([self._state(item, run, lora, optimizer) for item, run in states])
         if steps:
-            pause_at(MANUAL_BEFORE_OPTIM)
-            stepped = [_optim_step(item, slots[slot_of[item.run_id]], optimizer, publisher) for item in steps]
-            pause_at(MANUAL_BEFORE_OPTIM_REPORT)
-            self.client.report_manual(stepped)
+            if master:
+                pause_at(MANUAL_BEFORE_OPTIM)
+            stepped = [_optim_step(item, run, lora, optimizer, publisher, self.world) for item, run in steps]
+            if master:
+                pause_at(MANUAL_BEFORE_OPTIM_REPORT)
+            self._report(stepped)
         # Only released items: nothing ran, so the loop may sleep as when idle.
-        return bool(states or steps) or any(not r.release for r in first)
+        return bool(work) or round_.answered
+
+    def _report(self, results: list[ManualResult]) -> None:
+        if self.client is not None and results:
+            self.client.report_manual(results)
 
     def _state(
         self, item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer
     ) -> ManualResult:
-        """save_weights_for_sampler, save_weights, load_weights."""
+        """save_weights_for_sampler, save_weights (the master writes), load_weights (every rank)."""
         if item.kind == "save_weights_for_sampler":
             return _saved(item, run)
         if item.kind == "save_weights":
+            if self.client is None:
+                return ManualResult(request_id=item.request_id)  # not reported: the master saves
             return _save_state(item, run, lora, optimizer, self.checkpoint_dir)
         result = _load_state(item, run, lora, optimizer, self.checkpoint_dir)
         return ManualResult(request_id=item.request_id, replayed=True) if item.replay else result
@@ -187,9 +209,15 @@ class ManualExecutor:
             ),
             key=lambda s: s.slot,
         )
-        for row in _rows(samples, self.seq_len):
+        # Each rank runs its share of the rows (all of them on one rank); the master gathers the
+        # outputs, and the gradients stay where they were computed until the run's optim_step.
+        rows = _rows(samples, self.seq_len)
+        for row in rows[self.world.rank :: self.world.world_size]:
             self._row(model, lora, row, items, outputs)
-        return outputs
+        if self.world.world_size == 1 or not rows:
+            return outputs
+        gathered = gather_to_master(outputs, self.world)
+        return {} if gathered is None else _merged(gathered)
 
     def _row(
         self,
@@ -328,6 +356,20 @@ class _Decoding:
             self.stop_reason = "length"
 
 
+def _merged(per_rank: Sequence[Mapping[int, _Outputs]]) -> dict[int, _Outputs]:
+    """The outputs of every rank's rows as one (each datum ran on exactly one rank)."""
+    merged = dict(per_rank[0])
+    for outputs in per_rank[1:]:
+        for index, out in outputs.items():
+            into = merged[index]
+            for d, logprobs in enumerate(out.logprobs):
+                if logprobs:
+                    into.logprobs[d], into.losses[d] = logprobs, out.losses[d]
+            into.loss_sum += out.loss_sum
+            into.weighted_tokens += out.weighted_tokens
+    return merged
+
+
 def _rows(samples: list[_Sample], seq_len: int) -> list[list[_Sample]]:
     """Consecutive samples (already in ascending slot order) filled into rows of ≤ seq_len tokens."""
     rows: list[list[_Sample]] = []
@@ -382,16 +424,12 @@ def _triage(
     items: Sequence[ManualWorkItem],
     slots: Mapping[int, RunSlot],
     slot_of: Mapping[str, int],
-    *,
-    multi_rank: bool,
 ) -> tuple[list[ManualResult], list[tuple[int, ManualWorkItem]]]:
     """(the answers of the items that do not run here, the (claim index, item) of those that do)."""
     answers: list[ManualResult] = []
     runnable: list[tuple[int, ManualWorkItem]] = []
     for index, item in enumerate(items):
-        if multi_rank:
-            answers.append(_failed(item, "not supported by loraloom yet: Tinker models on a multi-rank pool"))
-        elif item.run_id not in slot_of:
+        if item.run_id not in slot_of:
             # Not admitted here yet (active at the service since this loop's look), or leaving:
             # the service hands it out again, or fails it if the run has left.
             answers.append(ManualResult(request_id=item.request_id, release=True))
@@ -497,11 +535,19 @@ def _failed(item: ManualWorkItem, error: str) -> ManualResult:
 
 
 def _optim_step(
-    item: ManualWorkItem, run: RunSlot, optimizer: MultiRunOptimizer, publisher: Publisher
+    item: ManualWorkItem,
+    run: RunSlot,
+    lora: MultiLoRA,
+    optimizer: MultiRunOptimizer,
+    publisher: Publisher | None,
+    world: World,
 ) -> ManualResult:
+    """On every rank (the master publishes): each rank holds the gradients of the rows it ran since
+    the run's last step; their sum over ranks is the step's gradient, as for rollout runs."""
     adam = item.adam
     if adam is None:
         return _failed(item, "optim_step without Adam parameters")
+    all_reduce_grads_(lora.slot_parameters(run.slot), world)
     optimizer.set_hyperparameters(
         run.slot,
         lr=adam.learning_rate,
@@ -521,5 +567,6 @@ def _optim_step(
     # Checkpointed with the step (a manual run checkpoints every step): what a pool restoring the
     # run needs to skip this step's requests and answer its report if this pool dies before it.
     run.manual_boundary = ManualBoundary(seq_id=item.seq_id, metrics=metrics)
-    publisher.publish_step(run, run.progress.step, stats)
+    if publisher is not None:
+        publisher.publish_step(run, run.progress.step, stats)
     return ManualResult(request_id=item.request_id, metrics=metrics)

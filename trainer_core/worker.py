@@ -264,10 +264,16 @@ class PoolTrainer:
         if world.is_master:
             self.master = self._start_master(source or make_source(args))
         self.manual: ManualExecutor | None = None
-        """Master: executes the manual-mode work (Tinker API) of the source, if it serves any."""
+        """Executes the manual-mode work (Tinker API) if the source serves any: the master claims
+        and reports, every rank runs its share."""
         client = getattr(self.master.source, "client", None) if self.master else None
-        if isinstance(client, ManualWorkClient):
-            self.manual = ManualExecutor(client, seq_len=args.seq_len, checkpoint_dir=args.checkpoint_home)
+        if broadcast_from_master(isinstance(client, ManualWorkClient) if self.master else None, world):
+            self.manual = ManualExecutor(
+                client if isinstance(client, ManualWorkClient) else None,
+                seq_len=args.seq_len,
+                checkpoint_dir=args.checkpoint_home,
+                world=world,
+            )
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
             args.slots,
@@ -411,7 +417,7 @@ class PoolTrainer:
         while True:
             began = time.perf_counter()
             self._sync_slots()
-            if self._serve_manual() and self.world.world_size == 1:
+            if self._serve_manual():
                 continue
             # The master decides; every rank follows the same plan, so collectives stay matched.
             plan, my_micro_batches = self._distribute(self._plan(self.master) if self.master else None)
@@ -446,19 +452,19 @@ class PoolTrainer:
         log.info("rank %d: %s", self.world.rank, self.loop_time.summary())
 
     def _serve_manual(self) -> bool:
-        """Master: one round of manual work (trainer_core.manual). On one rank only: with several,
-        the executor fails those requests, and the loop goes on to its collectives."""
-        if self.manual is None or self.master is None:
+        """One round of manual work (trainer_core.manual), on every rank at this point of the loop;
+        True when some ran (then the loop starts over). Decided from what every rank knows alike:
+        the slots' modes (not `leaving`, the master's alone) and the master's broadcast claim."""
+        if self.manual is None:
             return False
-        if not any(run.config.mode == "manual" and run.leaving is None for run in self.slots.values()):
+        if not any(run.config.mode == "manual" for run in self.slots.values()):
             return False  # no manual run here: no request to the service
         return self.manual.serve(
             model=self.model,
             lora=self.lora,
             optimizer=self.optimizer,
             slots=self.slots,
-            publisher=self.master.publisher,
-            multi_rank=self.world.world_size > 1,
+            publisher=self.master.publisher if self.master else None,
         )
 
     def _plan(self, m: _Master) -> Plan:
