@@ -6,8 +6,9 @@ the pending work of its active runs, per model in `seq_id` order up to and inclu
 `optim_step` or `load_weights` (the step boundary: the pool runs the passes first, then the step),
 and posts each result back. A claim is held by the claiming pool while it lives (app.tinker.leases);
 a new pool replays the step's delivered forward_backwards, whose requests are kept until the step's
-optim_step is recorded (docs/contracts.md, "Exactly-once across restarts"). A request whose run has left (evicted, deleted, failed, completed) fails with the
-reason when it is polled, and the pool never receives it.
+optim_step is recorded (docs/contracts.md, "Exactly-once across restarts"). A request whose run
+has left (evicted, deleted, failed, completed) fails with the reason when it is polled, and the
+pool never receives it.
 """
 
 import re
