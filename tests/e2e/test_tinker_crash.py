@@ -4,7 +4,7 @@ model, the unmodified `tinker` SDK. The pool holds at a named pause point (train
 and is killed there; a new pool takes over: it restores the run from its last optim_step's
 checkpoint, replays the step's delivered forward_backwards (their results unchanged) and runs or
 re-reports the rest; the SDK's futures complete; the final adapter equals the same calls made on a
-pool that was never interrupted.
+pool that was never interrupted. One case runs a two-rank pool.
 
     manual:before-claim         between two forward_backwards of a step (the first delivered)
     manual:before-optim         the step's passes delivered, its optim_step not applied yet
@@ -64,8 +64,17 @@ def _logprobs(output: Any) -> list[np.ndarray]:
     return [o["logprobs"].to_numpy() for o in output.loss_fn_outputs]
 
 
-@pytest.mark.parametrize("point", [MANUAL_BEFORE_CLAIM, MANUAL_BEFORE_OPTIM, MANUAL_BEFORE_OPTIM_REPORT])
-def test_a_pool_killed_mid_step_loses_nothing_and_applies_the_step_once(live_service, tmp_path, point):
+@pytest.mark.parametrize(
+    ("point", "nproc"),
+    [
+        (MANUAL_BEFORE_CLAIM, 1),
+        (MANUAL_BEFORE_OPTIM, 1),
+        (MANUAL_BEFORE_OPTIM_REPORT, 1),
+        # Two ranks: the master holds, the other rank waits in the broadcast; both die together.
+        (MANUAL_BEFORE_OPTIM_REPORT, 2),
+    ],
+)
+def test_a_pool_killed_mid_step_loses_nothing_and_applies_the_step_once(live_service, tmp_path, point, nproc):
     key, http = _key(live_service, "tinker-crash")
     pause = tmp_path / "pause"
     data = _data()
@@ -73,7 +82,7 @@ def test_a_pool_killed_mid_step_loses_nothing_and_applies_the_step_once(live_ser
     pool = start_pool(
         live_service.url,
         data_dir=live_service.data_dir,
-        nproc=1,
+        nproc=nproc,
         log_path=tmp_path / "pool-a.log",
         env={PAUSE_ENV: str(pause)},
     )
@@ -106,7 +115,7 @@ def test_a_pool_killed_mid_step_loses_nothing_and_applies_the_step_once(live_ser
         pause.unlink()
 
         pool = start_pool(
-            live_service.url, data_dir=live_service.data_dir, nproc=1, log_path=tmp_path / "pool-b.log"
+            live_service.url, data_dir=live_service.data_dir, nproc=nproc, log_path=tmp_path / "pool-b.log"
         )
         fb2 = fb2_future.result(timeout=180)
         step2 = step_future.result(timeout=60)
