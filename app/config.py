@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     sweep_interval_seconds: float = Field(default=2.0, gt=0)
     """How often the background sweeper checks leases, pool liveness and run heartbeats."""
 
+    tinker_future_ttl_seconds: float = Field(default=86_400.0, ge=0)
+    """How long the sweeper keeps a done Tinker future (its result, for retrieve_future); after that
+    retrieve_future answers 404. The records of models and saved weights are kept regardless."""
+
     metrics_token: SecretStr | None = None
     """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""
 

@@ -1,7 +1,7 @@
-"""Background sweeper: lease expiry, pool liveness, run heartbeats.
+"""Background sweeper: lease expiry, pool liveness, run heartbeats, done Tinker futures.
 
 Each sweep runs in a worker thread (the database calls block) with its own sessions; each
-of its three jobs commits on its own, so one failing never holds back the others, and no
+of its four jobs commits on its own, so one failing never holds back the others, and no
 failure ever stops the loop.
 """
 
@@ -20,6 +20,7 @@ from app.config import Settings
 from app.db import utcnow
 from app.pools.service import declare_dead_pools
 from app.runs.service import evict_silent_runs
+from app.tinker.leases import purge_done_futures
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ class SweepResult:
     """Pools declared dead (their batches returned to pending)."""
     evicted_runs: list[str] = field(default_factory=list)
     """Runs evicted because their orchestrator stopped heartbeating."""
+    purged_futures: int = 0
+    """Done Tinker futures older than settings.tinker_future_ttl_seconds, deleted."""
     errors: list[str] = field(default_factory=list)
     """The jobs that failed (logged with their traceback)."""
 
@@ -56,7 +59,7 @@ def sweep_once(
     factory: sessionmaker[Session], *, settings: Settings, now: datetime | None = None
 ) -> SweepResult:
     """One pass: expired leases → pending; silent pools → dead (their batches → pending);
-    runs whose orchestrator went silent → evicted."""
+    runs whose orchestrator went silent → evicted; Tinker futures done before the retention → deleted."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -68,6 +71,9 @@ def sweep_once(
         factory, "evict_silent_runs", lambda s: evict_silent_runs(s, now=now, settings=settings), result
     )
     result.evicted_runs = [run.id for run in evicted or []]
+    ttl = settings.tinker_future_ttl_seconds
+    purge = lambda s: purge_done_futures(s, now=now, ttl_seconds=ttl)  # noqa: E731
+    result.purged_futures = _job(factory, "purge_tinker_futures", purge, result) or 0
     return result
 
 

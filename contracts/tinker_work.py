@@ -2,8 +2,11 @@
 
 A Tinker `forward`, `forward_backward` or `optim_step` is stored by the service as a pending
 future; the pool claims the pending work of its active manual runs (per model in `seq_id` order,
-up to and including the next `optim_step`: the step boundary), executes it in shared passes and
-posts each result back. Torch-free and fastapi-free: both ends use these models.
+up to and including the next `optim_step` or `load_weights`: the step boundary), executes it in
+shared passes and posts each result back. A claim is held by the claiming pool while it lives; after
+a pool crash the next one restores the run from its last optim_step's checkpoint and replays the
+step's delivered forward_backwards (`ManualWorkItem.replay`). Torch-free and fastapi-free: both
+ends use these models.
 """
 
 from typing import Literal
@@ -102,6 +105,10 @@ class ManualWorkItem(_Model):
     with_optimizer: bool = False
     """load_weights: the optimizer state too (Adam moments and step count), not only the weights."""
     sampling: SamplingSpec | None = None
+    replay: bool = False
+    """Already run and its result delivered, by a pool that has since died, which held its effect
+    (the gradient it added, the weights it loaded) in memory: the pool rebuilds that effect and
+    reports only `replayed` (the delivered result never changes)."""
 
 
 class ManualClaimIn(_Model):
@@ -126,6 +133,8 @@ class ManualResult(_Model):
     sequences: list[SampledSequence] | None = None
     """sample: the sampled sequences."""
     metrics: dict[str, float] = Field(default_factory=dict)
+    replayed: bool = False
+    """The pool rebuilt the effect of a `replay` item: from now on it holds that effect."""
 
 
 class ManualResultsIn(_Model):

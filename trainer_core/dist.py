@@ -102,6 +102,15 @@ def scatter_from_master(per_rank: Sequence[T] | None, world: World) -> T:
     return cast(T, out[0])  # one of the master's items
 
 
+def gather_to_master(obj: T, world: World) -> list[T] | None:
+    """Every rank's `obj` in rank order on the master, None on the other ranks (pickled; small objects)."""
+    if not _check_group(world):
+        return [obj]
+    out: list[object] | None = [None] * world.world_size if world.is_master else None
+    dist.gather_object(obj, out, dst=0)
+    return None if out is None else [cast(T, o) for o in out]
+
+
 def all_reduce_sum_(tensor: torch.Tensor, world: World) -> None:
     """Sum `tensor` over ranks, in place."""
     if _check_group(world):

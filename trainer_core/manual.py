@@ -1,7 +1,8 @@
 """Manual-mode work on the pool (the Tinker API, DESIGN §11): forward, forward_backward, optim_step.
 
     claim         the pending work of every active manual run (per run in seq_id order, up to and
-                  including its next optim_step: the service cuts each run's list at that boundary)
+                  including its next optim_step or load_weights: the service cuts each run's list
+                  there), and the work to replay after a pool crash (`ManualWorkItem.replay`)
     passes        every datum of every claimed forward / forward_backward, of every tenant, packed
                   into rows of at most seq_len tokens in ascending slot order: one forward per row
                   through the multi-LoRA layers (each run's tokens through its own adapter), then
@@ -12,6 +13,11 @@
                   like any other run's step
     results       logprobs of every target token, the elementwise loss and "loss:sum" per request
 
+After a pool crash the next pool restores each run from its last optim_step's checkpoint (every
+manual step is checkpointed, with its seq_id: `ManualBoundary`), rebuilds the gradients of the
+step's already-delivered forward_backwards from the replayed requests without reporting them again,
+and answers from the checkpoint an optim_step that the dead pool applied but did not report.
+
 The losses, with lp the current logprob of each target token and w, old_lp, A the datum's
 weights, sampler logprobs and advantages (elementwise, summed over tokens and datums):
 cross_entropy −w·lp; importance_sampling −exp(lp − old_lp)·A; ppo −min(r·A, clip(r, lo, hi)·A)
@@ -20,8 +26,9 @@ with r = exp(lp − old_lp) and lo/hi = loss_fn_config clip_low_threshold / clip
 
 Isolation holds as for rollout batches: a row's attention never crosses samples, each token goes
 through its own run's adapter only, and the row's loss is a plain sum, so each run's gradients
-are exactly those of its own loss. Master-only: a pool with several ranks does not serve manual
-runs yet (their requests fail with that reason).
+are exactly those of its own loss. On a multi-rank pool the master claims and broadcasts the work,
+rank r runs rows r, r + world_size, ..., the master gathers their outputs and reports, and each
+run's gradients are all-reduced (summed) at its optim_step; sampling runs on the master alone.
 """
 
 import logging
@@ -36,13 +43,20 @@ from torch import Tensor, nn
 
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem, SampledSequence, SamplingSpec
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_core.dist import World, all_reduce_grads_, broadcast_from_master, gather_to_master
 from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch
+from trainer_core.pause_point import (
+    MANUAL_BEFORE_CLAIM,
+    MANUAL_BEFORE_OPTIM,
+    MANUAL_BEFORE_OPTIM_REPORT,
+    pause_at,
+)
 from trainer_core.policy_terms import tinker_loss
 from trainer_core.publish import Publisher
-from trainer_core.slots import RunSlot
+from trainer_core.slots import ManualBoundary, RunSlot
 
 log = logging.getLogger("loraloom.worker")
 
@@ -77,12 +91,28 @@ class _Outputs:
     weighted_tokens: int = 0
 
 
+_FIRST_KINDS = ("forward", "forward_backward", "sample")
+"""Reported first, before any adapter changes."""
+
+
+@dataclass
+class _Round:
+    """The master's claim, as every rank executes it."""
+
+    work: list[tuple[int, ManualWorkItem, int]]
+    """(index in the claim, item, slot) of the items that run here."""
+    answered: bool
+    """Some item was answered without running (failed, or already in the checkpoint)."""
+
+
 @dataclass
 class ManualExecutor:
-    client: ManualWorkClient
+    client: ManualWorkClient | None
+    """The service side: on the master only; the other ranks execute the claims it broadcasts."""
     seq_len: int
     checkpoint_dir: Path
     """The pool's checkpoint home: saved Tinker states live in `{run_id}/tinker_states/{name}`."""
+    world: World = field(default_factory=World)
     passes: int = 0
     """Forward passes (rows) run for manual work."""
     mixed_passes: int = 0
@@ -95,74 +125,71 @@ class ManualExecutor:
         lora: MultiLoRA,
         optimizer: MultiRunOptimizer,
         slots: Mapping[int, RunSlot],
-        publisher: Publisher,
-        multi_rank: bool,
+        publisher: Publisher | None,
     ) -> bool:
-        """Claim and execute one round of manual work; False when none ran."""
-        items = self.client.claim_manual(MAX_CLAIM)
-        if not items:
-            return False
-        slot_of = {run.run_id: slot for slot, run in slots.items() if run.leaving is None}
-        results: list[ManualResult] = []
-        runnable: list[tuple[int, ManualWorkItem]] = []
-        for index, item in enumerate(items):
-            if multi_rank:
-                results.append(
-                    _failed(item, "not supported by loraloom yet: Tinker models on a multi-rank pool")
-                )
-            elif item.run_id not in slot_of:
-                # Not admitted here yet (active at the service since this loop's look), or leaving:
-                # the service hands it out again, or fails it if the run has left.
-                results.append(ManualResult(request_id=item.request_id, release=True))
-            else:
-                runnable.append((index, item))
-        outputs = self._passes(
-            model,
-            lora,
-            [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind in ("forward", "forward_backward")],
-        )
-        sampled = self._sample(
-            model,
-            lora,
-            [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind == "sample"],
-            slots,
-        )
-        for index, item in runnable:
-            slot = slot_of[item.run_id]
-            if item.kind == "sample":
-                results.append(sampled[index])
-                continue
-            if item.kind == "optim_step":
-                results.append(_optim_step(item, slots[slot], optimizer, publisher))
-                continue
-            if item.kind == "save_weights_for_sampler":
-                results.append(_saved(item, slots[slot]))
-                continue
-            if item.kind == "save_weights":
-                results.append(_save_state(item, slots[slot], lora, optimizer, self.checkpoint_dir))
-                continue
-            if item.kind == "load_weights":
-                results.append(_load_state(item, slots[slot], lora, optimizer, self.checkpoint_dir))
-                continue
-            out = outputs[index]
-            run = slots[slot]
-            if item.kind == "forward_backward":
-                acc = run.step_metrics
-                acc.loss_sum += out.loss_sum
-                acc.loss_tokens += out.weighted_tokens
-                acc.tokens += sum(len(d.tokens) for d in item.data)
-                acc.samples += len(item.data)
-            results.append(
-                ManualResult(
-                    request_id=item.request_id,
-                    logprobs=out.logprobs,
-                    elementwise_loss=out.losses,
-                    metrics={"loss:sum": out.loss_sum},
-                )
+        """Claim (master) and execute (every rank) one round of manual work; False when none ran.
+        Every rank calls it at the same point of the loop: the master's claim is broadcast.
+
+        Results go back in three reports, so that a pool killed anywhere loses nothing the next
+        pool cannot rebuild: the passes (and samples) first, before any adapter changes; then the
+        saves and loads; then the optim_steps, each applied and checkpointed before its report.
+        """
+        master = self.client is not None
+        answers: list[ManualResult] = []
+        round_: _Round | None = None
+        if self.client is not None:
+            pause_at(MANUAL_BEFORE_CLAIM)
+            items = self.client.claim_manual(MAX_CLAIM)
+            slot_of = {run.run_id: slot for slot, run in slots.items() if run.leaving is None}
+            answers, runnable = _triage(items, slots, slot_of)
+            round_ = _Round(
+                work=[(i, it, slot_of[it.run_id]) for i, it in runnable],
+                answered=any(not r.release for r in answers),
             )
-        self.client.report_manual(results)
+        round_ = broadcast_from_master(round_, self.world)
+        work = round_.work
+        outputs = self._passes(model, lora, [w for w in work if w[1].kind in ("forward", "forward_backward")])
+        # Sampling needs no collective: the master decodes every sequence alone.
+        sampled = (
+            self._sample(model, lora, [w for w in work if w[1].kind == "sample"], slots) if master else {}
+        )
+        states = [
+            (item, slots[slot]) for _, item, slot in work if item.kind not in _FIRST_KINDS + ("optim_step",)
+        ]
+        steps = [(item, slots[slot]) for _, item, slot in work if item.kind == "optim_step"]
+        for index, item, slot in work:
+            if item.kind == "sample" and master:
+                answers.append(sampled[index])
+            elif item.kind in ("forward", "forward_backward") and master:
+                answers.append(_pass_result(item, slots[slot], outputs[index]))
+        self._report(answers)
+        self._report([self._state(item, run, lora, optimizer) for item, run in states])
+        if steps:
+            if master:
+                pause_at(MANUAL_BEFORE_OPTIM)
+            stepped = [_optim_step(item, run, lora, optimizer, publisher, self.world) for item, run in steps]
+            if master:
+                pause_at(MANUAL_BEFORE_OPTIM_REPORT)
+            self._report(stepped)
         # Only released items: nothing ran, so the loop may sleep as when idle.
-        return any(not r.release for r in results)
+        return bool(work) or round_.answered
+
+    def _report(self, results: list[ManualResult]) -> None:
+        if self.client is not None and results:
+            self.client.report_manual(results)
+
+    def _state(
+        self, item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer
+    ) -> ManualResult:
+        """save_weights_for_sampler, save_weights (the master writes), load_weights (every rank)."""
+        if item.kind == "save_weights_for_sampler":
+            return _saved(item, run)
+        if item.kind == "save_weights":
+            if self.client is None:
+                return ManualResult(request_id=item.request_id)  # not reported: the master saves
+            return _save_state(item, run, lora, optimizer, self.checkpoint_dir)
+        result = _load_state(item, run, lora, optimizer, self.checkpoint_dir)
+        return ManualResult(request_id=item.request_id, replayed=True) if item.replay else result
 
     # -- passes ------------------------------------------------------------------------------------
 
@@ -182,9 +209,15 @@ class ManualExecutor:
             ),
             key=lambda s: s.slot,
         )
-        for row in _rows(samples, self.seq_len):
+        # Each rank runs its share of the rows (all of them on one rank); the master gathers the
+        # outputs, and the gradients stay where they were computed until the run's optim_step.
+        rows = _rows(samples, self.seq_len)
+        for row in rows[self.world.rank :: self.world.world_size]:
             self._row(model, lora, row, items, outputs)
-        return outputs
+        if self.world.world_size == 1 or not rows:
+            return outputs
+        gathered = gather_to_master(outputs, self.world)
+        return {} if gathered is None else _merged(gathered)
 
     def _row(
         self,
@@ -323,6 +356,20 @@ class _Decoding:
             self.stop_reason = "length"
 
 
+def _merged(per_rank: Sequence[Mapping[int, _Outputs]]) -> dict[int, _Outputs]:
+    """The outputs of every rank's rows as one (each datum ran on exactly one rank)."""
+    merged = dict(per_rank[0])
+    for outputs in per_rank[1:]:
+        for index, out in outputs.items():
+            into = merged[index]
+            for d, logprobs in enumerate(out.logprobs):
+                if logprobs:
+                    into.logprobs[d], into.losses[d] = logprobs, out.losses[d]
+            into.loss_sum += out.loss_sum
+            into.weighted_tokens += out.weighted_tokens
+    return merged
+
+
 def _rows(samples: list[_Sample], seq_len: int) -> list[list[_Sample]]:
     """Consecutive samples (already in ascending slot order) filled into rows of ≤ seq_len tokens."""
     rows: list[list[_Sample]] = []
@@ -365,6 +412,63 @@ def _loss(item: ManualWorkItem, datum: ManualDatum, lp: Tensor) -> Tensor:
         sampler_logprobs=datum.logprobs,
         advantages=datum.advantages,
         config=item.loss_fn_config,
+    )
+
+
+def _triage(
+    items: Sequence[ManualWorkItem],
+    slots: Mapping[int, RunSlot],
+    slot_of: Mapping[str, int],
+) -> tuple[list[ManualResult], list[tuple[int, ManualWorkItem]]]:
+    """(the answers of the items that do not run here, the (claim index, item) of those that do)."""
+    answers: list[ManualResult] = []
+    runnable: list[tuple[int, ManualWorkItem]] = []
+    for index, item in enumerate(items):
+        if item.run_id not in slot_of:
+            # Not admitted here yet (active at the service since this loop's look), or leaving:
+            # the service hands it out again, or fails it if the run has left.
+            answers.append(ManualResult(request_id=item.request_id, release=True))
+        elif (answer := _in_checkpoint(item, slots[slot_of[item.run_id]])) is not None:
+            answers.append(answer)
+        else:
+            runnable.append((index, item))
+    return answers, runnable
+
+
+def _pass_result(item: ManualWorkItem, run: RunSlot, out: _Outputs) -> ManualResult:
+    """A forward / forward_backward's result; a replayed one adds to the step's metrics again (they
+    were lost with the pool that ran it) and reports only that it was replayed."""
+    if item.kind == "forward_backward":
+        acc = run.step_metrics
+        acc.loss_sum += out.loss_sum
+        acc.loss_tokens += out.weighted_tokens
+        acc.tokens += sum(len(d.tokens) for d in item.data)
+        acc.samples += len(item.data)
+    if item.replay:
+        return ManualResult(request_id=item.request_id, replayed=True)
+    return ManualResult(
+        request_id=item.request_id,
+        logprobs=out.logprobs,
+        elementwise_loss=out.losses,
+        metrics={"loss:sum": out.loss_sum},
+    )
+
+
+def _in_checkpoint(item: ManualWorkItem, run: RunSlot) -> ManualResult | None:
+    """The answer to a re-delivered request that the run's restored checkpoint already holds (the
+    pool that ran it died after checkpointing its step, before reporting the step); None for one
+    still to run. The step is not applied twice: its lost report is sent from the checkpoint."""
+    boundary = run.manual_boundary
+    if boundary is None or item.kind == "sample" or item.seq_id > boundary.seq_id:
+        return None
+    if item.replay:
+        return ManualResult(request_id=item.request_id, replayed=True)
+    if item.kind == "optim_step" and item.seq_id == boundary.seq_id:
+        return ManualResult(request_id=item.request_id, metrics=boundary.metrics)
+    # The service hands out nothing of a step unreported after its optim_step ran (the passes are
+    # reported first), so this is a broken invariant, not a user error: fail it loudly.
+    return _failed(
+        item, f"request {item.seq_id} came back after optim_step {boundary.seq_id} was checkpointed"
     )
 
 
@@ -426,11 +530,19 @@ def _failed(item: ManualWorkItem, error: str) -> ManualResult:
 
 
 def _optim_step(
-    item: ManualWorkItem, run: RunSlot, optimizer: MultiRunOptimizer, publisher: Publisher
+    item: ManualWorkItem,
+    run: RunSlot,
+    lora: MultiLoRA,
+    optimizer: MultiRunOptimizer,
+    publisher: Publisher | None,
+    world: World,
 ) -> ManualResult:
+    """On every rank (the master publishes): each rank holds the gradients of the rows it ran since
+    the run's last step; their sum over ranks is the step's gradient, as for rollout runs."""
     adam = item.adam
     if adam is None:
         return _failed(item, "optim_step without Adam parameters")
+    all_reduce_grads_(lora.slot_parameters(run.slot), world)
     optimizer.set_hyperparameters(
         run.slot,
         lr=adam.learning_rate,
@@ -446,8 +558,10 @@ def _optim_step(
     run.progress.step += 1
     run.progress.total_tokens += acc.tokens
     run.progress.total_samples += acc.samples
-    publisher.publish_step(run, run.progress.step, stats)
-    return ManualResult(
-        request_id=item.request_id,
-        metrics={"grad_norm": stats.grad_norm, "lr": stats.lr, "step": run.progress.step},
-    )
+    metrics = {"grad_norm": stats.grad_norm, "lr": stats.lr, "step": float(run.progress.step)}
+    # Checkpointed with the step (a manual run checkpoints every step): what a pool restoring the
+    # run needs to skip this step's requests and answer its report if this pool dies before it.
+    run.manual_boundary = ManualBoundary(seq_id=item.seq_id, metrics=metrics)
+    if publisher is not None:
+        publisher.publish_step(run, run.progress.step, stats)
+    return ManualResult(request_id=item.request_id, metrics=metrics)

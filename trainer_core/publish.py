@@ -8,6 +8,7 @@ only after the step that trained its last sample is reported, and a checkpoint r
 
 import logging
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from contracts.layout import CHECKPOINTS_DIR
@@ -19,9 +20,12 @@ from trainer_core.export import export_peft_adapter
 from trainer_core.lora import MultiLoRA
 from trainer_core.optim import MultiRunOptimizer, StepStats
 from trainer_core.runs import RunSource
-from trainer_core.slots import RunSlot
+from trainer_core.slots import ManualBoundary, RunSlot
 
 log = logging.getLogger("loraloom.worker")
+
+MANUAL_BOUNDARY = "manual_boundary"
+"""The checkpoint's `extra` entry of a manual run (slots.ManualBoundary)."""
 
 
 def checkpoint_root(checkpoint_dir: Path, run_id: str) -> Path:
@@ -52,6 +56,18 @@ def restore_slot(
         value_heads.load_slot_state_dict(slot, ckpt.extra["value_head"])
     optimizer.load_state_dict(slot, ckpt.optimizer_state)
     return Progress(**ckpt.progress)
+
+
+def restore_manual_boundary(checkpoint_dir: Path, run_id: str) -> ManualBoundary | None:
+    """The last optim_step a manual run's newest checkpoint holds; None without one."""
+    path = latest_checkpoint(checkpoint_root(checkpoint_dir, run_id))
+    extra = None if path is None else load_checkpoint(path).extra
+    if extra is None or MANUAL_BOUNDARY not in extra:
+        return None
+    saved = extra[MANUAL_BOUNDARY]
+    return ManualBoundary(
+        seq_id=int(saved["seq_id"]), metrics={k: float(v) for k, v in saved["metrics"].items()}
+    )
 
 
 class Publisher:
@@ -87,7 +103,13 @@ class Publisher:
             if self.value_heads is not None and uses_critic(run.config):
                 save_value_head(self.value_heads, run.slot, adapter_dir)
             self.source.publish_adapter(run.run_id, step, adapter_dir)
-        if step % run.config.ckpt.interval == 0 or step >= run.config.max_steps:
+        # A manual run checkpoints every step: the next pool rebuilds a crashed step from there,
+        # replaying that step's requests (app.tinker.leases).
+        if (
+            step % run.config.ckpt.interval == 0
+            or step >= run.config.max_steps
+            or run.config.mode == "manual"
+        ):
             self.checkpoint(run, step)
         self.source.report_step(
             run.run_id,
@@ -125,14 +147,17 @@ class Publisher:
 
         The last step is always checkpointed: a run whose newest checkpoint reached `max_steps` is
         complete (the directory source knows no other record of it)."""
+        extra: dict[str, object] = {}
+        if self.value_heads is not None and uses_critic(run.config):
+            extra["value_head"] = self.value_heads.slot_state_dict(run.slot)
+        if run.manual_boundary is not None:
+            extra[MANUAL_BOUNDARY] = asdict(run.manual_boundary)
         save_checkpoint(
             checkpoint_root(self.checkpoint_dir, run.run_id),
             step,
             adapter=self.lora.slot_state_dict(run.slot),
             optimizer_state=self.optimizer.state_dict(run.slot),
-            extra={"value_head": self.value_heads.slot_state_dict(run.slot)}
-            if self.value_heads is not None and uses_critic(run.config)
-            else None,
+            extra=extra or None,
             progress={
                 "step": step,
                 "total_tokens": run.progress.total_tokens,

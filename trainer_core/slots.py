@@ -77,6 +77,17 @@ class StepAccumulator:
 
 
 @dataclass
+class ManualBoundary:
+    """A manual run's last optim_step whose update its adapter holds; saved in its checkpoint, so a
+    pool restoring the run knows which re-delivered requests that checkpoint already contains."""
+
+    seq_id: int
+    """The optim_step's seq_id: every request of the run up to it is in the checkpoint."""
+    metrics: dict[str, float]
+    """Its result (grad_norm, lr, step), reported again if its report was lost with the pool."""
+
+
+@dataclass
 class RunSlot:
     """One active run in one slot."""
 
@@ -90,6 +101,8 @@ class RunSlot:
     """Master: the batches fed to the packer and not yet acknowledged."""
     step_metrics: StepAccumulator = field(default_factory=StepAccumulator)
     """Master: the current step's metrics so far."""
+    manual_boundary: ManualBoundary | None = None
+    """Manual runs: the last optim_step applied (from the checkpoint when admitted); None before any."""
     leaving: str | None = None
     """Master: why this run no longer trains (evicted, completed); its slot is released on every
     rank at the next synchronisation, and nothing more is fed or published for it until then."""

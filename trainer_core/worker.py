@@ -64,7 +64,7 @@ from trainer_core.models.registry import load_base_model
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch, Packer
 from trainer_core.pause_point import pause_before_publish
-from trainer_core.publish import Publisher, restore_slot
+from trainer_core.publish import Publisher, restore_manual_boundary, restore_slot
 from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
 from trainer_core.service_client import PoolServiceClient
@@ -264,10 +264,16 @@ class PoolTrainer:
         if world.is_master:
             self.master = self._start_master(source or make_source(args))
         self.manual: ManualExecutor | None = None
-        """Master: executes the manual-mode work (Tinker API) of the source, if it serves any."""
+        """Executes the manual-mode work (Tinker API) if the source serves any: the master claims
+        and reports, every rank runs its share."""
         client = getattr(self.master.source, "client", None) if self.master else None
-        if isinstance(client, ManualWorkClient):
-            self.manual = ManualExecutor(client, seq_len=args.seq_len, checkpoint_dir=args.checkpoint_home)
+        if broadcast_from_master(isinstance(client, ManualWorkClient) if self.master else None, world):
+            self.manual = ManualExecutor(
+                client if isinstance(client, ManualWorkClient) else None,
+                seq_len=args.seq_len,
+                checkpoint_dir=args.checkpoint_home,
+                world=world,
+            )
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
             args.slots,
@@ -359,6 +365,8 @@ class PoolTrainer:
             value_heads=self.value_heads,
         )
         run = RunSlot(slot, run_id, config, progress, ledger=RunLedger(next_sample=progress.total_samples))
+        if config.mode == "manual":
+            run.manual_boundary = restore_manual_boundary(self.args.checkpoint_home, run_id)
         self.slots[slot] = run
         if self.master and initial.error is not None:
             self._evict(run, f"its init_from weights could not be loaded: {initial.error}")
@@ -409,7 +417,7 @@ class PoolTrainer:
         while True:
             began = time.perf_counter()
             self._sync_slots()
-            if self._serve_manual() and self.world.world_size == 1:
+            if self._serve_manual():
                 continue
             # The master decides; every rank follows the same plan, so collectives stay matched.
             plan, my_micro_batches = self._distribute(self._plan(self.master) if self.master else None)
@@ -444,19 +452,19 @@ class PoolTrainer:
         log.info("rank %d: %s", self.world.rank, self.loop_time.summary())
 
     def _serve_manual(self) -> bool:
-        """Master: one round of manual work (trainer_core.manual). On one rank only: with several,
-        the executor fails those requests, and the loop goes on to its collectives."""
-        if self.manual is None or self.master is None:
+        """One round of manual work (trainer_core.manual), on every rank at this point of the loop;
+        True when some ran (then the loop starts over). Decided from what every rank knows alike:
+        the slots' modes (not `leaving`, the master's alone) and the master's broadcast claim."""
+        if self.manual is None:
             return False
-        if not any(run.config.mode == "manual" and run.leaving is None for run in self.slots.values()):
+        if not any(run.config.mode == "manual" for run in self.slots.values()):
             return False  # no manual run here: no request to the service
         return self.manual.serve(
             model=self.model,
             lora=self.lora,
             optimizer=self.optimizer,
             slots=self.slots,
-            publisher=self.master.publisher,
-            multi_rank=self.world.world_size > 1,
+            publisher=self.master.publisher if self.master else None,
         )
 
     def _plan(self, m: _Master) -> Plan:

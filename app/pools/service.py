@@ -25,6 +25,7 @@ from app.pools.models import Pool
 from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.runs.service import admit_queued_runs, fail_run
+from app.tinker.leases import return_pool_work
 from contracts.ids import new_id
 from contracts.pool_api import PoolRegister
 from contracts.status import MOVABLE_RUN_STATUSES, PoolStatus, RunStatus
@@ -122,6 +123,7 @@ def register_pool(
     for old in previous:
         old.status = PoolStatus.STOPPED
         returned = return_pool_batches(session, pool_id=old.id)
+        return_pool_work(session, pool_id=old.id)
         log.info("pool %s replaced by a new registration; %s batch(es) returned", old.id, returned)
 
     pool = Pool(
@@ -180,6 +182,7 @@ def deregister_pool(session: Session, *, pool_id: str) -> Pool:
     if pool.status == PoolStatus.ALIVE:
         pool.status = PoolStatus.STOPPED
         returned = return_pool_batches(session, pool_id=pool.id)
+        return_pool_work(session, pool_id=pool.id)
         log.info("pool %s deregistered; %s batch(es) returned to pending", pool.id, returned)
     return pool
 
@@ -218,6 +221,7 @@ def declare_dead_pools(session: Session, *, now: datetime, settings: Settings) -
     for pool in pools:
         pool.status = PoolStatus.DEAD
         returned = return_pool_batches(session, pool_id=pool.id)
+        return_pool_work(session, pool_id=pool.id)
         log.warning(
             "pool %s (%s) silent since %s: declared dead, %s batch(es) returned to pending",
             pool.id,

@@ -58,13 +58,19 @@ class TinkerFuture(Base):
     """The model's run, for work the pool executes (forward_backward, optim_step)."""
     status: Mapped[str] = mapped_column(String(16), default="pending")
     """pending (waiting for the pool) | running (claimed by it) | complete | failed."""
+    pool_id: Mapped[str | None] = mapped_column(String(32), default=None, index=True)
+    """running: the pool whose claim it is (its lease: the claim lasts while that pool is alive).
+    A complete forward_backward / load_weights whose request is kept: the pool whose memory holds
+    its effect (the accumulated gradient); another pool replays it (app.tinker.leases)."""
     request: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
-    """The work for the pool (contracts.tinker_work.ManualWorkItem fields), while it is not done."""
+    """The work for the pool (contracts.tinker_work.ManualWorkItem fields), while it is not done;
+    for a forward_backward or load_weights, until the run's next optim_step is checkpointed (a new
+    pool rebuilds the step's gradients from them after a crash)."""
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     error_category: Mapped[str | None] = mapped_column(String(16), default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None, index=True)
 
     def saved_path(self) -> str | None:
         """The `tinker://` path a completed save names; None for other futures and once the user

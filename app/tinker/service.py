@@ -278,7 +278,11 @@ def complete_future(
 def get_future(session: Session, *, tenant_id: str, request_id: str) -> TinkerFuture:
     future = session.get(TinkerFuture, request_id)
     if future is None or future.tenant_id != tenant_id:
-        raise NotFound(f"request {request_id} not found")
+        # Done futures are deleted after the retention: say so, the likeliest reason for a known id.
+        raise NotFound(
+            f"request {request_id} not found (done requests are kept "
+            f"LORALOOM_TINKER_FUTURE_TTL_SECONDS after they finish, then purged)"
+        )
     return future
 
 

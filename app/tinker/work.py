@@ -3,9 +3,12 @@
 Submitted requests are stored as pending futures (one per model and `seq_id`: a retried
 submission finds the first one, so it is applied once). The pool of the model's base model claims
 the pending work of its active runs, per model in `seq_id` order up to and including the next
-`optim_step` (the step boundary: the pool runs the passes first, then the step), and posts each
-result back. A request whose run has left (evicted, deleted, failed, completed) fails with the
-reason when it is polled, and the pool never receives it.
+`optim_step` or `load_weights` (the step boundary: the pool runs the passes first, then the step),
+and posts each result back. A claim is held by the claiming pool while it lives (app.tinker.leases);
+a new pool replays the step's delivered forward_backwards, whose requests are kept until the step's
+optim_step is recorded (docs/contracts.md, "Exactly-once across restarts"). A request whose run
+has left (evicted, deleted, failed, completed) fails with the reason when it is polled, and the
+pool never receives it.
 """
 
 import re
@@ -13,7 +16,7 @@ from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, and_, not_, null, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.config import Settings
@@ -24,6 +27,7 @@ from app.runs.admission import live_pool
 from app.runs.models import Run
 from app.runs.schemas import validation_problems
 from app.tinker import proto
+from app.tinker.leases import request_cleared
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
 from app.tinker.service import NotSupported, get_model, get_session, new_model_run, touch_model
 from contracts.ids import new_id
@@ -319,15 +323,34 @@ def resolve_sampler_path(session: Session, *, tenant_id: str, path: str) -> tupl
 # --- the pool's side ----------------------------------------------------------------------------
 
 
+REPLAYED_KINDS = ("forward_backward", "load_weights")
+"""Done requests whose effect lives in the pool's memory until the run's next optim_step is
+checkpointed: the accumulated gradient, the loaded weights."""
+BOUNDARY_KINDS = ("optim_step", "load_weights")
+"""A run's claim ends at the first of these: the pool runs the passes before it, then it."""
+
+
+def _to_replay(pool_id: str) -> ColumnElement[bool]:
+    """Done work whose effect another pool held in memory (and lost, or it would still hold the
+    run): the claiming pool rebuilds it from the kept request."""
+    return and_(
+        TinkerFuture.status == "complete",
+        TinkerFuture.kind.in_(REPLAYED_KINDS),
+        not_(request_cleared()),
+        or_(TinkerFuture.pool_id.is_(None), TinkerFuture.pool_id != pool_id),
+    )
+
+
 def claim(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
-    """The pending work of the pool's active runs, per run in seq_id order up to and including
-    its next optim_step, marked running."""
+    """The work of the pool's active runs, per run in seq_id order up to and including its next
+    optim_step or load_weights: pending work, marked running and held by this pool, and done work
+    to replay (`_to_replay`), marked `replay`."""
     pool = get_alive_pool(session, pool_id=pool_id)
     rows = session.scalars(
         select(TinkerFuture)
         .join(Run, Run.id == TinkerFuture.run_id)
         .where(
-            TinkerFuture.status == PENDING,
+            or_(TinkerFuture.status == PENDING, _to_replay(pool_id)),
             Run.status == RunStatus.ACTIVE,
             Run.base_model == pool.base_model,
         )
@@ -340,9 +363,11 @@ def claim(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkI
     for future in rows:
         if future.run_id in stopped or future.request is None:
             continue
-        future.status = RUNNING
-        taken.append(ManualWorkItem.model_validate(future.request))
-        if future.kind == "optim_step":
+        replay = future.status != PENDING
+        if not replay:
+            future.status, future.pool_id = RUNNING, pool_id
+        taken.append(ManualWorkItem.model_validate({**future.request, "replay": replay}))
+        if future.kind in BOUNDARY_KINDS:
             stopped.add(future.run_id)
     return taken
 
@@ -372,23 +397,49 @@ def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:
     }
 
 
+def _step_checkpointed(session: Session, *, step: TinkerFuture) -> None:
+    """The run's optim_step `step` is applied and checkpointed (or dropped the gradients): the
+    requests of the work before it are no longer needed to rebuild anything."""
+    session.execute(
+        update(TinkerFuture)
+        .where(
+            TinkerFuture.run_id == step.run_id,
+            TinkerFuture.status == "complete",
+            TinkerFuture.kind.in_(REPLAYED_KINDS),
+            TinkerFuture.seq_id < step.seq_id,
+        )
+        .values(request=null())
+        .execution_options(synchronize_session=False)
+    )
+
+
 def record_results(session: Session, *, pool_id: str, results: list[ManualResult]) -> int:
-    """Complete (or fail) the claimed futures; returns how many were recorded (a result for a
-    future that is no longer running, e.g. failed because its run left, is ignored)."""
+    """Complete (or fail) the futures this pool holds; returns how many were recorded. A result for
+    a future the pool no longer holds (failed because its run left; returned to pending because the
+    pool was declared dead, then claimed by another) is ignored: a result is recorded once."""
     get_alive_pool(session, pool_id=pool_id)
     recorded = 0
     for result in results:
         future = session.get(TinkerFuture, result.request_id, with_for_update=True)
-        if future is None or future.status != RUNNING:
+        if future is None:
+            continue
+        if result.replayed:
+            if future.status == "complete":
+                future.pool_id = pool_id  # its effect is in this pool's memory now
+            continue
+        if future.status != RUNNING or future.pool_id != pool_id:
             continue
         if result.release:
-            future.status = PENDING
+            future.status, future.pool_id = PENDING, None
             continue
         if result.error is not None:
             future.status, future.error, future.error_category = "failed", result.error, "user"
         else:
             future.status, future.result = "complete", _result_json(future, result)
-        future.request = None
+        if future.status == "failed" or future.kind not in REPLAYED_KINDS:
+            future.request = None
+        if future.kind == "optim_step":
+            _step_checkpointed(session, step=future)
         future.completed_at = utcnow()
         recorded += 1
     return recorded
