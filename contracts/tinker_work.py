@@ -6,7 +6,7 @@ up to and including the next `optim_step`: the step boundary), executes it in sh
 posts each result back. Torch-free and fastapi-free: both ends use these models.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -62,18 +62,28 @@ class AdamStep(_Model):
 
 
 class SamplingSpec(_Model):
-    """A `sample` request: `num_samples` continuations of `prompt` from the run's adapter, which
-    must still be at `step` (the step its sampler weights were saved at)."""
+    """A `sample` request: `num_samples` continuations of `prompt` from the run's adapter as it was
+    saved at `step` (the live slot when the run is still there, else that step's saved copy), or
+    from the base model (`step` None, the item's `run_id` empty)."""
 
     prompt: list[int] = Field(min_length=1, max_length=131_072)
     num_samples: int = Field(ge=1, le=64)
     max_tokens: int = Field(ge=1, le=4096)
     temperature: float = Field(ge=0, le=100)
+    """0: greedy (the most likely token at every step)."""
     top_k: int = Field(ge=-1, le=1_000_000)
     top_p: float = Field(gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop_tokens: list[int] = Field(default_factory=list, max_length=64)
-    step: int = Field(ge=1)
+    stop_strings: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, max_length=64
+    )
+    """Matched against the decoded generated text (the base model's tokenizer, on the pool)."""
+    stop_at_eos: bool = False
+    """The SDK's `stop=None`: the model's end-of-sequence token ends a sequence."""
+    step: int | None = Field(default=None, ge=1)
+    base_model: str | None = Field(default=None, max_length=512)
+    """Set (and `step` None) for the base model without an adapter."""
 
 
 class SampledSequence(_Model):

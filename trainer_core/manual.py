@@ -10,6 +10,8 @@
                   its previous step (no batch_size accounting, no normalisation: Tinker's losses
                   are sums over tokens), then the adapter and the step's metrics are published
                   like any other run's step
+    samples       every claimed `sample` request decoded together, with a KV cache, each sequence
+                  through its own weights (trainer_core.sample_server, trainer_core.sampling)
     results       logprobs of every target token, the elementwise loss and "loss:sum" per request
 
 The losses, with lp the current logprob of each target token and w, old_lp, A the datum's
@@ -26,21 +28,23 @@ runs yet (their requests fail with that reason).
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
-from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem, SampledSequence, SamplingSpec
+from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch
 from trainer_core.publish import Publisher
+from trainer_core.sample_server import SampleServer, save_sampler_weights
+from trainer_core.sampling import TextDecoder
 from trainer_core.slots import RunSlot
 
 log = logging.getLogger("loraloom.worker")
@@ -87,6 +91,12 @@ class ManualExecutor:
     """Forward passes (rows) run for manual work."""
     mixed_passes: int = 0
     """Rows that held the tokens of more than one run: requests of several tenants in one pass."""
+    text_decoder: Callable[[], TextDecoder] | None = None
+    """Loads the base model's tokenizer, for stop strings (trainer_core.sample_server)."""
+    samples: SampleServer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = SampleServer(self.checkpoint_dir, self.text_decoder)
 
     def serve(
         self,
@@ -110,9 +120,10 @@ class ManualExecutor:
                 results.append(
                     _failed(item, "not supported by loraloom yet: Tinker models on a multi-rank pool")
                 )
-            elif item.run_id not in slot_of:
+            elif item.run_id not in slot_of and not _samples_base_model(item):
                 # Not admitted here yet (active at the service since this loop's look), or leaving:
-                # the service hands it out again, or fails it if the run has left.
+                # the service hands it out again, or fails it if the run has left. (Sampling the
+                # base model needs no run.)
                 results.append(ManualResult(request_id=item.request_id, release=True))
             else:
                 runnable.append((index, item))
@@ -121,22 +132,19 @@ class ManualExecutor:
             lora,
             [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind in ("forward", "forward_backward")],
         )
-        sampled = self._sample(
-            model,
-            lora,
-            [(i, it, slot_of[it.run_id]) for i, it in runnable if it.kind == "sample"],
-            slots,
+        sampled = self.samples.serve(
+            model, lora, [(i, it, slot_of.get(it.run_id)) for i, it in runnable if it.kind == "sample"], slots
         )
         for index, item in runnable:
-            slot = slot_of[item.run_id]
             if item.kind == "sample":
                 results.append(sampled[index])
                 continue
+            slot = slot_of[item.run_id]
             if item.kind == "optim_step":
                 results.append(_optim_step(item, slots[slot], optimizer, publisher))
                 continue
             if item.kind == "save_weights_for_sampler":
-                results.append(_saved(item, slots[slot]))
+                results.append(_saved(item, slots[slot], lora, self.checkpoint_dir))
                 continue
             if item.kind == "save_weights":
                 results.append(_save_state(item, slots[slot], lora, optimizer, self.checkpoint_dir))
@@ -221,106 +229,9 @@ class ManualExecutor:
         if total is not None:
             total.backward()
 
-    # -- sampling ----------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _sample(
-        self,
-        model: nn.Module,
-        lora: MultiLoRA,
-        work: Sequence[tuple[int, ManualWorkItem, int]],
-        slots: Mapping[int, RunSlot],
-    ) -> dict[int, ManualResult]:
-        """Every sequence of every sample request decoded together: one packed forward per new
-        token for all of them (each row routed to its own run's adapter). No KV cache: each step
-        re-reads the whole sequence, which is what keeps the logprobs exactly a forward's."""
-        results: dict[int, ManualResult] = {}
-        live: list[_Decoding] = []
-        for index, item, slot in work:
-            spec = item.sampling
-            if spec is None:
-                results[index] = _failed(item, "sample without sampling parameters")
-            elif slots[slot].progress.step != spec.step:
-                results[index] = _failed(
-                    item,
-                    f"not supported by loraloom yet: sampling the weights of step {spec.step} after the "
-                    f"model moved on to step {slots[slot].progress.step}; save the current weights again",
-                )
-            else:
-                for k in range(spec.num_samples):
-                    generator = torch.Generator()
-                    generator.manual_seed(spec.seed + k if spec.seed is not None else int(torch.seed()) + k)
-                    live.append(_Decoding(index, item, spec, slot, list(spec.prompt), generator))
-        while any(not d.done for d in live):
-            active = sorted((d for d in live if not d.done), key=lambda d: d.slot)
-            rows = _rows(
-                [_Sample(slot=d.slot, item=i, datum=0, tokens=d.tokens) for i, d in enumerate(active)],
-                self.seq_len,
-            )
-            for row in rows:
-                mb = _micro_batch(row, lora.n_slots)
-                self.passes += 1
-                self.mixed_passes += int(len({s.slot for s in row}) > 1)
-                with lora.segments(mb.slot_token_counts):
-                    logits = forward_packed(model, mb).float()  # (L, V)
-                ends = torch.cumsum(torch.tensor([len(s.tokens) for s in row]), 0) - 1  # (S,)
-                for sample, end in zip(row, ends.tolist(), strict=True):
-                    active[sample.item].step(logits[end])
-        for d in live:
-            results.setdefault(d.index, ManualResult(request_id=d.item.request_id, sequences=[]))
-            sequences = results[d.index].sequences
-            assert sequences is not None
-            sequences.append(
-                SampledSequence(
-                    tokens=d.generated, logprobs=d.logprobs, stop_reason=d.stop_reason or "length"
-                )
-            )
-        return results
-
-
-@dataclass
-class _Decoding:
-    """One sequence being sampled."""
-
-    index: int
-    item: ManualWorkItem
-    spec: SamplingSpec
-    slot: int
-    tokens: list[int]
-    generator: torch.Generator
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    stop_reason: Literal["stop", "length"] | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.stop_reason is not None
-
-    def step(self, logits: Tensor) -> None:
-        """Draw the next token from `logits` (V,) of the last position."""
-        logprobs = torch.log_softmax(logits, dim=-1)  # (V,)
-        spec = self.spec
-        if spec.temperature == 0:
-            token = int(torch.argmax(logits))
-        else:
-            scaled = logits / spec.temperature
-            if spec.top_k > 0:
-                kth = torch.topk(scaled, min(spec.top_k, scaled.numel())).values[-1]
-                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-            probs = torch.softmax(scaled, dim=-1)
-            if spec.top_p < 1:
-                sorted_probs, order = torch.sort(probs, descending=True)
-                keep = torch.cumsum(sorted_probs, 0) - sorted_probs < spec.top_p
-                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
-        self.tokens.append(token)
-        self.generated.append(token)
-        # The model's own logprob (temperature 1): what a forward of these tokens gives.
-        self.logprobs.append(float(logprobs[token]))
-        if token in spec.stop_tokens:
-            self.stop_reason = "stop"
-        elif len(self.generated) >= spec.max_tokens:
-            self.stop_reason = "length"
+def _samples_base_model(item: ManualWorkItem) -> bool:
+    return item.kind == "sample" and item.sampling is not None and item.sampling.step is None
 
 
 def _rows(samples: list[_Sample], seq_len: int) -> list[list[_Sample]]:
@@ -373,10 +284,12 @@ def _loss(item: ManualWorkItem, datum: ManualDatum, lp: Tensor) -> Tensor:
     return -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
 
 
-def _saved(item: ManualWorkItem, run: RunSlot) -> ManualResult:
-    """The run's adapter was published at its last optim_step: name that step."""
+def _saved(item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, checkpoint_dir: Path) -> ManualResult:
+    """The run's adapter was published at its last optim_step: name that step, and keep a copy on
+    the pool so that sampling clients of this step still sample it after the run trains on."""
     if run.progress.step == 0:
         return _failed(item, "no optim_step yet: there are no trained weights to save")
+    save_sampler_weights(checkpoint_dir, run, lora)
     return ManualResult(request_id=item.request_id, metrics={"step": run.progress.step})
 
 

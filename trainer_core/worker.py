@@ -67,6 +67,7 @@ from trainer_core.pause_point import pause_before_publish
 from trainer_core.publish import Publisher, restore_slot
 from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
+from trainer_core.sample_server import load_text_decoder
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.settings import WorkerSettings, flag_name
 from trainer_core.slots import RunSlot
@@ -267,7 +268,12 @@ class PoolTrainer:
         """Master: executes the manual-mode work (Tinker API) of the source, if it serves any."""
         client = getattr(self.master.source, "client", None) if self.master else None
         if isinstance(client, ManualWorkClient):
-            self.manual = ManualExecutor(client, seq_len=args.seq_len, checkpoint_dir=args.checkpoint_home)
+            self.manual = ManualExecutor(
+                client,
+                seq_len=args.seq_len,
+                checkpoint_dir=args.checkpoint_home,
+                text_decoder=partial(load_text_decoder, args.base_model, args.model_cache_dir),
+            )
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
             args.slots,
