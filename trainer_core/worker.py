@@ -27,6 +27,7 @@ if __name__ == "__main__":
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -77,6 +78,8 @@ log = logging.getLogger("loraloom.worker")
 
 CLAIM_AHEAD_PACKS = 4
 """Claim more rollout batches only while fewer than this many packs' worth of tokens are buffered."""
+BASE_SAMPLING_POLL_S = 1.0
+"""How often a pool without Tinker models asks for manual work (base-model sampling requests)."""
 
 
 @dataclass
@@ -231,6 +234,7 @@ class PoolTrainer:
         self.device = device
         self.stop_requested = False
         self._stepped = False
+        self._last_base_sampling_poll = -math.inf
         self.loop_time = LoopTime()
 
         # Every rank builds the same base model; the master builds the cache first.
@@ -455,7 +459,12 @@ class PoolTrainer:
         if self.manual is None or self.master is None:
             return False
         if not any(run.config.mode == "manual" and run.leaving is None for run in self.slots.values()):
-            return False  # no manual run here: no request to the service
+            # No Tinker model here: only base-model sampling (which needs no run) can be pending,
+            # so ask the service now and then rather than at every turn of the loop.
+            now = time.monotonic()
+            if now - self._last_base_sampling_poll < BASE_SAMPLING_POLL_S:
+                return False
+            self._last_base_sampling_poll = now
         return self.manual.serve(
             model=self.model,
             lora=self.lora,

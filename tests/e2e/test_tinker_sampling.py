@@ -125,3 +125,25 @@ def test_sampling_older_weights_the_base_model_seeds_and_stops_through_the_sdk(l
             assert pool.trainer.manual is not None and pool.trainer.manual.samples.passes > 0
         finally:
             service.close("success").result()
+
+
+def test_the_base_model_samples_on_a_pool_that_holds_no_tinker_model(live_service, tmp_path):
+    """A base-model sampling client needs no run: the pool asks for its requests although it has no
+    Tinker model (and so no other reason to ask for manual work)."""
+    key, http = _key(live_service, "tinker-base")
+    with running_pool(live_service.url, tmp_path) as pool, http:
+        service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
+        try:
+            rest = tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
+            wait_for(
+                lambda: rest.get_server_capabilities().result().supported_models, timeout=30, what="the pool"
+            )
+            plain = service.create_sampling_client(base_model=BASE_MODEL).result()
+            sampled = _sample(plain, 2, max_tokens=5, seed=3, stop=[])
+            assert not pool.trainer.slots
+            base = load_base_model(BASE_MODEL, cache_dir=MODEL_CACHE).eval()
+            for seq in sampled.sequences:
+                assert len(seq.tokens) == 5 and seq.stop_reason == "length"
+                assert np.allclose(seq.logprobs, _logprobs(base, PROMPT, list(seq.tokens)), atol=1e-4)
+        finally:
+            service.close("success").result()
