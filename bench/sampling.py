@@ -18,7 +18,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -163,7 +163,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, lora = build(args.model, args.adapters)
-    vocab = int(model.config.vocab_size)  # type: ignore[union-attr]
+    vocab = int(cast(Any, model).config.vocab_size)
     generated = args.sequences * args.max_tokens
     results = {}
     print("| decoder | wall s | CPU s | tokens/s (wall) | tokens/s (CPU) |\n|---|---|---|---|---|")

@@ -84,6 +84,10 @@ class SamplingSpec(_Model):
     step: int | None = Field(default=None, ge=1)
     base_model: str | None = Field(default=None, max_length=512)
     """Set (and `step` None) for the base model without an adapter."""
+    prompt_logprobs: bool = False
+    """Also the logprob of every prompt token after the first (from the prefill)."""
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
+    """Only the last N prompt tokens' logprobs (the others are None)."""
 
 
 class SampledSequence(_Model):
@@ -135,6 +139,9 @@ class ManualResult(_Model):
     elementwise_loss: list[list[float]] | None = None
     sequences: list[SampledSequence] | None = None
     """sample: the sampled sequences."""
+    prompt_logprobs: list[float | None] | None = None
+    """sample with prompt_logprobs: per prompt token, its logprob given the tokens before it (None
+    for the first, and for those before the last N when the request asked for the last N)."""
     metrics: dict[str, float] = Field(default_factory=dict)
 
 

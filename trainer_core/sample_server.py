@@ -133,6 +133,7 @@ class SampleServer:
                     )
                     for d in rows
                 ],
+                prompt_logprobs=rows[0].prompt_logprobs,  # the same prompt and weights in every row
             )
         return results
 

@@ -52,6 +52,8 @@ class Decoding:
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    """Set by the prefill when the request asks for them."""
 
     @property
     def done(self) -> bool:
@@ -147,7 +149,12 @@ def _generate_group(
     # the mask hides it from every real token).
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     cache = DynamicCache(config=getattr(model, "config", None))
-    logits = _forward(model, lora, rows, input_ids, mask, positions, cache)  # (B, V)
+    scores_prompt = any(d.spec.prompt_logprobs for d in rows)
+    prefill = _forward(model, lora, rows, input_ids, mask, positions, cache, every_position=scores_prompt)
+    for d, row_logits in zip(rows, prefill, strict=True):
+        if d.spec.prompt_logprobs:
+            d.prompt_logprobs = _prompt_logprobs(row_logits, d)
+    logits = prefill[:, -1]  # (B, V)
     live = list(rows)
     last_position = positions[:, -1]  # (B,)
     while True:
@@ -164,7 +171,7 @@ def _generate_group(
         new_ids = torch.tensor([[d.generated[-1]] for d in live], dtype=torch.long, device=device)  # (B', 1)
         mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
         last_position = last_position + 1
-        logits = _forward(model, lora, live, new_ids, mask, last_position[:, None], cache)
+        logits = _forward(model, lora, live, new_ids, mask, last_position[:, None], cache)[:, -1]  # (B', V)
 
 
 def _forward(
@@ -175,8 +182,11 @@ def _forward(
     mask: Tensor,
     positions: Tensor,
     cache: DynamicCache,
+    *,
+    every_position: bool = False,
 ) -> Tensor:
-    """Logits (B, V) of the last position of each row of `input_ids` (B, L), the cache extended."""
+    """Logits (B, L, V) of every position of `input_ids` (B, L) with `every_position`, else (B, 1, V)
+    of the last one only; the cache extended."""
     with _routing(lora, rows, input_ids.shape[1]):
         out = model(
             input_ids=input_ids,
@@ -184,9 +194,20 @@ def _forward(
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if every_position else 1,
         )
-    return out.logits[:, -1]  # (B, V)
+    return out.logits
+
+
+def _prompt_logprobs(logits: Tensor, d: Decoding) -> list[float | None]:
+    """Per prompt token, its logprob given the tokens before it, from the row's prefill logits
+    (P, V) (the prompt is left-padded: it ends at the last position); None for the first token."""
+    n = len(d.prompt)
+    predicting = logits[logits.shape[0] - n : -1].float()  # (n-1, V): position i predicts token i+1
+    targets = torch.tensor(d.prompt[1:], dtype=torch.long, device=logits.device)[:, None]  # (n-1, 1)
+    scored = torch.log_softmax(predicting, dim=-1).gather(-1, targets)[:, 0].tolist()
+    skipped = 0 if d.spec.prompt_logprobs_last_n is None else max(0, n - d.spec.prompt_logprobs_last_n)
+    return [None] * max(1, skipped) + scored[max(1, skipped) - 1 :]
 
 
 @contextlib.contextmanager

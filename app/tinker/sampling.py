@@ -37,10 +37,11 @@ from contracts.tinker_work import ManualWorkItem, SamplingSpec
 BASE_SAMPLER_PREFIX = "smpbase_"
 DEFAULT_MAX_TOKENS = 64
 UNSUPPORTED_OPTIONS = (
-    "prompt_logprobs",
     "topk_prompt_logprobs",
     "topk_sample_logprobs",
+    "target_prompt_logprobs",
     "prompt_alt_tokens_k",
+    "record_stability_info",
 )
 
 
@@ -117,7 +118,12 @@ def _prompt_tokens(prompt: Any) -> list[int]:
     for chunk in chunks:
         if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
             raise NotSupported("prompt chunks other than tokens (images, audio)")
-        tokens.extend(int(t) for t in chunk.get("tokens", []))
+        chunk_tokens = chunk.get("tokens", [])
+        if not isinstance(chunk_tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in chunk_tokens
+        ):
+            raise ValidationFailed("prompt chunks' tokens must be lists of integer token ids")
+        tokens.extend(chunk_tokens)
     return tokens
 
 
@@ -166,10 +172,18 @@ def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> 
             seed=params.get("seed"),
             step=sampler.step,
             base_model=sampler.base_model if run is None else None,
+            prompt_logprobs=bool(body.get("prompt_logprobs")),
+            prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"),
             **_stop(params.get("stop")),
         )
     except ValidationError as exc:
         raise ValidationFailed("invalid sample request", details=validation_problems(exc)) from exc
+    if spec.prompt_logprobs_last_n is not None and not (
+        spec.prompt_logprobs and spec.prompt_logprobs_last_n <= len(prompt) - 1
+    ):
+        raise ValidationFailed(
+            "prompt_logprobs_last_n needs prompt_logprobs and must be at most len(prompt) - 1"
+        )
     if len(prompt) + spec.max_tokens > max_seq_len:
         raise ValidationFailed(f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}")
     if pool is not None and any(not 0 <= t < pool.vocab_size for t in spec.prompt + spec.stop_tokens):
@@ -225,5 +239,6 @@ def claim_base_samples(session: Session, *, pool_id: str, max_items: int) -> lis
 
 def sample_proto(result: dict[str, Any]) -> bytes:
     return proto.encode_sample_response(
-        [(s["tokens"], s["logprobs"], s["stop_reason"]) for s in result.get("sequences", [])]
+        [(s["tokens"], s["logprobs"], s["stop_reason"]) for s in result.get("sequences", [])],
+        prompt_logprobs=result.get("prompt_logprobs"),
     )

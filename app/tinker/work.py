@@ -350,7 +350,8 @@ def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:
     if future.kind == "optim_step":
         return {"metrics": result.metrics}
     if future.kind == "sample":
-        return {"sequences": [seq.model_dump(mode="json") for seq in result.sequences or []]}
+        sequences = [seq.model_dump(mode="json") for seq in result.sequences or []]
+        return {"sequences": sequences, "prompt_logprobs": result.prompt_logprobs}
     if future.kind == "save_weights":
         name = str((future.request or {}).get("name") or "state")
         return {"path": weights_path(str(future.model_id), name), "type": "save_weights"}

@@ -113,14 +113,38 @@ def test_sampling_older_weights_the_base_model_seeds_and_stops_through_the_sdk(l
             assert list(by_string.tokens) == greedy[: len(by_string.tokens)]
             assert _sample(newer, max_tokens=3, temperature=0.0, stop=[]).sequences[0].stop_reason == "length"
 
+            # Prompt logprobs: a forward of the prompt (None for the first token); the last N only.
+            with torch.no_grad():
+                logits = step6(input_ids=torch.tensor([PROMPT])).logits[0, :-1]
+            expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(PROMPT[1:])[:, None])[
+                :, 0
+            ]
+            scored = newer.sample(
+                types.ModelInput.from_ints(PROMPT),
+                1,
+                types.SamplingParams(max_tokens=2),
+                include_prompt_logprobs=True,
+            ).result()
+            assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
+            assert np.allclose(scored.prompt_logprobs[1:], expected.numpy(), atol=1e-4)
+            last = newer.sample(
+                types.ModelInput.from_ints(PROMPT),
+                1,
+                types.SamplingParams(max_tokens=2),
+                include_prompt_logprobs=True,
+                prompt_logprobs_last_n=2,
+            ).result()
+            assert last.prompt_logprobs is not None and last.prompt_logprobs[:2] == [None, None]
+            assert np.allclose(last.prompt_logprobs[2:], expected.numpy()[-2:], atol=1e-4)
             with pytest.raises(
-                tinker.BadRequestError, match="not supported by loraloom: sample option prompt_logprobs"
+                tinker.BadRequestError, match="not supported by loraloom: sample option topk_prompt_logprobs"
             ):
                 newer.sample(
                     types.ModelInput.from_ints(PROMPT),
                     1,
                     types.SamplingParams(max_tokens=2),
                     include_prompt_logprobs=True,
+                    topk_prompt_logprobs=2,
                 ).result()
             assert pool.trainer.manual is not None and pool.trainer.manual.samples.passes > 0
         finally:

@@ -171,3 +171,22 @@ def test_top_k_one_is_greedy_and_top_p_keeps_only_the_nucleus():
     tiny_nucleus = decoding(1, [5, 6, 7], seed=6, temperature=1.0, top_p=1e-6, max_tokens=6)
     generate(model, lora, [greedy, top1, tiny_nucleus])
     assert top1.generated == greedy.generated == tiny_nucleus.generated
+
+
+def test_prompt_logprobs_are_a_forward_of_the_prompt_and_last_n_scores_only_the_suffix():
+    model, lora = tiny_model(PACKED_ATTENTION)
+    short = decoding(2, [5, 6, 7], seed=1, max_tokens=2, prompt_logprobs=True)
+    long = decoding(2, [9, 10, 11, 12, 13, 14], seed=2, max_tokens=2, prompt_logprobs=True)
+    suffix = decoding(
+        0, [9, 10, 11, 12, 13, 14], seed=3, max_tokens=2, prompt_logprobs=True, prompt_logprobs_last_n=2
+    )
+    without = decoding(0, [5, 6], seed=4, max_tokens=2)
+    generate(model, lora, [short, long, suffix, without])
+    for row in (short, long):
+        assert row.prompt_logprobs is not None and row.prompt_logprobs[0] is None
+        expected = full_forward_logprobs(model, lora, row.slot, row.prompt)
+        torch.testing.assert_close(torch.tensor(row.prompt_logprobs[1:]), expected, atol=1e-4, rtol=0)
+    assert suffix.prompt_logprobs is not None and suffix.prompt_logprobs[:4] == [None] * 4
+    expected = full_forward_logprobs(model, lora, 0, suffix.prompt)[-2:]
+    torch.testing.assert_close(torch.tensor(suffix.prompt_logprobs[4:]), expected, atol=1e-4, rtol=0)
+    assert without.prompt_logprobs is None
