@@ -158,7 +158,8 @@ def _generate_group(
     live = list(rows)
     last_position = positions[:, -1]  # (B,)
     while True:
-        for d, row_logits in zip(live, logits, strict=True):
+        # On the CPU: the seeded generators are CPU ones (the same draws on any device).
+        for d, row_logits in zip(live, logits.float().cpu(), strict=True):
             d.take(row_logits, decode)
         keep = [i for i, d in enumerate(live) if not d.done]
         if not keep:
