@@ -1,6 +1,7 @@
 """Sampling through the unmodified `tinker` SDK on a real pool (built-in model): sampling clients of an
-older step and of the base model, seeds, greedy decoding, stop tokens and stop strings; every
-sampled token's logprob is what a forward of the same weights gives."""
+older step and of the base model, seeds, greedy decoding, stop tokens and stop strings, prompt
+logprobs, and two tenants' requests decoded in one generation pass; every sampled token's logprob
+is what a forward of the same weights gives."""
 
 import httpx
 import numpy as np
@@ -12,7 +13,7 @@ from tinker import types
 
 from contracts.tokenizer import CharTokenizer
 from tests.e2e.helpers import MODEL_CACHE, extract_adapter, wait_for
-from tests.e2e.test_tinker_pool import BASE_MODEL, _data, _key, _train, running_pool
+from tests.e2e.test_tinker_pool import BASE_MODEL, _data, _key, _pending, _train, running_pool
 from trainer_core.models.registry import load_base_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.timeout(300)]
@@ -171,3 +172,58 @@ def test_the_base_model_samples_on_a_pool_that_holds_no_tinker_model(live_servic
                 assert np.allclose(seq.logprobs, _logprobs(base, PROMPT, list(seq.tokens)), atol=1e-4)
         finally:
             service.close("success").result()
+
+
+def _forward_logprobs(training, prompt: list[int], generated: list[int]) -> np.ndarray:
+    """The trainer's logprobs of `generated` after `prompt` (a Tinker `forward`)."""
+    full = prompt + generated
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
+    )
+    out = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    return np.asarray(out.tolist()[-len(generated) :])
+
+
+def test_two_tenants_samples_decode_in_one_generation_pass_each_with_its_own_adapter(live_service, tmp_path):
+    key_a, http_a = _key(live_service, "tinker-sample-a")
+    key_b, http_b = _key(live_service, "tinker-sample-b")
+    with running_pool(live_service.url, tmp_path) as pool, http_a, http_b:
+        a = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_a)
+        b = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_b)
+        try:
+            ta = a.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
+            ).result()
+            tb = b.create_lora_training_client(
+                BASE_MODEL, rank=2, seed=2, train_unembed=False, train_mlp=False
+            ).result()
+            _train(ta, _data(), steps=2, lr=5e-2)
+            _train(tb, _data(offset=3), steps=2, lr=5e-2)
+            sa = a.create_sampling_client(model_path=ta.save_weights_for_sampler("a").result().path).result()
+            sb = b.create_sampling_client(model_path=tb.save_weights_for_sampler("b").result().path).result()
+            manual = pool.trainer.manual
+            assert manual is not None
+
+            # Pause the pool's claims, submit both tenants' samples, let them go: one claim, one pass.
+            pool.client.open.clear()
+            params = types.SamplingParams(max_tokens=6, seed=2, stop=[])
+            fa = sa.sample(types.ModelInput.from_ints(PROMPT), 2, params)
+            fb = sb.sample(types.ModelInput.from_ints(PROMPT[:2]), 1, params)
+            wait_for(lambda: _pending(live_service) >= 2, timeout=30, what="both sample requests stored")
+            before = manual.samples.passes
+            pool.client.open.set()
+            ra, rb = fa.result(), fb.result()
+            assert manual.samples.passes == before + 1
+
+            # Each row went through its own tenant's adapter: its logprobs are its trainer's forward.
+            for seq in ra.sequences:
+                assert np.allclose(seq.logprobs, _forward_logprobs(ta, PROMPT, list(seq.tokens)), atol=1e-4)
+                assert not np.allclose(
+                    seq.logprobs, _forward_logprobs(tb, PROMPT, list(seq.tokens)), atol=1e-3
+                )
+            (seq,) = rb.sequences
+            assert np.allclose(seq.logprobs, _forward_logprobs(tb, PROMPT[:2], list(seq.tokens)), atol=1e-4)
+        finally:
+            for client in (a, b):
+                client.close("success").result()
