@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,12 +45,13 @@ def sampler_weights_dir(checkpoint_dir: Path, run_id: str, step: int) -> Path:
 
 def save_sampler_weights(checkpoint_dir: Path, run: RunSlot, lora: MultiLoRA) -> None:
     """Keep the run's adapter of its current step, so that a sampling client of this step still
-    samples it after the run trains on (written once per step; atomic by rename)."""
+    samples it after the run trains on. Written at every save: a `load_weights` may have put other
+    weights in the slot at a step number already saved, and the newest save names what it holds.
+    (Only the pool's loop reads these copies, in the same thread: no reader sees a half-written one.)"""
     target = sampler_weights_dir(checkpoint_dir, run.run_id, run.progress.step)
-    if (target / CONFIG_FILE).exists():
-        return
     tmp = target.with_name(target.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in lora.slot_state_dict(run.slot).items()}
     save_file(state, str(tmp / ADAPTER_FILE))
     lora_config = run.config.lora
@@ -63,7 +65,8 @@ def save_sampler_weights(checkpoint_dir: Path, run: RunSlot, lora: MultiLoRA) ->
         ),
         encoding="utf-8",
     )
-    tmp.replace(target)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
 
 
 def load_text_decoder(base_model: str, cache_dir: Path | None) -> TextDecoder:

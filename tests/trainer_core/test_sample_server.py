@@ -85,3 +85,24 @@ def test_what_cannot_be_served_fails_alone(tmp_path):
         model, lora, [(0, _item("gone", 1, [5]), 0), (1, _item("live", 3, [5]), 0)], {0: run}
     )
     assert results[0].error is not None and results[1].error is None and results[1].sequences
+
+
+def test_a_later_save_at_the_same_step_replaces_the_kept_copy(tmp_path):
+    """After a load_weights the slot may hold other weights at a step number already saved: the
+    newest save is what that step's sampling clients get."""
+    model, lora = tiny_model(PACKED_ATTENTION)
+    run = RunSlot(0, "run_a", CONFIG, Progress(step=2))
+    save_sampler_weights(tmp_path, run, lora)
+    with torch.no_grad():
+        for p in lora.slot_parameters(0):
+            p.mul_(-1.0)
+    save_sampler_weights(tmp_path, run, lora)
+    kept = {k: v.clone() for k, v in lora.slot_state_dict(0).items()}
+    run.progress.step = 3  # the run moves on: step 2 is served from the kept copy
+    result = SampleServer(tmp_path).serve(model, lora, [(0, _item("old", 2, [5, 6]), 0)], {0: run})[0]
+    assert result.sequences is not None
+    lora.configure_slot(1, rank=4, alpha=8.0, target_modules=CONFIG.lora.target_modules)
+    lora.load_slot_state_dict(1, kept)
+    for seq in result.sequences:
+        expected = full_forward_logprobs(model, lora, 1, [5, 6] + seq.tokens)[-len(seq.tokens) :]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), expected, atol=1e-4, rtol=0)
