@@ -44,12 +44,13 @@ from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch
 from trainer_core.publish import Publisher
 from trainer_core.sample_server import SampleServer, save_sampler_weights
-from trainer_core.sampling import TextDecoder
+from trainer_core.sampling import PassLimits, TextDecoder
 from trainer_core.slots import RunSlot
 
 log = logging.getLogger("loraloom.worker")
 
 MAX_CLAIM = 64
+SAMPLING_CACHE_ROWS = 16
 PPO_CLIP = (0.8, 1.2)
 
 __all__ = ["ManualExecutor", "ManualWorkClient"]
@@ -96,7 +97,10 @@ class ManualExecutor:
     samples: SampleServer = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = SampleServer(self.checkpoint_dir, self.text_decoder)
+        # A pass's KV cache up to SAMPLING_CACHE_ROWS training rows of tokens; its prompt-scoring
+        # prefill logits no more than one training row's forward keeps.
+        limits = PassLimits(cache_tokens=SAMPLING_CACHE_ROWS * self.seq_len, prompt_logit_tokens=self.seq_len)
+        self.samples = SampleServer(self.checkpoint_dir, self.text_decoder, limits)
 
     def serve(
         self,

@@ -28,7 +28,7 @@ from torch import nn
 
 from contracts.tinker_work import ManualResult, ManualWorkItem, SampledSequence
 from trainer_core.lora import MultiLoRA
-from trainer_core.sampling import Decoding, TextDecoder, eos_token_ids, generate
+from trainer_core.sampling import Decoding, PassLimits, TextDecoder, eos_token_ids, generate
 from trainer_core.slots import RunSlot
 
 log = logging.getLogger("loraloom.worker")
@@ -95,6 +95,8 @@ class SampleServer:
     checkpoint_dir: Path
     text_decoder: Callable[[], TextDecoder] | None = None
     """Loads the base model's tokenizer (None: stop strings are refused)."""
+    limits: PassLimits = PassLimits()
+    """How many sequences one generation pass takes (trainer_core.sampling.PassLimits)."""
     passes: int = 0
     """Generation passes run."""
     _decode: TextDecoder | None = field(default=None, init=False)
@@ -122,7 +124,7 @@ class SampleServer:
                     results[index] = ManualResult(request_id=item.request_id, error=str(exc))
             all_rows = [d for rows in decodings.values() for d in rows]
             if all_rows:
-                self.passes += generate(model, lora, all_rows, decode=self._decode)
+                self.passes += generate(model, lora, all_rows, decode=self._decode, limits=self.limits)
         finally:
             for slot in borrowed.values():
                 lora.reset_slot(slot)

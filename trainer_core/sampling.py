@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from contracts.tinker_work import SamplingSpec
 from trainer_core.lora import MultiLoRA
 
-__all__ = ["Decoding", "TextDecoder", "eos_token_ids", "generate", "pick_token"]
+__all__ = ["Decoding", "PassLimits", "TextDecoder", "eos_token_ids", "generate", "pick_token"]
 
 TextDecoder = Callable[[Sequence[int]], str]
 """Token ids → text (the base model's tokenizer): what stop strings are matched against."""
@@ -111,11 +111,26 @@ def eos_token_ids(model: nn.Module) -> frozenset[int]:
     return frozenset(ids)
 
 
+@dataclass(frozen=True)
+class PassLimits:
+    """How many rows one generation pass takes: the cache holds B × (longest prompt + max_tokens)
+    positions, and a prefill that scores the prompt keeps (B × longest prompt, V) logits."""
+
+    cache_tokens: int | None = None
+    prompt_logit_tokens: int | None = None
+
+
 @torch.no_grad()
 def generate(
-    model: nn.Module, lora: MultiLoRA, decodings: Sequence[Decoding], *, decode: TextDecoder | None = None
+    model: nn.Module,
+    lora: MultiLoRA,
+    decodings: Sequence[Decoding],
+    *,
+    decode: TextDecoder | None = None,
+    limits: PassLimits = PassLimits(),
 ) -> int:
-    """Decode every sequence to its end (in place); returns the generation passes run.
+    """Decode every sequence to its end (in place); returns the generation passes run: one for the
+    rows routed to adapters and one for the base model's, each split only where `limits` say.
 
     The model runs in eval mode meanwhile (no LoRA dropout: the logprobs are a forward's)."""
     was_training = model.training
@@ -125,12 +140,35 @@ def generate(
         routed = sorted((d for d in decodings if d.slot is not None), key=lambda d: d.slot or 0)
         base = [d for d in decodings if d.slot is None]
         for group, use_lora in ((routed, True), (base, False)):
-            if group:
-                _generate_group(model, lora if use_lora else None, group, decode)
+            for chunk in _chunks(group, limits):
+                _generate_group(model, lora if use_lora else None, chunk, decode)
                 passes += 1
         return passes
     finally:
         model.train(was_training)
+
+
+def _chunks(rows: list[Decoding], limits: PassLimits) -> Iterator[list[Decoding]]:
+    """Consecutive runs of `rows` (their order kept: ascending slots) within `limits`; a row alone
+    always makes a pass."""
+    chunk: list[Decoding] = []
+    longest = longest_prompt = 0
+    for d in rows:
+        total = max(longest, len(d.prompt) + d.spec.max_tokens)
+        prompt = max(longest_prompt, len(d.prompt))
+        scores = any(r.spec.prompt_logprobs for r in chunk) or d.spec.prompt_logprobs
+        too_big = (limits.cache_tokens is not None and (len(chunk) + 1) * total > limits.cache_tokens) or (
+            scores
+            and limits.prompt_logit_tokens is not None
+            and (len(chunk) + 1) * prompt > limits.prompt_logit_tokens
+        )
+        if chunk and too_big:
+            yield chunk
+            chunk, total, prompt = [], len(d.prompt) + d.spec.max_tokens, len(d.prompt)
+        chunk.append(d)
+        longest, longest_prompt = total, prompt
+    if chunk:
+        yield chunk
 
 
 def _generate_group(

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from contracts.tinker_work import SamplingSpec
 from trainer_core.lora import MultiLoRA, apply_multi_lora
 from trainer_core.models.attention import PACKED_ATTENTION
-from trainer_core.sampling import Decoding, generate
+from trainer_core.sampling import Decoding, PassLimits, generate
 
 VOCAB = 96
 EOS = 2
@@ -190,3 +190,32 @@ def test_prompt_logprobs_are_a_forward_of_the_prompt_and_last_n_scores_only_the_
     expected = full_forward_logprobs(model, lora, 0, suffix.prompt)[-2:]
     torch.testing.assert_close(torch.tensor(suffix.prompt_logprobs[4:]), expected, atol=1e-4, rtol=0)
     assert without.prompt_logprobs is None
+
+
+def test_pass_limits_split_a_group_into_passes_with_the_same_results():
+    model, lora = tiny_model(PACKED_ATTENTION)
+
+    def rows() -> list[Decoding]:
+        return [
+            decoding(0, [5, 6, 7], seed=1, max_tokens=5),  # 8 cache positions
+            decoding(1, [8, 9], seed=2, max_tokens=6),  # 8
+            decoding(2, [10, 11, 12, 13], seed=3, max_tokens=4, prompt_logprobs=True),  # 8
+            decoding(None, [14, 15], seed=4, max_tokens=3),
+        ]
+
+    together, split, scored = rows(), rows(), rows()
+    assert generate(model, lora, together) == 2
+    # 16 cache positions: two rows of 8 per pass; the base model's row in its own pass anyway.
+    assert generate(model, lora, split, limits=PassLimits(cache_tokens=16)) == 3
+    # The prompt-scoring row's prefill alone: (rows × longest prompt) ≤ 4 positions of logits.
+    assert generate(model, lora, scored, limits=PassLimits(prompt_logit_tokens=4)) == 3
+    for a, b, c in zip(together, split, scored, strict=True):
+        assert a.generated == b.generated == c.generated
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    assert together[2].prompt_logprobs is not None and scored[2].prompt_logprobs is not None
+    torch.testing.assert_close(
+        torch.tensor(together[2].prompt_logprobs[1:]),
+        torch.tensor(scored[2].prompt_logprobs[1:]),
+        atol=1e-5,
+        rtol=0,
+    )
