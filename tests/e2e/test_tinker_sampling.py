@@ -3,6 +3,8 @@ older step and of the base model, seeds, greedy decoding, stop tokens and stop s
 logprobs, and two tenants' requests decoded in one generation pass; every sampled token's logprob
 is what a forward of the same weights gives."""
 
+from typing import Any
+
 import httpx
 import numpy as np
 import pytest
@@ -177,10 +179,9 @@ def test_the_base_model_samples_on_a_pool_that_holds_no_tinker_model(live_servic
 def _forward_logprobs(training, prompt: list[int], generated: list[int]) -> np.ndarray:
     """The trainer's logprobs of `generated` after `prompt` (a Tinker `forward`)."""
     full = prompt + generated
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
-    )
+    # The SDK converts plain lists to TensorData.
+    inputs: dict[str, Any] = {"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)}
+    datum = types.Datum(model_input=types.ModelInput.from_ints(full[:-1]), loss_fn_inputs=inputs)
     out = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
     return np.asarray(out.tolist()[-len(generated) :])
 
