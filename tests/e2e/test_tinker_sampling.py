@@ -130,6 +130,8 @@ def test_sampling_older_weights_the_base_model_seeds_and_stops_through_the_sdk(l
             ).result()
             assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
             assert np.allclose(scored.prompt_logprobs[1:], expected.numpy(), atol=1e-4)
+            computed = newer.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()  # the SDK's helper
+            assert computed[0] is None and np.allclose(computed[1:], expected.numpy(), atol=1e-4)
             last = newer.sample(
                 types.ModelInput.from_ints(PROMPT),
                 1,
