@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -127,7 +128,8 @@ class SampleServer:
                 self.passes += generate(model, lora, all_rows, decode=self._decode, limits=self.limits)
         finally:
             for slot in borrowed.values():
-                lora.reset_slot(slot)
+                # Seeded: a fresh adapter without drawing from the global RNG (others' dropout).
+                lora.reset_slot(slot, seed=0)
         for index, rows in decodings.items():
             item = next(it for i, it, _ in work if i == index)
             results[index] = ManualResult(
@@ -200,8 +202,9 @@ class SampleServer:
                     f"stop strings: the base model's tokenizer could not be loaded: {exc}"
                 ) from exc
         stop = frozenset(spec.stop_tokens) | (eos if spec.stop_at_eos else frozenset())
-        # Without a seed, a fresh one per request (the sequences still differ from each other).
-        seed = spec.seed if spec.seed is not None else int(torch.seed())
+        # Without a seed, a fresh one per request (the sequences still differ from each other); not
+        # torch.seed(), which would reseed the global RNG that training draws from.
+        seed = spec.seed if spec.seed is not None else secrets.randbits(63)
         return [
             Decoding(
                 slot=slot,

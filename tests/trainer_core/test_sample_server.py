@@ -106,3 +106,21 @@ def test_a_later_save_at_the_same_step_replaces_the_kept_copy(tmp_path):
     for seq in result.sequences:
         expected = full_forward_logprobs(model, lora, 1, [5, 6] + seq.tokens)[-len(seq.tokens) :]
         torch.testing.assert_close(torch.tensor(seq.logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_sampling_leaves_the_global_rng_alone(tmp_path):
+    """Training draws from the global RNG (dropout, unseeded inits): a sample request without a seed,
+    or one that borrows a slot, must not reseed or advance it."""
+    model, lora = tiny_model(PACKED_ATTENTION)
+    run = RunSlot(0, "run_a", CONFIG, Progress(step=1))
+    save_sampler_weights(tmp_path, run, lora)
+    run.progress.step = 2
+    unseeded = _item("new", 2, [5, 6])
+    assert unseeded.sampling is not None
+    unseeded.sampling.seed = None
+    state = torch.get_rng_state()
+    results = SampleServer(tmp_path).serve(
+        model, lora, [(0, unseeded, 0), (1, _item("old", 1, [7]), 0)], {0: run}
+    )
+    assert all(r.error is None for r in results.values())
+    assert torch.equal(torch.get_rng_state(), state)
