@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -88,7 +89,12 @@ def load_text_decoder(base_model: str, cache_dir: Path | None) -> TextDecoder:
 
 
 class _Refused(Exception):
-    pass
+    """A request this pool cannot serve: it fails alone, with this message."""
+
+
+def _vocab_size(model: nn.Module) -> int:
+    """Rows of the input embeddings (a transformers causal LM)."""
+    return int(cast(Any, model).get_input_embeddings().num_embeddings)
 
 
 @dataclass
@@ -116,11 +122,12 @@ class SampleServer:
         borrowed: dict[tuple[str, int], int] = {}
         free = [s for s in range(lora.n_slots) if s not in slots]
         eos = eos_token_ids(model)
+        vocab_size = _vocab_size(model)
         try:
             for index, item, live_slot in work:
                 try:
                     slot = self._weights_of(item, live_slot, slots, lora, borrowed, free)
-                    decodings[index] = self._decodings(item, slot, eos)
+                    decodings[index] = self._decodings(item, slot, eos, vocab_size)
                 except _Refused as exc:
                     results[index] = ManualResult(request_id=item.request_id, error=str(exc))
             all_rows = [d for rows in decodings.values() for d in rows]
@@ -189,9 +196,15 @@ class SampleServer:
             raise _Refused(f"the sampler weights of step {spec.step} could not be loaded: {exc}") from exc
         return slot
 
-    def _decodings(self, item: ManualWorkItem, slot: int | None, eos: frozenset[int]) -> list[Decoding]:
+    def _decodings(
+        self, item: ManualWorkItem, slot: int | None, eos: frozenset[int], vocab_size: int
+    ) -> list[Decoding]:
         spec = item.sampling
         assert spec is not None  # _weights_of checked
+        # The service checks against the pool it knows; one submitted before this pool registered
+        # was not, and an id past the embeddings would fail the whole pass.
+        if any(not 0 <= t < vocab_size for t in spec.prompt):
+            raise _Refused(f"a prompt token id is outside the vocabulary [0, {vocab_size})")
         if spec.stop_strings and self._decode is None:
             if self.text_decoder is None:
                 raise _Refused("stop strings: this pool has no tokenizer for its base model")

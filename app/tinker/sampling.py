@@ -161,18 +161,21 @@ def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> 
     if not isinstance(params, dict):
         raise ValidationFailed("sampling_params must be an object")
     prompt = _prompt_tokens(body.get("prompt"))
+    max_tokens = params.get("max_tokens")
     try:
         spec = SamplingSpec(
             prompt=prompt,
             num_samples=body.get("num_samples", 1),
-            max_tokens=params.get("max_tokens") or max(1, min(DEFAULT_MAX_TOKENS, max_seq_len - len(prompt))),
+            max_tokens=max_tokens
+            if max_tokens is not None
+            else max(1, min(DEFAULT_MAX_TOKENS, max_seq_len - len(prompt))),
             temperature=params.get("temperature", 1.0),
             top_k=params.get("top_k", -1),
             top_p=params.get("top_p", 1.0),
             seed=params.get("seed"),
             step=sampler.step,
             base_model=sampler.base_model if run is None else None,
-            prompt_logprobs=bool(body.get("prompt_logprobs")),
+            prompt_logprobs=body.get("prompt_logprobs") or False,
             prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"),
             **_stop(params.get("stop")),
         )

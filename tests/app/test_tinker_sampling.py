@@ -143,6 +143,7 @@ def test_bad_sample_requests_get_a_4xx_and_store_nothing(client, tenant, db):
         (_sample_body(sampler_id, [5], sampling_params={"max_tokens": 2, "temperature": -1}), 422),
         (_sample_body(sampler_id, [5], sampling_params={"max_tokens": 2000}), 422),  # past max_seq_len
         (_sample_body(sampler_id, [5], num_samples=0), 422),
+        (_sample_body(sampler_id, [5], sampling_params={"max_tokens": 0}), 422),
         (_sample_body(sampler_id, []), 422),
         (_sample_body(sampler_id, ["a"]), 422),
         ({**_sample_body(sampler_id, [5]), "prompt": {"chunks": [{"type": "image", "data": ""}]}}, 400),

@@ -124,3 +124,13 @@ def test_sampling_leaves_the_global_rng_alone(tmp_path):
     )
     assert all(r.error is None for r in results.values())
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_prompt_token_past_the_embeddings_fails_its_request_only(tmp_path):
+    model, lora = tiny_model(PACKED_ATTENTION)
+    run = RunSlot(0, "run_a", CONFIG, Progress(step=1))
+    results = SampleServer(tmp_path).serve(
+        model, lora, [(0, _item("bad", 1, [5, 96]), 0), (1, _item("good", 1, [5, 95]), 0)], {0: run}
+    )
+    assert results[0].error is not None and "outside the vocabulary [0, 96)" in results[0].error
+    assert results[1].error is None and results[1].sequences
