@@ -134,3 +134,23 @@ def test_a_prompt_token_past_the_embeddings_fails_its_request_only(tmp_path):
     )
     assert results[0].error is not None and "outside the vocabulary [0, 96)" in results[0].error
     assert results[1].error is None and results[1].sequences
+
+
+def test_stop_at_eos_ends_at_the_models_eos_and_without_it_runs_to_max_tokens(tmp_path):
+    model, lora = tiny_model(PACKED_ATTENTION)
+    run = RunSlot(0, "run_a", CONFIG, Progress(step=1))
+    server = SampleServer(tmp_path)
+
+    def greedy(stop_at_eos: bool) -> list[int]:
+        item = _item("g", 1, [5, 6, 7])
+        assert item.sampling is not None
+        item.sampling.temperature, item.sampling.max_tokens, item.sampling.stop_at_eos = 0.0, 8, stop_at_eos
+        result = server.serve(model, lora, [(0, item, 0)], {0: run})[0]
+        assert result.sequences is not None
+        return result.sequences[0].tokens
+
+    tokens = greedy(False)
+    eos = tokens[2]
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos  # the model's own EOS id
+    assert greedy(False) == tokens  # stop=[]: no EOS stopping
+    assert greedy(True) == tokens[: tokens.index(eos) + 1]

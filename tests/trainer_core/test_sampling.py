@@ -142,7 +142,7 @@ def test_same_seed_same_tokens_and_another_seed_others():
     assert draw(11) != draw(12)
 
 
-def test_stop_tokens_strings_and_eos_end_a_sequence_with_reason_stop():
+def test_stop_tokens_and_strings_end_a_sequence_with_reason_stop():
     model, lora = tiny_model(PACKED_ATTENTION)
     greedy = decoding(0, [5, 6, 7], seed=0, temperature=0.0, max_tokens=8)
     generate(model, lora, [greedy])
