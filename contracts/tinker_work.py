@@ -9,7 +9,7 @@ step's delivered forward_backwards (`ManualWorkItem.replay`). Torch-free and fas
 ends use these models.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -65,18 +65,32 @@ class AdamStep(_Model):
 
 
 class SamplingSpec(_Model):
-    """A `sample` request: `num_samples` continuations of `prompt` from the run's adapter, which
-    must still be at `step` (the step its sampler weights were saved at)."""
+    """A `sample` request: `num_samples` continuations of `prompt` from the run's adapter as it was
+    saved at `step` (the live slot when the run is still there, else that step's saved copy), or
+    from the base model (`step` None, the item's `run_id` empty)."""
 
     prompt: list[int] = Field(min_length=1, max_length=131_072)
     num_samples: int = Field(ge=1, le=64)
     max_tokens: int = Field(ge=1, le=4096)
     temperature: float = Field(ge=0, le=100)
+    """0: greedy (the most likely token at every step)."""
     top_k: int = Field(ge=-1, le=1_000_000)
     top_p: float = Field(gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop_tokens: list[int] = Field(default_factory=list, max_length=64)
-    step: int = Field(ge=1)
+    stop_strings: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list, max_length=64
+    )
+    """Matched against the decoded generated text (the base model's tokenizer, on the pool)."""
+    stop_at_eos: bool = False
+    """The SDK's `stop=None`: the model's end-of-sequence token ends a sequence."""
+    step: int | None = Field(default=None, ge=1)
+    base_model: str | None = Field(default=None, max_length=512)
+    """Set (and `step` None) for the base model without an adapter."""
+    prompt_logprobs: bool = False
+    """Also the logprob of every prompt token after the first (from the prefill)."""
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
+    """Only the last N prompt tokens' logprobs (the others are None)."""
 
 
 class SampledSequence(_Model):
@@ -132,6 +146,9 @@ class ManualResult(_Model):
     elementwise_loss: list[list[float]] | None = None
     sequences: list[SampledSequence] | None = None
     """sample: the sampled sequences."""
+    prompt_logprobs: list[float | None] | None = None
+    """sample with prompt_logprobs: per prompt token, its logprob given the tokens before it (None
+    for the first, and for those before the last N when the request asked for the last N)."""
     metrics: dict[str, float] = Field(default_factory=dict)
     replayed: bool = False
     """The pool rebuilt the effect of a `replay` item: from now on it holds that effect."""

@@ -11,6 +11,8 @@
                   its previous step (no batch_size accounting, no normalisation: Tinker's losses
                   are sums over tokens), then the adapter and the step's metrics are published
                   like any other run's step
+    samples       every claimed `sample` request decoded together, with a KV cache, each sequence
+                  through its own weights (trainer_core.sample_server, trainer_core.sampling)
     results       logprobs of every target token, the elementwise loss and "loss:sum" per request
 
 After a pool crash the next pool restores each run from its last optim_step's checkpoint (every
@@ -33,15 +35,15 @@ run's gradients are all-reduced (summed) at its optim_step; sampling runs on the
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
 
-from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem, SampledSequence, SamplingSpec
+from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_core.dist import World, all_reduce_grads_, broadcast_from_master, gather_to_master
 from trainer_core.lora import MultiLoRA
@@ -56,11 +58,14 @@ from trainer_core.pause_point import (
 )
 from trainer_core.policy_terms import tinker_loss
 from trainer_core.publish import Publisher
+from trainer_core.sample_server import SampleServer, save_sampler_weights
+from trainer_core.sampling import PassLimits, TextDecoder
 from trainer_core.slots import ManualBoundary, RunSlot
 
 log = logging.getLogger("loraloom.worker")
 
 MAX_CLAIM = 64
+SAMPLING_CACHE_ROWS = 16
 
 __all__ = ["ManualExecutor", "ManualWorkClient"]
 
@@ -99,8 +104,8 @@ _FIRST_KINDS = ("forward", "forward_backward", "sample")
 class _Round:
     """The master's claim, as every rank executes it."""
 
-    work: list[tuple[int, ManualWorkItem, int]]
-    """(index in the claim, item, slot) of the items that run here."""
+    work: list[tuple[int, ManualWorkItem, int | None]]
+    """(index in the claim, item, slot) of the items that run here (slot None: a base-model sample)."""
     answered: bool
     """Some item was answered without running (failed, or already in the checkpoint)."""
 
@@ -117,6 +122,15 @@ class ManualExecutor:
     """Forward passes (rows) run for manual work."""
     mixed_passes: int = 0
     """Rows that held the tokens of more than one run: requests of several tenants in one pass."""
+    text_decoder: Callable[[], TextDecoder] | None = None
+    """Loads the base model's tokenizer, for stop strings (trainer_core.sample_server)."""
+    samples: SampleServer = field(init=False)
+
+    def __post_init__(self) -> None:
+        # A pass's KV cache up to SAMPLING_CACHE_ROWS training rows of tokens; its prompt-scoring
+        # prefill logits no more than one training row's forward keeps.
+        limits = PassLimits(cache_tokens=SAMPLING_CACHE_ROWS * self.seq_len, prompt_logit_tokens=self.seq_len)
+        self.samples = SampleServer(self.checkpoint_dir, self.text_decoder, limits)
 
     def serve(
         self,
@@ -143,24 +157,26 @@ class ManualExecutor:
             slot_of = {run.run_id: slot for slot, run in slots.items() if run.leaving is None}
             answers, runnable = _triage(items, slots, slot_of)
             round_ = _Round(
-                work=[(i, it, slot_of[it.run_id]) for i, it in runnable],
+                work=[(i, it, slot_of.get(it.run_id)) for i, it in runnable],
                 answered=any(not r.release for r in answers),
             )
         round_ = broadcast_from_master(round_, self.world)
-        work = round_.work
-        outputs = self._passes(model, lora, [w for w in work if w[1].kind in ("forward", "forward_backward")])
-        # Sampling needs no collective: the master decodes every sequence alone.
+        # Sampling needs no collective: the master decodes every sequence alone (slot None: the
+        # base model's). Everything else belongs to an admitted run, so has its slot.
         sampled = (
-            self._sample(model, lora, [w for w in work if w[1].kind == "sample"], slots) if master else {}
+            self.samples.serve(model, lora, [w for w in round_.work if w[1].kind == "sample"], slots)
+            if master
+            else {}
         )
+        work = [(i, it, slot) for i, it, slot in round_.work if slot is not None and it.kind != "sample"]
+        outputs = self._passes(model, lora, [w for w in work if w[1].kind in ("forward", "forward_backward")])
         states = [
             (item, slots[slot]) for _, item, slot in work if item.kind not in _FIRST_KINDS + ("optim_step",)
         ]
         steps = [(item, slots[slot]) for _, item, slot in work if item.kind == "optim_step"]
+        answers += sampled.values()
         for index, item, slot in work:
-            if item.kind == "sample" and master:
-                answers.append(sampled[index])
-            elif item.kind in ("forward", "forward_backward") and master:
+            if item.kind in ("forward", "forward_backward") and master:
                 answers.append(_pass_result(item, slots[slot], outputs[index]))
         self._report(answers)
         self._report([self._state(item, run, lora, optimizer) for item, run in states])
@@ -172,7 +188,7 @@ class ManualExecutor:
                 pause_at(MANUAL_BEFORE_OPTIM_REPORT)
             self._report(stepped)
         # Only released items: nothing ran, so the loop may sleep as when idle.
-        return bool(work) or round_.answered
+        return bool(round_.work) or round_.answered
 
     def _report(self, results: list[ManualResult]) -> None:
         if self.client is not None and results:
@@ -183,7 +199,9 @@ class ManualExecutor:
     ) -> ManualResult:
         """save_weights_for_sampler, save_weights (the master writes), load_weights (every rank)."""
         if item.kind == "save_weights_for_sampler":
-            return _saved(item, run)
+            if self.client is None:
+                return ManualResult(request_id=item.request_id)  # not reported: the master keeps the copy
+            return _saved(item, run, lora, self.checkpoint_dir)
         if item.kind == "save_weights":
             if self.client is None:
                 return ManualResult(request_id=item.request_id)  # not reported: the master saves
@@ -254,106 +272,9 @@ class ManualExecutor:
         if total is not None:
             total.backward()
 
-    # -- sampling ----------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _sample(
-        self,
-        model: nn.Module,
-        lora: MultiLoRA,
-        work: Sequence[tuple[int, ManualWorkItem, int]],
-        slots: Mapping[int, RunSlot],
-    ) -> dict[int, ManualResult]:
-        """Every sequence of every sample request decoded together: one packed forward per new
-        token for all of them (each row routed to its own run's adapter). No KV cache: each step
-        re-reads the whole sequence, which is what keeps the logprobs exactly a forward's."""
-        results: dict[int, ManualResult] = {}
-        live: list[_Decoding] = []
-        for index, item, slot in work:
-            spec = item.sampling
-            if spec is None:
-                results[index] = _failed(item, "sample without sampling parameters")
-            elif slots[slot].progress.step != spec.step:
-                results[index] = _failed(
-                    item,
-                    f"not supported by loraloom yet: sampling the weights of step {spec.step} after the "
-                    f"model moved on to step {slots[slot].progress.step}; save the current weights again",
-                )
-            else:
-                for k in range(spec.num_samples):
-                    generator = torch.Generator()
-                    generator.manual_seed(spec.seed + k if spec.seed is not None else int(torch.seed()) + k)
-                    live.append(_Decoding(index, item, spec, slot, list(spec.prompt), generator))
-        while any(not d.done for d in live):
-            active = sorted((d for d in live if not d.done), key=lambda d: d.slot)
-            rows = _rows(
-                [_Sample(slot=d.slot, item=i, datum=0, tokens=d.tokens) for i, d in enumerate(active)],
-                self.seq_len,
-            )
-            for row in rows:
-                mb = _micro_batch(row, lora.n_slots)
-                self.passes += 1
-                self.mixed_passes += int(len({s.slot for s in row}) > 1)
-                with lora.segments(mb.slot_token_counts):
-                    logits = forward_packed(model, mb).float()  # (L, V)
-                ends = torch.cumsum(torch.tensor([len(s.tokens) for s in row]), 0) - 1  # (S,)
-                for sample, end in zip(row, ends.tolist(), strict=True):
-                    active[sample.item].step(logits[end])
-        for d in live:
-            results.setdefault(d.index, ManualResult(request_id=d.item.request_id, sequences=[]))
-            sequences = results[d.index].sequences
-            assert sequences is not None
-            sequences.append(
-                SampledSequence(
-                    tokens=d.generated, logprobs=d.logprobs, stop_reason=d.stop_reason or "length"
-                )
-            )
-        return results
-
-
-@dataclass
-class _Decoding:
-    """One sequence being sampled."""
-
-    index: int
-    item: ManualWorkItem
-    spec: SamplingSpec
-    slot: int
-    tokens: list[int]
-    generator: torch.Generator
-    generated: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    stop_reason: Literal["stop", "length"] | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.stop_reason is not None
-
-    def step(self, logits: Tensor) -> None:
-        """Draw the next token from `logits` (V,) of the last position."""
-        logprobs = torch.log_softmax(logits, dim=-1)  # (V,)
-        spec = self.spec
-        if spec.temperature == 0:
-            token = int(torch.argmax(logits))
-        else:
-            scaled = logits / spec.temperature
-            if spec.top_k > 0:
-                kth = torch.topk(scaled, min(spec.top_k, scaled.numel())).values[-1]
-                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-            probs = torch.softmax(scaled, dim=-1)
-            if spec.top_p < 1:
-                sorted_probs, order = torch.sort(probs, descending=True)
-                keep = torch.cumsum(sorted_probs, 0) - sorted_probs < spec.top_p
-                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-            token = int(torch.multinomial(probs, 1, generator=self.generator))
-        self.tokens.append(token)
-        self.generated.append(token)
-        # The model's own logprob (temperature 1): what a forward of these tokens gives.
-        self.logprobs.append(float(logprobs[token]))
-        if token in spec.stop_tokens:
-            self.stop_reason = "stop"
-        elif len(self.generated) >= spec.max_tokens:
-            self.stop_reason = "length"
+def _samples_base_model(item: ManualWorkItem) -> bool:
+    return item.kind == "sample" and item.sampling is not None and item.sampling.step is None
 
 
 def _merged(per_rank: Sequence[Mapping[int, _Outputs]]) -> dict[int, _Outputs]:
@@ -424,7 +345,9 @@ def _triage(
     answers: list[ManualResult] = []
     runnable: list[tuple[int, ManualWorkItem]] = []
     for index, item in enumerate(items):
-        if item.run_id not in slot_of:
+        if _samples_base_model(item):
+            runnable.append((index, item))  # needs no run
+        elif item.run_id not in slot_of:
             # Not admitted here yet (active at the service since this loop's look), or leaving:
             # the service hands it out again, or fails it if the run has left.
             answers.append(ManualResult(request_id=item.request_id, release=True))
@@ -472,10 +395,12 @@ def _in_checkpoint(item: ManualWorkItem, run: RunSlot) -> ManualResult | None:
     )
 
 
-def _saved(item: ManualWorkItem, run: RunSlot) -> ManualResult:
-    """The run's adapter was published at its last optim_step: name that step."""
+def _saved(item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, checkpoint_dir: Path) -> ManualResult:
+    """The run's adapter was published at its last optim_step: name that step, and keep a copy on
+    the pool so that sampling clients of this step still sample it after the run trains on."""
     if run.progress.step == 0:
         return _failed(item, "no optim_step yet: there are no trained weights to save")
+    save_sampler_weights(checkpoint_dir, run, lora)
     return ManualResult(request_id=item.request_id, metrics={"step": run.progress.step})
 
 

@@ -27,6 +27,7 @@ if __name__ == "__main__":
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -67,6 +68,7 @@ from trainer_core.pause_point import pause_before_publish
 from trainer_core.publish import Publisher, restore_manual_boundary, restore_slot
 from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
+from trainer_core.sample_server import load_text_decoder
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.settings import WorkerSettings, flag_name
 from trainer_core.slots import RunSlot
@@ -76,6 +78,8 @@ log = logging.getLogger("loraloom.worker")
 
 CLAIM_AHEAD_PACKS = 4
 """Claim more rollout batches only while fewer than this many packs' worth of tokens are buffered."""
+BASE_SAMPLING_POLL_S = 1.0
+"""How often a pool without Tinker models asks for manual work (base-model sampling requests)."""
 
 
 @dataclass
@@ -230,6 +234,7 @@ class PoolTrainer:
         self.device = device
         self.stop_requested = False
         self._stepped = False
+        self._last_base_sampling_poll = -math.inf
         self.loop_time = LoopTime()
 
         # Every rank builds the same base model; the master builds the cache first.
@@ -273,6 +278,7 @@ class PoolTrainer:
                 seq_len=args.seq_len,
                 checkpoint_dir=args.checkpoint_home,
                 world=world,
+                text_decoder=partial(load_text_decoder, args.base_model, args.model_cache_dir),
             )
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
@@ -458,7 +464,17 @@ class PoolTrainer:
         if self.manual is None:
             return False
         if not any(run.config.mode == "manual" for run in self.slots.values()):
-            return False  # no manual run here: no request to the service
+            # No Tinker model here: only base-model sampling (which needs no run) can be pending,
+            # so ask the service now and then rather than at every turn of the loop. The master's
+            # clock decides for every rank (ranks' clocks differ; they must enter serve() together).
+            due = None
+            if self.master is not None:
+                now = time.monotonic()
+                due = now - self._last_base_sampling_poll >= BASE_SAMPLING_POLL_S
+                if due:
+                    self._last_base_sampling_poll = now
+            if not broadcast_from_master(due, self.world):
+                return False
         return self.manual.serve(
             model=self.model,
             lora=self.lora,

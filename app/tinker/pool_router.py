@@ -6,7 +6,7 @@ from pydantic import BaseModel
 from app.auth import WorkerDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
-from app.tinker import work
+from app.tinker import sampling, work
 from contracts.tinker_work import ManualClaimIn, ManualClaimOut, ManualResultsIn
 
 router = APIRouter(prefix="/v1/pool/manual", tags=["pool"])
@@ -20,7 +20,9 @@ class ManualResultsOut(BaseModel):
 @router.post("/claim", operation_id="poolClaimManualWork")
 @raises(NotFound, Conflict)
 def claim_manual_work(_: WorkerDep, session: SessionDep, body: ManualClaimIn) -> ManualClaimOut:
-    return ManualClaimOut(items=work.claim(session, pool_id=body.pool_id, max_items=body.max_items))
+    items = work.claim(session, pool_id=body.pool_id, max_items=body.max_items)
+    items += sampling.claim_base_samples(session, pool_id=body.pool_id, max_items=body.max_items - len(items))
+    return ManualClaimOut(items=items)
 
 
 @router.post("/results", operation_id="poolManualResults")

@@ -7,6 +7,7 @@ module in the service. Field numbers are those of `tinker_public.proto` in tinke
 tests check this codec against bytes the SDK itself produces and parses.
 """
 
+import math
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -269,12 +270,18 @@ def encode_forward_backward_output(
 STOP_REASONS = {"stop": 0, "length": 1}
 
 
-def encode_sample_response(sequences: list[tuple[list[int], list[float], str]]) -> bytes:
-    """A `SampleResponse`: per sequence its tokens (int32), logprobs (float32) and stop reason."""
+def encode_sample_response(
+    sequences: list[tuple[list[int], list[float], str]], prompt_logprobs: list[float | None] | None = None
+) -> bytes:
+    """A `SampleResponse`: per sequence its tokens (int32), logprobs (float32) and stop reason; the
+    prompt's logprobs when asked for (float32, NaN where none: the SDK reads NaN as None)."""
     out = b""
     for tokens, logprobs, stop_reason in sequences:
         seq = _key(1, _VARINT) + _varint(STOP_REASONS[stop_reason])
         seq += _len_field(2, np.asarray(tokens, dtype="<i4").tobytes())
         seq += _len_field(3, np.asarray(logprobs, dtype="<f4").tobytes())
         out += _len_field(1, seq)
+    if prompt_logprobs is not None:
+        values = [math.nan if v is None else v for v in prompt_logprobs]
+        out += _len_field(2, np.asarray(values, dtype="<f4").tobytes())
     return out

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.auth import SettingsDep
 from app.db import SessionDep
-from app.tinker import checkpoints, service, work
+from app.tinker import checkpoints, sampling, service, work
 from app.tinker.auth import TinkerTenantDep, tinker_tenant
 from app.tinker.models import TinkerFuture
 from app.tinker.schemas import (
@@ -129,7 +129,7 @@ def _answer(future: TinkerFuture) -> Response | None:
         # This SDK reads ForwardBackwardOutput and SampleResponse only as protobuf.
         return Response(work.forward_backward_proto(future.result or {}), media_type="application/x-protobuf")
     if future.kind == "sample":
-        return Response(work.sample_proto(future.result or {}), media_type="application/x-protobuf")
+        return Response(sampling.sample_proto(future.result or {}), media_type="application/x-protobuf")
     return JSONResponse({k: v for k, v in (future.result or {}).items() if not k.startswith("loraloom_")})
 
 
@@ -209,22 +209,21 @@ def load_weights(
 def create_sampling_session(
     principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]
 ) -> dict[str, str]:
-    row = work.create_sampling_session(session, tenant_id=principal.tenant_id, body=body)
-    return {"type": "create_sampling_session", "sampling_session_id": row.id}
+    sampler = sampling.create_sampling_session(session, tenant_id=principal.tenant_id, body=body)
+    return {"type": "create_sampling_session", "sampling_session_id": sampler.id}
 
 
 @router.get("/samplers/{sampler_id}", operation_id="tinkerGetSampler")
 def get_sampler(principal: TinkerTenantDep, session: SessionDep, sampler_id: str) -> dict[str, str]:
-    sampler, base_model = work.get_sampling_session(
-        session, tenant_id=principal.tenant_id, sampler_id=sampler_id
-    )
-    return {"sampler_id": sampler.id, "base_model": base_model, "model_path": sampler.model_path}
+    sampler = sampling.get_sampling_session(session, tenant_id=principal.tenant_id, sampler_id=sampler_id)
+    answer = {"sampler_id": sampler.id, "base_model": sampler.base_model}
+    return answer if sampler.model_path is None else {**answer, "model_path": sampler.model_path}
 
 
 @router.post("/asample", operation_id="tinkerSample")
 def asample(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
     """Served by the pool with the run's adapter, batched with every tenant's work."""
-    future = work.submit_sample(session, tenant_id=principal.tenant_id, body=body)
+    future = sampling.submit_sample(session, tenant_id=principal.tenant_id, body=body)
     n = int((future.request or {}).get("sampling", {}).get("num_samples", 1))
     return UntypedAPIFuture(request_id=future.id, sample_sequence_ids=[f"{future.id}-{i}" for i in range(n)])
 

@@ -28,7 +28,7 @@ from app.runs.models import Run
 from app.runs.schemas import validation_problems
 from app.tinker import proto
 from app.tinker.leases import request_cleared
-from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
+from app.tinker.models import TinkerFuture, TinkerModel
 from app.tinker.service import NotSupported, get_model, get_session, new_model_run, touch_model
 from contracts.ids import new_id
 from contracts.run_config import RunConfig
@@ -38,7 +38,6 @@ from contracts.tinker_work import (
     ManualDatum,
     ManualResult,
     ManualWorkItem,
-    SamplingSpec,
 )
 
 LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo")
@@ -376,7 +375,8 @@ def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:
     if future.kind == "optim_step":
         return {"metrics": result.metrics}
     if future.kind == "sample":
-        return {"sequences": [seq.model_dump(mode="json") for seq in result.sequences or []]}
+        sequences = [seq.model_dump(mode="json") for seq in result.sequences or []]
+        return {"sequences": sequences, "prompt_logprobs": result.prompt_logprobs}
     if future.kind == "save_weights":
         name = str((future.request or {}).get("name") or "state")
         return {"path": weights_path(str(future.model_id), name), "type": "save_weights"}
@@ -473,91 +473,4 @@ def forward_backward_proto(result: dict[str, Any]) -> bytes:
         outputs=outputs,
         num_datums=len(logprobs),
         metrics={str(k): float(v) for k, v in result.get("metrics", {}).items()},
-    )
-
-
-# --- sampling ---------------------------------------------------------------------------------
-
-
-def create_sampling_session(
-    session: Session, *, tenant_id: str, body: dict[str, Any]
-) -> TinkerSamplingSession:
-    """A sampling client for `tinker://` sampler weights of the tenant's own model."""
-    path = body.get("model_path")
-    if not isinstance(path, str):
-        raise NotSupported(
-            "sampling the base model without an adapter (pass a tinker:// sampler weights path)"
-        )
-    run_id, step = resolve_sampler_path(session, tenant_id=tenant_id, path=path)
-    row = TinkerSamplingSession(
-        id=new_id("smp"), tenant_id=tenant_id, run_id=run_id, step=step, model_path=path
-    )
-    session.add(row)
-    session.flush()
-    return row
-
-
-def _prompt_tokens(prompt: Any) -> list[int]:
-    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
-    if not isinstance(chunks, list):
-        raise ValidationFailed("prompt needs chunks")
-    tokens: list[int] = []
-    for chunk in chunks:
-        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-            raise NotSupported("prompt chunks other than tokens (images, audio)")
-        tokens.extend(int(t) for t in chunk.get("tokens", []))
-    return tokens
-
-
-def get_sampling_session(
-    session: Session, *, tenant_id: str, sampler_id: str
-) -> tuple[TinkerSamplingSession, str]:
-    """The tenant's sampling session and its base model; another tenant's is not found."""
-    sampler = session.get(TinkerSamplingSession, sampler_id)
-    run = None if sampler is None else session.get(Run, sampler.run_id)
-    if sampler is None or run is None or sampler.tenant_id != tenant_id:
-        raise NotFound(f"sampling session {sampler_id} not found")
-    return sampler, run.base_model
-
-
-def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
-    sampler_id = str(body.get("sampling_session_id", ""))
-    sampler, _ = get_sampling_session(session, tenant_id=tenant_id, sampler_id=sampler_id)
-    run = session.get(Run, sampler.run_id)
-    assert run is not None  # get_sampling_session found it
-    pool = live_pool(session, base_model=run.base_model)
-    max_seq_len = int(run.config.get("seq_len", 512)) if pool is None else pool.max_seq_len
-    for option in ("prompt_logprobs", "topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if body.get(option):
-            raise NotSupported(f"sample option {option}")
-    params = body.get("sampling_params") or {}
-    stop = params.get("stop")
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(t, int) for t in stop)):
-        raise NotSupported("stop strings (pass stop token ids)")
-    prompt = _prompt_tokens(body.get("prompt"))
-    try:
-        spec = SamplingSpec(
-            prompt=prompt,
-            num_samples=body.get("num_samples", 1),
-            max_tokens=params.get("max_tokens") or max(1, min(64, max_seq_len - len(prompt))),
-            temperature=params.get("temperature", 1.0),
-            top_k=params.get("top_k", -1),
-            top_p=params.get("top_p", 1.0),
-            seed=params.get("seed"),
-            stop_tokens=stop or [],
-            step=sampler.step,
-        )
-    except ValidationError as exc:
-        raise ValidationFailed("invalid sample request", details=validation_problems(exc)) from exc
-    if len(prompt) + spec.max_tokens > max_seq_len:
-        raise ValidationFailed(f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}")
-    model_id = session.scalar(select(TinkerModel.id).where(TinkerModel.run_id == run.id))
-    request_id = new_id("req")
-    item = ManualWorkItem(request_id=request_id, run_id=run.id, seq_id=0, kind="sample", sampling=spec)
-    return _submit(session, tenant_id=tenant_id, model_id=str(model_id), run=run, item=item, ordered=False)
-
-
-def sample_proto(result: dict[str, Any]) -> bytes:
-    return proto.encode_sample_response(
-        [(s["tokens"], s["logprobs"], s["stop_reason"]) for s in result.get("sequences", [])]
     )

@@ -1,0 +1,248 @@
+"""Tinker sampling clients and `sample` requests (the pool decodes them: trainer_core.sample_server).
+
+A sampling client samples one of
+
+- **sampler weights of the tenant's own model** (`model_path` `tinker://{model}/sampler_weights/{name}`):
+  a stored `TinkerSamplingSession` names the run and the step the weights were saved at; the pool
+  samples the run's live adapter while it is still at that step, and the copy it kept at
+  `save_weights_for_sampler` once the run has trained on;
+- **the base model** (`base_model`, no adapter): nothing to store or to keep private (every tenant may
+  sample a base model a live pool serves), so its sampling session id is the base model's name,
+  encoded (`smpbase_…`), and its `sample` futures carry no run: `model_id` is a fixed-length key of
+  the base model, by which the base model's pool claims them.
+"""
+
+import base64
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.errors import NotFound, ValidationFailed
+from app.pools.service import get_alive_pool
+from app.runs.admission import live_pool
+from app.runs.models import Run
+from app.runs.schemas import validation_problems
+from app.tinker import proto
+from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
+from app.tinker.service import NotSupported, touch_model
+from app.tinker.work import PENDING, RunNotActive, resolve_sampler_path
+from contracts.ids import new_id
+from contracts.status import MOVABLE_RUN_STATUSES
+from contracts.tinker_work import ManualWorkItem, SamplingSpec
+
+BASE_SAMPLER_PREFIX = "smpbase_"
+DEFAULT_MAX_TOKENS = 64
+UNSUPPORTED_OPTIONS = (
+    "topk_prompt_logprobs",
+    "topk_sample_logprobs",
+    "target_prompt_logprobs",
+    "prompt_alt_tokens_k",
+    "record_stability_info",
+)
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """A sampling client's weights: a run at a step, or the base model (`run_id` None)."""
+
+    id: str
+    base_model: str
+    model_path: str | None
+    run_id: str | None = None
+    step: int | None = None
+
+
+def base_sampler_id(base_model: str) -> str:
+    return BASE_SAMPLER_PREFIX + base64.urlsafe_b64encode(base_model.encode()).decode().rstrip("=")
+
+
+def _base_model_of(sampler_id: str) -> str | None:
+    if not sampler_id.startswith(BASE_SAMPLER_PREFIX):
+        return None
+    encoded = sampler_id.removeprefix(BASE_SAMPLER_PREFIX)
+    try:
+        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def base_model_key(base_model: str) -> str:
+    """The `model_id` of the base model's sample futures (any base model name fits the column)."""
+    return "base:" + hashlib.sha256(base_model.encode()).hexdigest()[:40]
+
+
+def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str, Any]) -> Sampler:
+    """A sampling client for `tinker://` sampler weights of the tenant's own model, or for the
+    base model of a live pool."""
+    path, base_model = body.get("model_path"), body.get("base_model")
+    if isinstance(path, str):
+        run_id, step = resolve_sampler_path(session, tenant_id=tenant_id, path=path)
+        row = TinkerSamplingSession(
+            id=new_id("smp"), tenant_id=tenant_id, run_id=run_id, step=step, model_path=path
+        )
+        session.add(row)
+        session.flush()
+        run = session.get(Run, run_id)
+        assert run is not None  # resolve_sampler_path found it
+        return Sampler(row.id, run.base_model, path, run_id, step)
+    if isinstance(base_model, str) and base_model:
+        if live_pool(session, base_model=base_model) is None:
+            raise NotFound(f"no pool serves the base model {base_model!r}", code="pool_not_found")
+        return Sampler(base_sampler_id(base_model), base_model, None)
+    raise ValidationFailed(
+        "create_sampling_session needs model_path (a tinker:// sampler path) or base_model"
+    )
+
+
+def get_sampling_session(session: Session, *, tenant_id: str, sampler_id: str) -> Sampler:
+    """The tenant's sampling session (or a base model's); another tenant's is not found."""
+    base_model = _base_model_of(sampler_id)
+    if base_model is not None and live_pool(session, base_model=base_model) is not None:
+        return Sampler(sampler_id, base_model, None)
+    row = session.get(TinkerSamplingSession, sampler_id)
+    run = None if row is None else session.get(Run, row.run_id)
+    if row is None or run is None or row.tenant_id != tenant_id:
+        raise NotFound(f"sampling session {sampler_id} not found")
+    return Sampler(row.id, run.base_model, row.model_path, run.id, row.step)
+
+
+def _prompt_tokens(prompt: Any) -> list[int]:
+    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+    if not isinstance(chunks, list):
+        raise ValidationFailed("prompt needs chunks")
+    tokens: list[int] = []
+    for chunk in chunks:
+        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
+            raise NotSupported("prompt chunks other than tokens (images, audio)")
+        chunk_tokens = chunk.get("tokens", [])
+        if not isinstance(chunk_tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in chunk_tokens
+        ):
+            raise ValidationFailed("prompt chunks' tokens must be lists of integer token ids")
+        tokens.extend(chunk_tokens)
+    return tokens
+
+
+def _stop(stop: Any) -> dict[str, Any]:
+    """The SDK's `stop` as SamplingSpec fields: None keeps the model's EOS, [] stops at nothing,
+    a string or strings stop on the decoded text, token ids on those tokens."""
+    if stop is None:
+        return {"stop_at_eos": True}
+    if isinstance(stop, str):
+        return {"stop_strings": [stop]}
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return {"stop_strings": stop}
+    if isinstance(stop, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
+        return {"stop_tokens": stop}
+    raise ValidationFailed("sampling_params.stop must be a string, a list of strings or a list of token ids")
+
+
+def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+    sampler = get_sampling_session(
+        session, tenant_id=tenant_id, sampler_id=str(body.get("sampling_session_id", ""))
+    )
+    run = None if sampler.run_id is None else session.get(Run, sampler.run_id)
+    if run is not None and run.status not in MOVABLE_RUN_STATUSES:
+        raise RunNotActive(
+            f"sampler {sampler.id}: its run {run.id} is {run.status}; it takes no more requests"
+        )
+    pool = live_pool(session, base_model=sampler.base_model)
+    max_seq_len = (
+        pool.max_seq_len if pool is not None else int((run.config if run else {}).get("seq_len", 512))
+    )
+    for option in UNSUPPORTED_OPTIONS:
+        if body.get(option):
+            raise NotSupported(f"sample option {option}")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise ValidationFailed("sampling_params must be an object")
+    prompt = _prompt_tokens(body.get("prompt"))
+    max_tokens = params.get("max_tokens")
+    try:
+        spec = SamplingSpec(
+            prompt=prompt,
+            num_samples=body.get("num_samples", 1),
+            max_tokens=max_tokens
+            if max_tokens is not None
+            else max(1, min(DEFAULT_MAX_TOKENS, max_seq_len - len(prompt))),
+            temperature=params.get("temperature", 1.0),
+            top_k=params.get("top_k", -1),
+            top_p=params.get("top_p", 1.0),
+            seed=params.get("seed"),
+            step=sampler.step,
+            base_model=sampler.base_model if run is None else None,
+            prompt_logprobs=body.get("prompt_logprobs") or False,
+            prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"),
+            **_stop(params.get("stop")),
+        )
+    except ValidationError as exc:
+        raise ValidationFailed("invalid sample request", details=validation_problems(exc)) from exc
+    if spec.prompt_logprobs_last_n is not None and not (
+        spec.prompt_logprobs and spec.prompt_logprobs_last_n <= len(prompt) - 1
+    ):
+        raise ValidationFailed(
+            "prompt_logprobs_last_n needs prompt_logprobs and must be at most len(prompt) - 1"
+        )
+    if len(prompt) + spec.max_tokens > max_seq_len:
+        raise ValidationFailed(f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}")
+    if pool is not None and any(not 0 <= t < pool.vocab_size for t in spec.prompt + spec.stop_tokens):
+        raise ValidationFailed(f"a prompt or stop token id is outside the vocabulary [0, {pool.vocab_size})")
+    item = ManualWorkItem(
+        request_id=new_id("req"), run_id="" if run is None else run.id, seq_id=0, kind="sample", sampling=spec
+    )
+    if run is None:
+        model_id = base_model_key(sampler.base_model)
+    else:
+        model_id = str(session.scalar(select(TinkerModel.id).where(TinkerModel.run_id == run.id)))
+        touch_model(session, model_id=model_id)
+    # Not ordered: sampling requests are numbered per sampling client, and order among them is free.
+    future = TinkerFuture(
+        id=item.request_id,
+        tenant_id=tenant_id,
+        kind="sample",
+        model_id=model_id,
+        seq_id=None,
+        run_id=None if run is None else run.id,
+        status=PENDING,
+        request=item.model_dump(mode="json"),
+    )
+    session.add(future)
+    session.flush()
+    return future
+
+
+def claim_base_samples(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
+    """The pending base-model sample requests of the pool's base model, oldest first, marked running."""
+    if max_items <= 0:
+        return []
+    base_model = get_alive_pool(session, pool_id=pool_id).base_model
+    rows = session.scalars(
+        select(TinkerFuture)
+        .where(
+            TinkerFuture.status == PENDING,
+            TinkerFuture.kind == "sample",
+            TinkerFuture.run_id.is_(None),
+            TinkerFuture.model_id == base_model_key(base_model),
+        )
+        .order_by(TinkerFuture.created_at, TinkerFuture.id)
+        .limit(max_items)
+        .with_for_update(skip_locked=True)
+    ).all()
+    taken = []
+    for future in rows:
+        if future.request is not None:
+            # Held by this pool: returned to pending if it dies (app.tinker.leases).
+            future.status, future.pool_id = "running", pool_id
+            taken.append(ManualWorkItem.model_validate(future.request))
+    return taken
+
+
+def sample_proto(result: dict[str, Any]) -> bytes:
+    return proto.encode_sample_response(
+        [(s["tokens"], s["logprobs"], s["stop_reason"]) for s in result.get("sequences", [])],
+        prompt_logprobs=result.get("prompt_logprobs"),
+    )
