@@ -52,6 +52,18 @@ class LimitedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+def uvicorn_cli_args() -> list[str]:
+    """The same options as `uvicorn` command-line arguments (for a service started as a child process)."""
+    return [
+        "--http",
+        f"{LimitedH11Protocol.__module__}:{LimitedH11Protocol.__qualname__}",
+        "--h11-max-incomplete-event-size",
+        str(MAX_HEADER_BYTES),
+        "--timeout-keep-alive",
+        str(KEEP_ALIVE_SECONDS),
+    ]
+
+
 def uvicorn_options() -> dict[str, Any]:
     """The keyword arguments of uvicorn.Config (and uvicorn.run) every deployment uses."""
     return {
