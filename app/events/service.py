@@ -39,6 +39,8 @@ def record_event(
 
 # The feed's order (app/events/feed.py); evaluated by the INSERT itself, no round trip.
 _TXID = text("pg_current_xact_id()::text::bigint")
+# Built once (the other columns come as parameters), so SQLAlchemy reuses the compiled form.
+_INSERT = {"postgresql": insert(Event).values(txid=_TXID), "other": insert(Event)}
 
 
 def append_event(
@@ -63,6 +65,5 @@ def append_event(
         "api_key_id": None,
         "details": details or {},
     }
-    if connection.dialect.name == "postgresql":
-        values["txid"] = _TXID
-    connection.execute(insert(Event).values(values))
+    dialect = connection.dialect.name
+    connection.execute(_INSERT["postgresql" if dialect == "postgresql" else "other"], values)

@@ -5,11 +5,12 @@ read-merge-write of a step's row never races another batch of the same run. Stat
 merged exactly (count, mean, M2: Chan et al.'s parallel update), never re-read from payloads.
 """
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from app.db import utcnow
@@ -93,6 +94,29 @@ _STATS_OF_STEP = select(
     RolloutStats.reward_max,
     RolloutStats.metrics,
 ).where(RolloutStats.run_id == bindparam("run_id"), RolloutStats.rollout_step == bindparam("step"))
+# Built once (values come as parameters), so SQLAlchemy reuses the compiled forms.
+_INSERT_STATS = insert(RolloutStats)
+_UPDATE_STATS = update(RolloutStats).where(RolloutStats.id == bindparam("stats_id"))
+
+# Postgres: the step's row written (either way: the upsert) and the event appended in one round trip.
+_WRITE_STATS_AND_EVENT_PG = text(
+    """
+WITH stats AS (
+    INSERT INTO rollout_stats (run_id, rollout_step, samples, reward_count, reward_mean, reward_m2,
+                               reward_min, reward_max, metrics, updated_at)
+    VALUES (:run_id, :rollout_step, :samples, :reward_count, :reward_mean, :reward_m2,
+            :reward_min, :reward_max, CAST(:metrics AS json), :updated_at)
+    ON CONFLICT (run_id, rollout_step) DO UPDATE SET
+        samples = excluded.samples, reward_count = excluded.reward_count,
+        reward_mean = excluded.reward_mean, reward_m2 = excluded.reward_m2,
+        reward_min = excluded.reward_min, reward_max = excluded.reward_max,
+        metrics = excluded.metrics, updated_at = excluded.updated_at
+)
+INSERT INTO events (at, action, actor, tenant_id, run_id, api_key_id, details, txid)
+VALUES (:updated_at, :action, :actor, :tenant_id, :run_id, NULL, CAST(:details AS json),
+        pg_current_xact_id()::text::bigint)
+"""
+)
 
 
 def add_batch(
@@ -102,7 +126,7 @@ def add_batch(
     event with the step's aggregate so far. Call under the run row lock, in the batch's transaction.
 
     Core statements on the session's connection (ingestion's hot path builds no ORM object): the
-    step's row read, then written (an UPDATE or the INSERT), then the event."""
+    step's row read, then written and the event appended (one statement on Postgres)."""
     rewards = Summary.of([s.reward for s in batch.examples if s.reward is not None])
     per_metric: dict[str, list[float]] = {}
     for sample in batch.examples:
@@ -133,24 +157,31 @@ def add_batch(
         "metrics": {name: s.as_list() for name, s in metrics.items()},
         "updated_at": utcnow(),
     }
+    details = {
+        "batch_id": batch_id,
+        "rollout_step": batch.step,
+        "samples": len(batch.examples),
+        "step_samples": samples,
+        "reward": total.public() if total.count else None,
+    }
+    event = {"action": "batch.received", "actor": "orchestrator", "tenant_id": tenant_id, "run_id": run_id}
+    if connection.dialect.name == "postgresql":
+        connection.execute(
+            _WRITE_STATS_AND_EVENT_PG,
+            new
+            | event
+            | {
+                "rollout_step": batch.step,
+                "metrics": json.dumps(new["metrics"]),
+                "details": json.dumps(details),
+            },
+        )
+        return
     if row is None:
-        connection.execute(insert(RolloutStats).values(run_id=run_id, rollout_step=batch.step, **new))
+        connection.execute(_INSERT_STATS, new | {"run_id": run_id, "rollout_step": batch.step})
     else:
-        connection.execute(update(RolloutStats).where(RolloutStats.id == row.id).values(new))
-    append_event(
-        connection,
-        action="batch.received",
-        actor="orchestrator",
-        tenant_id=tenant_id,
-        run_id=run_id,
-        details={
-            "batch_id": batch_id,
-            "rollout_step": batch.step,
-            "samples": len(batch.examples),
-            "step_samples": samples,
-            "reward": total.public() if total.count else None,
-        },
-    )
+        connection.execute(_UPDATE_STATS, new | {"stats_id": row.id})
+    append_event(connection, **event, details=details)
 
 
 def list_stats(session: Session, *, run_id: str, since_step: int, limit: int) -> list[RolloutStats]:
