@@ -66,14 +66,20 @@ _LOAD: Select[Any] = select(*_COLUMNS, vocab_size_query(Run.base_model)).where(
 )
 
 
+# One statement, read before the payload is written and committed at once: on Postgres it runs
+# outside a transaction (no BEGIN and COMMIT round trips). SQLite keeps its own BEGIN (app/db.py).
+_AUTOCOMMIT = {"isolation_level": "AUTOCOMMIT"}
+
+
 def load_ingest_run(session: Session, *, tenant_id: str, run_id: str) -> IngestRun:
     """The tenant's run with its pool's vocabulary; another tenant's run is the same 404 as a
-    missing one (app/runs/service.get_run_for_tenant)."""
-    row = (
-        session.connection().execute(_LOAD, {"run_id": run_id, "tenant_id": tenant_id}).one_or_none()
-        if is_run_id(run_id)
-        else None
-    )
+    missing one (app/runs/service.get_run_for_tenant). Call first in the session's transaction
+    (on Postgres its connection is then in autocommit until the session commits)."""
+    if not is_run_id(run_id):
+        raise NotFound(f"run {run_id} not found")
+    options = _AUTOCOMMIT if session.get_bind().dialect.name == "postgresql" else None
+    connection = session.connection(execution_options=options)
+    row = connection.execute(_LOAD, {"run_id": run_id, "tenant_id": tenant_id}).one_or_none()
     if row is None:
         raise NotFound(f"run {run_id} not found")
     return IngestRun(*row)
