@@ -47,7 +47,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         if _head_bytes(scope) > MAX_HEADER_BYTES:
-            # h11 refuses a head that outgrows the limit while it is still arriving (app/serving.py);
+            # The protocol refuses a head that outgrows the limit while it is still arriving (app/serving.py);
             # one that arrived whole in a single read is caught here, so the limit is exact.
             await _refuse(send, 431, _headers_too_large())
             return
