@@ -4,8 +4,9 @@
   being handled at once; the next gets a 429 with Retry-After (the SDK backs off and retries).
   Counted in the process: with several uvicorn workers the limit is per worker.
 - Pending batches per run: at most `run_max_pending_batches` unclaimed batches and
-  `run_max_pending_bytes` of their payloads; a submission over either is a 429 (checked in
-  app/batches/service.py under the run row lock, so concurrent submissions cannot overshoot).
+  `run_max_pending_bytes` of their payloads; a submission over either is a 429 (counted in
+  app/batches/service.py, on Postgres in the statement that takes the run row lock but from its
+  snapshot, so concurrent submissions may pass the limit by a batch each: a flood guard).
 """
 
 import threading

@@ -1,26 +1,78 @@
-"""How the service is served: uvicorn with the h11 protocol, a header-size limit answered with a
-431, and connection timeouts. One definition for `loraloom serve`, the tests and the documented
-command line:
+"""How the service is served: uvicorn with the httptools parser, a header-size limit answered with
+a 431, and connection timeouts. One definition for `loraloom serve`, the service children of the
+demo, tests and benchmarks (loraloom/launch.py), and the documented command line:
 
-    uvicorn --factory app.main:create_app --http app.serving:LimitedH11Protocol \
-        --h11-max-incomplete-event-size 16384 --timeout-keep-alive 5
+    uvicorn --factory app.main:create_app --http app.serving:LimitedHttpToolsProtocol \
+        --timeout-keep-alive 5
 
-h11 rather than httptools: httptools has no limit on the size of request headers (one 100 MB
-header stalled /healthz for every client for 21 s). h11 refuses a request whose headers outgrow
-`h11_max_incomplete_event_size`; uvicorn answers that with a plain 400, this protocol with a 431
-in the uniform error body. Request *bodies* have their own limit and read deadline in
-app/request_guard.py.
+httptools (llhttp, in C) rather than h11 (pure Python): h11 spent about a fifth of the service's
+CPU on a 0.4 MB rollout batch (docs/benchmarks.md). But httptools has no limit on the size of
+request headers (one 100 MB header stalled /healthz for every client for 21 s), so this protocol
+counts the bytes of a request head as they arrive and answers a head that outgrows
+MAX_HEADER_BYTES with a 431 in the uniform error body, closing the connection. The count is per
+read, so a head is refused at most one read (64 KiB) past the limit; a head that arrives whole in
+one read is held to the exact limit by app/request_guard.py. `LimitedH11Protocol` (h11's own
+limit, answered with a 431) stays available: `--http app.serving:LimitedH11Protocol
+--h11-max-incomplete-event-size 16384`. Request *bodies* have their own limit and read deadline
+in app/request_guard.py.
 """
 
+import asyncio
 import json
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 MAX_HEADER_BYTES = 16 * 1024
 """Request line and headers together (h11's own default)."""
 
 KEEP_ALIVE_SECONDS = 5
+
+
+def _write_431(transport: asyncio.Transport, limit: int) -> None:
+    """A 431 in the uniform error body, written raw (the parser is mid-request), then close."""
+    error = {
+        "code": "request_header_fields_too_large",
+        "message": f"request line and headers exceed {limit} bytes",
+        "details": None,
+    }
+    body = json.dumps({"error": error}).encode()
+    head = (
+        "HTTP/1.1 431 Request Header Fields Too Large\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
+    transport.write(head.encode() + body)
+    transport.close()
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, answering a request whose head grows past MAX_HEADER_BYTES with a 431.
+
+    `_head_bytes` counts what arrives while a head is incomplete: from the connection's start or
+    the end of the previous request to the end of this request's headers (the parser's callbacks
+    mark both ends)."""
+
+    _in_head = True
+    _head_bytes = 0
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and self._head_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+            self.logger.warning("request headers over %d bytes: 431", MAX_HEADER_BYTES)
+            _write_431(self.transport, MAX_HEADER_BYTES)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head, self._head_bytes = True, 0  # what follows is the next request's head
 
 
 class LimitedH11Protocol(H11Protocol):
@@ -35,27 +87,20 @@ class LimitedH11Protocol(H11Protocol):
             super().send_400_response(msg)
             return
         self.logger.warning("request headers over %d bytes: 431", limit)
-        error = {
-            "code": "request_header_fields_too_large",
-            "message": f"request line and headers exceed {limit} bytes",
-            "details": None,
-        }
-        body = json.dumps({"error": error}).encode()
-        # Written raw: the h11 connection is in its ERROR state and sends nothing more.
-        head = (
-            "HTTP/1.1 431 Request Header Fields Too Large\r\n"
-            "content-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n"
-            "connection: close\r\n\r\n"
-        )
-        self.transport.write(head.encode() + body)
-        self.transport.close()
+        _write_431(self.transport, limit)
+
+
+def uvicorn_cli_args() -> list[str]:
+    """The options of `uvicorn_options` as `uvicorn` command-line arguments (for a service started
+    as a child process)."""
+    return [
+        "--http",
+        f"{LimitedHttpToolsProtocol.__module__}:{LimitedHttpToolsProtocol.__qualname__}",
+        "--timeout-keep-alive",
+        str(KEEP_ALIVE_SECONDS),
+    ]
 
 
 def uvicorn_options() -> dict[str, Any]:
     """The keyword arguments of uvicorn.Config (and uvicorn.run) every deployment uses."""
-    return {
-        "http": LimitedH11Protocol,
-        "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
-        "timeout_keep_alive": KEEP_ALIVE_SECONDS,
-    }
+    return {"http": LimitedHttpToolsProtocol, "timeout_keep_alive": KEEP_ALIVE_SECONDS}

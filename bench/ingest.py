@@ -213,20 +213,21 @@ def start_service(
     return start_service_process(env=env, port=free_port(), log_path=log_path, workers=workers)
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its live descendants (Linux /proc)."""
+def tree_cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user + system, system) CPU seconds of a process and its live descendants (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
-    total, stack = 0.0, [pid]
+    total, system, stack = 0.0, 0.0, [pid]
     while stack:
         p = stack.pop()
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            system += int(fields[12]) / tick
             for task in Path(f"/proc/{p}/task").iterdir():
                 stack += [int(c) for c in (task / "children").read_text().split()]
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return total
+    return total, system
 
 
 @dataclass
@@ -242,6 +243,8 @@ class Result:
     latencies_ms: list[float]
     server_cpu_s: float = 0.0
     """CPU time of the service's processes (not Postgres, not the clients) while this configuration ran."""
+    server_sys_s: float = 0.0
+    """The part of it spent in the kernel (socket reads, the payload write and its fsyncs)."""
 
 
 def post_all(
@@ -301,16 +304,17 @@ def table(results: list[Result]) -> str:
     raw_rate = raw.samples / raw.seconds
     lines = [
         "| path | format | clients | batches | samples/s | wire MB/s | payload MB/s | p50 ms/batch "
-        "| service CPU ms/batch | × raw |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| service CPU ms/batch | of which kernel | × raw |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         rate = r.samples / r.seconds
         cpu = f"{r.server_cpu_s / r.batches * 1000:.1f}" if r.path == "service" else "–"
+        kernel = f"{r.server_sys_s / r.batches * 1000:.1f}" if r.path == "service" else "–"
         lines.append(
             f"| {r.path} | {r.fmt} | {r.clients} | {r.batches} | {rate:,.0f} | {r.wire_bytes / r.seconds / 1e6:,.1f} | "
             f"{r.payload_bytes / r.seconds / 1e6:,.1f} | {statistics.median(r.latencies_ms):.1f} | "
-            f"{cpu} | {rate / raw_rate:.2f} |"
+            f"{cpu} | {kernel} | {rate / raw_rate:.2f} |"
         )
     return "\n".join(lines)
 
@@ -366,11 +370,13 @@ def main(argv: list[str] | None = None) -> None:
             raw.batches += len(chunk)
             raw.samples += chunk_samples
             for result, run_id in zip(service_results, run_ids, strict=True):
-                cpu0 = tree_cpu_seconds(proc.pid)
+                cpu0, sys0 = tree_cpu_seconds(proc.pid)
                 seconds, wire, lat = post_all(
                     url, secret, run_id, chunk, fmt=result.fmt, clients=result.clients
                 )
-                result.server_cpu_s += tree_cpu_seconds(proc.pid) - cpu0
+                cpu1, sys1 = tree_cpu_seconds(proc.pid)
+                result.server_cpu_s += cpu1 - cpu0
+                result.server_sys_s += sys1 - sys0
                 result.seconds += seconds
                 result.wire_bytes += wire
                 result.payload_bytes += chunk_payload

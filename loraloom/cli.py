@@ -141,7 +141,7 @@ def serve(
 
     from app.serving import uvicorn_options
 
-    # h11 with a header-size limit (431) and keep-alive timeout: see app/serving.py.
+    # httptools with a header-size limit (431) and keep-alive timeout: see app/serving.py.
     uvicorn.run(
         "app.main:create_app", factory=True, host=host, port=port, workers=workers, **uvicorn_options()
     )

@@ -64,12 +64,16 @@ def start_service_process(
     `env` is the child's whole environment (LORALOOM_* settings included). Raises RuntimeError,
     with the end of the log when there is one, if the service exits or is not ready in time.
     """
+    # The protocol and limits `loraloom serve` uses (app/serving.py), so the demo, the end-to-end
+    # tests and the benchmarks run what production runs.
+    from app.serving import uvicorn_cli_args
+
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child inherits it
     try:
         process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app", "--host", "127.0.0.1"]
             + ["--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log"]
-            + ["--app-dir", str(_ROOT)],
+            + [*uvicorn_cli_args(), "--app-dir", str(_ROOT)],
             env=absolute_env(env),
             stdout=log,
             stderr=subprocess.STDOUT if log else None,

@@ -1,22 +1,21 @@
-"""Postgres: the run-row update and the batch insert of an ingestion in ONE statement.
+"""Postgres: the pending count, the run-row update and the batch insert of an ingestion in ONE statement.
 
 A data-modifying CTE takes the run row lock and reserves the batch's sample range (`UPDATE runs …
-RETURNING`), and inserts the batch row from that range in the same round trip, but only when the run,
-as just locked, still takes the batch (active, not too stale): the caller then checks the returned run
-state exactly as the two-statement path does (service._add_row) and raises its Conflict, whose
-rollback undoes the reservation. `ON CONFLICT (run_id, idempotency_key) DO NOTHING` leaves
-`batch_id` NULL for a repeated key; the caller gives the range back then (the rare path).
+RETURNING`), counts the run's unclaimed batches, and inserts the batch row from that range in the
+same round trip, but only when the run, as just locked, still takes the batch (active, not too
+stale) and the pending limits leave room: the caller then checks the returned counts and run state
+exactly as the statement-by-statement path does (service._add_row) and raises its error, whose
+rollback undoes the reservation. The count comes from the statement's snapshot (taken before the
+lock was granted), as an unlocked read would: a flood guard, not an invariant.
+`ON CONFLICT (run_id, idempotency_key) DO NOTHING` leaves `batch_id` NULL for a repeated key; the
+caller gives the range back then (the rare path).
 """
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
 
-from sqlalchemy import text
-from sqlalchemy.orm import Session, make_transient_to_detached
+from sqlalchemy import Connection, text
 
-from app.batches.models import Batch
-from app.db import utcnow
 from contracts.status import BatchState, RunStatus
 
 _STATEMENT = text(
@@ -25,20 +24,25 @@ WITH locked AS (
     UPDATE runs SET submitted_samples = submitted_samples + :num_samples
     WHERE id = :run_id
     RETURNING submitted_samples, status, step, eviction_reason, evicted_by
+), pending AS (
+    SELECT count(*) AS batches, coalesce(sum(payload_bytes), 0) AS bytes
+    FROM batches WHERE run_id = :run_id AND state = :pending
 ), inserted AS (
     INSERT INTO batches (run_id, idempotency_key, request_hash, rollout_step, num_samples, num_tokens,
                          sample_offset, payload_path, payload_bytes, payload_sha256, state, created_at)
     SELECT :run_id, :idempotency_key, :request_hash, :rollout_step, :num_samples, :num_tokens,
            locked.submitted_samples - :num_samples, :payload_path, :payload_bytes, :payload_sha256,
            :state, :created_at
-    FROM locked
+    FROM locked, pending
     WHERE locked.status = :active AND locked.step - :rollout_step <= :max_async_level
+      AND pending.batches < :max_pending_batches AND pending.bytes + :payload_bytes <= :max_pending_bytes
     ON CONFLICT (run_id, idempotency_key) DO NOTHING
     RETURNING id
 )
 SELECT locked.submitted_samples, locked.status, locked.step, locked.eviction_reason, locked.evicted_by,
+       pending.batches AS pending_batches, pending.bytes AS pending_bytes,
        (SELECT id FROM inserted) AS batch_id
-FROM locked
+FROM locked, pending
 """
 )
 
@@ -50,38 +54,43 @@ class Reserved:
     step: int
     eviction_reason: str | None
     evicted_by: str | None
-    batch: Batch | None
-    """The new row (attached to the session), or None: the run refused it or the key existed."""
+    pending_batches: int
+    """Unclaimed batches of the run before this one."""
+    pending_bytes: int
+    inserted: tuple[int, datetime] | None
+    """The new row's id and creation time, or None: the run or the limits refused it, or the key existed."""
 
 
-def reserve_and_insert(session: Session, *, values: dict[str, object], max_async_level: int) -> Reserved:
-    """`values`: the batch row's columns except `sample_offset`, `state` and `created_at`."""
-    created_at: datetime = utcnow()
-    row = session.execute(
+def reserve_and_insert(
+    connection: Connection,
+    *,
+    values: dict[str, object],
+    max_async_level: int,
+    max_pending_batches: int,
+    max_pending_bytes: int,
+) -> Reserved:
+    """`values`: the batch row's columns except `sample_offset` (`state` is pending)."""
+    assert values["state"] == BatchState.PENDING.value
+    row = connection.execute(
         _STATEMENT,
         values
         | {
-            "state": BatchState.PENDING.value,
-            "created_at": created_at,
+            "pending": BatchState.PENDING.value,
             "active": RunStatus.ACTIVE.value,
             "max_async_level": max_async_level,
+            "max_pending_batches": max_pending_batches,
+            "max_pending_bytes": max_pending_bytes,
         },
     ).one()
-    batch = None
-    if row.batch_id is not None:
-        batch = Batch(
-            id=row.batch_id,
-            sample_offset=row.submitted_samples - int(cast(int, values["num_samples"])),
-            state=BatchState.PENDING,
-            created_at=created_at,
-            pool_id=None,
-            lease_expires_at=None,
-            trained_step=None,
-            claimed_at=None,
-            trained_at=None,
-            **cast(dict[str, Any], values),
-        )
-        # The row exists (inserted above): attach the object as persistent, without a second INSERT.
-        make_transient_to_detached(batch)
-        session.add(batch)
-    return Reserved(row.submitted_samples, row.status, row.step, row.eviction_reason, row.evicted_by, batch)
+    created_at = values["created_at"]
+    assert isinstance(created_at, datetime)
+    return Reserved(
+        row.submitted_samples,
+        row.status,
+        row.step,
+        row.eviction_reason,
+        row.evicted_by,
+        int(row.pending_batches),
+        int(row.pending_bytes),
+        None if row.batch_id is None else (row.batch_id, created_at),
+    )

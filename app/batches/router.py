@@ -6,6 +6,8 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
 from app.auth import SettingsDep
 from app.batches import service
+from app.batches.ingest_run import IngestRun
+from app.batches.lean_route import LeanSubmitRoute
 from app.batches.schemas import (
     JSON_CONTENT_TYPES,
     MSGPACK_CONTENT_TYPES,
@@ -41,26 +43,6 @@ async def _is_msgpack(request: Request) -> bool:
     )
 
 
-@router.post(
-    "/v1/runs/{run_id}/batches",
-    operation_id="submitBatch",
-    status_code=201,
-    response_model=BatchOut,
-    openapi_extra=SUBMIT_BATCH_OPENAPI,
-    responses={
-        200: {
-            "model": BatchOut,
-            "description": "Replay: the batch stored earlier under this Idempotency-Key.",
-        },
-        404: {"description": "No such run (or another tenant's)."},
-        409: {
-            "description": "run_not_active, run_evicted (details: reason, evicted_by), stale_batch, "
-            "idempotency_conflict."
-        },
-        415: {"description": "Content-Type is neither JSON nor msgpack."},
-        422: {"description": "Invalid batch; details: [{sample, field, problem}]. Nothing is stored."},
-    },
-)
 @raises(Conflict)
 def submit_batch(
     # First: an unauthenticated caller gets a 401 and another tenant's run a 404, whatever the body.
@@ -83,10 +65,11 @@ def submit_batch(
     """Submit one rollout batch (a TrainingBatch as JSON or msgpack) to an active run.
 
     The 201 is sent only once the payload file is durable and the row committed."""
+    vocab_size = service.vocab_size_for(session, base_model=run.base_model)
     result = service.submit_batch(
         session,
         settings=settings,
-        run=run,
+        run=IngestRun.of(run, vocab_size=vocab_size),
         body=body,
         msgpack=msgpack,
         idempotency_key=idempotency_key,
@@ -94,6 +77,33 @@ def submit_batch(
     if not result.created:
         response.status_code = 200
     return BatchOut.model_validate(result.batch)
+
+
+# Registered here (before listBatches: the OpenAPI document keeps its order) with its own route
+# class: the hot path skips the dependencies above (lean_route.py).
+router.add_api_route(
+    "/v1/runs/{run_id}/batches",
+    submit_batch,
+    methods=["POST"],
+    route_class_override=LeanSubmitRoute,
+    operation_id="submitBatch",
+    status_code=201,
+    response_model=BatchOut,
+    openapi_extra=SUBMIT_BATCH_OPENAPI,
+    responses={
+        200: {
+            "model": BatchOut,
+            "description": "Replay: the batch stored earlier under this Idempotency-Key.",
+        },
+        404: {"description": "No such run (or another tenant's)."},
+        409: {
+            "description": "run_not_active, run_evicted (details: reason, evicted_by), stale_batch, "
+            "idempotency_conflict."
+        },
+        415: {"description": "Content-Type is neither JSON nor msgpack."},
+        422: {"description": "Invalid batch; details: [{sample, field, problem}]. Nothing is stored."},
+    },
+)
 
 
 @router.get("/v1/runs/{run_id}/batches", operation_id="listBatches", response_model=BatchPage)

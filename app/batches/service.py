@@ -12,6 +12,7 @@ The pool's side (claims, acks, restarts) is in claims.py.
 """
 
 from dataclasses import dataclass
+from datetime import datetime
 from functools import lru_cache
 
 from sqlalchemy import Insert, func, select, update
@@ -20,23 +21,39 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from app.batches.ingest import ingest, request_digest
+from app.batches.ingest_run import IngestRun, vocab_size_query
 from app.batches.models import Batch
 from app.batches.one_statement import reserve_and_insert
 from app.batches.storage import StoredPayload, discard_payload, write_payload
 from app.config import Settings
+from app.db import utcnow
 from app.errors import Conflict, RateLimited
 from app.limits import PENDING_RETRY_AFTER_SECONDS
-from app.pools.models import Pool
 from app.rollouts.service import add_batch as add_rollout_batch
 from app.runs.models import Run
 from contracts.arrays import ArrayBatch, num_tokens
 from contracts.run_config import RunConfig
-from contracts.status import BatchState, PoolStatus, RunStatus
+from contracts.status import BatchState, RunStatus
+
+
+@dataclass(frozen=True)
+class StoredBatch:
+    """A batch row just inserted, as the response shows it (no ORM object on the hot path)."""
+
+    id: int
+    run_id: str
+    rollout_step: int
+    num_samples: int
+    num_tokens: int
+    state: BatchState
+    trained_step: int | None
+    created_at: datetime
 
 
 @dataclass(frozen=True)
 class SubmitResult:
-    batch: Batch
+    batch: StoredBatch | Batch
+    """The new row, or on a replay the earlier request's (an ORM object: the rare path)."""
     created: bool
     """False on an idempotent replay (the batch stored by an earlier request with the same key)."""
 
@@ -44,12 +61,7 @@ class SubmitResult:
 def vocab_size_for(session: Session, *, base_model: str) -> int | None:
     """The vocabulary size of `base_model` as reported by its pool (the live one first); None if no pool
     ever registered for it (token ids are then only checked to be non-negative)."""
-    return session.scalar(
-        select(Pool.vocab_size)
-        .where(Pool.base_model == base_model)
-        .order_by((Pool.status == PoolStatus.ALIVE).desc(), Pool.registered_at.desc())
-        .limit(1)
-    )
+    return session.scalar(select(vocab_size_query(base_model)))
 
 
 # --------------------------------------------------------------------------- ingestion
@@ -66,7 +78,7 @@ class _RunState:
     evicted_by: str | None
 
     @classmethod
-    def of(cls, run: Run) -> "_RunState":
+    def of(cls, run: IngestRun) -> "_RunState":
         return cls(run.id, run.status, run.step, run.eviction_reason, run.evicted_by)
 
 
@@ -127,21 +139,26 @@ def _replay_of_body(
 @lru_cache(maxsize=4)
 def _insert_new_stmt(dialect: str) -> Insert:
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
-    return insert(Batch).on_conflict_do_nothing(index_elements=["run_id", "idempotency_key"]).returning(Batch)
+    return (
+        insert(Batch)
+        .on_conflict_do_nothing(index_elements=["run_id", "idempotency_key"])
+        .returning(Batch.id, Batch.created_at)
+    )
 
 
-def _insert_new(session: Session, values: dict[str, object]) -> Batch | None:
-    """INSERT … ON CONFLICT (run_id, idempotency_key) DO NOTHING RETURNING: the new row, or None if a
-    batch with this key exists (then nothing was written)."""
+def _insert_new(session: Session, values: dict[str, object]) -> tuple[int, datetime] | None:
+    """INSERT … ON CONFLICT (run_id, idempotency_key) DO NOTHING RETURNING: the new row's id and
+    creation time, or None if a batch with this key exists (then nothing was written)."""
     stmt = _insert_new_stmt(session.get_bind().dialect.name)  # built once: this is the hot path
-    return session.scalars(stmt, [values]).one_or_none()
+    row = session.connection().execute(stmt, values).one_or_none()
+    return None if row is None else (row.id, row.created_at)
 
 
 def submit_batch(
     session: Session,
     *,
     settings: Settings,
-    run: Run,
+    run: IngestRun,
     body: bytes,
     msgpack: bool,
     idempotency_key: str | None,
@@ -166,8 +183,7 @@ def submit_batch(
         ):
             return SubmitResult(existing, created=False)
         raise
-    vocab_size = vocab_size_for(session, base_model=run.base_model)
-    ingested = ingest(body, msgpack=msgpack, seq_len=config.seq_len, vocab_size=vocab_size)
+    ingested = ingest(body, msgpack=msgpack, seq_len=config.seq_len, vocab_size=run.vocab_size)
     batch, data, digest = ingested.batch, ingested.data, ingested.sha256
     try:
         _check_fresh(state, batch, config)
@@ -203,22 +219,22 @@ def submit_batch(
     return result
 
 
-def _check_pending_room(session: Session, *, run_id: str, settings: Settings, adding_bytes: int) -> None:
+def _check_pending_room(
+    settings: Settings, *, run_id: str, pending_batches: int, pending_bytes: int, adding_bytes: int
+) -> None:
     """429 if the run's unclaimed batches are at their limits (a flood guard; see _add_row)."""
-    count, size = session.execute(
-        select(func.count(), func.coalesce(func.sum(Batch.payload_bytes), 0)).where(
-            Batch.run_id == run_id, Batch.state == BatchState.PENDING
-        )
-    ).one()
-    if count + 1 > settings.run_max_pending_batches or size + adding_bytes > settings.run_max_pending_bytes:
+    if (
+        pending_batches + 1 > settings.run_max_pending_batches
+        or pending_bytes + adding_bytes > settings.run_max_pending_bytes
+    ):
         raise RateLimited(
-            f"run {run_id} has {count} unclaimed batches ({size} bytes); the limits are "
+            f"run {run_id} has {pending_batches} unclaimed batches ({pending_bytes} bytes); the limits are "
             f"{settings.run_max_pending_batches} batches and {settings.run_max_pending_bytes} bytes. "
             "Retry once the pool has claimed some",
             details={
                 "kind": "pending_batches",
-                "pending_batches": count,
-                "pending_bytes": size,
+                "pending_batches": pending_batches,
+                "pending_bytes": pending_bytes,
                 "max_pending_batches": settings.run_max_pending_batches,
                 "max_pending_bytes": settings.run_max_pending_bytes,
             },
@@ -230,43 +246,72 @@ def _add_row(
     session: Session,
     *,
     settings: Settings,
-    run: Run,
+    run: IngestRun,
     batch: ArrayBatch,
     config: RunConfig,
     stored: StoredPayload,
     idempotency_key: str | None,
 ) -> SubmitResult:
-    """The batch's row, under the run row lock; or, if a batch with this key was stored meanwhile, that one."""
-    num_samples = len(batch.examples)
-    run_id, tenant_id = run.id, run.tenant_id
-    # Before the reservation (which inserts on Postgres): read without the run row lock, so two
-    # concurrent submissions may pass the limit by one batch; it is a flood guard, not an invariant.
-    _check_pending_room(session, run_id=run_id, settings=settings, adding_bytes=stored.size_bytes)
+    """The batch's row, under the run row lock; or, if a batch with this key was stored meanwhile, that one.
+
+    The pending count is read without the run row lock (in the same statement as the lock on
+    Postgres, so from the snapshot taken before it), so concurrent submissions may pass the limit
+    by a batch each: it is a flood guard, not an invariant."""
+    num_samples, tokens = len(batch.examples), num_tokens(batch)
+    run_id = run.id
     values: dict[str, object] = {
         "run_id": run_id,
         "idempotency_key": idempotency_key,
         "request_hash": stored.sha256,
         "rollout_step": batch.step,
         "num_samples": num_samples,
-        "num_tokens": num_tokens(batch),
+        "num_tokens": tokens,
         "payload_path": stored.relative_path,
         "payload_bytes": stored.size_bytes,
         "payload_sha256": stored.sha256,
+        "state": BatchState.PENDING.value,
+        "created_at": utcnow(),
     }
     if session.get_bind().dialect.name == "postgresql":
-        # One round trip: reserve the range under the run row lock and insert (one_statement.py).
-        reserved = reserve_and_insert(session, values=values, max_async_level=config.max_async_level)
-        session.expire(run)
+        # One round trip: the pending count, the range reserved under the run row lock, and the
+        # insert (one_statement.py); a refusal below rolls the reservation back.
+        reserved = reserve_and_insert(
+            session.connection(),
+            values=values,
+            max_async_level=config.max_async_level,
+            max_pending_batches=settings.run_max_pending_batches,
+            max_pending_bytes=settings.run_max_pending_bytes,
+        )
+        _check_pending_room(
+            settings,
+            run_id=run_id,
+            pending_batches=reserved.pending_batches,
+            pending_bytes=reserved.pending_bytes,
+            adding_bytes=stored.size_bytes,
+        )
         state = _RunState(
             run_id, reserved.status, reserved.step, reserved.eviction_reason, reserved.evicted_by
         )
         _check_status(state)  # the run may have moved while the file was written (rollback: no range taken)
         _check_fresh(state, batch, config)
-        row = reserved.batch
+        inserted = reserved.inserted
     else:
-        row = _reserve_then_insert(session, run=run, batch=batch, config=config, values=values)
-    if row is not None:
-        add_rollout_batch(session, run_id=run_id, tenant_id=tenant_id, batch_id=row.id, batch=batch)
+        inserted = _reserve_then_insert(
+            session, settings=settings, run_id=run_id, batch=batch, config=config, values=values
+        )
+    if inserted is not None:
+        batch_id, created_at = inserted
+        add_rollout_batch(session, run_id=run_id, tenant_id=run.tenant_id, batch_id=batch_id, batch=batch)
+        row = StoredBatch(
+            id=batch_id,
+            run_id=run_id,
+            rollout_step=batch.step,
+            num_samples=num_samples,
+            num_tokens=tokens,
+            state=BatchState.PENDING,
+            trained_step=None,
+            created_at=created_at,
+        )
         return SubmitResult(row, created=True)
     # An earlier request with this key (a retry, or a concurrent twin that committed while we
     # waited for the lock): give back the sample range, answer with its batch.
@@ -284,28 +329,40 @@ def _add_row(
 
 
 def _reserve_then_insert(
-    session: Session, *, run: Run, batch: ArrayBatch, config: RunConfig, values: dict[str, object]
-) -> Batch | None:
-    """The two-statement form (SQLite): the run-row UPDATE, the checks, then the INSERT."""
+    session: Session,
+    *,
+    settings: Settings,
+    run_id: str,
+    batch: ArrayBatch,
+    config: RunConfig,
+    values: dict[str, object],
+) -> tuple[int, datetime] | None:
+    """The statement-by-statement form (SQLite): the pending count, the run-row UPDATE, the
+    checks, then the INSERT."""
+    count, size = session.execute(
+        select(func.count(), func.coalesce(func.sum(Batch.payload_bytes), 0)).where(
+            Batch.run_id == run_id, Batch.state == BatchState.PENDING
+        )
+    ).one()
+    adding = values["payload_bytes"]
+    assert isinstance(adding, int)
+    _check_pending_room(
+        settings, run_id=run_id, pending_batches=count, pending_bytes=size, adding_bytes=adding
+    )
     num_samples = len(batch.examples)
     # One statement takes the run row lock (held to the commit, so concurrent submissions get
     # disjoint offsets), reserves this batch's sample range and re-reads the run's state.
     locked = session.execute(
         update(Run)
-        .where(Run.id == run.id)
+        .where(Run.id == run_id)
         .values(submitted_samples=Run.submitted_samples + num_samples)
         .returning(Run.submitted_samples, Run.status, Run.step, Run.eviction_reason, Run.evicted_by)
         .execution_options(synchronize_session=False)
     ).one()
-    run_id = run.id
-    session.expire(run)
     state = _RunState(run_id, locked.status, locked.step, locked.eviction_reason, locked.evicted_by)
     _check_status(state)  # the run may have moved while the file was written
     _check_fresh(state, batch, config)
-    return _insert_new(
-        session,
-        values | {"sample_offset": locked.submitted_samples - num_samples, "state": BatchState.PENDING},
-    )
+    return _insert_new(session, values | {"sample_offset": locked.submitted_samples - num_samples})
 
 
 def list_batches(

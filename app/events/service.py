@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import Connection, insert, text
 from sqlalchemy.orm import Session
 
 from app.db import utcnow
@@ -32,7 +32,38 @@ def record_event(
         details=details or {},
     )
     if session.get_bind().dialect.name == "postgresql":
-        # The feed's order (app/events/feed.py); evaluated by the INSERT itself, no round trip.
-        event.txid = text("pg_current_xact_id()::text::bigint")  # type: ignore[assignment]
+        event.txid = _TXID  # type: ignore[assignment]
     session.add(event)
     return event
+
+
+# The feed's order (app/events/feed.py); evaluated by the INSERT itself, no round trip.
+_TXID = text("pg_current_xact_id()::text::bigint")
+# Built once (the other columns come as parameters), so SQLAlchemy reuses the compiled form.
+_INSERT = {"postgresql": insert(Event).values(txid=_TXID), "other": insert(Event)}
+
+
+def append_event(
+    connection: Connection,
+    *,
+    action: str,
+    actor: str,
+    tenant_id: str | None = None,
+    run_id: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> None:
+    """`record_event` as one Core INSERT on the caller's connection (in its transaction), for hot
+    paths that hold no ORM objects. Never pass secrets in `details`."""
+    if actor not in ACTORS:
+        raise ValueError(f"unknown actor {actor!r}")
+    values: dict[str, Any] = {
+        "at": utcnow(),
+        "action": action,
+        "actor": actor,
+        "tenant_id": tenant_id,
+        "run_id": run_id,
+        "api_key_id": None,
+        "details": details or {},
+    }
+    dialect = connection.dialect.name
+    connection.execute(_INSERT["postgresql" if dialect == "postgresql" else "other"], values)

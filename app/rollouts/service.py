@@ -5,15 +5,16 @@ read-merge-write of a step's row never races another batch of the same run. Stat
 merged exactly (count, mean, M2: Chan et al.'s parallel update), never re-read from payloads.
 """
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.orm import Session
 
 from app.db import utcnow
-from app.events.service import record_event
+from app.events.service import append_event
 from app.rollouts.models import RolloutStats
 from contracts.arrays import ArrayBatch
 from contracts.wire import TrainingBatch
@@ -83,51 +84,104 @@ def metric_summaries(row: RolloutStats) -> dict[str, Summary]:
     return {name: Summary.from_list(raw) for name, raw in sorted(row.metrics.items())}
 
 
+_STATS_OF_STEP = select(
+    RolloutStats.id,
+    RolloutStats.samples,
+    RolloutStats.reward_count,
+    RolloutStats.reward_mean,
+    RolloutStats.reward_m2,
+    RolloutStats.reward_min,
+    RolloutStats.reward_max,
+    RolloutStats.metrics,
+).where(RolloutStats.run_id == bindparam("run_id"), RolloutStats.rollout_step == bindparam("step"))
+# Built once (values come as parameters), so SQLAlchemy reuses the compiled forms.
+_INSERT_STATS = insert(RolloutStats)
+_UPDATE_STATS = update(RolloutStats).where(RolloutStats.id == bindparam("stats_id"))
+
+# Postgres: the step's row written (either way: the upsert) and the event appended in one round trip.
+_WRITE_STATS_AND_EVENT_PG = text(
+    """
+WITH stats AS (
+    INSERT INTO rollout_stats (run_id, rollout_step, samples, reward_count, reward_mean, reward_m2,
+                               reward_min, reward_max, metrics, updated_at)
+    VALUES (:run_id, :rollout_step, :samples, :reward_count, :reward_mean, :reward_m2,
+            :reward_min, :reward_max, CAST(:metrics AS json), :updated_at)
+    ON CONFLICT (run_id, rollout_step) DO UPDATE SET
+        samples = excluded.samples, reward_count = excluded.reward_count,
+        reward_mean = excluded.reward_mean, reward_m2 = excluded.reward_m2,
+        reward_min = excluded.reward_min, reward_max = excluded.reward_max,
+        metrics = excluded.metrics, updated_at = excluded.updated_at
+)
+INSERT INTO events (at, action, actor, tenant_id, run_id, api_key_id, details, txid)
+VALUES (:updated_at, :action, :actor, :tenant_id, :run_id, NULL, CAST(:details AS json),
+        pg_current_xact_id()::text::bigint)
+"""
+)
+
+
 def add_batch(
     session: Session, *, run_id: str, tenant_id: str, batch_id: int, batch: TrainingBatch | ArrayBatch
 ) -> None:
     """Merge a stored batch's rewards and metrics into its rollout step; record a `batch.received`
-    event with the step's aggregate so far. Call under the run row lock, in the batch's transaction."""
+    event with the step's aggregate so far. Call under the run row lock, in the batch's transaction.
+
+    Core statements on the session's connection (ingestion's hot path builds no ORM object): the
+    step's row read, then written and the event appended (one statement on Postgres)."""
     rewards = Summary.of([s.reward for s in batch.examples if s.reward is not None])
     per_metric: dict[str, list[float]] = {}
     for sample in batch.examples:
         for name, value in (sample.metrics or {}).items():
             per_metric.setdefault(name, []).append(value)
 
-    row = session.scalar(
-        select(RolloutStats).where(RolloutStats.run_id == run_id, RolloutStats.rollout_step == batch.step)
-    )
+    connection = session.connection()
+    row = connection.execute(_STATS_OF_STEP, {"run_id": run_id, "step": batch.step}).one_or_none()
     if row is None:
-        row = RolloutStats(run_id=run_id, rollout_step=batch.step, samples=0, metrics={})
-        session.add(row)
-        total = rewards
+        samples, total = 0, rewards
         metrics: dict[str, Summary] = {}
     else:
-        total = reward_summary(row).merge(rewards)
-        metrics = metric_summaries(row)
+        samples = row.samples or 0
+        old = Summary(row.reward_count, row.reward_mean, row.reward_m2, row.reward_min, row.reward_max)
+        total = old.merge(rewards)
+        metrics = {name: Summary.from_list(raw) for name, raw in sorted(row.metrics.items())}
     for name, values in per_metric.items():
         if name in metrics or len(metrics) < MAX_STEP_METRICS:
             metrics[name] = metrics.get(name, Summary()).merge(Summary.of(values))
-    row.samples = (row.samples or 0) + len(batch.examples)
-    row.reward_count, row.reward_mean, row.reward_m2 = total.count, total.mean, total.m2
-    row.reward_min, row.reward_max = total.min, total.max
-    row.metrics = {name: s.as_list() for name, s in metrics.items()}  # a new dict: JSON change tracked
-    row.updated_at = utcnow()
-    session.flush()
-    record_event(
-        session,
-        action="batch.received",
-        actor="orchestrator",
-        tenant_id=tenant_id,
-        run_id=run_id,
-        details={
-            "batch_id": batch_id,
-            "rollout_step": batch.step,
-            "samples": len(batch.examples),
-            "step_samples": row.samples,
-            "reward": total.public() if total.count else None,
-        },
-    )
+    samples += len(batch.examples)
+    new: dict[str, Any] = {
+        "samples": samples,
+        "reward_count": total.count,
+        "reward_mean": total.mean,
+        "reward_m2": total.m2,
+        "reward_min": total.min,
+        "reward_max": total.max,
+        "metrics": {name: s.as_list() for name, s in metrics.items()},
+        "updated_at": utcnow(),
+    }
+    details = {
+        "batch_id": batch_id,
+        "rollout_step": batch.step,
+        "samples": len(batch.examples),
+        "step_samples": samples,
+        "reward": total.public() if total.count else None,
+    }
+    event = {"action": "batch.received", "actor": "orchestrator", "tenant_id": tenant_id, "run_id": run_id}
+    if connection.dialect.name == "postgresql":
+        connection.execute(
+            _WRITE_STATS_AND_EVENT_PG,
+            new
+            | event
+            | {
+                "rollout_step": batch.step,
+                "metrics": json.dumps(new["metrics"]),
+                "details": json.dumps(details),
+            },
+        )
+        return
+    if row is None:
+        connection.execute(_INSERT_STATS, new | {"run_id": run_id, "rollout_step": batch.step})
+    else:
+        connection.execute(_UPDATE_STATS, new | {"stats_id": row.id})
+    append_event(connection, **event, details=details)
 
 
 def list_stats(session: Session, *, run_id: str, since_step: int, limit: int) -> list[RolloutStats]:

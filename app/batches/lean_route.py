@@ -1,0 +1,129 @@
+"""The batch-submission route's fast path: the hot request of the service, handled without
+FastAPI's dependency solving and response-model work, in one trip through the thread pool.
+
+`LeanSubmitRoute` is the route class of `POST /v1/runs/{run_id}/batches` only. Its endpoint,
+dependencies and OpenAPI document are those of the declared route (app/batches/router.py); only
+the handler changes. A request takes the fast path when everything FastAPI would check before the
+endpoint is known to pass without the database:
+
+- the bearer key is a valid key in the short-lived key cache (app/key_cache.py), which holds only
+  valid keys, so the documented route's lookup would find the same tenant;
+- the Content-Type is JSON or msgpack;
+- the Idempotency-Key, if any, is 1 to 128 characters; the run id fits its 64 characters.
+
+Anything else (no or an unknown key, a cache miss, a bad header: every 401, 415 and 422 of the
+route) goes to the documented handler, which answers as it always did (and fills the key cache).
+On the fast path the checks that remain run in the same order as the dependencies: the tenant's
+in-flight limit (429), then the run (404, another tenant's included), then the service, whose
+errors the app's handlers turn into the uniform body. The session is committed before the
+response is built, as SessionDep does, so a 2xx still means the row is durable.
+"""
+
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.auth import hash_key
+from app.batches import service
+from app.batches.ingest_run import load_ingest_run
+from app.batches.schemas import JSON_CONTENT_TYPES, MSGPACK_CONTENT_TYPES, BatchOut
+from app.config import Settings
+from app.key_cache import key_cache
+from app.limits import InFlight
+
+MAX_IDEMPOTENCY_KEY = 128
+MAX_RUN_ID = 64
+"""The route's declared limits (router.py and app/runs/deps.py); longer values go the documented way."""
+
+_Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+class LeanSubmitRoute(APIRoute):
+    def get_route_handler(self) -> _Handler:
+        documented = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            lean = _fast_path_request(request)
+            if lean is None:
+                return await documented(request)
+            return await _submit(request, lean)
+
+        return handler
+
+
+class _Lean:
+    __slots__ = ("idempotency_key", "msgpack", "run_id", "tenant_id")
+
+    def __init__(self, tenant_id: str, run_id: str, msgpack: bool, idempotency_key: str | None) -> None:
+        self.tenant_id = tenant_id
+        self.run_id = run_id
+        self.msgpack = msgpack
+        self.idempotency_key = idempotency_key
+
+
+def _fast_path_request(request: Request) -> _Lean | None:
+    """What the fast path needs, or None when the documented handler must answer."""
+    headers = request.headers
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    state = request.app.state
+    settings: Settings = state.settings
+    cached = key_cache(state, settings.api_key_cache_seconds).get(hash_key(token))
+    if cached is None:
+        return None
+    media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type in MSGPACK_CONTENT_TYPES:
+        msgpack = True
+    elif media_type in JSON_CONTENT_TYPES or media_type.endswith("+json"):
+        msgpack = False
+    else:
+        return None
+    key = headers.get("idempotency-key")
+    if key is not None and not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY:
+        return None
+    run_id = request.path_params.get("run_id")
+    if not isinstance(run_id, str) or len(run_id) > MAX_RUN_ID:
+        return None
+    return _Lean(cached.tenant_id, run_id, msgpack, key)
+
+
+async def _submit(request: Request, lean: _Lean) -> Response:
+    in_flight: InFlight = request.app.state.in_flight
+    in_flight.acquire(lean.tenant_id)  # 429 before anything else, as require_tenant does
+    try:
+        body = await request.body()  # read already by the request guard: no I/O
+        result = await run_in_threadpool(_submit_in_thread, request, lean, body)
+    finally:
+        in_flight.release(lean.tenant_id)
+    out = BatchOut.model_validate(result.batch)
+    return Response(
+        out.__pydantic_serializer__.to_json(out),
+        status_code=201 if result.created else 200,
+        media_type="application/json",
+    )
+
+
+def _submit_in_thread(request: Request, lean: _Lean, body: bytes) -> service.SubmitResult:
+    state = request.app.state
+    with state.session_factory() as session:
+        try:
+            run = load_ingest_run(session, tenant_id=lean.tenant_id, run_id=lean.run_id)
+            result = service.submit_batch(
+                session,
+                settings=state.settings,
+                run=run,
+                body=body,
+                msgpack=lean.msgpack,
+                idempotency_key=lean.idempotency_key,
+            )
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+    return result

@@ -1,0 +1,72 @@
+"""The served protocol (app/serving.py): httptools with a header-size limit. What test_availability.py
+does not cover: a head that outgrows the limit in many small reads, and request bodies, which are
+never counted as head bytes (a keep-alive connection carries large bodies and later requests)."""
+
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import msgspec
+import pytest
+
+from app.config import Settings
+from app.main import create_app
+from app.serving import MAX_HEADER_BYTES, LimitedHttpToolsProtocol, uvicorn_options
+from tests.app.api import MSGPACK, LiveServer, batch_body, create_run, new_tenant
+
+
+@pytest.fixture
+def server(settings: Settings) -> Iterator[LiveServer]:
+    assert uvicorn_options()["http"] is LimitedHttpToolsProtocol
+    with LiveServer(create_app(settings), **uvicorn_options()) as live:
+        yield live
+
+
+def _connect(server: LiveServer) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
+
+
+def test_a_head_growing_past_the_limit_in_small_reads_is_431(server):
+    sock = _connect(server)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    sent = 0
+    try:
+        while sent < 4 * MAX_HEADER_BYTES:  # 1 KiB headers, one per send, never the blank line
+            sock.sendall(b"X-Part-%06d: " % sent + b"a" * 1000 + b"\r\n")
+            sent += 1016
+            time.sleep(0.001)  # separate reads on the server's side
+    except OSError:
+        pass  # the service closed the connection once past the limit
+    answer = _read_all(sock)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert b'"request_header_fields_too_large"' in answer
+
+
+def test_bodies_are_not_head_bytes_on_a_kept_alive_connection(server):
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        tenant = new_tenant(http)
+        run = create_run(http, tenant)
+        for seed in range(3):
+            content = msgspec.msgpack.encode(batch_body(400, seed=seed))
+            assert len(content) > 2 * MAX_HEADER_BYTES  # counted as head bytes, it would be a 431
+            r = http.post(
+                f"/v1/runs/{run['id']}/batches",
+                content=content,
+                headers=tenant.headers | {"Content-Type": MSGPACK},
+            )
+            assert r.status_code == 201, r.text
+            # A request after the body, on the same connection, is a fresh head.
+            assert http.get("/healthz").status_code == 200
