@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from contracts.arrays import ArrayBatch, decode_stored, to_arrays
+from contracts.arrays import ArrayBatch, decode_claimed, to_arrays
 from contracts.arrays import encode as encode_arrays
 from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.packing import Packer, pack_ffd
@@ -180,7 +180,7 @@ def packer_table(args: argparse.Namespace) -> list[str]:
                         # into the binary form, then add_batch's frombuffer views.
                         data = encode_arrays(ArrayBatch(examples=[binary_pool[i] for i in draws[next_batch]]))
                         with add_t:
-                            packer.add_batch(slot, decode_stored(data), batch_id=next_batch)
+                            packer.add_batch(slot, decode_claimed(data), batch_id=next_batch)
                     else:
                         batch = TrainingBatch(examples=[pool[i] for i in draws[next_batch]])
                         with add_t:

@@ -3,7 +3,7 @@ rewrite (issue 15): the same rows, tokens, order, masks, weights, positions, dty
 
 The digests below were recorded from the per-sample (`BufferedSample`) implementation at main
 (commit f39bcac). The stream exercises every per-token field and every edge the row layout handles:
-empty prompts whose first completion token carries loss, completion masks with holes, scalar and
+rows of plain samples only (scalar advantages, nothing optional) and mixed rows, empty prompts whose first completion token carries loss, completion masks with holes, scalar and
 per-token advantages in one row, teacher logprobs, weights and rewards on some samples only,
 per-batch temperatures, `skip`, list-form and binary-form batches, several runs per row, dp > 1
 (rank balancing, `split_to_align`, fillers) and padding. A mismatch names the first pack that
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from contracts.arrays import decode_stored, encode, to_arrays
+from contracts.arrays import decode_claimed, decode_stored, encode, to_arrays
 from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.packing import MicroBatch, Packer, PackResult
 
@@ -38,14 +38,26 @@ _TENSOR_FIELDS = (
 )
 
 
-def _random_sample(rng: np.random.Generator, seq_len: int) -> TrainingSample:
+def _random_sample(rng: np.random.Generator, seq_len: int, *, plain: bool) -> TrainingSample:
+    """``plain``: a scalar advantage and no teacher logprobs, weights or rewards (rows of only such
+    samples take the short path of `RowFormat.build`)."""
     n_prompt = int(rng.integers(0, 40)) if rng.random() < 0.85 else 0
     n_completion = int(rng.integers(1, 60))
     n_completion = min(n_completion, seq_len - n_prompt)
     completion_mask = (rng.random(n_completion) < 0.8).tolist()
     if n_prompt == 0 and rng.random() < 0.7:
         completion_mask[0] = True  # the first token of the sample: never loss in a row
+    ids = rng.integers(0, 50_000, n_prompt + n_completion).tolist()
     advantage: float | list[float] = float(rng.normal())
+    if plain:
+        return TrainingSample(
+            prompt_ids=ids[:n_prompt],
+            prompt_mask=[True] * n_prompt,
+            completion_ids=ids[n_prompt:],
+            completion_mask=completion_mask,
+            completion_logprobs=(-rng.random(n_completion)).tolist(),
+            advantage=advantage,
+        )
     if rng.random() < 0.3:
         advantage = rng.normal(size=n_completion).tolist()
     teacher = (-rng.random(n_completion)).tolist() if rng.random() < 0.2 else None
@@ -59,7 +71,6 @@ def _random_sample(rng: np.random.Generator, seq_len: int) -> TrainingSample:
         token_rewards = rng.normal(size=n_completion).tolist()
     if reward is not None and rng.random() < 0.3:
         completion_mask = [False] * n_completion  # the reward then sits on the last completion token
-    ids = rng.integers(0, 50_000, n_prompt + n_completion).tolist()
     return TrainingSample(
         prompt_ids=ids[:n_prompt],
         prompt_mask=[True] * n_prompt,
@@ -112,15 +123,18 @@ def _stream_digests(*, dp: int, seed: int) -> list[str]:
     digests: list[str] = []
     for batch_id in range(60):
         slot = int(rng.choice([0, 2, 3, 5]))
+        plain = bool(rng.random() < 0.5)
         batch = TrainingBatch(
-            examples=[_random_sample(rng, seq_len) for _ in range(int(rng.integers(1, 9)))],
+            examples=[_random_sample(rng, seq_len, plain=plain) for _ in range(int(rng.integers(1, 9)))],
             temperature=float(rng.choice([1.0, 0.7, 1.3])),
         )
         skip = int(rng.integers(0, len(batch.examples))) if rng.random() < 0.2 else 0
         if rng.random() < 0.5:
             packer.add_batch(slot, batch, batch_id=batch_id, skip=skip)
         else:
-            packer.add_batch(slot, decode_stored(encode(to_arrays(batch))), batch_id=batch_id, skip=skip)
+            # The stored form as the service reads it (bytes), or as the pool decodes a claim (views).
+            decode = decode_claimed if batch_id % 2 else decode_stored
+            packer.add_batch(slot, decode(encode(to_arrays(batch))), batch_id=batch_id, skip=skip)
         if rng.random() < 0.3:
             result = packer.pack(force=True)
             if result is not None:
@@ -134,9 +148,9 @@ def _stream_digests(*, dp: int, seed: int) -> list[str]:
 
 # Recorded at main (f39bcac), the per-sample implementation: see the module docstring.
 _EXPECTED: dict[tuple[int, int], str] = {
-    (1, 0): "36608cc70dc5e57a",
-    (2, 1): "e580afa47633ee69",
-    (3, 2): "a3aef75ae6a4ff54",
+    (1, 0): "fc465532e524180b",
+    (2, 1): "90ccc988b9854423",
+    (3, 2): "f01cb89a857f8bda",
 }
 
 

