@@ -288,13 +288,13 @@ def _advantages(
         return np.asarray(values, dtype=_F32), None
     pieces = []
     for v, n in zip(values, n_completion.tolist(), strict=True):
-        if not isinstance(v, float):
+        if isinstance(v, float):
+            pieces.append(np.full(n, v, _F32))
+        else:
+            assert v is not None  # checked by _per_sample_fields_ok
             if len(v) != 4 * n:
                 return None
             pieces.append(np.frombuffer(v, FLOAT_DTYPE))
-        else:
-            assert v is not None  # checked by _per_sample_fields_ok
-            pieces.append(np.full(n, v, _F32))
     return None, np.concatenate(pieces) if pieces else np.zeros(0, _F32)
 
 

@@ -289,7 +289,9 @@ class Packer:
 
     def _check_arrays(self, slot: int, batch_id: int, batch: ArrayBatch | ArrayBatchView) -> None:
         """`_check` for a binary batch: vectorised over the batch (contracts.arrays)."""
-        problems = array_batch_problems(owned(batch), seq_len=self.seq_len, vocab_size=self.vocab_size, full=False)
+        problems = array_batch_problems(
+            owned(batch), seq_len=self.seq_len, vocab_size=self.vocab_size, full=False
+        )
         for p in problems:
             if p.sample is not None:
                 raise InvalidSampleError(slot=slot, batch_id=batch_id, index=p.sample, reason=p.problem)
