@@ -75,38 +75,8 @@ class ArrayBatch(msgspec.Struct, forbid_unknown_fields=True):
     agent: str | None = None
 
 
-class ArraySampleView(msgspec.Struct, forbid_unknown_fields=True):
-    """`ArraySample` as the pool decodes a claim: every array a `memoryview` into the claim's own
-    buffer (msgspec decodes msgpack ``bin`` into a memoryview without a copy), so the Packer's one
-    join per field is the only copy between the socket and its arrays. Views keep the claim's buffer
-    alive: read them, do not keep them."""
-
-    prompt_ids: memoryview
-    prompt_mask: memoryview
-    completion_ids: memoryview
-    completion_mask: memoryview
-    completion_logprobs: memoryview
-    advantage: float | memoryview | None = None
-    teacher_logprobs: memoryview | None = None
-    reward: float | None = None
-    token_rewards: memoryview | None = None
-    weights: memoryview | None = None
-    metrics: dict[str, float] | None = None
-
-
-class ArrayBatchView(msgspec.Struct, forbid_unknown_fields=True):
-    """`ArrayBatch` with `ArraySampleView`s (`decode_claimed`)."""
-
-    examples: list[ArraySampleView]
-    temperature: float = 1.0
-    step: int = 0
-    env: str | None = None
-    agent: str | None = None
-
-
 array_batch_encoder = msgspec.msgpack.Encoder()
 array_batch_decoder = msgspec.msgpack.Decoder(ArrayBatch)
-_array_batch_view_decoder = msgspec.msgpack.Decoder(ArrayBatchView)
 
 # The per-token fields, their dtype, and the ids field whose length they must have.
 _PER_TOKEN: tuple[tuple[str, np.dtype, str], ...] = (
@@ -210,22 +180,6 @@ def decode_stored(data: bytes) -> ArrayBatch:
         return array_batch_decoder.decode(data)
     except msgspec.ValidationError:
         return to_arrays(msgspec.msgpack.decode(data, type=TrainingBatch))
-
-
-def decode_claimed(data: bytes | memoryview | msgspec.Raw) -> ArrayBatchView | ArrayBatch:
-    """`decode_stored` for the pool: the binary form as views into ``data`` (no copy of the arrays),
-    or a list-form payload converted."""
-    try:
-        return _array_batch_view_decoder.decode(data)
-    except msgspec.ValidationError:
-        return to_arrays(msgspec.msgpack.decode(data, type=TrainingBatch))
-
-
-def owned(batch: ArrayBatchView | ArrayBatch) -> ArrayBatch:
-    """``batch`` with its arrays as `bytes` (a copy; for the rare paths that word problems)."""
-    if isinstance(batch, ArrayBatch):
-        return batch
-    return array_batch_decoder.decode(array_batch_encoder.encode(batch))
 
 
 # --------------------------------------------------------------------------- validation

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from contracts.arrays import ArrayBatch, ArrayBatchView, decode_claimed
+from contracts.arrays import ArrayBatch, decode_stored
 from contracts.progress import Progress
 from contracts.status import RunStatus
 from contracts.wire import TrainingBatch
@@ -154,7 +154,7 @@ class ClaimedBatchStruct(msgspec.Struct):
     sample_offset: int
     num_samples: int
     rollout_step: int
-    payload: TrainingBatch | ArrayBatch | ArrayBatchView
+    payload: TrainingBatch | ArrayBatch
 
 
 class ClaimedBatchWire(msgspec.Struct):
@@ -178,8 +178,7 @@ class ClaimStruct(msgspec.Struct):
 
 def claimed_batches(claim: ClaimStruct, *, msgpack: bool) -> list[ClaimedBatchStruct]:
     """The claim's batches with their payloads decoded: a msgpack payload straight into an
-    `ArrayBatchView` (its arrays are views into the claim's bytes; numpy reads them in place), a JSON
-    one into a `TrainingBatch`."""
+    `ArrayBatch` (numpy reads its arrays in place), a JSON one into a `TrainingBatch`."""
     return [
         ClaimedBatchStruct(
             id=b.id,
@@ -188,7 +187,7 @@ def claimed_batches(claim: ClaimStruct, *, msgpack: bool) -> list[ClaimedBatchSt
             sample_offset=b.sample_offset,
             num_samples=b.num_samples,
             rollout_step=b.rollout_step,
-            payload=decode_claimed(b.payload) if msgpack else _batch_json_decoder.decode(b.payload),
+            payload=decode_stored(b.payload) if msgpack else _batch_json_decoder.decode(b.payload),
         )
         for b in claim.batches
     ]

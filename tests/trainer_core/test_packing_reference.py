@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from contracts.arrays import decode_claimed, decode_stored, encode, to_arrays
+from contracts.arrays import decode_stored, encode, to_arrays
 from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.packing import MicroBatch, Packer, PackResult
 
@@ -132,9 +132,7 @@ def _stream_digests(*, dp: int, seed: int) -> list[str]:
         if rng.random() < 0.5:
             packer.add_batch(slot, batch, batch_id=batch_id, skip=skip)
         else:
-            # The stored form as the service reads it (bytes), or as the pool decodes a claim (views).
-            decode = decode_claimed if batch_id % 2 else decode_stored
-            packer.add_batch(slot, decode(encode(to_arrays(batch))), batch_id=batch_id, skip=skip)
+            packer.add_batch(slot, decode_stored(encode(to_arrays(batch))), batch_id=batch_id, skip=skip)
         if rng.random() < 0.3:
             result = packer.pack(force=True)
             if result is not None:

@@ -22,13 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from contracts.arrays import FLOAT_DTYPE, IDS_DTYPE, MAX_TOKEN_ID, ArraySample, ArraySampleView
+from contracts.arrays import FLOAT_DTYPE, IDS_DTYPE, MAX_TOKEN_ID, ArraySample
 from contracts.wire import MAX_LABEL_CHARS, MAX_SAMPLE_METRICS
 
-__all__ = ["RunBuffer", "Sample", "SampleChunk"]
-
-Sample = ArraySample | ArraySampleView
-"""A binary sample: arrays as `bytes`, or as views into a claim's buffer (both read alike)."""
+__all__ = ["RunBuffer", "SampleChunk"]
 
 _F32 = np.float32
 
@@ -85,7 +82,7 @@ class SampleChunk:
     @classmethod
     def from_arrays(
         cls,
-        examples: Sequence[Sample],
+        examples: Sequence[ArraySample],
         *,
         skip: int,
         batch_id: int,
@@ -159,7 +156,9 @@ class _Joined:
     """teacher_logprobs, token_rewards, weights: the values of the samples that have them, end to end."""
 
     @classmethod
-    def checked(cls, examples: Sequence[Sample], *, seq_len: int, vocab_size: int | None) -> _Joined | None:
+    def checked(
+        cls, examples: Sequence[ArraySample], *, seq_len: int, vocab_size: int | None
+    ) -> _Joined | None:
         """The joined arrays; None when a rule of ``sample_problems(full=False)`` may be broken."""
         n = len(examples)
         n_prompt_bytes = np.fromiter((len(s.prompt_ids) for s in examples), np.int64, n)
@@ -207,7 +206,9 @@ class _Joined:
             optional=optional,
         )
 
-    def filled(self, name: str, examples: Sequence[Sample], fill: float | None) -> npt.NDArray[np.float32]:
+    def filled(
+        self, name: str, examples: Sequence[ArraySample], fill: float | None
+    ) -> npt.NDArray[np.float32]:
         """(C,) the optional field ``name`` at every sample's completion positions; for samples
         without it ``fill``, or (None) their completion mask as 0/1 (the implicit loss weights)."""
         joined = self.optional[name]
@@ -240,7 +241,7 @@ def _per_sample_sums(mask: npt.NDArray[np.bool_], starts: list[int]) -> npt.NDAr
 
 
 def _per_sample_fields_ok(
-    examples: Sequence[Sample], n_prompt: npt.NDArray[np.int64], n_completion: npt.NDArray[np.int64]
+    examples: Sequence[ArraySample], n_prompt: npt.NDArray[np.int64], n_completion: npt.NDArray[np.int64]
 ) -> bool:
     """Masks and logprobs as long as their ids, an advantage present, metrics within bounds."""
     n = len(examples)
@@ -265,7 +266,7 @@ def _per_sample_fields_ok(
 
 
 def _optional_floats(
-    examples: Sequence[Sample], name: str, c_bytes: npt.NDArray[np.int64]
+    examples: Sequence[ArraySample], name: str, c_bytes: npt.NDArray[np.int64]
 ) -> tuple[bool, npt.NDArray[np.float32] | None]:
     """(every present value has its sample's byte count, the joined float32 values of an optional
     per-completion-token field over the samples that have it, None when none has it)."""
@@ -279,7 +280,7 @@ def _optional_floats(
 
 
 def _advantages(
-    examples: Sequence[Sample], n_completion: npt.NDArray[np.int64]
+    examples: Sequence[ArraySample], n_completion: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[np.float32] | None, npt.NDArray[np.float32] | None] | None:
     """(scalars (N,), None) when every advantage is a scalar; (None, per-token (C,) with scalars
     broadcast) otherwise; None when a per-token one has the wrong byte count."""
@@ -303,7 +304,7 @@ def _all_finite(values: npt.NDArray[np.float32]) -> bool:
     return bool(np.isfinite(values.sum(dtype=np.float64))) or bool(np.isfinite(values).all())
 
 
-def _scalars_finite(examples: Sequence[Sample]) -> bool:
+def _scalars_finite(examples: Sequence[ArraySample]) -> bool:
     scalars: list[float] = [s.advantage for s in examples if isinstance(s.advantage, float)]
     scalars += [s.reward for s in examples if s.reward is not None]
     for s in examples:
@@ -312,13 +313,13 @@ def _scalars_finite(examples: Sequence[Sample]) -> bool:
     return all(math.isfinite(v) for v in scalars)
 
 
-def _flags(kept: Sequence[Sample], name: str) -> list[bool] | None:
+def _flags(kept: Sequence[ArraySample], name: str) -> list[bool] | None:
     flags = [getattr(s, name) is not None for s in kept]
     return flags if any(flags) else None
 
 
 def _rewards(
-    kept: Sequence[Sample], joined: _Joined, c0: int, c1: int
+    kept: Sequence[ArraySample], joined: _Joined, c0: int, c1: int
 ) -> tuple[npt.NDArray[np.float32] | None, list[bool] | None]:
     """``rewards`` and ``has_rewards`` of the chunk of ``kept`` (see `SampleChunk.rewards`)."""
     kept_n_completion = joined.n_completion[len(joined.n_completion) - len(kept) :].tolist()

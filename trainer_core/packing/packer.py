@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from contracts.arrays import ArrayBatch, ArrayBatchView, array_batch_problems, owned, to_arrays
+from contracts.arrays import ArrayBatch, array_batch_problems, to_arrays
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, TrainingSample, sample_problems
 from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd, split_to_align
@@ -236,14 +236,11 @@ class Packer:
 
     # ---- buffering -----------------------------------------------------------------------------
 
-    def add_batch(
-        self, slot: int, batch: TrainingBatch | ArrayBatch | ArrayBatchView, *, batch_id: int, skip: int = 0
-    ) -> int:
+    def add_batch(self, slot: int, batch: TrainingBatch | ArrayBatch, *, batch_id: int, skip: int = 0) -> int:
         """Buffer the samples of ``batch`` from index ``skip`` on; returns how many were buffered.
 
-        ``batch``: the binary form (contracts/arrays.py: what a claim carries, decoded by
-        `decode_claimed` into views of the claim's bytes; read in place) or the list form (converted
-        once). ``skip`` is the number of leading samples already
+        ``batch``: the binary form (contracts/arrays.py: what a claim carries; its arrays are joined
+        once per field and read in place) or the list form (converted once). ``skip`` is the number of leading samples already
         trained (docs/contracts.md, exactly-once: ``max(0, checkpoint total_samples − sample_offset)``).
         A batch with any malformed sample is rejected whole (`InvalidSampleError`, a ValueError naming
         slot, batch and sample) and nothing of it is buffered. A return of 0 means the batch was already
@@ -287,11 +284,9 @@ class Packer:
         state.buffer.append(chunk)
         return len(chunk)
 
-    def _check_arrays(self, slot: int, batch_id: int, batch: ArrayBatch | ArrayBatchView) -> None:
+    def _check_arrays(self, slot: int, batch_id: int, batch: ArrayBatch) -> None:
         """`_check` for a binary batch: vectorised over the batch (contracts.arrays)."""
-        problems = array_batch_problems(
-            owned(batch), seq_len=self.seq_len, vocab_size=self.vocab_size, full=False
-        )
+        problems = array_batch_problems(batch, seq_len=self.seq_len, vocab_size=self.vocab_size, full=False)
         for p in problems:
             if p.sample is not None:
                 raise InvalidSampleError(slot=slot, batch_id=batch_id, index=p.sample, reason=p.problem)
