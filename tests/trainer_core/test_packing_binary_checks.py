@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from contracts.arrays import ArrayBatch, ArraySample, array_batch_problems, decode_stored, encode, to_arrays
-from contracts.wire import TrainingBatch, TrainingSample
+from contracts.wire import MAX_EXAMPLES_PER_BATCH, TrainingBatch, TrainingSample
 from trainer_core.packing import InvalidSampleError, Packer
 
 SEQ_LEN, VOCAB = 16, 100
@@ -109,3 +109,18 @@ def test_edge_cases_that_break_no_rule_are_buffered(case: str) -> None:
     assert packer.add_batch(0, batch, batch_id=3) == 2
     result = packer.pack(force=True)
     assert result is not None and result.runs[0].samples == 2
+
+
+def test_a_bad_sample_in_a_batch_over_the_size_limit_is_still_refused() -> None:
+    """`array_batch_problems` stops at the batch-level fault (more than MAX_EXAMPLES_PER_BATCH samples)
+    and names no sample; the Packer refuses the batch anyway rather than buffer a bad sample."""
+    bad = msgspec.structs.replace(_good(), completion_mask=bytes([1, 2, 1, 1]))
+    batch = ArrayBatch(examples=[_good()] * MAX_EXAMPLES_PER_BATCH + [bad])
+    assert all(
+        p.sample is None for p in array_batch_problems(batch, seq_len=SEQ_LEN, vocab_size=VOCAB, full=False)
+    )
+    packer = Packer(n_slots=1, seq_len=SEQ_LEN, dp_world_size=1, vocab_size=VOCAB)
+    packer.add_run(0, batch_size=8)
+    with pytest.raises(ValueError, match="slot 0, batch 4: a sample breaks a rule"):
+        packer.add_batch(0, batch, batch_id=4)
+    assert packer.buffered_samples() == 0

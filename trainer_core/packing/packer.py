@@ -277,9 +277,11 @@ class Packer:
         )
         if chunk is None:  # a rule is broken: the one wording of the rules names it (raises)
             self._check_arrays(slot, batch_id, batch)
-            raise RuntimeError(
-                f"slot {slot}, batch {batch_id}: SampleChunk.from_arrays refused a batch that "
-                "array_batch_problems accepts (the two checks of the same rules disagree)"
+            # Only reachable when array_batch_problems stops at a batch-level fault (too many
+            # examples) before the samples: refuse the batch (a ValueError: the worker evicts the run).
+            raise ValueError(
+                f"slot {slot}, batch {batch_id}: a sample breaks a rule of a trainable sample; "
+                "array_batch_problems names no sample (a batch-level fault stopped it)"
             )
         state.buffer.append(chunk)
         return len(chunk)
