@@ -21,6 +21,7 @@ Run: ``.venv/bin/python bench/packing.py`` (``--help`` for the knobs). Prints ma
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -160,14 +161,20 @@ def packer_table(args: argparse.Namespace) -> list[str]:
     for dist in args.distributions:
         rng = np.random.default_rng(args.seed)
         pool = make_pool(dist, seq_len, args.pool, rng)
+        pool_size = len(pool)
         binary_pool = to_arrays(TrainingBatch(examples=pool)).examples
+        if args.form == "binary":
+            # The list form holds ~5 Python objects per token; kept alive it would make every garbage
+            # collection in the timed part walk millions of them (a worker holds no such lists).
+            pool = []
+            gc.collect()
         packer = Packer(
             n_slots=args.runs, seq_len=seq_len, dp_world_size=dp, pad_to_multiple_of=args.pad_to_multiple_of
         )
         for slot in range(args.runs):
             packer.add_run(slot, batch_size=args.batch_size)
         batches_needed = -(-args.samples // args.batch_size)
-        draws = rng.integers(0, len(pool), (batches_needed, args.batch_size))
+        draws = rng.integers(0, pool_size, (batches_needed, args.batch_size))
         next_batch = 0
         add_t, pack_t = Timer(), Timer()
         packs = rows = lower = tokens = packed = 0
@@ -177,7 +184,7 @@ def packer_table(args: argparse.Namespace) -> list[str]:
                 while next_batch < batches_needed and packer.buffered_samples(slot) < 2 * args.batch_size:
                     if args.form == "binary":
                         # The stored bytes of a claimed batch (made untimed); timed: the one decode
-                        # into the binary form, then add_batch's frombuffer views.
+                        # into the binary form (as `claimed_batches` does), then add_batch.
                         data = encode_arrays(ArrayBatch(examples=[binary_pool[i] for i in draws[next_batch]]))
                         with add_t:
                             packer.add_batch(slot, decode_stored(data), batch_id=next_batch)

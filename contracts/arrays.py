@@ -12,7 +12,6 @@ body and a JSON body with the same fault get the same 422. Torch-free.
 """
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import cast
 
 import msgspec
@@ -316,44 +315,7 @@ def array_batch_problems(
     return problems
 
 
-# --------------------------------------------------------------------------- the Packer's view
-
-
-@dataclass(frozen=True)
-class BatchArrays:
-    """A binary batch as whole-batch numpy arrays (views of one joined buffer per field), with the
-    per-sample lengths that cut them into samples."""
-
-    ids: npt.NDArray[np.int32]
-    """(T,) every sample's prompt then completion ids, samples end to end."""
-    completion_mask: npt.NDArray[np.bool_]
-    """(C,) every sample's completion mask."""
-    completion_logprobs: npt.NDArray[np.float32]
-    """(C,)"""
-    n_prompt: npt.NDArray[np.int64]
-    """(N,)"""
-    n_completion: npt.NDArray[np.int64]
-    """(N,)"""
-
-
-def batch_arrays(examples: list[ArraySample]) -> BatchArrays:
-    """One join and one `frombuffer` per field for the whole batch (the samples must be aligned)."""
-    ids = b"".join(part for s in examples for part in (s.prompt_ids, s.completion_ids))
-    return BatchArrays(
-        ids=np.frombuffer(ids, dtype=IDS_DTYPE),
-        completion_mask=np.frombuffer(b"".join(s.completion_mask for s in examples), dtype=np.bool_),
-        completion_logprobs=np.frombuffer(
-            b"".join(s.completion_logprobs for s in examples), dtype=FLOAT_DTYPE
-        ),
-        n_prompt=np.fromiter((len(s.prompt_ids) >> 2 for s in examples), dtype=np.int64, count=len(examples)),
-        n_completion=np.fromiter(
-            (len(s.completion_ids) >> 2 for s in examples), dtype=np.int64, count=len(examples)
-        ),
-    )
-
-
-def float_array(data: bytes) -> npt.NDArray[np.float32]:
-    return np.frombuffer(data, dtype=FLOAT_DTYPE)
+# --------------------------------------------------------------------------- helpers
 
 
 def num_tokens(batch: ArrayBatch) -> int:

@@ -47,24 +47,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from contracts.arrays import (
-    ArrayBatch,
-    ArraySample,
-    array_batch_problems,
-    batch_arrays,
-    float_array,
-    to_arrays,
-)
+from contracts.arrays import ArrayBatch, array_batch_problems, to_arrays
 from contracts.progress import Progress
 from contracts.wire import TrainingBatch, TrainingSample, sample_problems
 from trainer_core.packing.bins import assign_to_ranks, bin_cost, pack_ffd, split_to_align
-from trainer_core.packing.rows import BufferedSample, MicroBatch, RowFormat, SampleRef
+from trainer_core.packing.buffer import RunBuffer, SampleChunk
+from trainer_core.packing.rows import Member, MicroBatch, RowFormat, SampleRef
 
 __all__ = ["InvalidSampleError", "PackResult", "Packer", "RunPackStats"]
 
@@ -120,10 +111,8 @@ class _RunState:
 
     batch_size: int
     """Samples per optimizer step."""
-    buffer: deque[BufferedSample] = field(default_factory=deque)
+    buffer: RunBuffer = field(default_factory=RunBuffer)
     """Samples waiting, oldest first (batches in the order added, samples in batch order)."""
-    buffered_tokens: int = 0
-    """Sum of ``num_tokens`` over ``buffer``."""
     progress: Progress = field(default_factory=Progress)
     samples_consumed_this_step: int = 0
     """Samples packed towards the current (incomplete) step; always < batch_size between packs."""
@@ -250,8 +239,8 @@ class Packer:
     def add_batch(self, slot: int, batch: TrainingBatch | ArrayBatch, *, batch_id: int, skip: int = 0) -> int:
         """Buffer the samples of ``batch`` from index ``skip`` on; returns how many were buffered.
 
-        ``batch``: the binary form (contracts/arrays.py: what a claim carries; its arrays are read in
-        place) or the list form (converted once). ``skip`` is the number of leading samples already
+        ``batch``: the binary form (contracts/arrays.py: what a claim carries; its arrays are joined
+        once per field and read in place) or the list form (converted once). ``skip`` is the number of leading samples already
         trained (docs/contracts.md, exactly-once: ``max(0, checkpoint total_samples − sample_offset)``).
         A batch with any malformed sample is rejected whole (`InvalidSampleError`, a ValueError naming
         slot, batch and sample) and nothing of it is buffered. A return of 0 means the batch was already
@@ -265,6 +254,7 @@ class Packer:
             raise ValueError(
                 f"slot {slot}, batch {batch_id}: temperature must be finite and > 0, got {temperature}"
             )
+        checked = isinstance(batch, TrainingBatch)
         if isinstance(batch, TrainingBatch):
             for index, sample in enumerate(batch.examples):
                 self._check(slot, batch_id, index, sample)
@@ -272,53 +262,29 @@ class Packer:
                 batch = to_arrays(batch)
             except OverflowError:  # ids travel as int32; only a pool without a vocabulary sees this
                 raise ValueError(f"slot {slot}, batch {batch_id}: a token id does not fit int32") from None
-        else:
-            self._check_arrays(slot, batch_id, batch)
-        kept = batch.examples[skip:]
-        if not kept:
+        if not batch.examples[skip:]:
+            if not checked:
+                self._check_arrays(slot, batch_id, batch)
             return 0
-
-        # One join + frombuffer per field for the whole batch; samples keep views into it.
-        arrays = batch_arrays(kept)
-        mask_all = arrays.completion_mask  # (C_total,)
-        loss_cumsum = np.concatenate(([0], np.cumsum(mask_all)))  # (C_total + 1,)
-        n_prompts = arrays.n_prompt.tolist()
-        token_ends = np.cumsum(arrays.n_prompt + arrays.n_completion).tolist()
-        completion_ends = np.cumsum(arrays.n_completion).tolist()
-        loss_counts = loss_cumsum[[0, *completion_ends]]
-        loss_per_sample = np.diff(loss_counts).tolist()
-
-        now = self._clock()
-        token_at = completion_at = 0
-        buffer = state.buffer
-        for k, s in enumerate(kept):
-            n_prompt = n_prompts[k]
-            c0, c1 = completion_at, completion_ends[k]
-            loss_tokens = loss_per_sample[k]
-            if n_prompt == 0 and mask_all[c0]:
-                loss_tokens -= 1  # the first token of a sample has no in-sample predecessor
-            advantage = s.advantage
-            assert advantage is not None  # checked above
-            buffer.append(
-                BufferedSample(
-                    ids=arrays.ids[token_at : token_ends[k]],
-                    n_prompt=n_prompt,
-                    completion_mask=mask_all[c0:c1],
-                    completion_logprobs=arrays.completion_logprobs[c0:c1],
-                    advantage=float_array(advantage) if isinstance(advantage, bytes) else float(advantage),
-                    teacher_logprobs=None if s.teacher_logprobs is None else float_array(s.teacher_logprobs),
-                    temperature=temperature,
-                    ref=SampleRef(batch_id=batch_id, index=skip + k),
-                    loss_tokens=loss_tokens,
-                    arrived_at=now,
-                    weights=None if s.weights is None else float_array(s.weights),
-                    rewards=_sample_rewards(s, mask_all[c0:c1]),
-                )
+        chunk = SampleChunk.from_arrays(
+            batch.examples,
+            skip=skip,
+            batch_id=batch_id,
+            temperature=temperature,
+            arrived_at=self._clock(),
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+        )
+        if chunk is None:  # a rule is broken: the one wording of the rules names it (raises)
+            self._check_arrays(slot, batch_id, batch)
+            # Only reachable when array_batch_problems stops at a batch-level fault (too many
+            # examples) before the samples: refuse the batch (a ValueError: the worker evicts the run).
+            raise ValueError(
+                f"slot {slot}, batch {batch_id}: a sample breaks a rule of a trainable sample; "
+                "array_batch_problems names no sample (a batch-level fault stopped it)"
             )
-            token_at = token_ends[k]
-            completion_at = c1
-        state.buffered_tokens += token_at
-        return len(kept)
+        state.buffer.append(chunk)
+        return len(chunk)
 
     def _check_arrays(self, slot: int, batch_id: int, batch: ArrayBatch) -> None:
         """`_check` for a binary batch: vectorised over the batch (contracts.arrays)."""
@@ -335,7 +301,7 @@ class Packer:
 
     def buffered_tokens(self) -> int:
         """Tokens waiting in all runs' buffers."""
-        return sum(state.buffered_tokens for state in self._runs.values())
+        return sum(state.buffer.tokens for state in self._runs.values())
 
     def buffered_samples(self, slot: int | None = None) -> int:
         """Samples waiting in one run's buffer, or in all of them."""
@@ -360,7 +326,7 @@ class Packer:
             len(state.buffer) >= state.batch_size - state.samples_consumed_this_step for state in with_work
         ):
             return True
-        heads = [state.buffer[0].arrived_at for state in with_work]
+        heads = [state.buffer.head_arrived_at() for state in with_work]
         waiting_since = max(min(heads), self._last_pack_at)
         return self._clock() - waiting_since >= self.timeout_s
 
@@ -383,29 +349,36 @@ class Packer:
         }
 
         # Slot-ascending flat list: sorting a bin's indices then yields ascending slots.
-        flat = [(slot, item, row) for slot in sorted(selected) for item, row in selected[slot]]
-        bins = pack_ffd([item.num_tokens for _, item, _ in flat], self.seq_len)
+        flat = [(slot, chunk, k, row) for slot in sorted(selected) for (chunk, k), row in selected[slot]]
+        lengths = [chunk.lengths[k] for _, chunk, k, _ in flat]
+        bins = pack_ffd(lengths, self.seq_len)
         if len(bins) > self.dp_world_size:
             # FFD is not monotone: rarely it needs a row more than the first-fit placement that admitted
             # the samples. Keep that placement then (one row per rank is what the budget promised).
             by_row: dict[int, list[int]] = {}
-            for i, (_, _, row) in enumerate(flat):
+            for i, (_, _, _, row) in enumerate(flat):
                 by_row.setdefault(row, []).append(i)
             bins = list(by_row.values())
         # Ranks without a row would run a filler: split the heaviest rows instead (samples whole).
-        bins = split_to_align(
-            bins, [item.num_tokens for _, item, _ in flat], self.dp_world_size, self.attention_cost_weight
-        )
-        rows = [self._rows.build([flat[i][:2] for i in sorted(b)]) for b in bins]
-        return PackResult(micro_batches=self._distribute(rows), runs=runs)
+        bins = split_to_align(bins, lengths, self.dp_world_size, self.attention_cost_weight)
+        members = [[flat[i][:3] for i in sorted(b)] for b in bins]
+        costs = [
+            bin_cost(
+                [lengths[i] for i in b],
+                self._rows.padded_length(sum(lengths[i] for i in b)),
+                self.attention_cost_weight,
+            )
+            for b in bins
+        ]
+        return PackResult(micro_batches=self._distribute(members, costs), runs=runs)
 
-    def _select_round_robin(self) -> dict[int, list[tuple[BufferedSample, int]]]:
+    def _select_round_robin(self) -> dict[int, list[tuple[tuple[SampleChunk, int], int]]]:
         """One sample per turn across runs with work, within each run's step quota and the budget.
 
         The budget is ``dp_world_size`` rows of ``seq_len`` tokens, checked by first-fit placement
         (not just a token sum): a plain ``seq_len × dp_world_size`` token budget routinely needs
         ``dp_world_size + 1`` rows after packing, i.e. a second pass on one rank for a small leftover while
-        the others run fillers. Returns, per slot, (sample, first-fit row) in selection order.
+        the others run fillers. Returns, per slot, ((chunk, index), first-fit row) in selection order.
         """
         slots = sorted(slot for slot, state in self._runs.items() if state.buffer)
         if not slots:
@@ -420,7 +393,7 @@ class Packer:
             for slot in turn_order
         }
         room = [self.seq_len] * self.dp_world_size  # free tokens per row
-        selected: dict[int, list[tuple[BufferedSample, int]]] = {}
+        selected: dict[int, list[tuple[tuple[SampleChunk, int], int]]] = {}
         first_denied: int | None = None
         last_served: int | None = None
         contenders = [slot for slot in turn_order if quota[slot] > 0]
@@ -428,8 +401,7 @@ class Packer:
             still: list[int] = []
             for slot in contenders:
                 state = self._runs[slot]
-                head = state.buffer[0]
-                size = head.num_tokens
+                size = state.buffer.head_length()
                 row = next((r for r, free in enumerate(room) if free >= size), -1)
                 if row < 0:
                     # Out of this pack; it opens the next one so it is not passed over again.
@@ -437,10 +409,8 @@ class Packer:
                         first_denied = slot
                     continue
                 room[row] -= size
-                state.buffer.popleft()
-                state.buffered_tokens -= size
                 taken = selected.setdefault(slot, [])
-                taken.append((head, row))
+                taken.append((state.buffer.pop(), row))
                 last_served = slot
                 if len(taken) < quota[slot]:
                     still.append(slot)
@@ -451,9 +421,9 @@ class Packer:
             self._rr_next = last_served + 1
         return selected
 
-    def _update_run_progress(self, slot: int, items: list[BufferedSample]) -> RunPackStats:
+    def _update_run_progress(self, slot: int, items: list[tuple[SampleChunk, int]]) -> RunPackStats:
         state = self._runs[slot]
-        tokens = sum(item.num_tokens for item in items)
+        tokens = sum(chunk.lengths[k] for chunk, k in items)
         state.progress.total_tokens += tokens
         state.progress.total_samples += len(items)
         state.samples_consumed_this_step += len(items)
@@ -466,19 +436,19 @@ class Packer:
         return RunPackStats(
             samples=len(items),
             tokens=tokens,
-            loss_tokens=sum(item.loss_tokens for item in items),
+            loss_tokens=sum(chunk.loss_tokens[k] for chunk, k in items),
             step_completed=completed,
             step=state.progress.step,
-            consumed=[item.ref for item in items],
+            consumed=[SampleRef(batch_id=chunk.batch_id, index=chunk.first_index + k) for chunk, k in items],
         )
 
-    def _distribute(self, rows: list[MicroBatch]) -> list[list[MicroBatch]]:
-        """Rows to ranks by `assign_to_ranks` on `bin_cost`, then fillers so every rank has as many."""
-        costs = [
-            bin_cost(row.seq_lens[: row.num_samples], row.num_tokens, self.attention_cost_weight)
-            for row in rows
+    def _distribute(self, rows: list[list[Member]], costs: list[float]) -> list[list[MicroBatch]]:
+        """Rows to ranks by `assign_to_ranks` on their `bin_cost`, then fillers so every rank has as
+        many."""
+        grid = [
+            [self._rows.build(rows[i]) for i in assigned]
+            for assigned in assign_to_ranks(costs, self.dp_world_size)
         ]
-        grid = [[rows[i] for i in assigned] for assigned in assign_to_ranks(costs, self.dp_world_size)]
         depth = max(len(g) for g in grid)
         for g in grid:
             g.extend(self._rows.filler() for _ in range(depth - len(g)))
@@ -500,16 +470,3 @@ class Packer:
             return self._runs[slot]
         except KeyError:
             raise ValueError(f"slot {slot} has no run") from None
-
-
-def _sample_rewards(sample: ArraySample, completion_mask: np.ndarray) -> np.ndarray | None:
-    """(C,) float32 rewards for GAE: `token_rewards`, else `reward` on the last loss-carrying completion
-    token (the last completion token when none carries loss), else None."""
-    if sample.token_rewards is not None:
-        return float_array(sample.token_rewards)
-    if sample.reward is None or not len(completion_mask):
-        return None
-    out = np.zeros(len(completion_mask), dtype=np.float32)
-    carrying = np.flatnonzero(completion_mask)
-    out[int(carrying[-1]) if carrying.size else -1] = sample.reward
-    return out

@@ -12,12 +12,14 @@ pad_to_multiple_of, seq_len)``: never above ``seq_len``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-__all__ = ["BufferedSample", "MicroBatch", "RowFormat", "SampleRef"]
+from trainer_core.packing.buffer import SampleChunk
+
+__all__ = ["Member", "MicroBatch", "RowFormat", "SampleRef"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,193 +85,167 @@ class MicroBatch:
         return len(self.seq_lens) - int(self.sample_ids[-1].item() < 0)
 
 
-@dataclass(slots=True)
-class BufferedSample:
-    """One buffered sample, already as arrays: converted once per batch at arrival (list → array is the
-    per-token cost; doing it in `Packer.add_batch` keeps `Packer.pack` to copies, and arrays hold a
-    token in 1–8 bytes where a Python list holds ~32)."""
-
-    ids: np.ndarray
-    """(n,) int64: prompt then completion token ids."""
-    n_prompt: int
-    completion_mask: np.ndarray
-    """(C,) bool."""
-    completion_logprobs: np.ndarray
-    """(C,) float32."""
-    advantage: float | np.ndarray
-    """A scalar, or (C,) float32."""
-    teacher_logprobs: np.ndarray | None
-    """(C,) float32, or None."""
-    temperature: float
-    """The sampling temperature of the sample's batch."""
-    ref: SampleRef
-    loss_tokens: int
-    """Tokens that will carry loss in a row (completion_mask, minus a sample-initial token)."""
-    arrived_at: float
-    """Packer clock when its batch was added (for the timeout)."""
-    weights: np.ndarray | None = None
-    """(C,) float32 per-token loss weights (the sample's `weights`), or None."""
-    rewards: np.ndarray | None = None
-    """(C,) float32 per-token rewards (`token_rewards`, or `reward` placed on the last loss token), or None."""
-
-    @property
-    def num_tokens(self) -> int:
-        return self.ids.shape[0]
-
-
-@dataclass
-class RowLayout:
-    """Per-token layout of one row, derived from per-sample lengths."""
-
-    seq_lens: list[int]
-    """Sample lengths, then the padding length if any."""
-    lens: np.ndarray
-    """(S+1,) int64: the samples' lengths, then the padding's (possibly 0)."""
-    starts: np.ndarray
-    """(S,) int64: the first token of each real sample."""
-    positions: np.ndarray
-    """(L,) int64: position inside the token's segment."""
-    sample_ids: np.ndarray
-    """(L,) int64: sample index, -1 on padding."""
-    token_slots: np.ndarray
-    """(L,) int64."""
-    temperatures: np.ndarray
-    """(L,) float32."""
-
-
-def _scatter(is_completion: np.ndarray, values: list[np.ndarray]) -> np.ndarray:
-    """(L,) float32: the samples' completion ``values`` on the completion tokens in order, 0 elsewhere."""
-    out = np.zeros(is_completion.shape[0], dtype=np.float32)
-    out[is_completion] = np.concatenate(values)
-    return out
+Member = tuple[int, SampleChunk, int]
+"""One sample of a row: (slot, its buffered chunk, its index in the chunk)."""
 
 
 @dataclass(frozen=True)
 class RowFormat:
-    """How rows of one pool are laid out; builds rows from buffered samples, and fillers."""
+    """How rows of one pool are laid out; builds rows from buffered samples, and fillers.
+
+    A row's every field is built by one ``np.concatenate`` of slices of the chunks' flat arrays (and
+    of constant zero / ``arange`` arrays for prompts, positions and padding) or one ``np.repeat`` of
+    per-segment values: memcpy-speed work per token, a few slices per sample, nothing per token in
+    Python.
+    """
 
     n_slots: int
     """``slot_token_counts`` has this length."""
     seq_len: int
     pad_to_multiple_of: int
     pad_token_id: int
+    _arange: np.ndarray = field(init=False, repr=False, compare=False)
+    _zeros_f32: np.ndarray = field(init=False, repr=False, compare=False)
+    _zeros_bool: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Read-only sources of the constant segments (np.concatenate copies them into each row).
+        object.__setattr__(self, "_arange", np.arange(self.seq_len, dtype=np.int64))
+        object.__setattr__(self, "_zeros_f32", np.zeros(self.seq_len, dtype=np.float32))
+        object.__setattr__(self, "_zeros_bool", np.zeros(self.seq_len, dtype=np.bool_))
 
     def padded_length(self, length: int) -> int:
         """``length`` rounded up to ``pad_to_multiple_of``, never above ``seq_len``."""
         m = self.pad_to_multiple_of
         return min(-(-length // m) * m, self.seq_len)
 
-    def build(self, members: list[tuple[int, BufferedSample]]) -> MicroBatch:
-        """Lay out one bin (members in ascending slot order) as a padded row: array copies and
-        vectorised index arithmetic, no per-token Python."""
-        seq_lens = [item.num_tokens for _, item in members]
-        used = sum(seq_lens)
+    def build(self, members: list[Member]) -> MicroBatch:
+        """Lay out one bin (members in ascending slot order) as a padded row."""
+        zeros_f32, zeros_bool = self._zeros_f32, self._zeros_bool
+        seq_lens: list[int] = []
+        ids: list[np.ndarray] = []
+        loss: list[np.ndarray] = []
+        logprobs: list[np.ndarray] = []
+        advantages: list[float] = []  # per segment: 0 on a prompt, the advantage on a completion
+        segment_lens: list[int] = []  # prompt, completion, prompt, completion, ..., padding
+        empty_prompt_starts: list[int] = []
+        plain = True  # no member has per-token advantages, teacher logprobs, weights or rewards
+        used = 0
+        for _, chunk, k in members:
+            t0, t1, c0, c1, n_prompt = chunk.spans[k]
+            seq_lens.append(t1 - t0)
+            segment_lens += (n_prompt, c1 - c0)
+            ids.append(chunk.ids[t0:t1])
+            loss += (zeros_bool[:n_prompt], chunk.completion_mask[c0:c1])
+            logprobs += (zeros_f32[:n_prompt], chunk.logprobs[c0:c1])
+            if chunk.plain:
+                advantages += (0.0, chunk.advantage_scalars[k])  # type: ignore[index]
+            else:
+                plain = False
+            if not n_prompt:
+                empty_prompt_starts.append(used)
+            used += t1 - t0
         length = self.padded_length(used)
         pad = length - used
-        layout = self._layout(
-            seq_lens,
-            [slot for slot, _ in members],
-            [item.temperature for _, item in members],
-            pad=pad,
-            pad_slot=members[-1][0],
-        )
-        input_ids = np.full(length, self.pad_token_id, dtype=np.int64)  # (L,)
-        input_ids[:used] = np.concatenate([item.ids for _, item in members])
-        # Completion tokens: a token is one when its position in its sample is past the prompt.
-        prompt_lens = [item.n_prompt for _, item in members] + [length]  # padding: never completion
-        is_completion = layout.positions >= np.repeat(
-            np.asarray(prompt_lens, dtype=np.int64), layout.lens
-        )  # (L,)
-        loss_mask = np.zeros(length, dtype=np.bool_)
-        loss_mask[is_completion] = np.concatenate([item.completion_mask for _, item in members])
-        loss_mask[layout.starts] = False  # a sample's first token has no in-sample predecessor
-        completion_lens = [item.completion_mask.shape[0] for _, item in members]
-        if all(isinstance(item.advantage, float) for _, item in members):  # the usual case: one call
-            advantages = [
-                np.repeat(np.asarray([item.advantage for _, item in members], np.float32), completion_lens)
-            ]
+        segment_lens.append(pad)
+        loss.append(zeros_bool[:pad])
+        logprobs.append(zeros_f32[:pad])
+
+        input_ids = np.empty(length, dtype=np.int64)  # (L,)
+        np.concatenate(ids, out=input_ids[:used])
+        input_ids[used:] = self.pad_token_id
+        loss_mask = np.concatenate(loss)
+        # A sample's first token has no in-sample predecessor: no loss even when it is a completion token.
+        loss_mask[empty_prompt_starts] = False
+        all_lens = seq_lens + [pad]  # the padding is a final (possibly empty) segment
+        slots = [slot for slot, _, _ in members]
+        counts = [0] * self.n_slots
+        for slot, n in zip(slots, seq_lens, strict=True):
+            counts[slot] += n
+        counts[slots[-1]] += pad  # padding counts in the last slot present
+        sample_index = list(range(len(members)))
+        sample_index.append(-1)  # padding
+        if plain:
+            advantages.append(0.0)
+            row_advantages = np.repeat(np.asarray(advantages, dtype=np.float32), segment_lens)
         else:
-            advantages = [
-                item.advantage
-                if isinstance(item.advantage, np.ndarray)
-                else np.full(n, item.advantage, np.float32)
-                for (_, item), n in zip(members, completion_lens, strict=True)
-            ]
-        teacher = None
-        if any(item.teacher_logprobs is not None for _, item in members):
-            teacher = [
-                item.teacher_logprobs if item.teacher_logprobs is not None else np.zeros(n, np.float32)
-                for (_, item), n in zip(members, completion_lens, strict=True)
-            ]
-        logprobs = [item.completion_logprobs for _, item in members]
-        weights = rewards = None
-        if any(item.weights is not None for _, item in members):
-            weights = [
-                item.weights if item.weights is not None else item.completion_mask.astype(np.float32)
-                for _, item in members
-            ]
-        if any(item.rewards is not None for _, item in members):
-            rewards = [
-                item.rewards if item.rewards is not None else np.zeros(n, np.float32)
-                for (_, item), n in zip(members, completion_lens, strict=True)
-            ]
+            row_advantages = self._advantages(members, pad)
         return MicroBatch(
             input_ids=torch.from_numpy(input_ids),
-            position_ids=torch.from_numpy(layout.positions),
+            position_ids=torch.from_numpy(np.concatenate([self._arange[:n] for n in all_lens])),
             loss_mask=torch.from_numpy(loss_mask),
-            advantages=torch.from_numpy(_scatter(is_completion, advantages)),
-            inference_logprobs=torch.from_numpy(_scatter(is_completion, logprobs)),
-            temperatures=torch.from_numpy(layout.temperatures),
-            teacher_logprobs=torch.from_numpy(_scatter(is_completion, teacher))
-            if teacher is not None
-            else None,
-            token_slots=torch.from_numpy(layout.token_slots),
-            sample_ids=torch.from_numpy(layout.sample_ids),
-            seq_lens=layout.seq_lens,
-            slot_token_counts=torch.from_numpy(np.bincount(layout.token_slots, minlength=self.n_slots)),
+            advantages=torch.from_numpy(row_advantages),
+            inference_logprobs=torch.from_numpy(np.concatenate(logprobs)),
+            temperatures=torch.from_numpy(
+                np.repeat(np.asarray([c.temperature for _, c, _ in members] + [1.0], np.float32), all_lens)
+            ),
+            teacher_logprobs=None if plain else self._optional(members, pad, "teacher", "has_teacher"),
+            token_slots=torch.from_numpy(np.repeat(np.asarray(slots + slots[-1:], np.int64), all_lens)),
+            sample_ids=torch.from_numpy(np.repeat(np.asarray(sample_index, np.int64), all_lens)),
+            seq_lens=seq_lens + [pad] if pad else seq_lens,
+            slot_token_counts=torch.from_numpy(np.asarray(counts, dtype=np.int64)),
             is_filler=False,
-            weights=torch.from_numpy(_scatter(is_completion, weights)) if weights is not None else None,
-            rewards=torch.from_numpy(_scatter(is_completion, rewards)) if rewards is not None else None,
+            weights=None
+            if plain
+            else self._optional(members, pad, "weights", "has_weights", default_to_mask=True),
+            rewards=None if plain else self._optional(members, pad, "rewards", "has_rewards"),
         )
 
-    def _layout(
-        self, sample_lens: list[int], slots: list[int], temperatures: list[float], *, pad: int, pad_slot: int
-    ) -> RowLayout:
-        """Per-token layout arrays from per-sample lengths (the padding pseudo-sequence appended)."""
-        seq_lens = sample_lens + [pad] if pad else list(sample_lens)
-        lens = np.asarray(
-            seq_lens + ([] if pad else [0]), dtype=np.int64
-        )  # (S+1,): a 0-length tail if no pad
-        ends = np.cumsum(lens)
-        starts = ends - lens  # (S+1,)
-        length = int(ends[-1])
-        n = len(sample_lens)
-        return RowLayout(
-            seq_lens=seq_lens,
-            lens=lens,
-            starts=starts[:n],
-            positions=np.arange(length, dtype=np.int64) - np.repeat(starts, lens),
-            sample_ids=np.repeat(np.append(np.arange(n, dtype=np.int64), -1), lens),
-            token_slots=np.repeat(np.asarray(slots + [pad_slot], dtype=np.int64), lens),
-            temperatures=np.repeat(np.asarray(temperatures + [1.0], dtype=np.float32), lens),
-        )
+    def _advantages(self, members: list[Member], pad: int) -> np.ndarray:
+        """(L,) float32: each sample's advantage on its completion tokens, 0 elsewhere."""
+        zeros_f32 = self._zeros_f32
+        pieces: list[np.ndarray] = []
+        for _, chunk, k in members:
+            _, _, c0, c1, n_prompt = chunk.spans[k]
+            pieces.append(zeros_f32[:n_prompt])
+            if chunk.advantage_tokens is not None:
+                pieces.append(chunk.advantage_tokens[c0:c1])
+            else:
+                assert chunk.advantage_scalars is not None
+                pieces.append(np.full(c1 - c0, chunk.advantage_scalars[k], np.float32))
+        pieces.append(zeros_f32[:pad])
+        return np.concatenate(pieces)
+
+    def _optional(
+        self, members: list[Member], pad: int, values: str, flags: str, *, default_to_mask: bool = False
+    ) -> torch.Tensor | None:
+        """(L,) float32 of an optional per-completion-token field on completion tokens, or None when no
+        member has it. Members without it give 0, or with ``default_to_mask`` their completion mask
+        as 0/1 (the implicit loss weights)."""
+        if not any((f := getattr(chunk, flags)) is not None and f[k] for _, chunk, k in members):
+            return None
+        zeros_f32 = self._zeros_f32
+        pieces: list[np.ndarray] = []
+        for _, chunk, k in members:
+            _, _, c0, c1, n_prompt = chunk.spans[k]
+            pieces.append(zeros_f32[:n_prompt])
+            source = getattr(chunk, values)
+            if source is not None:
+                pieces.append(source[c0:c1])
+            elif default_to_mask:
+                pieces.append(chunk.completion_mask[c0:c1])
+            else:
+                pieces.append(zeros_f32[: c1 - c0])
+        pieces.append(zeros_f32[:pad])
+        return torch.from_numpy(np.concatenate(pieces, dtype=np.float32))
 
     def filler(self) -> MicroBatch:
         """A minimal row of padding (no samples, no loss) that keeps a rank's pass count in step."""
         length = self.padded_length(1)
-        layout = self._layout([], [], [], pad=length, pad_slot=0)
         zeros = torch.zeros(length, dtype=torch.float32)
+        counts = torch.zeros(self.n_slots, dtype=torch.long)
+        counts[0] = length  # an empty row's padding counts in slot 0
         return MicroBatch(
             input_ids=torch.full((length,), self.pad_token_id, dtype=torch.long),
-            position_ids=torch.from_numpy(layout.positions),
+            position_ids=torch.arange(length, dtype=torch.long),
             loss_mask=torch.zeros(length, dtype=torch.bool),
             advantages=zeros,
             inference_logprobs=zeros.clone(),
-            temperatures=torch.from_numpy(layout.temperatures),
+            temperatures=torch.ones(length, dtype=torch.float32),
             teacher_logprobs=None,
-            token_slots=torch.from_numpy(layout.token_slots),
-            sample_ids=torch.from_numpy(layout.sample_ids),
-            seq_lens=layout.seq_lens,
-            slot_token_counts=torch.from_numpy(np.bincount(layout.token_slots, minlength=self.n_slots)),
+            token_slots=torch.zeros(length, dtype=torch.long),
+            sample_ids=torch.full((length,), -1, dtype=torch.long),
+            seq_lens=[length],
+            slot_token_counts=counts,
             is_filler=True,
         )
