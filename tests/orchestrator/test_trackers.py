@@ -11,7 +11,7 @@ from orchestrator.models import Aggregate, StepMetrics
 from orchestrator.trackers import TensorBoardLogger, WandbLogger
 from tests.orchestrator.fakes import FakeLoopClient, ScriptedSampler
 from tests.orchestrator.test_loop import loop_config, make_engine, varied
-from tests.orchestrator.wandb_records import history
+from tests.orchestrator.wandb_records import history, wait_until_written
 
 LOSSES = {1: 0.9, 2: 0.6, 3: 0.4}
 
@@ -72,6 +72,7 @@ async def test_wandb_offline_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert len(runs) == 1, os.listdir(tmp_path / "wb" / "wandb")
     files = list(runs[0].glob("run-*.wandb"))  # the run's records, as `wandb sync` uploads them
     assert len(files) == 1
+    wait_until_written(files[0])
     rows = history(files[0])
     loss = [(r["step"], r[f"train/{run_id}/loss"]) for r in rows if f"train/{run_id}/loss" in r]
     assert loss == list(LOSSES.items())

@@ -4,6 +4,7 @@ chunks each with a 7-byte header), then each record as wandb's own protobuf `Rec
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +50,22 @@ def history(path: Path) -> list[dict[str, Any]]:
                 {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
             )
     return rows
+
+
+def record_types(path: Path) -> list[str]:
+    types = []
+    for raw in _chunks(path.read_bytes()):
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
+        record.ParseFromString(raw)
+        types.append(str(record.WhichOneof("record_type")))
+    return types
+
+
+def wait_until_written(path: Path, timeout_s: float = 60.0) -> None:
+    """Wait for the run's `exit` record: `run.finish()` can return before wandb's writer process has
+    flushed the file (seen under load: the history rows landed a moment after finish returned)."""
+    deadline = time.monotonic() + timeout_s
+    while "exit" not in record_types(path):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} has no exit record after {timeout_s} s: {record_types(path)}")
+        time.sleep(0.05)
