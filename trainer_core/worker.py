@@ -408,8 +408,14 @@ class PoolTrainer:
         why = f" ({run.leaving})" if run.leaving else ""
         log.info("rank %d: run %s left slot %d%s", self.world.rank, run.run_id, slot, why)
 
+    def _pool_lost(self, m: _Master) -> bool:
+        """Master: the service no longer knows this pool (its heartbeat, or a Tinker claim or report,
+        was answered pool_dead / pool_stopped): training on would duplicate work handed to another."""
+        return m.source.lost or (self.manual is not None and self.manual.lost)
+
     def _sync_slots(self) -> None:
-        if self.master:
+        # A lost pool asks nothing more (the service would refuse it); the loop stops at the plan.
+        if self.master and not self._pool_lost(self.master):
             self.runs.discover_runs()
         changes = self.runs.synchronize_state()
         for slot, _ in changes.released:
@@ -485,7 +491,7 @@ class PoolTrainer:
 
     def _plan(self, m: _Master) -> Plan:
         """Master: claim batches, pack if ready."""
-        if self.stop_requested or m.source.lost:
+        if self.stop_requested or self._pool_lost(m):
             return Plan("stop")
         # Claim only while the buffer is short of a few packs: what sits in memory is leased, and a
         # flood of batches from one run must stay in the source's queue, not in this process.
