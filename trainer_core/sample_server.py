@@ -8,6 +8,11 @@ one `trainer_core.sampling.generate` call for all of them.
                                slots (their weights, gradients and optimizers) are never touched
     the base model             no adapter (`SamplingSpec.step` None)
 
+The kept copies go when the run leaves the pool (`remove_sampler_weights`, from the worker's
+`release_slot`): a run leaves only for good (evicted, completed, failed, deleted), and the service
+takes no sample request for such a run and fails the ones pending, so nothing reads them again.
+Its checkpoints and saved states stay: another model may still `load_weights` a saved state.
+
 Stop strings need the base model's text: its tokenizer is loaded once, on the first request that
 has stop strings (the built-in model's character tokenizer, or the model directory's / hub id's
 `AutoTokenizer`, offline from the local cache).
@@ -35,7 +40,13 @@ from trainer_core.slots import RunSlot
 
 log = logging.getLogger("loraloom.worker")
 
-__all__ = ["SampleServer", "load_text_decoder", "save_sampler_weights", "sampler_weights_dir"]
+__all__ = [
+    "SampleServer",
+    "load_text_decoder",
+    "remove_sampler_weights",
+    "save_sampler_weights",
+    "sampler_weights_dir",
+]
 
 ADAPTER_FILE = "adapter.safetensors"
 CONFIG_FILE = "lora.json"
@@ -43,6 +54,14 @@ CONFIG_FILE = "lora.json"
 
 def sampler_weights_dir(checkpoint_dir: Path, run_id: str, step: int) -> Path:
     return checkpoint_dir / run_id / "sampler_weights" / f"step_{step}"
+
+
+def remove_sampler_weights(checkpoint_dir: Path, run_id: str) -> None:
+    """Forget every copy kept for the run's sampling clients (the run has left the pool)."""
+    root = checkpoint_dir / run_id / "sampler_weights"
+    if root.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        log.info("run %s: the sampler weights kept for its sampling clients removed", run_id)
 
 
 def save_sampler_weights(checkpoint_dir: Path, run: RunSlot, lora: MultiLoRA) -> None:

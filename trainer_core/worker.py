@@ -68,7 +68,7 @@ from trainer_core.pause_point import pause_before_publish
 from trainer_core.publish import Publisher, restore_manual_boundary, restore_slot
 from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
-from trainer_core.sample_server import load_text_decoder
+from trainer_core.sample_server import load_text_decoder, remove_sampler_weights
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.settings import WorkerSettings, flag_name
 from trainer_core.slots import RunSlot
@@ -405,6 +405,9 @@ class PoolTrainer:
         if self.master:
             self.master.packer.remove_run(slot)
             self.master.source.release_run(run.run_id)
+            if run.config.mode == "manual":
+                # Only the master keeps them; a run leaves for good, so no sampler reads them again.
+                remove_sampler_weights(self.args.checkpoint_home, run.run_id)
         why = f" ({run.leaving})" if run.leaving else ""
         log.info("rank %d: run %s left slot %d%s", self.world.rank, run.run_id, slot, why)
 

@@ -5,7 +5,9 @@ and a real pool (in a thread of this process, tests.e2e.test_tinker_pool.running
   restart with the weights it really holds, not those of the higher-numbered checkpoints of the
   history it left;
 - a pool the service declared dead that learns it from a Tinker claim or report (not from its
-  heartbeat) stops cleanly, dropping its Tinker state; a new pool serves its requests.
+  heartbeat) stops cleanly, dropping its Tinker state; a new pool serves its requests;
+- the copies of sampler weights the pool keeps for a run's sampling clients go when the run is
+  deleted (the pool's checkpoint directory is its own here, not the service's data directory).
 """
 
 import logging
@@ -28,7 +30,7 @@ from app.pools.service import declare_dead_pools
 from contracts.pool_api import PoolHeartbeatOut
 from contracts.tinker_work import ManualResult, ManualWorkItem
 from tests.common import WORKER_TOKEN
-from tests.e2e.helpers import MODEL_CACHE
+from tests.e2e.helpers import MODEL_CACHE, wait_for
 from tests.e2e.test_tinker_pool import BASE_MODEL, _data, _key, _train, running_pool
 from trainer_core.dist import World
 from trainer_core.http_source import HttpRunSource
@@ -194,6 +196,38 @@ def test_a_pool_declared_dead_stops_its_tinker_work_cleanly_and_a_new_pool_serve
             result = pending.result(timeout=60)
             assert len(result.loss_fn_outputs) == len(data)
             training.optim_step(tinker.types.AdamParams(learning_rate=2e-2)).result(timeout=60)
+    finally:
+        service.close("success").result()
+        http.close()
+
+
+def test_the_sampler_weights_kept_for_a_run_go_when_it_is_deleted(live_service, tmp_path):
+    key, http = _key(live_service, "tinker-sampler-cleanup")
+    data = _data()
+    service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
+    try:
+        with running_pool(live_service.url, tmp_path):
+            kept, other = [
+                service.create_lora_training_client(
+                    BASE_MODEL, rank=4, seed=seed, train_unembed=False, train_mlp=False
+                ).result()
+                for seed in (1, 2)
+            ]
+            for training in (kept, other):
+                _train(training, data, steps=1)
+                training.save_weights_for_sampler("s1").result()
+            runs = {r["config"]["seed"]: r["id"] for r in http.get("/v1/runs").json()["items"]}
+            copies = {seed: tmp_path / "ckpt" / run_id / "sampler_weights" for seed, run_id in runs.items()}
+            assert (copies[1] / "step_1").is_dir() and (copies[2] / "step_1").is_dir()
+
+            assert http.delete(f"/v1/runs/{runs[2]}").status_code in (200, 204)
+            wait_for(
+                lambda: not copies[2].exists(), timeout=30, what="the deleted run's sampler weights removed"
+            )
+            assert (copies[1] / "step_1").is_dir()  # another run's stay
+            assert (
+                tmp_path / "ckpt" / runs[2] / "checkpoints"
+            ).is_dir()  # checkpoints are not sampler copies
     finally:
         service.close("success").result()
         http.close()
