@@ -53,6 +53,7 @@ from contracts.http import ApiError
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_core.dist import World, all_reduce_grads_, broadcast_from_master, gather_to_master
+from trainer_core.external_sampler import ExternalSampler
 from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
@@ -135,6 +136,9 @@ class ManualExecutor:
     """Rows that held the tokens of more than one run: requests of several tenants in one pass."""
     text_decoder: Callable[[], TextDecoder] | None = None
     """Loads the base model's tokenizer, for stop strings (trainer_core.sample_server)."""
+    external_sampler: ExternalSampler | None = None
+    """Serves `sample` instead of the pool's own layers (WorkerSettings.sampler_url); the sampler
+    weights kept at `save_weights_for_sampler` are then also written as PEFT adapters for it."""
     lost: bool = False
     """Master: the service answered that it no longer knows this pool (POOL_GONE_CODES); nothing is
     claimed or reported from then on, and the worker loop stops the pool."""
@@ -182,7 +186,7 @@ class ManualExecutor:
         # Sampling needs no collective: the master decodes every sequence alone (slot None: the
         # base model's). Everything else belongs to an admitted run, so has its slot.
         sampled = (
-            self.samples.serve(model, lora, [w for w in round_.work if w[1].kind == "sample"], slots)
+            self._sample([w for w in round_.work if w[1].kind == "sample"], model, lora, slots)
             if master
             else {}
         )
@@ -207,6 +211,17 @@ class ManualExecutor:
             self._report(stepped)
         # Only released items: nothing ran, so the loop may sleep as when idle.
         return bool(round_.work) or round_.answered
+
+    def _sample(
+        self,
+        work: Sequence[tuple[int, ManualWorkItem, int | None]],
+        model: nn.Module,
+        lora: MultiLoRA,
+        slots: Mapping[int, RunSlot],
+    ) -> dict[int, ManualResult]:
+        if self.external_sampler is not None:
+            return self.external_sampler.serve(work)
+        return self.samples.serve(model, lora, work, slots)
 
     def _claim(self, client: ManualWorkClient) -> list[ManualWorkItem]:
         if self.lost:
@@ -261,7 +276,8 @@ class ManualExecutor:
         if item.kind == "save_weights_for_sampler":
             if self.client is None:
                 return ManualResult(request_id=item.request_id)  # not reported: the master keeps the copy
-            return _saved(item, run, lora, self.checkpoint_dir)
+            peft_base_model = None if self.external_sampler is None else self.external_sampler.base_model
+            return _saved(item, run, lora, self.checkpoint_dir, peft_base_model)
         if item.kind == "save_weights":
             if self.client is None:
                 return ManualResult(request_id=item.request_id)  # not reported: the master saves
@@ -464,12 +480,14 @@ def _in_checkpoint(item: ManualWorkItem, run: RunSlot) -> ManualResult | None:
     )
 
 
-def _saved(item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, checkpoint_dir: Path) -> ManualResult:
+def _saved(
+    item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, checkpoint_dir: Path, peft_base_model: str | None
+) -> ManualResult:
     """The run's adapter was published at its last optim_step: name that step, and keep a copy on
     the pool so that sampling clients of this step still sample it after the run trains on."""
     if run.progress.step == 0:
         return _failed(item, "no optim_step yet: there are no trained weights to save")
-    save_sampler_weights(checkpoint_dir, run, lora)
+    save_sampler_weights(checkpoint_dir, run, lora, peft_base_model=peft_base_model)
     return ManualResult(request_id=item.request_id, metrics={"step": run.progress.step})
 
 

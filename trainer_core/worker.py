@@ -56,6 +56,7 @@ from trainer_core.dist import (
     pick_device,
     scatter_from_master,
 )
+from trainer_core.external_sampler import ExternalSampler
 from trainer_core.http_source import HttpRunSource
 from trainer_core.init_from import load_initial_weights, module_shapes
 from trainer_core.ledger import RunLedger
@@ -111,6 +112,8 @@ class WorkerArgs:
     """Stop after this long with no active run and nothing buffered (tests, benchmarks)."""
     heartbeat_file: Path | None = None
     """Touched after every accepted heartbeat (the container healthcheck reads its age)."""
+    sampler_url: str | None = None
+    """Tinker `sample` served by this OpenAI-compatible server (trainer_core.external_sampler)."""
 
     @classmethod
     def from_settings(cls, s: WorkerSettings) -> "WorkerArgs":
@@ -133,6 +136,7 @@ class WorkerArgs:
             attention=s.attention,
             exit_when_idle_s=s.exit_when_idle,
             heartbeat_file=s.heartbeat_file,
+            sampler_url=s.sampler_url,
         )
 
     @property
@@ -279,6 +283,9 @@ class PoolTrainer:
                 checkpoint_dir=args.checkpoint_home,
                 world=world,
                 text_decoder=partial(load_text_decoder, args.base_model, args.model_cache_dir),
+                external_sampler=None
+                if args.sampler_url is None
+                else ExternalSampler(args.sampler_url, args.checkpoint_home, args.base_model),
             )
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
@@ -600,6 +607,8 @@ class PoolTrainer:
     def close(self) -> None:
         if self.master:
             self.master.source.close()
+        if self.manual is not None and self.manual.external_sampler is not None:
+            self.manual.external_sampler.close()
 
 
 def main(argv: list[str] | None = None) -> None:

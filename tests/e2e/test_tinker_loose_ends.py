@@ -7,13 +7,15 @@ and a real pool (in a thread of this process, tests.e2e.test_tinker_pool.running
 - a pool the service declared dead that learns it from a Tinker claim or report (not from its
   heartbeat) stops cleanly, dropping its Tinker state; a new pool serves its requests;
 - the copies of sampler weights the pool keeps for a run's sampling clients go when the run is
-  deleted (the pool's checkpoint directory is its own here, not the service's data directory).
+  deleted (the pool's checkpoint directory is its own here, not the service's data directory);
+- with `sampler_url`, `sample` is served by an external OpenAI-compatible server (a fake vLLM).
 """
 
 import logging
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,7 @@ from contracts.tinker_work import ManualResult, ManualWorkItem
 from tests.common import WORKER_TOKEN
 from tests.e2e.helpers import MODEL_CACHE, wait_for
 from tests.e2e.test_tinker_pool import BASE_MODEL, _data, _key, _train, running_pool
+from tests.trainer_core.test_external_sampler import serving_fake_vllm
 from trainer_core.dist import World
 from trainer_core.http_source import HttpRunSource
 from trainer_core.service_client import PoolServiceClient
@@ -228,6 +231,35 @@ def test_the_sampler_weights_kept_for_a_run_go_when_it_is_deleted(live_service, 
             assert (
                 tmp_path / "ckpt" / runs[2] / "checkpoints"
             ).is_dir()  # checkpoints are not sampler copies
+    finally:
+        service.close("success").result()
+        http.close()
+
+
+def test_with_a_sampler_url_the_sdks_samples_come_from_the_external_server(live_service, tmp_path):
+    key, http = _key(live_service, "tinker-external-sampler")
+    service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
+    try:
+        with serving_fake_vllm() as (url, fake), running_pool(live_service.url, tmp_path, sampler_url=url):
+            training = service.create_lora_training_client(
+                BASE_MODEL, rank=4, seed=4, train_unembed=False, train_mlp=False
+            ).result()
+            _train(training, _data(), steps=1)
+            path = training.save_weights_for_sampler("s1").result().path
+            sampler = service.create_sampling_client(model_path=path).result()
+            prompt = tinker.types.ModelInput.from_ints([5, 6, 7])
+            params = tinker.types.SamplingParams(max_tokens=3, temperature=0.5, seed=2)
+            out = sampler.sample(prompt=prompt, num_samples=2, sampling_params=params).result(timeout=60)
+            # The fake's answer (prompt[-1] + 1, ...; logprob -0.25), with the run's adapter loaded.
+            assert [list(s.tokens) for s in out.sequences] == [[8, 9, 10], [9, 10, 11]]
+            assert all(list(s.logprobs or []) == [-0.25] * 3 for s in out.sequences)
+            assert len(fake.loads) == 1 and Path(fake.loads[0]["lora_path"]).parts[-3:] == (
+                "sampler_weights",
+                "step_1",
+                "peft",
+            )
+            assert fake.completions[0]["model"] == fake.loads[0]["lora_name"]
+            assert fake.completions[0]["seed"] == 2 and fake.completions[0]["temperature"] == 0.5
     finally:
         service.close("success").result()
         http.close()
