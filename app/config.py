@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     """How long the sweeper keeps a done Tinker future (its result, for retrieve_future); after that
     retrieve_future answers 404. The records of models and saved weights are kept regardless."""
 
+    tinker_base_sample_wait_seconds: float = Field(default=600.0, gt=0)
+    """How long a base-model `sample` request waits for a pool of its base model to claim it; the
+    sweeper fails it after that (a live pool claims one within about a second)."""
+
     metrics_token: SecretStr | None = None
     """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""
 

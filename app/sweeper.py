@@ -1,7 +1,8 @@
-"""Background sweeper: lease expiry, pool liveness, run heartbeats, done Tinker futures.
+"""Background sweeper: lease expiry, pool liveness, run heartbeats, Tinker futures that can no
+longer be served (failed), done Tinker futures (purged).
 
 Each sweep runs in a worker thread (the database calls block) with its own sessions; each
-of its four jobs commits on its own, so one failing never holds back the others, and no
+of its jobs commits on its own, so one failing never holds back the others, and no
 failure ever stops the loop.
 """
 
@@ -20,7 +21,7 @@ from app.config import Settings
 from app.db import utcnow
 from app.pools.service import declare_dead_pools
 from app.runs.service import evict_silent_runs
-from app.tinker.leases import purge_done_futures
+from app.tinker.leases import fail_unclaimed_base_samples, fail_work_of_left_runs, purge_done_futures
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,9 @@ class SweepResult:
     """Pools declared dead (their batches returned to pending)."""
     evicted_runs: list[str] = field(default_factory=list)
     """Runs evicted because their orchestrator stopped heartbeating."""
+    failed_futures: int = 0
+    """Pending or running Tinker futures failed: their run has left, or (base-model samples) no pool
+    claimed them within settings.tinker_base_sample_wait_seconds."""
     purged_futures: int = 0
     """Done Tinker futures older than settings.tinker_future_ttl_seconds, deleted."""
     errors: list[str] = field(default_factory=list)
@@ -59,7 +63,8 @@ def sweep_once(
     factory: sessionmaker[Session], *, settings: Settings, now: datetime | None = None
 ) -> SweepResult:
     """One pass: expired leases → pending; silent pools → dead (their batches → pending);
-    runs whose orchestrator went silent → evicted; Tinker futures done before the retention → deleted."""
+    runs whose orchestrator went silent → evicted; Tinker futures that can no longer be served →
+    failed; Tinker futures done before the retention → deleted."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -71,6 +76,18 @@ def sweep_once(
         factory, "evict_silent_runs", lambda s: evict_silent_runs(s, now=now, settings=settings), result
     )
     result.evicted_runs = [run.id for run in evicted or []]
+    # After the evictions, so that the work of a run evicted in this sweep fails in it too.
+    wait = settings.tinker_base_sample_wait_seconds
+    left = _job(
+        factory, "fail_tinker_work_of_left_runs", lambda s: fail_work_of_left_runs(s, now=now), result
+    )
+    unclaimed = _job(
+        factory,
+        "fail_unclaimed_base_samples",
+        lambda s: fail_unclaimed_base_samples(s, now=now, wait_seconds=wait),
+        result,
+    )
+    result.failed_futures = (left or 0) + (unclaimed or 0)
     ttl = settings.tinker_future_ttl_seconds
     purge = lambda s: purge_done_futures(s, now=now, ttl_seconds=ttl)  # noqa: E731
     result.purged_futures = _job(factory, "purge_tinker_futures", purge, result) or 0

@@ -18,6 +18,10 @@ the one that is loaded.
 
 One writer per ``ckpt_root`` (the run's master rank) is assumed: a save removes the
 leftovers of earlier crashed saves.
+
+A save is the root's newest state, whatever its step: the checkpoints of higher steps are
+discarded after it (a Tinker run that `load_weights` older weights goes back to their step, and
+the history past it is no longer the run's: restoring it would bring back weights the run left).
 """
 
 import json
@@ -137,7 +141,8 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     keep_last: int,
 ) -> Path:
-    """Write ``step_{step}`` atomically, then keep only the newest ``keep_last`` stable ones.
+    """Write ``step_{step}`` atomically, discard every checkpoint of a higher step (see the module
+    docstring), then keep only the newest ``keep_last`` stable ones.
 
     Saving a step that already exists replaces it. Returns the checkpoint's directory.
     """
@@ -179,7 +184,13 @@ def save_checkpoint(
     os.rename(marker_tmp, final / STABLE_MARKER)
     fsync_path(final)
 
+    # Only after the new one is stable: a crash in between leaves the later history restorable,
+    # never no checkpoint at all (a Tinker pool then replays the load: app.tinker.leases).
     stable = stable_checkpoints(ckpt_root)
+    for later_step, later in stable:
+        if later_step > step:
+            _discard(later, ckpt_root)
+    stable = [(s, p) for s, p in stable if s <= step]
     # Never the newest: keep_last >= 1 and the slice below keeps the tail.
     for _, old in stable[:-keep_last]:
         _discard(old, ckpt_root)

@@ -15,6 +15,12 @@
                   through its own weights (trainer_core.sample_server, trainer_core.sampling)
     results       logprobs of every target token, the elementwise loss and "loss:sum" per request
 
+A pool that the service no longer knows (declared dead, or replaced: a claim or report answered
+409 pool_dead / pool_stopped) stops its Tinker work as its heartbeat stops its batches: it logs why,
+drops what it held of its manual runs (accumulated gradients, step metrics) and sets `lost`, on
+which the worker loop stops the pool. The service has returned that pool's Tinker requests to
+pending already; the next pool runs or replays them.
+
 After a pool crash the next pool restores each run from its last optim_step's checkpoint (every
 manual step is checkpointed, with its seq_id: `ManualBoundary`), rebuilds the gradients of the
 step's already-delivered forward_backwards from the replayed requests without reporting them again,
@@ -43,9 +49,11 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from contracts.http import ApiError
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_core.dist import World, all_reduce_grads_, broadcast_from_master, gather_to_master
+from trainer_core.external_sampler import ExternalSampler
 from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
@@ -60,11 +68,13 @@ from trainer_core.policy_terms import tinker_loss
 from trainer_core.publish import Publisher
 from trainer_core.sample_server import SampleServer, save_sampler_weights
 from trainer_core.sampling import PassLimits, TextDecoder
-from trainer_core.slots import ManualBoundary, RunSlot
+from trainer_core.slots import ManualBoundary, RunSlot, StepAccumulator
 
 log = logging.getLogger("loraloom.worker")
 
 MAX_CLAIM = 64
+POOL_GONE_CODES = ("pool_dead", "pool_stopped")
+"""The service's answers that are about this pool, not about a request: it no longer knows it."""
 SAMPLING_CACHE_ROWS = 16
 
 __all__ = ["ManualExecutor", "ManualWorkClient"]
@@ -108,6 +118,8 @@ class _Round:
     """(index in the claim, item, slot) of the items that run here (slot None: a base-model sample)."""
     answered: bool
     """Some item was answered without running (failed, or already in the checkpoint)."""
+    pool_lost: bool = False
+    """The service no longer knows the pool: every rank drops its manual state, nothing runs."""
 
 
 @dataclass
@@ -124,6 +136,12 @@ class ManualExecutor:
     """Rows that held the tokens of more than one run: requests of several tenants in one pass."""
     text_decoder: Callable[[], TextDecoder] | None = None
     """Loads the base model's tokenizer, for stop strings (trainer_core.sample_server)."""
+    external_sampler: ExternalSampler | None = None
+    """Serves `sample` instead of the pool's own layers (WorkerSettings.sampler_url); the sampler
+    weights kept at `save_weights_for_sampler` are then also written as PEFT adapters for it."""
+    lost: bool = False
+    """Master: the service answered that it no longer knows this pool (POOL_GONE_CODES); nothing is
+    claimed or reported from then on, and the worker loop stops the pool."""
     samples: SampleServer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -153,18 +171,22 @@ class ManualExecutor:
         round_: _Round | None = None
         if self.client is not None:
             pause_at(MANUAL_BEFORE_CLAIM)
-            items = self.client.claim_manual(MAX_CLAIM)
+            items = self._claim(self.client)
             slot_of = {run.run_id: slot for slot, run in slots.items() if run.leaving is None}
             answers, runnable = _triage(items, slots, slot_of)
             round_ = _Round(
                 work=[(i, it, slot_of.get(it.run_id)) for i, it in runnable],
                 answered=any(not r.release for r in answers),
+                pool_lost=self.lost,
             )
         round_ = broadcast_from_master(round_, self.world)
+        if round_.pool_lost:
+            _drop_manual_state(slots, optimizer)
+            return False
         # Sampling needs no collective: the master decodes every sequence alone (slot None: the
         # base model's). Everything else belongs to an admitted run, so has its slot.
         sampled = (
-            self.samples.serve(model, lora, [w for w in round_.work if w[1].kind == "sample"], slots)
+            self._sample([w for w in round_.work if w[1].kind == "sample"], model, lora, slots)
             if master
             else {}
         )
@@ -183,16 +205,69 @@ class ManualExecutor:
         if steps:
             if master:
                 pause_at(MANUAL_BEFORE_OPTIM)
-            stepped = [_optim_step(item, run, lora, optimizer, publisher, self.world) for item, run in steps]
+            stepped = [self._optim_step(item, run, lora, optimizer, publisher) for item, run in steps]
             if master:
                 pause_at(MANUAL_BEFORE_OPTIM_REPORT)
             self._report(stepped)
         # Only released items: nothing ran, so the loop may sleep as when idle.
         return bool(round_.work) or round_.answered
 
+    def _sample(
+        self,
+        work: Sequence[tuple[int, ManualWorkItem, int | None]],
+        model: nn.Module,
+        lora: MultiLoRA,
+        slots: Mapping[int, RunSlot],
+    ) -> dict[int, ManualResult]:
+        if self.external_sampler is not None:
+            return self.external_sampler.serve(work)
+        return self.samples.serve(model, lora, work, slots)
+
+    def _claim(self, client: ManualWorkClient) -> list[ManualWorkItem]:
+        if self.lost:
+            return []
+        try:
+            return client.claim_manual(MAX_CLAIM)
+        except ApiError as exc:
+            self._lose_pool_or_raise(exc, "claim")
+            return []
+
     def _report(self, results: list[ManualResult]) -> None:
-        if self.client is not None and results:
+        if self.client is None or not results or self.lost:
+            return
+        try:
             self.client.report_manual(results)
+        except ApiError as exc:
+            # The round goes on (every rank's collectives must stay matched); nothing more is reported.
+            self._lose_pool_or_raise(exc, "report")
+
+    def _optim_step(
+        self,
+        item: ManualWorkItem,
+        run: RunSlot,
+        lora: MultiLoRA,
+        optimizer: MultiRunOptimizer,
+        publisher: Publisher | None,
+    ) -> ManualResult:
+        """`_optim_step`; on the master, a publish the service refuses because it no longer knows
+        the pool ends the pool's Tinker work like a refused report."""
+        try:
+            return _optim_step(item, run, lora, optimizer, None if self.lost else publisher, self.world)
+        except ApiError as exc:
+            self._lose_pool_or_raise(exc, f"publish of step {run.progress.step}")
+            return ManualResult(request_id=item.request_id, release=True)  # not reported: lost
+
+    def _lose_pool_or_raise(self, exc: ApiError, what: str) -> None:
+        if exc.code not in POOL_GONE_CODES:
+            raise exc
+        if not self.lost:
+            log.error(
+                "the service no longer knows this pool (%s on its Tinker %s): stopping its Tinker work "
+                "and the pool; its Tinker requests are pending again for the next pool",
+                exc.code,
+                what,
+            )
+        self.lost = True
 
     def _state(
         self, item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer
@@ -201,7 +276,8 @@ class ManualExecutor:
         if item.kind == "save_weights_for_sampler":
             if self.client is None:
                 return ManualResult(request_id=item.request_id)  # not reported: the master keeps the copy
-            return _saved(item, run, lora, self.checkpoint_dir)
+            peft_base_model = None if self.external_sampler is None else self.external_sampler.base_model
+            return _saved(item, run, lora, self.checkpoint_dir, peft_base_model)
         if item.kind == "save_weights":
             if self.client is None:
                 return ManualResult(request_id=item.request_id)  # not reported: the master saves
@@ -271,6 +347,15 @@ class ManualExecutor:
                 total = elementwise.sum() if total is None else total + elementwise.sum()
         if total is not None:
             total.backward()
+
+
+def _drop_manual_state(slots: Mapping[int, RunSlot], optimizer: MultiRunOptimizer) -> None:
+    """Forget what a lost pool held of its manual runs' current steps (the next pool rebuilds them
+    from the service's requests): their accumulated gradients and step metrics."""
+    for slot, run in slots.items():
+        if run.config.mode == "manual":
+            optimizer.zero_grad(slot)
+            run.step_metrics = StepAccumulator()
 
 
 def _samples_base_model(item: ManualWorkItem) -> bool:
@@ -395,12 +480,14 @@ def _in_checkpoint(item: ManualWorkItem, run: RunSlot) -> ManualResult | None:
     )
 
 
-def _saved(item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, checkpoint_dir: Path) -> ManualResult:
+def _saved(
+    item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, checkpoint_dir: Path, peft_base_model: str | None
+) -> ManualResult:
     """The run's adapter was published at its last optim_step: name that step, and keep a copy on
     the pool so that sampling clients of this step still sample it after the run trains on."""
     if run.progress.step == 0:
         return _failed(item, "no optim_step yet: there are no trained weights to save")
-    save_sampler_weights(checkpoint_dir, run, lora)
+    save_sampler_weights(checkpoint_dir, run, lora, peft_base_model=peft_base_model)
     return ManualResult(request_id=item.request_id, metrics={"step": run.progress.step})
 
 

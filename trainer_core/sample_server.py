@@ -8,6 +8,11 @@ one `trainer_core.sampling.generate` call for all of them.
                                slots (their weights, gradients and optimizers) are never touched
     the base model             no adapter (`SamplingSpec.step` None)
 
+The kept copies go when the run leaves the pool (`remove_sampler_weights`, from the worker's
+`release_slot`): a run leaves only for good (evicted, completed, failed, deleted), and the service
+takes no sample request for such a run and fails the ones pending, so nothing reads them again.
+Its checkpoints and saved states stay: another model may still `load_weights` a saved state.
+
 Stop strings need the base model's text: its tokenizer is loaded once, on the first request that
 has stop strings (the built-in model's character tokenizer, or the model directory's / hub id's
 `AutoTokenizer`, offline from the local cache).
@@ -29,27 +34,51 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from contracts.tinker_work import ManualResult, ManualWorkItem, SampledSequence
+from trainer_core.export import export_peft_adapter
 from trainer_core.lora import MultiLoRA
 from trainer_core.sampling import Decoding, PassLimits, TextDecoder, eos_token_ids, generate
 from trainer_core.slots import RunSlot
 
 log = logging.getLogger("loraloom.worker")
 
-__all__ = ["SampleServer", "load_text_decoder", "save_sampler_weights", "sampler_weights_dir"]
+__all__ = [
+    "SampleServer",
+    "COPY_ID_FILE",
+    "PEFT_DIR",
+    "load_text_decoder",
+    "remove_sampler_weights",
+    "save_sampler_weights",
+    "sampler_weights_dir",
+]
 
 ADAPTER_FILE = "adapter.safetensors"
 CONFIG_FILE = "lora.json"
+PEFT_DIR = "peft"
+"""The copy as a PEFT adapter too, for an external sampler (trainer_core.external_sampler)."""
+COPY_ID_FILE = "copy_id"
+"""In the PEFT copy: random, new at every save (the adapter's name on the external server)."""
 
 
 def sampler_weights_dir(checkpoint_dir: Path, run_id: str, step: int) -> Path:
     return checkpoint_dir / run_id / "sampler_weights" / f"step_{step}"
 
 
-def save_sampler_weights(checkpoint_dir: Path, run: RunSlot, lora: MultiLoRA) -> None:
+def remove_sampler_weights(checkpoint_dir: Path, run_id: str) -> None:
+    """Forget every copy kept for the run's sampling clients (the run has left the pool)."""
+    root = checkpoint_dir / run_id / "sampler_weights"
+    if root.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        log.info("run %s: the sampler weights kept for its sampling clients removed", run_id)
+
+
+def save_sampler_weights(
+    checkpoint_dir: Path, run: RunSlot, lora: MultiLoRA, *, peft_base_model: str | None = None
+) -> None:
     """Keep the run's adapter of its current step, so that a sampling client of this step still
     samples it after the run trains on. Written at every save: a `load_weights` may have put other
     weights in the slot at a step number already saved, and the newest save names what it holds.
-    (Only the pool's loop reads these copies, in the same thread: no reader sees a half-written one.)"""
+    (Only the pool's loop reads these copies, in the same thread: no reader sees a half-written one;
+    an external sampler gets a copy's PEFT adapter (`peft_base_model` given) once it is complete.)"""
     target = sampler_weights_dir(checkpoint_dir, run.run_id, run.progress.step)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -67,6 +96,10 @@ def save_sampler_weights(checkpoint_dir: Path, run: RunSlot, lora: MultiLoRA) ->
         ),
         encoding="utf-8",
     )
+    if peft_base_model is not None:
+        export_peft_adapter(lora, run.slot, tmp / PEFT_DIR, base_model_name_or_path=peft_base_model)
+        # A new name for every copy: the external server must load a rewritten copy again.
+        (tmp / PEFT_DIR / COPY_ID_FILE).write_text(secrets.token_hex(8), encoding="utf-8")
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
 

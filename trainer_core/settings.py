@@ -72,6 +72,11 @@ class WorkerSettings(BaseSettings):
     data_dir: Path = DEFAULT_DATA_DIR
     """The service's artifact store when it is shared with the worker (compose: the data volume)."""
 
+    sampler_url: str | None = None
+    """An OpenAI-compatible server with LoRA hot-loading (vLLM, `--enable-lora`) that serves Tinker
+    `sample` instead of the pool's own layers; it must serve the base model under `base_model`'s
+    name and read the pool's checkpoint directory at the same path (trainer_core.external_sampler)."""
+
     # -- loop -----------------------------------------------------------------------------------
     pack_timeout: float = Field(default=2.0, ge=0)
     """Seconds buffered work waits for a full pack before a partial one is trained."""

@@ -56,6 +56,7 @@ from trainer_core.dist import (
     pick_device,
     scatter_from_master,
 )
+from trainer_core.external_sampler import ExternalSampler
 from trainer_core.http_source import HttpRunSource
 from trainer_core.init_from import load_initial_weights, module_shapes
 from trainer_core.ledger import RunLedger
@@ -68,7 +69,7 @@ from trainer_core.pause_point import pause_before_publish
 from trainer_core.publish import Publisher, restore_manual_boundary, restore_slot
 from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
-from trainer_core.sample_server import load_text_decoder
+from trainer_core.sample_server import load_text_decoder, remove_sampler_weights
 from trainer_core.service_client import PoolServiceClient
 from trainer_core.settings import WorkerSettings, flag_name
 from trainer_core.slots import RunSlot
@@ -111,6 +112,8 @@ class WorkerArgs:
     """Stop after this long with no active run and nothing buffered (tests, benchmarks)."""
     heartbeat_file: Path | None = None
     """Touched after every accepted heartbeat (the container healthcheck reads its age)."""
+    sampler_url: str | None = None
+    """Tinker `sample` served by this OpenAI-compatible server (trainer_core.external_sampler)."""
 
     @classmethod
     def from_settings(cls, s: WorkerSettings) -> "WorkerArgs":
@@ -133,6 +136,7 @@ class WorkerArgs:
             attention=s.attention,
             exit_when_idle_s=s.exit_when_idle,
             heartbeat_file=s.heartbeat_file,
+            sampler_url=s.sampler_url,
         )
 
     @property
@@ -279,6 +283,9 @@ class PoolTrainer:
                 checkpoint_dir=args.checkpoint_home,
                 world=world,
                 text_decoder=partial(load_text_decoder, args.base_model, args.model_cache_dir),
+                external_sampler=None
+                if args.sampler_url is None
+                else ExternalSampler(args.sampler_url, args.checkpoint_home, args.base_model),
             )
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
@@ -405,11 +412,20 @@ class PoolTrainer:
         if self.master:
             self.master.packer.remove_run(slot)
             self.master.source.release_run(run.run_id)
+            if run.config.mode == "manual":
+                # Only the master keeps them; a run leaves for good, so no sampler reads them again.
+                remove_sampler_weights(self.args.checkpoint_home, run.run_id)
         why = f" ({run.leaving})" if run.leaving else ""
         log.info("rank %d: run %s left slot %d%s", self.world.rank, run.run_id, slot, why)
 
+    def _pool_lost(self, m: _Master) -> bool:
+        """Master: the service no longer knows this pool (its heartbeat, or a Tinker claim or report,
+        was answered pool_dead / pool_stopped): training on would duplicate work handed to another."""
+        return m.source.lost or (self.manual is not None and self.manual.lost)
+
     def _sync_slots(self) -> None:
-        if self.master:
+        # A lost pool asks nothing more (the service would refuse it); the loop stops at the plan.
+        if self.master and not self._pool_lost(self.master):
             self.runs.discover_runs()
         changes = self.runs.synchronize_state()
         for slot, _ in changes.released:
@@ -485,7 +501,7 @@ class PoolTrainer:
 
     def _plan(self, m: _Master) -> Plan:
         """Master: claim batches, pack if ready."""
-        if self.stop_requested or m.source.lost:
+        if self.stop_requested or self._pool_lost(m):
             return Plan("stop")
         # Claim only while the buffer is short of a few packs: what sits in memory is leased, and a
         # flood of batches from one run must stay in the source's queue, not in this process.
@@ -591,6 +607,8 @@ class PoolTrainer:
     def close(self) -> None:
         if self.master:
             self.master.source.close()
+        if self.manual is not None and self.manual.external_sampler is not None:
+            self.manual.external_sampler.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,22 +5,28 @@ alive: its lease is the pool's own heartbeat. Unlike a rollout batch, manual wor
 to another pool while its holder lives: the run's accumulated gradients are in that pool's memory,
 and there is one pool per base model. When the pool dies, stops or is replaced, its running futures
 return to pending (here), and the complete forward_backward / load_weights futures whose effect
-only it held are replayed by the next pool (app.tinker.work.claim). These functions touch
-tinker_futures rows only, so the pools service and the sweeper use them without the Tinker service.
+only it held are replayed by the next pool (app.tinker.work.claim). A future that can no longer be
+served fails here, so that the retention purges it like any done future: the work of a run that
+has left (evicted, deleted, failed, completed), and a base-model sample no pool claimed in time.
+These functions touch tinker_futures rows only (reading runs), so the pools service and the
+sweeper use them without the Tinker service.
 """
 
 import logging
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, Text, cast, delete, or_, update
+from sqlalchemy import ColumnElement, Text, cast, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.db import rows_changed
+from app.runs.models import Run
+from app.timestamps import as_utc
 from app.tinker.models import TinkerFuture
+from contracts.status import MOVABLE_RUN_STATUSES
 
 log = logging.getLogger("loraloom.tinker")
 
-RUNNING = "running"
+PENDING, RUNNING = "pending", "running"
 KEPT_KINDS = ("create_model", "save_weights", "save_weights_for_sampler")
 """Futures that are the record of a model or of saved weights (`tinker://` paths resolve through
 them): never purged, they live as long as their model."""
@@ -66,3 +72,80 @@ def purge_done_futures(session: Session, *, now: datetime, ttl_seconds: float) -
     if purged:
         log.info("%s done Tinker future(s) older than %ss purged", purged, ttl_seconds)
     return purged
+
+
+def fail_future(future: TinkerFuture, *, error: str, now: datetime) -> None:
+    """Done with `error`: retrieve_future answers it, and the retention purges it."""
+    future.status = "failed"
+    future.error = error
+    future.error_category = "user"
+    future.request = None
+    future.completed_at = now
+
+
+def fail_if_run_left(future: TinkerFuture, run: Run | None, *, now: datetime) -> bool:
+    """A pending or running future whose run (`run`: None when the row is gone) has left fails
+    now, with the reason; returns whether it did."""
+    if future.status not in (PENDING, RUNNING) or future.run_id is None:
+        return False
+    if run is not None and run.status in MOVABLE_RUN_STATUSES:
+        return False
+    status = "deleted" if run is None else run.status
+    reason = None if run is None else (run.eviction_reason or run.failure_reason)
+    fail_future(
+        future,
+        error=f"the model's run {future.run_id} left ({status}{': ' + reason if reason else ''})",
+        now=now,
+    )
+    return True
+
+
+def fail_work_of_left_runs(session: Session, *, now: datetime) -> int:
+    """Fail every pending or running future whose run has left. Returns how many.
+
+    A running one may still be in a pool's hands: its late result is ignored (record_results
+    records only what the pool still holds), as for a future failed when polled."""
+    rows = session.execute(
+        select(TinkerFuture, Run)
+        .outerjoin(Run, Run.id == TinkerFuture.run_id)
+        .where(
+            TinkerFuture.status.in_((PENDING, RUNNING)),
+            TinkerFuture.run_id.is_not(None),
+            or_(Run.id.is_(None), Run.status.not_in(MOVABLE_RUN_STATUSES)),
+        )
+        .with_for_update(of=TinkerFuture, skip_locked=True)
+    ).all()
+    failed = sum(fail_if_run_left(future, run, now=now) for future, run in rows)
+    if failed:
+        log.info("%s Tinker request(s) of runs that have left failed", failed)
+    return failed
+
+
+def fail_unclaimed_base_samples(session: Session, *, now: datetime, wait_seconds: float) -> int:
+    """Fail the base-model sample requests still pending `wait_seconds` after they were made (no
+    pool of their base model claimed them: none is alive, or it never came back). Returns how many."""
+    futures = session.scalars(
+        select(TinkerFuture)
+        .where(
+            TinkerFuture.status == PENDING,
+            TinkerFuture.kind == "sample",
+            TinkerFuture.run_id.is_(None),
+            TinkerFuture.created_at < now - timedelta(seconds=wait_seconds),
+        )
+        .with_for_update(skip_locked=True)
+    ).all()
+    for future in futures:
+        sampling = (future.request or {}).get("sampling") or {}
+        base_model = sampling.get("base_model") or "its base model"
+        waited = (as_utc(now) - as_utc(future.created_at)).total_seconds()
+        fail_future(
+            future,
+            error=(
+                f"no pool serving {base_model} claimed this sample request within {wait_seconds:g} s "
+                f"(waited {waited:.0f} s); start a pool for that base model and sample again"
+            ),
+            now=now,
+        )
+    if futures:
+        log.info("%s base-model sample request(s) failed: no pool claimed them in time", len(futures))
+    return len(futures)

@@ -7,8 +7,8 @@ the pending work of its active runs, per model in `seq_id` order up to and inclu
 and posts each result back. A claim is held by the claiming pool while it lives (app.tinker.leases);
 a new pool replays the step's delivered forward_backwards, whose requests are kept until the step's
 optim_step is recorded (docs/contracts.md, "Exactly-once across restarts"). A request whose run
-has left (evicted, deleted, failed, completed) fails with the reason when it is polled, and the
-pool never receives it.
+has left (evicted, deleted, failed, completed) fails with the reason, at the next sweep or when it
+is polled if that comes first (app.tinker.leases), and the pool never receives it.
 """
 
 import re
@@ -26,7 +26,7 @@ from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
 from app.runs.models import Run
 from app.runs.schemas import validation_problems
-from app.tinker import proto
+from app.tinker import leases, proto
 from app.tinker.leases import request_cleared
 from app.tinker.models import TinkerFuture, TinkerModel
 from app.tinker.service import NotSupported, get_model, get_session, new_model_run, touch_model
@@ -446,19 +446,10 @@ def record_results(session: Session, *, pool_id: str, results: list[ManualResult
 
 
 def fail_if_run_left(session: Session, *, future: TinkerFuture) -> None:
-    """A pending or running future whose run has left fails now, with the reason."""
-    if future.status not in (PENDING, RUNNING) or future.run_id is None:
-        return
-    run = session.get(Run, future.run_id)
-    if run is not None and run.status in MOVABLE_RUN_STATUSES:
-        return
-    status = "deleted" if run is None else run.status
-    reason = None if run is None else (run.eviction_reason or run.failure_reason)
-    future.status = "failed"
-    future.error = f"the model's run {future.run_id} left ({status}{': ' + reason if reason else ''})"
-    future.error_category = "user"
-    future.request = None
-    future.completed_at = utcnow()
+    """A pending or running future whose run has left fails now, with the reason (the sweeper
+    fails the others: app.tinker.leases.fail_work_of_left_runs)."""
+    if future.status in (PENDING, RUNNING) and future.run_id is not None:
+        leases.fail_if_run_left(future, session.get(Run, future.run_id), now=utcnow())
 
 
 def forward_backward_proto(result: dict[str, Any]) -> bytes:

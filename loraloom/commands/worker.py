@@ -91,6 +91,14 @@ def worker(
         Path | None,
         _opt(POOL, "The artifact store shared with the service [LORALOOM_DATA_DIR] (./.loraloom/data)."),
     ] = None,
+    sampler_url: Annotated[
+        str | None,
+        _opt(
+            POOL,
+            "An OpenAI-compatible server with LoRA hot-loading (vLLM) that serves Tinker sample "
+            "[LORALOOM_SAMPLER_URL] (unset: the pool serves it).",
+        ),
+    ] = None,
     pack_timeout: Annotated[
         float | None, _opt(LOOP, "Seconds buffered work waits for a full pack [LORALOOM_PACK_TIMEOUT] (2).")
     ] = None,

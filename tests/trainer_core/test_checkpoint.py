@@ -107,6 +107,30 @@ def test_keep_last_prunes_oldest_and_keeps_newest(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
 
 
+def test_a_save_of_a_lower_step_is_the_newest_state_and_discards_the_later_ones(tmp_path):
+    # A Tinker run loads its step-2 state at step 4 (load_weights), then trains on to step 3: what
+    # a restore picks must be that step 3, not the step 4 of the history it left.
+    for step in range(1, 5):
+        save_checkpoint(
+            tmp_path,
+            step,
+            adapter={"w": torch.full((2,), float(step))},
+            optimizer_state={},
+            progress={},
+            keep_last=3,
+        )
+    save_checkpoint(
+        tmp_path, 3, adapter={"w": torch.full((2,), 30.0)}, optimizer_state={}, progress={}, keep_last=3
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
+    newest = latest_checkpoint(tmp_path)
+    assert newest == tmp_path / "step_3"
+    assert torch.equal(load_checkpoint(newest).adapter["w"], torch.full((2,), 30.0))
+    # The same with keep_last=1 (the named states of the Tinker API): the new save is the one kept.
+    save_checkpoint(tmp_path, 1, adapter={"w": torch.zeros(2)}, optimizer_state={}, progress={}, keep_last=1)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
+
+
 def test_half_written_checkpoints_are_never_picked(tmp_path):
     _save(tmp_path, 5)
     # A rename that happened without its STABLE marker, and a temporary directory of a crash.

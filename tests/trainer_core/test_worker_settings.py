@@ -35,6 +35,12 @@ CASES: dict[str, tuple[str, str, str, object]] = {
     "seq_len": ("LORALOOM_SEQ_LEN", "2048", "512", 512),
     "checkpoint_dir": ("LORALOOM_CHECKPOINT_DIR", "/env/ckpt", "/flag/ckpt", Path("/flag/ckpt")),
     "data_dir": ("LORALOOM_DATA_DIR", "/env/data", "/flag/data", Path("/flag/data")),
+    "sampler_url": (
+        "LORALOOM_SAMPLER_URL",
+        "http://env-vllm:8000",
+        "http://flag-vllm:8000",
+        "http://flag-vllm:8000",
+    ),
     "pack_timeout": ("LORALOOM_PACK_TIMEOUT", "5", "0.3", 0.3),
     "poll_interval": ("LORALOOM_POLL_INTERVAL", "1", "0.05", 0.05),
     "max_claim": ("LORALOOM_MAX_CLAIM", "8", "16", 16),
