@@ -12,7 +12,9 @@ pad_to_multiple_of, seq_len)``: never above ``seq_len``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,37 +38,52 @@ class SampleRef:
 class MicroBatch:
     """One packed row: several samples (possibly of several runs) laid end to end, then padding.
 
-    All tensors are on CPU and have length ``L`` = the padded row length (≤ ``seq_len``).
+    Compact by design (issue 15): only what differs token by token is stored per token, in its narrowest
+    exact dtype — ``token_ids`` (int32), ``loss_mask`` (bool), ``inference_logprobs`` (float32), and the
+    optional per-token fields when a sample of the row has them — 9 bytes per token for a row of plain
+    samples, against 45 when every field was expanded in the Packer. Facts of a whole sample (its slot,
+    temperature, scalar advantage, prompt length; positions and sample indices follow from ``seq_lens``)
+    are per-segment tensors. The per-token views the model and the loss read (``input_ids``,
+    ``position_ids``, ``advantages``, ``temperatures``, ``token_slots``, ``sample_ids``) are expanded in
+    torch on first use, on whatever device the row's tensors are on (`trainer_core.step` moves the compact
+    row, then expands it there), and cached on the instance; the cache is not pickled, so a row sent to
+    another rank carries only the compact fields. Expanded values and dtypes are exactly what the Packer
+    built before (``tests/trainer_core/test_packing_reference.py``).
+
+    "Segments" are the entries of ``seq_lens``: the samples, then the padding pseudo-sequence if any.
     """
 
-    input_ids: torch.Tensor
-    """(L,) long. Prompt then completion of each sample, then ``pad_token_id``."""
-    position_ids: torch.Tensor
-    """(L,) long. Restart at 0 for every sample and for the padding pseudo-sequence."""
+    token_ids: torch.Tensor
+    """(L,) int32. Prompt then completion of each sample, then ``pad_token_id``."""
     loss_mask: torch.Tensor
     """(L,) bool. True on completion tokens whose ``completion_mask`` is True, except a sample's first
     token (the loss predicts token t from ``logits[t-1]``, which must lie in the same sample)."""
-    advantages: torch.Tensor
-    """(L,) float32. The sample's advantage on its completion tokens (scalar broadcast, or per token); 0
-    elsewhere."""
     inference_logprobs: torch.Tensor
     """(L,) float32. The inference policy's logprob on completion tokens; 0 elsewhere."""
-    temperatures: torch.Tensor
-    """(L,) float32. The sampling temperature of each token's batch; 1.0 on padding (safe to divide by)."""
-    teacher_logprobs: torch.Tensor | None
-    """(L,) float32 teacher logprobs on completion tokens (0 elsewhere), or None when no sample in the row
-    has any."""
-    token_slots: torch.Tensor
-    """(L,) long. The slot (run) of each token; non-decreasing. Padding takes the last slot present."""
-    sample_ids: torch.Tensor
-    """(L,) long. Index of the token's sample in ``seq_lens`` order; -1 on padding."""
     seq_lens: list[int]
     """Lengths of the samples in order, then the padding as a final pseudo-sequence (if any)."""
+    n_samples: int
+    """Real samples: the first ``n_samples`` segments; a further one is padding."""
+    segment_slots: torch.Tensor
+    """(S,) long. The slot (run) of each segment; non-decreasing. Padding takes the last slot present."""
+    segment_temperatures: torch.Tensor
+    """(S,) float32. The sampling temperature of each segment's batch; 1.0 for padding."""
+    segment_prompt_lens: torch.Tensor
+    """(S,) long. Prompt tokens of each segment (the whole segment for padding)."""
+    segment_advantages: torch.Tensor
+    """(S,) float32. Each sample's scalar advantage (0 for padding); unused when ``token_advantages``
+    is set."""
     slot_token_counts: torch.Tensor
     """(n_slots,) long. Tokens per slot in ascending slot order; padding is counted in the last slot
     present (slot 0 for an empty row), so the counts sum to L."""
     is_filler: bool = False
     """True for a filler row that only keeps ranks in step (no loss, no samples)."""
+    token_advantages: torch.Tensor | None = None
+    """(L,) float32 advantages on completion tokens (0 elsewhere) when a sample of the row has per-token
+    advantages; None when every sample's advantage is a scalar (``segment_advantages``)."""
+    teacher_logprobs: torch.Tensor | None = None
+    """(L,) float32 teacher logprobs on completion tokens (0 elsewhere), or None when no sample in the row
+    has any."""
     weights: torch.Tensor | None = None
     """(L,) float32 per-token loss weights of `cross_entropy` runs on completion tokens (0 elsewhere), or
     None when no sample in the row has `weights` (then the loss mask is the weight)."""
@@ -74,15 +91,113 @@ class MicroBatch:
     """(L,) float32 rewards for GAE runs on completion tokens: `token_rewards`, or the scalar `reward` on
     the sample's last loss-carrying completion token; 0 elsewhere. None when no sample has any."""
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Only the compact fields travel (to other ranks); the expanded views are rebuilt on arrival.
+        return {k: v for k, v in self.__dict__.items() if k not in _EXPANDED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     @property
     def num_tokens(self) -> int:
         """L, padding included."""
-        return int(self.input_ids.shape[0])
+        return int(self.token_ids.shape[0])
 
     @property
     def num_samples(self) -> int:
         """Real samples in the row (``seq_lens`` minus the padding pseudo-sequence, if any)."""
-        return len(self.seq_lens) - int(self.sample_ids[-1].item() < 0)
+        return self.n_samples
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of real samples (L minus the padding)."""
+        return sum(self.seq_lens[: self.n_samples])
+
+    @classmethod
+    def without_loss(
+        cls,
+        token_ids: torch.Tensor,
+        *,
+        seq_lens: list[int],
+        slots: list[int],
+        n_slots: int,
+        n_samples: int | None = None,
+        is_filler: bool = False,
+    ) -> MicroBatch:
+        """A row that carries no loss (fillers, forward-only passes): ``token_ids`` (L,) split into
+        segments of ``seq_lens`` with the ``slots`` given per segment; the first ``n_samples`` segments
+        (default all) are samples, the rest padding. Prompt-only, temperature 1, logprobs 0."""
+        length = int(token_ids.shape[0])
+        segment_slots = torch.tensor(slots, dtype=torch.long)  # (S,)
+        return cls(
+            token_ids=token_ids.to(torch.int32),
+            loss_mask=torch.zeros(length, dtype=torch.bool),
+            inference_logprobs=torch.zeros(length, dtype=torch.float32),
+            seq_lens=list(seq_lens),
+            n_samples=len(seq_lens) if n_samples is None else n_samples,
+            segment_slots=segment_slots,
+            segment_temperatures=torch.ones(len(seq_lens), dtype=torch.float32),
+            segment_prompt_lens=torch.tensor(seq_lens, dtype=torch.long),
+            segment_advantages=torch.zeros(len(seq_lens), dtype=torch.float32),
+            slot_token_counts=torch.zeros(n_slots, dtype=torch.long).index_add_(
+                0, segment_slots, torch.tensor(seq_lens, dtype=torch.long)
+            ),
+            is_filler=is_filler,
+        )
+
+    # ---- per-token views, expanded in torch on the row's device ---------------------------------
+
+    @functools.cached_property
+    def _segment_lens(self) -> torch.Tensor:
+        return torch.tensor(self.seq_lens, dtype=torch.long, device=self.token_ids.device)  # (S,)
+
+    def _per_token(self, per_segment: torch.Tensor) -> torch.Tensor:
+        """(L,) each segment's value repeated over its tokens."""
+        return torch.repeat_interleave(per_segment, self._segment_lens, output_size=self.num_tokens)
+
+    @functools.cached_property
+    def input_ids(self) -> torch.Tensor:
+        """(L,) long: ``token_ids`` widened to what embedding layers and ``gather`` index with."""
+        return self.token_ids.long()
+
+    @functools.cached_property
+    def position_ids(self) -> torch.Tensor:
+        """(L,) long. Restart at 0 for every sample and for the padding pseudo-sequence."""
+        lens = self._segment_lens
+        starts = torch.cumsum(lens, 0) - lens  # (S,)
+        return torch.arange(self.num_tokens, device=lens.device) - self._per_token(starts)
+
+    @functools.cached_property
+    def advantages(self) -> torch.Tensor:
+        """(L,) float32. The sample's advantage on its completion tokens (scalar broadcast, or per token);
+        0 elsewhere."""
+        if self.token_advantages is not None:
+            return self.token_advantages
+        completion = self.position_ids >= self._per_token(self.segment_prompt_lens)  # (L,)
+        zero = torch.zeros((), dtype=torch.float32, device=completion.device)
+        return torch.where(completion, self._per_token(self.segment_advantages), zero)
+
+    @functools.cached_property
+    def temperatures(self) -> torch.Tensor:
+        """(L,) float32. The sampling temperature of each token's batch; 1.0 on padding."""
+        return self._per_token(self.segment_temperatures)
+
+    @functools.cached_property
+    def token_slots(self) -> torch.Tensor:
+        """(L,) long. The slot (run) of each token; non-decreasing. Padding takes the last slot present."""
+        return self._per_token(self.segment_slots)
+
+    @functools.cached_property
+    def sample_ids(self) -> torch.Tensor:
+        """(L,) long. Index of the token's sample in ``seq_lens`` order; -1 on padding."""
+        index = torch.arange(len(self.seq_lens), dtype=torch.long, device=self.token_ids.device)  # (S,)
+        return self._per_token(torch.where(index < self.n_samples, index, -1))
+
+
+_EXPANDED = frozenset(
+    ("_segment_lens", "input_ids", "position_ids", "advantages", "temperatures", "token_slots", "sample_ids")
+)
+"""The cached per-token views of `MicroBatch` (instance attributes once computed; never pickled)."""
 
 
 Member = tuple[int, SampleChunk, int]
@@ -126,73 +241,74 @@ class RowFormat:
         ids: list[np.ndarray] = []
         loss: list[np.ndarray] = []
         logprobs: list[np.ndarray] = []
-        advantages: list[float] = []  # per segment: 0 on a prompt, the advantage on a completion
-        segment_lens: list[int] = []  # prompt, completion, prompt, completion, ..., padding
+        slots: list[int] = []
+        temperatures: list[float] = []
+        prompt_lens: list[int] = []
+        advantages: list[float] = []  # per segment; 0.0 for padding and per-token advantages
         empty_prompt_starts: list[int] = []
         plain = True  # no member has per-token advantages, teacher logprobs, weights or rewards
         used = 0
-        for _, chunk, k in members:
+        for slot, chunk, k in members:
             t0, t1, c0, c1, n_prompt = chunk.spans[k]
             seq_lens.append(t1 - t0)
-            segment_lens += (n_prompt, c1 - c0)
+            slots.append(slot)
+            temperatures.append(chunk.temperature)
+            prompt_lens.append(n_prompt)
             ids.append(chunk.ids[t0:t1])
             loss += (zeros_bool[:n_prompt], chunk.completion_mask[c0:c1])
             logprobs += (zeros_f32[:n_prompt], chunk.logprobs[c0:c1])
-            if chunk.plain:
-                advantages += (0.0, chunk.advantage_scalars[k])  # type: ignore[index]
-            else:
-                plain = False
+            scalars = chunk.advantage_scalars
+            advantages.append(0.0 if scalars is None else scalars[k])
+            plain = plain and chunk.plain
             if not n_prompt:
                 empty_prompt_starts.append(used)
             used += t1 - t0
         length = self.padded_length(used)
         pad = length - used
-        segment_lens.append(pad)
-        loss.append(zeros_bool[:pad])
-        logprobs.append(zeros_f32[:pad])
+        if pad:
+            # The padding pseudo-sequence: all "prompt" (no completion token), the last slot present.
+            seq_lens.append(pad)
+            slots.append(slots[-1])
+            temperatures.append(1.0)
+            prompt_lens.append(pad)
+            advantages.append(0.0)
+            loss.append(zeros_bool[:pad])
+            logprobs.append(zeros_f32[:pad])
 
-        input_ids = np.empty(length, dtype=np.int64)  # (L,)
-        np.concatenate(ids, out=input_ids[:used])
-        input_ids[used:] = self.pad_token_id
+        token_ids = np.empty(length, dtype=np.int32)  # (L,)
+        np.concatenate(ids, out=token_ids[:used])
+        token_ids[used:] = self.pad_token_id
         loss_mask = np.concatenate(loss)
         # A sample's first token has no in-sample predecessor: no loss even when it is a completion token.
         loss_mask[empty_prompt_starts] = False
-        all_lens = seq_lens + [pad]  # the padding is a final (possibly empty) segment
-        slots = [slot for slot, _, _ in members]
         counts = [0] * self.n_slots
         for slot, n in zip(slots, seq_lens, strict=True):
-            counts[slot] += n
-        counts[slots[-1]] += pad  # padding counts in the last slot present
-        sample_index = list(range(len(members)))
-        sample_index.append(-1)  # padding
-        if plain:
-            advantages.append(0.0)
-            row_advantages = np.repeat(np.asarray(advantages, dtype=np.float32), segment_lens)
-        else:
-            row_advantages = self._advantages(members, pad)
+            counts[slot] += n  # the padding counts in the last slot present
         return MicroBatch(
-            input_ids=torch.from_numpy(input_ids),
-            position_ids=torch.from_numpy(np.concatenate([self._arange[:n] for n in all_lens])),
+            token_ids=torch.from_numpy(token_ids),
             loss_mask=torch.from_numpy(loss_mask),
-            advantages=torch.from_numpy(row_advantages),
             inference_logprobs=torch.from_numpy(np.concatenate(logprobs)),
-            temperatures=torch.from_numpy(
-                np.repeat(np.asarray([c.temperature for _, c, _ in members] + [1.0], np.float32), all_lens)
-            ),
-            teacher_logprobs=None if plain else self._optional(members, pad, "teacher", "has_teacher"),
-            token_slots=torch.from_numpy(np.repeat(np.asarray(slots + slots[-1:], np.int64), all_lens)),
-            sample_ids=torch.from_numpy(np.repeat(np.asarray(sample_index, np.int64), all_lens)),
-            seq_lens=seq_lens + [pad] if pad else seq_lens,
-            slot_token_counts=torch.from_numpy(np.asarray(counts, dtype=np.int64)),
+            seq_lens=seq_lens,
+            n_samples=len(members),
+            segment_slots=torch.tensor(slots, dtype=torch.long),
+            segment_temperatures=torch.tensor(temperatures, dtype=torch.float32),
+            segment_prompt_lens=torch.tensor(prompt_lens, dtype=torch.long),
+            segment_advantages=torch.tensor(advantages, dtype=torch.float32),
+            slot_token_counts=torch.tensor(counts, dtype=torch.long),
             is_filler=False,
+            token_advantages=None if plain else self._advantages(members, pad),
+            teacher_logprobs=None if plain else self._optional(members, pad, "teacher", "has_teacher"),
             weights=None
             if plain
             else self._optional(members, pad, "weights", "has_weights", default_to_mask=True),
             rewards=None if plain else self._optional(members, pad, "rewards", "has_rewards"),
         )
 
-    def _advantages(self, members: list[Member], pad: int) -> np.ndarray:
-        """(L,) float32: each sample's advantage on its completion tokens, 0 elsewhere."""
+    def _advantages(self, members: list[Member], pad: int) -> torch.Tensor | None:
+        """(L,) float32: each sample's advantage on its completion tokens, 0 elsewhere; None when every
+        member's advantage is a scalar (then ``segment_advantages`` says it all)."""
+        if all(chunk.advantage_tokens is None for _, chunk, _ in members):
+            return None
         zeros_f32 = self._zeros_f32
         pieces: list[np.ndarray] = []
         for _, chunk, k in members:
@@ -204,7 +320,7 @@ class RowFormat:
                 assert chunk.advantage_scalars is not None
                 pieces.append(np.full(c1 - c0, chunk.advantage_scalars[k], np.float32))
         pieces.append(zeros_f32[:pad])
-        return np.concatenate(pieces)
+        return torch.from_numpy(np.concatenate(pieces))
 
     def _optional(
         self, members: list[Member], pad: int, values: str, flags: str, *, default_to_mask: bool = False
@@ -232,20 +348,11 @@ class RowFormat:
     def filler(self) -> MicroBatch:
         """A minimal row of padding (no samples, no loss) that keeps a rank's pass count in step."""
         length = self.padded_length(1)
-        zeros = torch.zeros(length, dtype=torch.float32)
-        counts = torch.zeros(self.n_slots, dtype=torch.long)
-        counts[0] = length  # an empty row's padding counts in slot 0
-        return MicroBatch(
-            input_ids=torch.full((length,), self.pad_token_id, dtype=torch.long),
-            position_ids=torch.arange(length, dtype=torch.long),
-            loss_mask=torch.zeros(length, dtype=torch.bool),
-            advantages=zeros,
-            inference_logprobs=zeros.clone(),
-            temperatures=torch.ones(length, dtype=torch.float32),
-            teacher_logprobs=None,
-            token_slots=torch.zeros(length, dtype=torch.long),
-            sample_ids=torch.full((length,), -1, dtype=torch.long),
+        return MicroBatch.without_loss(
+            torch.full((length,), self.pad_token_id, dtype=torch.int32),
             seq_lens=[length],
-            slot_token_counts=counts,
+            slots=[0],  # an empty row's padding counts in slot 0
+            n_slots=self.n_slots,
+            n_samples=0,
             is_filler=True,
         )
