@@ -69,10 +69,10 @@ def test_a_plain_row_stores_nine_bytes_per_token_and_per_segment_facts() -> None
         and mb.weights is None
         and mb.rewards is None
     )
-    assert mb.segment_slots.tolist() == [0, 0, 2, 2]
-    assert mb.segment_temperatures.tolist() == [0.699999988079071, 0.699999988079071, 1.0, 1.0]
-    assert mb.segment_prompt_lens.tolist() == [3, 2, 4, 10]
-    assert mb.segment_advantages.tolist() == [0.5, -1.5, 2.0, 0.0]
+    assert mb.segment_slots == [0, 0, 2, 2]
+    assert mb.segment_temperatures == [0.7, 0.7, 1.0, 1.0]
+    assert mb.segment_prompt_lens == [3, 2, 4, 10]
+    assert mb.segment_advantages == [0.5, -1.5, 2.0, 0.0]
     # Nothing per token beyond those three is stored: the views are not built until asked for.
     assert not EXPANDED_VIEWS & mb.__dict__.keys()
     assert (
@@ -82,6 +82,8 @@ def test_a_plain_row_stores_nine_bytes_per_token_and_per_segment_facts() -> None
     assert mb.position_ids.tolist() == list(range(7)) + list(range(7)) + list(range(8)) + list(range(10))
     assert mb.sample_ids.tolist() == [0] * 7 + [1] * 7 + [2] * 8 + [-1] * 10
     assert mb.token_slots.tolist() == [0] * 14 + [2] * 18
+    assert mb.temperatures.dtype == torch.float32
+    assert mb.temperatures.tolist() == [0.699999988079071] * 14 + [1.0] * 18
     assert mb.input_ids.dtype == torch.long and mb.input_ids[-1] == 9
 
 
@@ -108,7 +110,7 @@ def test_a_replaced_row_expands_from_its_own_fields() -> None:
     loss mask): the copy must not keep views of the original."""
     mb = _row((0, TrainingBatch(examples=[_sample(2, 2)])), (1, TrainingBatch(examples=[_sample(1, 3)])))
     assert mb.token_slots.tolist()[:8] == [0] * 4 + [1] * 4
-    moved = dataclasses.replace(mb, segment_slots=torch.tensor([2, 2, 2]))
+    moved = dataclasses.replace(mb, segment_slots=[2, 2, 2])
     assert moved.token_slots.tolist() == [2] * mb.num_tokens
     assert mb.token_slots.tolist()[:8] == [0] * 4 + [1] * 4
 

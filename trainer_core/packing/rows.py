@@ -44,7 +44,8 @@ class MicroBatch:
     optional per-token fields when a sample of the row has them — 9 bytes per token for a row of plain
     samples, against 45 when every field was expanded in the Packer. Facts of a whole sample (its slot,
     temperature, scalar advantage, prompt length; positions and sample indices follow from ``seq_lens``)
-    are per-segment tensors. The per-token views the model and the loss read (``input_ids``,
+    are per-segment Python lists (a ``torch.tensor`` of a short list costs ~10 µs, five per row were a
+    fifth of ``pack``). The per-token views the model and the loss read (``input_ids``,
     ``position_ids``, ``advantages``, ``temperatures``, ``token_slots``, ``sample_ids``) are expanded in
     torch on first use, on whatever device the row's tensors are on (`trainer_core.step` moves the compact
     row, then expands it there), and cached on the instance; the cache is not pickled, so a row sent to
@@ -65,14 +66,14 @@ class MicroBatch:
     """Lengths of the samples in order, then the padding as a final pseudo-sequence (if any)."""
     n_samples: int
     """Real samples: the first ``n_samples`` segments; a further one is padding."""
-    segment_slots: torch.Tensor
-    """(S,) long. The slot (run) of each segment; non-decreasing. Padding takes the last slot present."""
-    segment_temperatures: torch.Tensor
-    """(S,) float32. The sampling temperature of each segment's batch; 1.0 for padding."""
-    segment_prompt_lens: torch.Tensor
-    """(S,) long. Prompt tokens of each segment (the whole segment for padding)."""
-    segment_advantages: torch.Tensor
-    """(S,) float32. Each sample's scalar advantage (0 for padding); unused when ``token_advantages``
+    segment_slots: list[int]
+    """The slot (run) of each segment; non-decreasing. Padding takes the last slot present."""
+    segment_temperatures: list[float]
+    """The sampling temperature of each segment's batch (float32 in the view); 1.0 for padding."""
+    segment_prompt_lens: list[int]
+    """Prompt tokens of each segment (the whole segment for padding)."""
+    segment_advantages: list[float]
+    """Each sample's scalar advantage (float32 values; 0 for padding); unused when ``token_advantages``
     is set."""
     slot_token_counts: torch.Tensor
     """(n_slots,) long. Tokens per slot in ascending slot order; padding is counted in the last slot
@@ -129,19 +130,18 @@ class MicroBatch:
         segments of ``seq_lens`` with the ``slots`` given per segment; the first ``n_samples`` segments
         (default all) are samples, the rest padding. Prompt-only, temperature 1, logprobs 0."""
         length = int(token_ids.shape[0])
-        segment_slots = torch.tensor(slots, dtype=torch.long)  # (S,)
         return cls(
             token_ids=token_ids.to(torch.int32),
             loss_mask=torch.zeros(length, dtype=torch.bool),
             inference_logprobs=torch.zeros(length, dtype=torch.float32),
             seq_lens=list(seq_lens),
             n_samples=len(seq_lens) if n_samples is None else n_samples,
-            segment_slots=segment_slots,
-            segment_temperatures=torch.ones(len(seq_lens), dtype=torch.float32),
-            segment_prompt_lens=torch.tensor(seq_lens, dtype=torch.long),
-            segment_advantages=torch.zeros(len(seq_lens), dtype=torch.float32),
+            segment_slots=list(slots),
+            segment_temperatures=[1.0] * len(seq_lens),
+            segment_prompt_lens=list(seq_lens),
+            segment_advantages=[0.0] * len(seq_lens),
             slot_token_counts=torch.zeros(n_slots, dtype=torch.long).index_add_(
-                0, segment_slots, torch.tensor(seq_lens, dtype=torch.long)
+                0, torch.tensor(slots, dtype=torch.long), torch.tensor(seq_lens, dtype=torch.long)
             ),
             is_filler=is_filler,
         )
@@ -157,9 +157,13 @@ class MicroBatch:
         index = torch.arange(len(self.seq_lens), dtype=torch.long, device=device)  # (S,)
         return torch.repeat_interleave(index, lens, output_size=self.num_tokens)
 
-    def _per_token(self, per_segment: torch.Tensor) -> torch.Tensor:
-        """(L,) each segment's value repeated over its tokens."""
-        return torch.index_select(per_segment, 0, self._segment_index)
+    def _per_token(
+        self, per_segment: torch.Tensor | list[int] | list[float], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """(L,) each segment's value repeated over its tokens, as ``dtype``."""
+        index = self._segment_index
+        values = torch.as_tensor(per_segment, dtype=dtype, device=index.device)  # (S,)
+        return torch.index_select(values, 0, index)
 
     @functools.cached_property
     def input_ids(self) -> torch.Tensor:
@@ -171,7 +175,7 @@ class MicroBatch:
         """(L,) long. Restart at 0 for every sample and for the padding pseudo-sequence."""
         index = self._segment_index
         starts = torch.tensor([0, *itertools.accumulate(self.seq_lens[:-1])], device=index.device)  # (S,)
-        return torch.arange(self.num_tokens, device=index.device) - self._per_token(starts)
+        return torch.arange(self.num_tokens, device=index.device) - self._per_token(starts, torch.long)
 
     @functools.cached_property
     def advantages(self) -> torch.Tensor:
@@ -179,19 +183,19 @@ class MicroBatch:
         0 elsewhere."""
         if self.token_advantages is not None:
             return self.token_advantages
-        prompt = self.position_ids < self._per_token(self.segment_prompt_lens)  # (L,)
+        prompt = self.position_ids < self._per_token(self.segment_prompt_lens, torch.long)  # (L,)
         # A fill, not a product: exact for any value (0 × Inf would be NaN), +0.0 on prompts as before.
-        return self._per_token(self.segment_advantages).masked_fill_(prompt, 0.0)
+        return self._per_token(self.segment_advantages, torch.float32).masked_fill_(prompt, 0.0)
 
     @functools.cached_property
     def temperatures(self) -> torch.Tensor:
         """(L,) float32. The sampling temperature of each token's batch; 1.0 on padding."""
-        return self._per_token(self.segment_temperatures)
+        return self._per_token(self.segment_temperatures, torch.float32)
 
     @functools.cached_property
     def token_slots(self) -> torch.Tensor:
         """(L,) long. The slot (run) of each token; non-decreasing. Padding takes the last slot present."""
-        return self._per_token(self.segment_slots)
+        return self._per_token(self.segment_slots, torch.long)
 
     @functools.cached_property
     def sample_ids(self) -> torch.Tensor:
@@ -298,11 +302,11 @@ class RowFormat:
             inference_logprobs=torch.from_numpy(np.concatenate(logprobs)),
             seq_lens=seq_lens,
             n_samples=len(members),
-            segment_slots=torch.tensor(slots, dtype=torch.long),
-            segment_temperatures=torch.tensor(temperatures, dtype=torch.float32),
-            segment_prompt_lens=torch.tensor(prompt_lens, dtype=torch.long),
-            segment_advantages=torch.tensor(advantages, dtype=torch.float32),
-            slot_token_counts=torch.tensor(counts, dtype=torch.long),
+            segment_slots=slots,
+            segment_temperatures=temperatures,
+            segment_prompt_lens=prompt_lens,
+            segment_advantages=advantages,
+            slot_token_counts=torch.from_numpy(np.array(counts, dtype=np.int64)),
             is_filler=False,
             token_advantages=None if plain else self._advantages(members, pad),
             teacher_logprobs=None if plain else self._optional(members, pad, "teacher", "has_teacher"),
