@@ -106,20 +106,11 @@ def recompute(model: nn.Module, lora: MultiLoRA, rows: list[Decoding], seq_len: 
         for row in packed:
             seqs = [d.prompt + d.generated for d in row]
             lens = [len(s) for s in seqs]
-            slots = torch.tensor([d.slot for d, n in zip(row, lens, strict=True) for _ in range(n)])
-            zeros = torch.zeros(sum(lens))
-            mb = MicroBatch(
-                input_ids=torch.tensor([t for s in seqs for t in s]),
-                position_ids=torch.cat([torch.arange(n) for n in lens]),
-                loss_mask=torch.zeros(sum(lens), dtype=torch.bool),
-                advantages=zeros,
-                inference_logprobs=zeros,
-                temperatures=torch.ones(sum(lens)),
-                teacher_logprobs=None,
-                token_slots=slots,
-                sample_ids=torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)),
+            mb = MicroBatch.without_loss(
+                torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
                 seq_lens=lens,
-                slot_token_counts=torch.bincount(slots, minlength=lora.n_slots),
+                slots=[d.slot or 0 for d in row],
+                n_slots=lora.n_slots,
             )
             with lora.segments(mb.slot_token_counts):
                 logits = forward_packed(model, mb).float()  # (L, V)

@@ -75,17 +75,28 @@ _ESTIMATORS = ("k1", "k2", "k3")
 
 
 class MicroBatchLike(Protocol):
-    """The tensor attributes of ``trainer_core.packing.MicroBatch`` that the loss reads, each (T,)."""
+    """The tensor attributes of ``trainer_core.packing.MicroBatch`` that the loss reads, each (T,).
 
-    input_ids: Tensor
-    loss_mask: Tensor
-    advantages: Tensor
-    inference_logprobs: Tensor
-    temperatures: Tensor
-    token_slots: Tensor
-    sample_ids: Tensor
-    weights: Tensor | None
-    rewards: Tensor | None
+    Read-only: a compact row expands several of them on first use (cached properties)."""
+
+    @property
+    def input_ids(self) -> Tensor: ...
+    @property
+    def loss_mask(self) -> Tensor: ...
+    @property
+    def advantages(self) -> Tensor: ...
+    @property
+    def inference_logprobs(self) -> Tensor: ...
+    @property
+    def temperatures(self) -> Tensor: ...
+    @property
+    def token_slots(self) -> Tensor: ...
+    @property
+    def sample_ids(self) -> Tensor: ...
+    @property
+    def weights(self) -> Tensor | None: ...
+    @property
+    def rewards(self) -> Tensor | None: ...
 
 
 @dataclass

@@ -390,22 +390,11 @@ def _rows(samples: list[_Sample], seq_len: int) -> list[list[_Sample]]:
 
 
 def _micro_batch(row: list[_Sample], n_slots: int) -> MicroBatch:
-    lens = [len(s.tokens) for s in row]
-    length = sum(lens)
-    slots = torch.tensor([s.slot for s in row for _ in s.tokens], dtype=torch.long)  # (L,)
-    zeros = torch.zeros(length, dtype=torch.float32)  # (L,)
-    return MicroBatch(
-        input_ids=torch.tensor([t for s in row for t in s.tokens], dtype=torch.long),
-        position_ids=torch.cat([torch.arange(n) for n in lens]),
-        loss_mask=torch.zeros(length, dtype=torch.bool),
-        advantages=zeros,
-        inference_logprobs=zeros,
-        temperatures=torch.ones(length, dtype=torch.float32),
-        teacher_logprobs=None,
-        token_slots=slots,
-        sample_ids=torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)),
-        seq_lens=lens,
-        slot_token_counts=torch.bincount(slots, minlength=n_slots),
+    return MicroBatch.without_loss(
+        torch.tensor([t for s in row for t in s.tokens], dtype=torch.int32),  # (L,)
+        seq_lens=[len(s.tokens) for s in row],
+        slots=[s.slot for s in row],
+        n_slots=n_slots,
     )
 
 

@@ -8,6 +8,12 @@ per-token advantages in one row, teacher logprobs, weights and rewards on some s
 per-batch temperatures, `skip`, list-form and binary-form batches, several runs per row, dp > 1
 (rank balancing, `split_to_align`, fillers) and padding. A mismatch names the first pack that
 differs; `_describe` prints what it holds to find the field.
+
+Since the compact row contract (issue 15) a `MicroBatch` stores only int32 ids, the loss mask and the
+logprobs per token (plus the optional per-token fields) and per-segment facts; the digests are taken over
+the EXPANDED per-token views (``input_ids``, ``position_ids``, ``advantages``, ``temperatures``,
+``token_slots``, ``sample_ids``: built in torch from the compact fields on first use), so they still
+prove equality, value and dtype, with the old implementation's per-token tensors.
 """
 
 import hashlib
@@ -19,6 +25,7 @@ import torch
 from contracts.arrays import decode_stored, encode, to_arrays
 from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.packing import MicroBatch, Packer, PackResult
+from trainer_core.packing.rows import EXPANDED_VIEWS
 
 torch.set_num_threads(1)
 
@@ -95,6 +102,8 @@ def _tensor_digest(h: "hashlib._Hash", name: str, t: torch.Tensor | None) -> Non
 
 
 def _micro_batch_digest(h: "hashlib._Hash", mb: MicroBatch) -> None:
+    # The Packer stores none of the expanded views: what is hashed below is expanded from the compact row.
+    assert not EXPANDED_VIEWS & mb.__dict__.keys()
     for name in _TENSOR_FIELDS:
         _tensor_digest(h, name, getattr(mb, name))
     h.update(f"{mb.seq_lens}{mb.is_filler}".encode())

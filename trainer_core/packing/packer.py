@@ -89,8 +89,8 @@ class PackResult:
 
     def fill(self) -> tuple[int, int]:
         """(real tokens, row capacity) over every rank's micro-batches: the pack's efficiency."""
-        real = sum(int((mb.sample_ids >= 0).sum()) for rank in self.micro_batches for mb in rank)
-        capacity = sum(int(mb.input_ids.numel()) for rank in self.micro_batches for mb in rank)
+        real = sum(mb.real_tokens for rank in self.micro_batches for mb in rank)
+        capacity = sum(mb.num_tokens for rank in self.micro_batches for mb in rank)
         return real, capacity
 
 
