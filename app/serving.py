@@ -3,7 +3,7 @@ a 431, and connection timeouts. One definition for `loraloom serve`, the service
 demo, tests and benchmarks (loraloom/launch.py), and the documented command line:
 
     uvicorn --factory app.main:create_app --http app.serving:LimitedHttpToolsProtocol \
-        --timeout-keep-alive 5
+        --timeout-keep-alive 5 --no-proxy-headers
 
 httptools (llhttp, in C) rather than h11 (pure Python): h11 spent about a fifth of the service's
 CPU on a 0.4 MB rollout batch (docs/benchmarks.md). But httptools has no limit on the size of
