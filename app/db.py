@@ -9,8 +9,8 @@ from fastapi import Depends, Request
 from sqlalchemy import CursorResult, Delete, MetaData, Update, create_engine, event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DisconnectionError
-from sqlalchemy.pool import ConnectionPoolEntry
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+from sqlalchemy.pool import ConnectionPoolEntry
 
 # Stable constraint names, so Alembic migrations and autogenerate agree on every backend.
 NAMING_CONVENTION = {

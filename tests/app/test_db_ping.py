@@ -3,7 +3,8 @@ is replaced before a statement meets it."""
 
 import psycopg
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine.interfaces import DBAPIConnection
 
 from app.config import Settings
 from app.db import ping_after_idle
@@ -11,21 +12,21 @@ from app.db import ping_after_idle
 pytestmark = pytest.mark.postgres_only
 
 
-def _engine(settings: Settings, idle_seconds: float):  # type: ignore[no-untyped-def]
+def _engine(settings: Settings, idle_seconds: float) -> tuple[Engine, list[DBAPIConnection]]:
     engine = create_engine(settings.database_url, pool_size=1, max_overflow=0)
     ping_after_idle(engine, idle_seconds)
-    pings: list[object] = []
+    pings: list[DBAPIConnection] = []
     real_ping = engine.dialect.do_ping
 
-    def counting_ping(dbapi_conn: object) -> bool:
+    def counting_ping(dbapi_conn: DBAPIConnection) -> bool:
         pings.append(dbapi_conn)
         return real_ping(dbapi_conn)
 
-    engine.dialect.do_ping = counting_ping  # type: ignore[method-assign]
+    setattr(engine.dialect, "do_ping", counting_ping)  # noqa: B010 - this engine's dialect only
     return engine, pings
 
 
-def _backend_pid(engine) -> int:  # type: ignore[no-untyped-def]
+def _backend_pid(engine: Engine) -> int:
     with engine.connect() as conn:
         return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
 

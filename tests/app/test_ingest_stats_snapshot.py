@@ -53,7 +53,12 @@ def _store(session: Session, run_id: str, tenant_id: str, reserved: Reserved, ba
     assert reserved.inserted is not None
     known = (reserved.step_stats.row,) if reserved.step_stats.current else None
     add_batch(
-        session, run_id=run_id, tenant_id=tenant_id, batch_id=reserved.inserted[0], batch=batch, step_stats=known
+        session,
+        run_id=run_id,
+        tenant_id=tenant_id,
+        batch_id=reserved.inserted[0],
+        batch=batch,
+        step_stats=known,
     )
     session.commit()
 
@@ -94,7 +99,7 @@ def test_the_stats_read_with_the_reservation_is_trusted_only_when_current(settin
         holder, waiter, watcher = sessions(), sessions(), sessions()
         held = _reserve(holder, seeded.run_id, "c", 4)
         add_batch(
-            holder, run_id=seeded.run_id, tenant_id=seeded.tenant_id, batch_id=held.inserted[0],  # type: ignore[index]
+            holder, run_id=seeded.run_id, tenant_id=seeded.tenant_id, batch_id=held.inserted[0],
             batch=_batch(3.0, 4),
         )  # fmt: skip
         waiter_pid = waiter.execute(text("SELECT pg_backend_pid()")).scalar_one()
