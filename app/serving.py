@@ -3,7 +3,7 @@ a 431, and connection timeouts. One definition for `loraloom serve`, the service
 demo, tests and benchmarks (loraloom/launch.py), and the documented command line:
 
     uvicorn --factory app.main:create_app --http app.serving:LimitedHttpToolsProtocol \
-        --timeout-keep-alive 5
+        --timeout-keep-alive 5 --no-proxy-headers
 
 httptools (llhttp, in C) rather than h11 (pure Python): h11 spent about a fifth of the service's
 CPU on a 0.4 MB rollout batch (docs/benchmarks.md). But httptools has no limit on the size of
@@ -15,10 +15,16 @@ one read is held to the exact limit by app/request_guard.py. `LimitedH11Protocol
 limit, answered with a 431) stays available: `--http app.serving:LimitedH11Protocol
 --h11-max-incomplete-event-size 16384`. Request *bodies* have their own limit and read deadline
 in app/request_guard.py.
+
+uvicorn's X-Forwarded-* handling (its ProxyHeadersMiddleware, one more ASGI layer on every request)
+is on only when `FORWARDED_ALLOW_IPS` (uvicorn's own variable: the proxies to trust) is set: the
+service does not read the client's address, and without a proxy there is nothing to rewrite.
 """
 
 import asyncio
 import json
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -28,6 +34,14 @@ MAX_HEADER_BYTES = 16 * 1024
 """Request line and headers together (h11's own default)."""
 
 KEEP_ALIVE_SECONDS = 5
+
+PROXY_ALLOW_ENV = "FORWARDED_ALLOW_IPS"
+"""Set (uvicorn reads it too): trust X-Forwarded-For/-Proto from these addresses."""
+
+
+def proxy_headers_configured(env: Mapping[str, str] | None = None) -> bool:
+    """Whether a deployment asked for proxy headers (`env`: the service's environment)."""
+    return bool((os.environ if env is None else env).get(PROXY_ALLOW_ENV, "").strip())
 
 
 def _write_431(transport: asyncio.Transport, limit: int) -> None:
@@ -90,17 +104,22 @@ class LimitedH11Protocol(H11Protocol):
         _write_431(self.transport, limit)
 
 
-def uvicorn_cli_args() -> list[str]:
+def uvicorn_cli_args(env: Mapping[str, str] | None = None) -> list[str]:
     """The options of `uvicorn_options` as `uvicorn` command-line arguments (for a service started
-    as a child process)."""
+    as a child process with the environment `env`, by default this one's)."""
     return [
         "--http",
         f"{LimitedHttpToolsProtocol.__module__}:{LimitedHttpToolsProtocol.__qualname__}",
         "--timeout-keep-alive",
         str(KEEP_ALIVE_SECONDS),
+        "--proxy-headers" if proxy_headers_configured(env) else "--no-proxy-headers",
     ]
 
 
-def uvicorn_options() -> dict[str, Any]:
+def uvicorn_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The keyword arguments of uvicorn.Config (and uvicorn.run) every deployment uses."""
-    return {"http": LimitedHttpToolsProtocol, "timeout_keep_alive": KEEP_ALIVE_SECONDS}
+    return {
+        "http": LimitedHttpToolsProtocol,
+        "timeout_keep_alive": KEEP_ALIVE_SECONDS,
+        "proxy_headers": proxy_headers_configured(env),
+    }

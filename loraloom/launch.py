@@ -73,7 +73,7 @@ def start_service_process(
         process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app", "--host", "127.0.0.1"]
             + ["--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log"]
-            + [*uvicorn_cli_args(), "--app-dir", str(_ROOT)],
+            + [*uvicorn_cli_args(env), "--app-dir", str(_ROOT)],
             env=absolute_env(env),
             stdout=log,
             stderr=subprocess.STDOUT if log else None,

@@ -9,13 +9,24 @@ rollback undoes the reservation. The count comes from the statement's snapshot (
 lock was granted), as an unlocked read would: a flood guard, not an invariant.
 `ON CONFLICT (run_id, idempotency_key) DO NOTHING` leaves `batch_id` NULL for a repeated key; the
 caller gives the range back then (the rare path).
+
+The same statement reads the batch's rollout step's stats row (app/rollouts/service.add_batch
+merges into it), saving that read's round trip, but the row comes from the statement's snapshot,
+which misses what a submission that held the run row lock before us committed. It can be trusted
+only when no such submission committed: every writer of a run's stats rows raises the run's
+`submitted_samples` in the same transaction under the same lock (only ingestion writes them, and
+`submitted_samples` never goes down across transactions), so the snapshot is current exactly when
+the locked row's count is the snapshot's plus this batch's (`stats_current`); otherwise the caller
+reads the row again under the lock.
 """
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import JSON, Connection, Row, text
 
+from app.rollouts.service import StepStats
 from contracts.status import BatchState, RunStatus
 
 _STATEMENT = text(
@@ -38,13 +49,23 @@ WITH locked AS (
       AND pending.batches < :max_pending_batches AND pending.bytes + :payload_bytes <= :max_pending_bytes
     ON CONFLICT (run_id, idempotency_key) DO NOTHING
     RETURNING id
+), snapshot AS (
+    SELECT submitted_samples FROM runs WHERE id = :run_id
+), step_stats AS (
+    SELECT id, samples, reward_count, reward_mean, reward_m2, reward_min, reward_max, metrics
+    FROM rollout_stats WHERE run_id = :run_id AND rollout_step = :rollout_step
 )
 SELECT locked.submitted_samples, locked.status, locked.step, locked.eviction_reason, locked.evicted_by,
        pending.batches AS pending_batches, pending.bytes AS pending_bytes,
-       (SELECT id FROM inserted) AS batch_id
-FROM locked, pending
+       (SELECT id FROM inserted) AS batch_id,
+       snapshot.submitted_samples = locked.submitted_samples - :num_samples AS stats_current,
+       step_stats.id AS stats_id, step_stats.samples AS stats_samples,
+       step_stats.reward_count AS stats_reward_count, step_stats.reward_mean AS stats_reward_mean,
+       step_stats.reward_m2 AS stats_reward_m2, step_stats.reward_min AS stats_reward_min,
+       step_stats.reward_max AS stats_reward_max, step_stats.metrics AS stats_metrics
+FROM locked CROSS JOIN pending CROSS JOIN snapshot LEFT JOIN step_stats ON true
 """
-)
+).columns(stats_metrics=JSON)  # decoded as the ORM's column is
 
 
 @dataclass(frozen=True)
@@ -59,6 +80,16 @@ class Reserved:
     pending_bytes: int
     inserted: tuple[int, datetime] | None
     """The new row's id and creation time, or None: the run or the limits refused it, or the key existed."""
+    step_stats: "StepStatsRead"
+    """The batch's rollout-step stats row as the statement read it (see the module's docstring)."""
+
+
+@dataclass(frozen=True)
+class StepStatsRead:
+    current: bool
+    """False: a submission committed between the snapshot and the lock; read the row again."""
+    row: StepStats | None
+    """None: the step has no row yet."""
 
 
 def reserve_and_insert(
@@ -93,4 +124,20 @@ def reserve_and_insert(
         int(row.pending_batches),
         int(row.pending_bytes),
         None if row.batch_id is None else (row.batch_id, created_at),
+        StepStatsRead(bool(row.stats_current), _stats_row(row)),
+    )
+
+
+def _stats_row(row: Row[Any]) -> StepStats | None:
+    if row.stats_id is None:
+        return None
+    return StepStats(
+        row.stats_id,
+        row.stats_samples,
+        row.stats_reward_count,
+        row.stats_reward_mean,
+        row.stats_reward_m2,
+        row.stats_reward_min,
+        row.stats_reward_max,
+        row.stats_metrics,
     )

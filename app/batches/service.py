@@ -295,13 +295,23 @@ def _add_row(
         _check_status(state)  # the run may have moved while the file was written (rollback: no range taken)
         _check_fresh(state, batch, config)
         inserted = reserved.inserted
+        # The step's stats row came with the statement when its snapshot is current (one_statement.py).
+        step_stats = (reserved.step_stats.row,) if reserved.step_stats.current else None
     else:
         inserted = _reserve_then_insert(
             session, settings=settings, run_id=run_id, batch=batch, config=config, values=values
         )
+        step_stats = None
     if inserted is not None:
         batch_id, created_at = inserted
-        add_rollout_batch(session, run_id=run_id, tenant_id=run.tenant_id, batch_id=batch_id, batch=batch)
+        add_rollout_batch(
+            session,
+            run_id=run_id,
+            tenant_id=run.tenant_id,
+            batch_id=batch_id,
+            batch=batch,
+            step_stats=step_stats,
+        )
         row = StoredBatch(
             id=batch_id,
             run_id=run_id,

@@ -76,6 +76,20 @@ class Summary:
         return cls(int(count), float(mean), float(m2), lo, hi)
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """A step's stats row as add_batch reads it (the columns of _STATS_OF_STEP)."""
+
+    id: int
+    samples: int | None
+    reward_count: int
+    reward_mean: float
+    reward_m2: float
+    reward_min: float | None
+    reward_max: float | None
+    metrics: dict[str, Any]
+
+
 def reward_summary(row: RolloutStats) -> Summary:
     return Summary(row.reward_count, row.reward_mean, row.reward_m2, row.reward_min, row.reward_max)
 
@@ -120,13 +134,21 @@ VALUES (:updated_at, :action, :actor, :tenant_id, :run_id, NULL, CAST(:details A
 
 
 def add_batch(
-    session: Session, *, run_id: str, tenant_id: str, batch_id: int, batch: TrainingBatch | ArrayBatch
+    session: Session,
+    *,
+    run_id: str,
+    tenant_id: str,
+    batch_id: int,
+    batch: TrainingBatch | ArrayBatch,
+    step_stats: tuple[StepStats | None] | None = None,
 ) -> None:
     """Merge a stored batch's rewards and metrics into its rollout step; record a `batch.received`
     event with the step's aggregate so far. Call under the run row lock, in the batch's transaction.
 
     Core statements on the session's connection (ingestion's hot path builds no ORM object): the
-    step's row read, then written and the event appended (one statement on Postgres)."""
+    step's row read, then written and the event appended (one statement on Postgres).
+    `step_stats`: the step's row (in a 1-tuple; None inside: no row yet) when the caller read it
+    under the run row lock already (app/batches/one_statement.py), so it is not read again."""
     rewards = Summary.of([s.reward for s in batch.examples if s.reward is not None])
     per_metric: dict[str, list[float]] = {}
     for sample in batch.examples:
@@ -134,7 +156,11 @@ def add_batch(
             per_metric.setdefault(name, []).append(value)
 
     connection = session.connection()
-    row = connection.execute(_STATS_OF_STEP, {"run_id": run_id, "step": batch.step}).one_or_none()
+    row: Any
+    if step_stats is not None:
+        (row,) = step_stats
+    else:
+        row = connection.execute(_STATS_OF_STEP, {"run_id": run_id, "step": batch.step}).one_or_none()
     if row is None:
         samples, total = 0, rewards
         metrics: dict[str, Summary] = {}

@@ -70,3 +70,28 @@ def test_bodies_are_not_head_bytes_on_a_kept_alive_connection(server):
             assert r.status_code == 201, r.text
             # A request after the body, on the same connection, is a fresh head.
             assert http.get("/healthz").status_code == 200
+
+
+def _loaded_app(env: dict[str, str]) -> object:
+    import uvicorn
+
+    async def app(scope: object, receive: object, send: object) -> None:  # pragma: no cover - never called
+        pass
+
+    config = uvicorn.Config(app, **uvicorn_options(env))
+    config.load()
+    return config.loaded_app
+
+
+def test_proxy_headers_only_when_trusted_proxies_are_configured():
+    """Without FORWARDED_ALLOW_IPS no X-Forwarded-* layer wraps the app (one ASGI hop less per
+    request); with it, uvicorn's ProxyHeadersMiddleware trusts those addresses."""
+    from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+    from app.serving import uvicorn_cli_args
+
+    assert not isinstance(_loaded_app({}), ProxyHeadersMiddleware)
+    assert not isinstance(_loaded_app({"FORWARDED_ALLOW_IPS": " "}), ProxyHeadersMiddleware)
+    assert isinstance(_loaded_app({"FORWARDED_ALLOW_IPS": "10.0.0.1"}), ProxyHeadersMiddleware)
+    assert "--no-proxy-headers" in uvicorn_cli_args({})
+    assert "--proxy-headers" in uvicorn_cli_args({"FORWARDED_ALLOW_IPS": "10.0.0.1"})
