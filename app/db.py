@@ -1,6 +1,5 @@
 """Engine, session factory, the declarative Base and the typed session dependency."""
 
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
@@ -8,9 +7,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from sqlalchemy import CursorResult, Delete, MetaData, Update, create_engine, event
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
-from sqlalchemy.pool import ConnectionPoolEntry
 
 # Stable constraint names, so Alembic migrations and autogenerate agree on every backend.
 NAMING_CONVENTION = {
@@ -57,41 +54,7 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    engine = create_engine(url, pool_size=10, max_overflow=20)
-    ping_after_idle(engine)
-    return engine
-
-
-PING_AFTER_IDLE_SECONDS = 1.0
-"""A pooled connection idle for longer is pinged before use (see ping_after_idle)."""
-
-_IDLE_SINCE = "loraloom_idle_since"
-
-
-def ping_after_idle(engine: Engine, idle_seconds: float = PING_AFTER_IDLE_SECONDS) -> None:
-    """SQLAlchemy's pre-ping, but only for a connection idle for more than `idle_seconds`.
-
-    `pool_pre_ping` costs a round trip on every checkout, and a batch submission checks out twice
-    (the connection goes back to the pool while its payload is fsynced): two of its eight round
-    trips. A connection returned a moment ago is as alive as the ping would find it, except if the
-    server went away within those `idle_seconds`: its first statement then fails as a disconnect,
-    which SQLAlchemy answers by invalidating the pool's connections and the error guard by a 503
-    with Retry-After (app/error_guard.py), so the client's retry gets a fresh connection."""
-
-    @event.listens_for(engine.pool, "checkin")
-    def _checked_in(_dbapi_conn: Any, record: ConnectionPoolEntry) -> None:
-        record.info[_IDLE_SINCE] = time.monotonic()
-
-    @event.listens_for(engine.pool, "checkout")
-    def _checked_out(dbapi_conn: Any, record: ConnectionPoolEntry, _proxy: Any) -> None:
-        idle_since = record.info.get(_IDLE_SINCE)
-        if idle_since is not None and time.monotonic() - idle_since <= idle_seconds:
-            return
-        try:
-            engine.dialect.do_ping(dbapi_conn)
-        except Exception as exc:
-            # The pool discards this connection and checks out (or opens) another.
-            raise DisconnectionError("stale pooled connection") from exc
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
