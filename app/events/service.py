@@ -9,6 +9,29 @@ from app.db import utcnow
 from app.events.models import ACTORS, Event
 
 
+def _values(
+    *,
+    action: str,
+    actor: str,
+    tenant_id: str | None,
+    run_id: str | None,
+    api_key_id: str | None,
+    details: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """An event's columns (both forms below write the same row)."""
+    if actor not in ACTORS:
+        raise ValueError(f"unknown actor {actor!r}")
+    return {
+        "at": utcnow(),
+        "action": action,
+        "actor": actor,
+        "tenant_id": tenant_id,
+        "run_id": run_id,
+        "api_key_id": api_key_id,
+        "details": details or {},
+    }
+
+
 def record_event(
     session: Session,
     *,
@@ -20,16 +43,15 @@ def record_event(
     details: dict[str, Any] | None = None,
 ) -> Event:
     """Append to the audit log (in the caller's transaction). Never pass secrets in `details`."""
-    if actor not in ACTORS:
-        raise ValueError(f"unknown actor {actor!r}")
     event = Event(
-        at=utcnow(),
-        action=action,
-        actor=actor,
-        tenant_id=tenant_id,
-        run_id=run_id,
-        api_key_id=api_key_id,
-        details=details or {},
+        **_values(
+            action=action,
+            actor=actor,
+            tenant_id=tenant_id,
+            run_id=run_id,
+            api_key_id=api_key_id,
+            details=details,
+        )
     )
     if session.get_bind().dialect.name == "postgresql":
         event.txid = _TXID  # type: ignore[assignment]
@@ -54,16 +76,8 @@ def append_event(
 ) -> None:
     """`record_event` as one Core INSERT on the caller's connection (in its transaction), for hot
     paths that hold no ORM objects. Never pass secrets in `details`."""
-    if actor not in ACTORS:
-        raise ValueError(f"unknown actor {actor!r}")
-    values: dict[str, Any] = {
-        "at": utcnow(),
-        "action": action,
-        "actor": actor,
-        "tenant_id": tenant_id,
-        "run_id": run_id,
-        "api_key_id": None,
-        "details": details or {},
-    }
+    values = _values(
+        action=action, actor=actor, tenant_id=tenant_id, run_id=run_id, api_key_id=None, details=details
+    )
     dialect = connection.dialect.name
     connection.execute(_INSERT["postgresql" if dialect == "postgresql" else "other"], values)
