@@ -41,12 +41,14 @@ class RunLedger:
             self.open.append(_OpenBatch(batch_id, fresh))
         return fresh
 
-    def consumed(self, batch_ids: list[int]) -> None:
-        """The packer took these samples (one batch id per sample, in packing order)."""
-        for batch_id in batch_ids:
+    def consumed(self, taken: list[tuple[int, int]]) -> None:
+        """The packer took these samples: ``(batch id, how many of its samples)``, in packing order."""
+        for batch_id, n in taken:
             for entry in self.open:
                 if entry.batch_id == batch_id:
-                    entry.remaining -= 1
+                    if n > entry.remaining:
+                        raise KeyError(f"{n} samples of batch {batch_id}, which has {entry.remaining} left")
+                    entry.remaining -= n
                     break
             else:
                 raise KeyError(f"sample of unknown batch {batch_id}")

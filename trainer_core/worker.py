@@ -517,7 +517,7 @@ class PoolTrainer:
         fill = result.fill()
         for slot, pack in result.runs.items():
             run = self.slots[slot]
-            run.ledger.consumed([ref.batch_id for ref in pack.consumed])
+            run.ledger.consumed(pack.samples_per_batch())
             run.step_metrics.add_pack(pack, fill=fill)
             if pack.step_completed and run.leaving is None:
                 completing[slot] = pack.step

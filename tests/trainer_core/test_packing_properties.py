@@ -4,12 +4,15 @@ Every sample carries its identity in its tokens (prompt tokens ``2·uid``, compl
 ``2·uid + 1``), so each packed sample can be traced back to the one that went in.
 """
 
+from unittest.mock import patch
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.packing import MicroBatch, Packer, PackResult, SampleRef, assign_to_ranks, pack_ffd
+from trainer_core.packing import bins as bins_module
 
 torch.set_num_threads(1)
 
@@ -37,10 +40,13 @@ def naive_ffd(lengths: list[int], seq_len: int) -> list[list[int]]:
 @given(
     seq_len=st.integers(1, 64),
     data=st.data(),
+    scan_max_bins=st.sampled_from([0, bins_module.LINEAR_SCAN_MAX_BINS]),
 )
-def test_pack_ffd_matches_the_textbook_algorithm(seq_len, data):
+def test_pack_ffd_matches_the_textbook_algorithm(seq_len, data, scan_max_bins):
+    """Both placements of `pack_ffd` (the tree, and the scan for few bins) are the textbook one."""
     lengths = data.draw(st.lists(st.integers(1, seq_len), max_size=80))
-    bins = pack_ffd(lengths, seq_len)
+    with patch.object(bins_module, "LINEAR_SCAN_MAX_BINS", scan_max_bins):
+        bins = pack_ffd(lengths, seq_len)
     assert bins == naive_ffd(lengths, seq_len)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= seq_len for b in bins)

@@ -35,6 +35,8 @@ def pack_ffd(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     # Python's sort is stable under reverse=True: equal lengths keep input order (deterministic output).
     order = sorted(range(n), key=lengths.__getitem__, reverse=True)
     max_bins = min(n, 2 * -(-sum(lengths) // seq_len) + 1)
+    if max_bins <= LINEAR_SCAN_MAX_BINS:
+        return _first_fit_scan(order, lengths, seq_len)
     leaves = 1 << (max_bins - 1).bit_length()
     tree = [seq_len] * (2 * leaves)  # tree[1] is the root; leaves at [leaves, 2·leaves)
     bins: list[list[int]] = []
@@ -59,6 +61,29 @@ def pack_ffd(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
                 break
             tree[node] = best
             node >>= 1
+    return bins
+
+
+LINEAR_SCAN_MAX_BINS = 32
+"""Up to this many bins a plain scan of the open bins beats the tree's walk (a pack of the Packer
+has about ``dp_world_size`` bins); both place every item in the same bin."""
+
+
+def _first_fit_scan(order: list[int], lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """`pack_ffd`'s placement by scanning the open bins' free room in order."""
+    room: list[int] = []
+    bins: list[list[int]] = []
+    for i in order:
+        size = lengths[i]
+        b = 0
+        while b < len(room) and room[b] < size:
+            b += 1
+        if b == len(room):
+            room.append(seq_len - size)
+            bins.append([i])
+        else:
+            room[b] -= size
+            bins[b].append(i)
     return bins
 
 

@@ -14,11 +14,13 @@ rules, which names the sample and the problem.
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, cast
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -56,8 +58,13 @@ class SampleChunk:
     """Tokens per sample that carry loss in a row (completion_mask, minus a sample-initial token)."""
     completion_mask: npt.NDArray[np.bool_]
     """(C,)"""
-    logprobs: npt.NDArray[np.float32]
-    """(C,) the inference policy's logprobs."""
+    id_views: list[npt.NDArray[np.int32]]
+    """Per sample: its ``(len,)`` token ids (views of ``ids``)."""
+    loss_views: list[npt.NDArray[np.bool_]]
+    """Per sample: its ``(len,)`` loss mask in a row: False on the prompt, ``completion_mask`` on the
+    completion, and False on the first token when the prompt is empty (no in-sample predecessor)."""
+    logprob_views: list[npt.NDArray[np.float32]]
+    """Per sample: its ``(len,)`` inference logprobs, 0 on the prompt."""
     advantage_scalars: list[float] | None
     """(N,) float32 values when every sample's advantage is a scalar; else None and
     ``advantage_tokens`` is set."""
@@ -94,7 +101,8 @@ class SampleChunk:
         """The samples ``examples[skip:]`` as a chunk; None when any sample of ``examples`` (the
         skipped ones too) may break a rule of ``sample_problems(full=False)`` (then ask
         ``array_batch_problems`` which). ``examples[skip:]`` must not be empty."""
-        joined = _Joined.checked(examples, seq_len=seq_len, vocab_size=vocab_size)
+        columns = _Columns.of(examples)
+        joined = _Joined.checked(columns, seq_len=seq_len, vocab_size=vocab_size)
         if joined is None:
             return None
         # Offsets of the kept samples, relative to their first token / completion token.
@@ -105,14 +113,24 @@ class SampleChunk:
         kept_c = [c - c0 for c in completion_starts[skip:]]
         kept_n_prompt = joined.n_prompt[skip:]
         completion_mask = joined.completion_mask[c0:]
-        loss_tokens = _per_sample_sums(completion_mask, kept_c)
+        loss_tokens = _loss_token_counts(completion_mask, joined.n_completion[skip:], kept_c)
         # The first token of a sample with no prompt has no in-sample predecessor: never loss.
         empty_prompt = np.flatnonzero(kept_n_prompt == 0)
         if empty_prompt.size:
             loss_tokens[empty_prompt] -= completion_mask[np.asarray(kept_c)[empty_prompt]]
-        kept = examples[skip:]
-        has_teacher = _flags(kept, "teacher_logprobs")
-        has_weights = _flags(kept, "weights")
+        kept = columns.kept(skip)
+        n_prompt_list = kept_n_prompt.tolist()
+        loss = np.frombuffer(_after_prompt_zeros(kept.completion_mask, n_prompt_list, 1), np.bool_)
+        if empty_prompt.size:
+            loss = loss.copy()
+            loss[np.asarray(kept_t)[empty_prompt]] = False
+        token_logprobs = np.frombuffer(
+            _after_prompt_zeros(kept.completion_logprobs, n_prompt_list, FLOAT_DTYPE.itemsize), FLOAT_DTYPE
+        )
+        ids = joined.ids[t0:]
+        samples = list(map(slice, kept_t[:-1], kept_t[1:]))
+        has_teacher = _flags(kept.teacher_logprobs)
+        has_weights = _flags(kept.weights)
         rewards, has_rewards = _rewards(kept, joined, c0, c1)
         adv_scalars, adv_tokens = joined.advantages
         return cls(
@@ -120,25 +138,58 @@ class SampleChunk:
             first_index=skip,
             temperature=temperature,
             arrived_at=arrived_at,
-            ids=joined.ids[t0:],
-            spans=list(
-                zip(kept_t[:-1], kept_t[1:], kept_c[:-1], kept_c[1:], kept_n_prompt.tolist(), strict=True)
-            ),
+            ids=ids,
+            spans=list(zip(kept_t[:-1], kept_t[1:], kept_c[:-1], kept_c[1:], n_prompt_list, strict=True)),
             num_tokens=kept_t[-1],
             lengths=joined.lengths[skip:].tolist(),
             loss_tokens=loss_tokens.tolist(),
             completion_mask=completion_mask,
-            logprobs=joined.logprobs[c0:],
+            id_views=list(map(ids.__getitem__, samples)),
+            loss_views=list(map(loss.__getitem__, samples)),
+            logprob_views=list(map(token_logprobs.__getitem__, samples)),
             advantage_scalars=None if adv_scalars is None else adv_scalars[skip:].tolist(),
             advantage_tokens=None if adv_tokens is None else adv_tokens[c0:],
-            teacher=None if has_teacher is None else joined.filled("teacher_logprobs", examples, 0.0)[c0:],
+            teacher=None if has_teacher is None else joined.filled("teacher_logprobs", columns, 0.0)[c0:],
             has_teacher=has_teacher,
-            weights=None if has_weights is None else joined.filled("weights", examples, None)[c0:],
+            weights=None if has_weights is None else joined.filled("weights", columns, None)[c0:],
             has_weights=has_weights,
             rewards=rewards,
             has_rewards=has_rewards,
             plain=adv_tokens is None and has_teacher is None and has_weights is None and has_rewards is None,
         )
+
+
+class _Columns(NamedTuple):
+    """A batch's samples as one tuple per field (column), taken in one C-level pass.
+
+    Per-sample Python (a generator or a comprehension per field and rule) cost more than the
+    batch's bytes themselves; a column answers most rules with C-level calls instead (``map(len,
+    …)``, ``tuple.count(None)``, ``any``, ``b"".join``)."""
+
+    prompt_ids: tuple[bytes, ...]
+    prompt_mask: tuple[bytes, ...]
+    completion_ids: tuple[bytes, ...]
+    completion_mask: tuple[bytes, ...]
+    completion_logprobs: tuple[bytes, ...]
+    advantage: tuple[float | bytes | None, ...]
+    teacher_logprobs: tuple[bytes | None, ...]
+    reward: tuple[float | None, ...]
+    token_rewards: tuple[bytes | None, ...]
+    weights: tuple[bytes | None, ...]
+    metrics: tuple[dict[str, float] | None, ...]
+
+    @classmethod
+    def of(cls, examples: Sequence[ArraySample]) -> _Columns:
+        # astuple reads a struct's slots in C: half the cost of an attrgetter of the same fields.
+        return cls._make(zip(*map(msgspec.structs.astuple, examples), strict=True))
+
+    def kept(self, skip: int) -> _Columns:
+        """The columns of the samples from ``skip`` on."""
+        return self if not skip else _Columns._make(column[skip:] for column in self)
+
+
+# astuple gives ArraySample's fields in declaration order: the columns must be those fields.
+assert _Columns._fields == ArraySample.__struct_fields__, "_Columns must list ArraySample's fields in order"
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,34 +201,30 @@ class _Joined:
     lengths: npt.NDArray[np.int64]
     ids: npt.NDArray[np.int32]
     completion_mask: npt.NDArray[np.bool_]
-    logprobs: npt.NDArray[np.float32]
     advantages: tuple[npt.NDArray[np.float32] | None, npt.NDArray[np.float32] | None]
     optional: dict[str, npt.NDArray[np.float32] | None]
     """teacher_logprobs, token_rewards, weights: the values of the samples that have them, end to end."""
 
     @classmethod
-    def checked(
-        cls, examples: Sequence[ArraySample], *, seq_len: int, vocab_size: int | None
-    ) -> _Joined | None:
+    def checked(cls, columns: _Columns, *, seq_len: int, vocab_size: int | None) -> _Joined | None:
         """The joined arrays; None when a rule of ``sample_problems(full=False)`` may be broken."""
-        n = len(examples)
-        n_prompt_bytes = np.fromiter((len(s.prompt_ids) for s in examples), np.int64, n)
-        n_completion_bytes = np.fromiter((len(s.completion_ids) for s in examples), np.int64, n)
-        if (n_prompt_bytes % 4).any() or (n_completion_bytes % 4).any():
+        n_prompt_bytes = _byte_counts(columns.prompt_ids)
+        n_completion_bytes = _byte_counts(columns.completion_ids)
+        if ((n_prompt_bytes | n_completion_bytes) & 3).any():
             return None
         n_prompt, n_completion = n_prompt_bytes >> 2, n_completion_bytes >> 2
         lengths = n_prompt + n_completion
         if int(lengths.min()) < 1 or int(lengths.max()) > seq_len:
             return None
-        if not _per_sample_fields_ok(examples, n_prompt, n_completion):
+        if not _per_sample_fields_ok(columns, n_prompt, n_completion):
             return None
         optional: dict[str, npt.NDArray[np.float32] | None] = {}
         for name in ("teacher_logprobs", "token_rewards", "weights"):
-            fits, optional[name] = _optional_floats(examples, name, n_completion_bytes)
+            fits, optional[name] = _optional_floats(getattr(columns, name), n_completion_bytes)
             if not fits:
                 return None
-        advantages = _advantages(examples, n_completion)
-        if advantages is None or not _scalars_finite(examples):
+        advantages = _advantages(columns.advantage, n_completion)
+        if advantages is None or not _scalars_finite(columns, advantages[0]):
             return None
         for values in (advantages[1], optional["token_rewards"], optional["weights"]):
             if values is not None and not _all_finite(values):
@@ -186,13 +233,17 @@ class _Joined:
         if weights is not None and weights.size and float(weights.min()) < 0.0:
             return None
         ids = np.frombuffer(
-            b"".join(p for s in examples for p in (s.prompt_ids, s.completion_ids)), IDS_DTYPE
+            b"".join(
+                itertools.chain.from_iterable(zip(columns.prompt_ids, columns.completion_ids, strict=True))
+            ),
+            IDS_DTYPE,
         )
         limit = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= limit):
+        # One pass for both bounds: a negative id read as uint32 is ≥ 2³¹ ≥ limit.
+        if ids.size and int(ids.view(np.uint32).max()) >= limit:
             return None
-        mask = np.frombuffer(b"".join(s.completion_mask for s in examples), np.uint8)
-        prompt_mask = np.frombuffer(b"".join(s.prompt_mask for s in examples), np.uint8)
+        mask = np.frombuffer(b"".join(columns.completion_mask), np.uint8)
+        prompt_mask = np.frombuffer(b"".join(columns.prompt_mask), np.uint8)
         if (mask.size and int(mask.max()) > 1) or (prompt_mask.size and int(prompt_mask.max()) > 1):
             return None
         return cls(
@@ -201,21 +252,19 @@ class _Joined:
             lengths=lengths,
             ids=ids,
             completion_mask=mask.view(np.bool_),
-            logprobs=np.frombuffer(b"".join(s.completion_logprobs for s in examples), FLOAT_DTYPE),
             advantages=advantages,
             optional=optional,
         )
 
-    def filled(
-        self, name: str, examples: Sequence[ArraySample], fill: float | None
-    ) -> npt.NDArray[np.float32]:
+    def filled(self, name: str, columns: _Columns, fill: float | None) -> npt.NDArray[np.float32]:
         """(C,) the optional field ``name`` at every sample's completion positions; for samples
         without it ``fill``, or (None) their completion mask as 0/1 (the implicit loss weights)."""
         joined = self.optional[name]
         assert joined is not None
-        present = [getattr(s, name) is not None for s in examples]
-        if all(present):
+        column = getattr(columns, name)
+        if None not in column:
             return joined
+        present = [v is not None for v in column]
         is_present = np.repeat(np.asarray(present, dtype=np.bool_), self.n_completion)
         out = (
             self.completion_mask.astype(np.float32)
@@ -224,6 +273,35 @@ class _Joined:
         )
         out[is_present] = joined
         return out
+
+
+def _after_prompt_zeros(completion: tuple[bytes, ...], n_prompt: list[int], itemsize: int) -> bytes:
+    """A per-completion-token field made token-aligned: each sample's ``n_prompt`` zero values, then
+    its completion values, samples end to end — one ``b"".join`` of memoryview slices (no per-sample
+    allocation)."""
+    zeros = memoryview(bytes(itemsize * max(n_prompt, default=0)))
+    prompts = map(zeros.__getitem__, map(slice, [itemsize * n for n in n_prompt]))
+    return b"".join(itertools.chain.from_iterable(zip(prompts, completion, strict=True)))
+
+
+def _byte_counts(column: tuple[bytes, ...]) -> npt.NDArray[np.int64]:
+    return np.fromiter(map(len, column), np.int64, len(column))
+
+
+def _loss_token_counts(
+    mask: npt.NDArray[np.bool_], n_completion: npt.NDArray[np.int64], starts: list[int]
+) -> npt.NDArray[np.int64]:
+    """(N,) True values of ``mask`` per sample (sample ``k``'s completion is ``[starts[k],
+    starts[k + 1])``). A mask without a False — the common case — needs one counting pass; a few
+    Falses are located and subtracted; a mask full of holes is summed per sample."""
+    falses = mask.size - int(np.count_nonzero(mask))
+    if not falses:
+        return n_completion.copy()
+    if falses * 16 <= mask.size:
+        at = np.flatnonzero(~mask)  # (falses,)
+        owner = np.searchsorted(np.asarray(starts, dtype=np.int64), at, side="right") - 1
+        return n_completion - np.bincount(owner, minlength=n_completion.shape[0])
+    return _per_sample_sums(mask, starts)
 
 
 def _per_sample_sums(mask: npt.NDArray[np.bool_], starts: list[int]) -> npt.NDArray[np.int64]:
@@ -241,51 +319,46 @@ def _per_sample_sums(mask: npt.NDArray[np.bool_], starts: list[int]) -> npt.NDAr
 
 
 def _per_sample_fields_ok(
-    examples: Sequence[ArraySample], n_prompt: npt.NDArray[np.int64], n_completion: npt.NDArray[np.int64]
+    columns: _Columns, n_prompt: npt.NDArray[np.int64], n_completion: npt.NDArray[np.int64]
 ) -> bool:
     """Masks and logprobs as long as their ids, an advantage present, metrics within bounds."""
-    n = len(examples)
-    prompt_mask = np.fromiter((len(s.prompt_mask) for s in examples), np.int64, n)
-    completion_mask = np.fromiter((len(s.completion_mask) for s in examples), np.int64, n)
-    logprobs = np.fromiter((len(s.completion_logprobs) for s in examples), np.int64, n)
     if (
-        (prompt_mask != n_prompt).any()
-        or (completion_mask != n_completion).any()
-        or (logprobs != 4 * n_completion).any()
+        (_byte_counts(columns.prompt_mask) != n_prompt).any()
+        or (_byte_counts(columns.completion_mask) != n_completion).any()
+        or (_byte_counts(columns.completion_logprobs) != 4 * n_completion).any()
     ):
         return False
-    for s in examples:
-        if s.advantage is None:
-            return False
-        if s.metrics and (
-            len(s.metrics) > MAX_SAMPLE_METRICS
-            or any(not name or len(name) > MAX_LABEL_CHARS for name in s.metrics)
-        ):
-            return False
+    if None in columns.advantage:
+        return False
+    if any(columns.metrics):
+        for metrics in columns.metrics:
+            if metrics and (
+                len(metrics) > MAX_SAMPLE_METRICS
+                or any(not name or len(name) > MAX_LABEL_CHARS for name in metrics)
+            ):
+                return False
     return True
 
 
 def _optional_floats(
-    examples: Sequence[ArraySample], name: str, c_bytes: npt.NDArray[np.int64]
+    column: tuple[bytes | None, ...], c_bytes: npt.NDArray[np.int64]
 ) -> tuple[bool, npt.NDArray[np.float32] | None]:
     """(every present value has its sample's byte count, the joined float32 values of an optional
     per-completion-token field over the samples that have it, None when none has it)."""
-    values = [getattr(s, name) for s in examples]
-    present = [k for k, v in enumerate(values) if v is not None]
-    if not present:
+    if column.count(None) == len(column):
         return True, None
-    if any(len(values[k]) != c_bytes[k] for k in present):
+    present = [k for k, v in enumerate(column) if v is not None]
+    if any(len(column[k]) != c_bytes[k] for k in present):  # type: ignore[arg-type]
         return False, None
-    return True, np.frombuffer(b"".join(values[k] for k in present), FLOAT_DTYPE)
+    return True, np.frombuffer(b"".join(column[k] for k in present), FLOAT_DTYPE)  # type: ignore[misc]
 
 
 def _advantages(
-    examples: Sequence[ArraySample], n_completion: npt.NDArray[np.int64]
+    values: tuple[float | bytes | None, ...], n_completion: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[np.float32] | None, npt.NDArray[np.float32] | None] | None:
     """(scalars (N,), None) when every advantage is a scalar; (None, per-token (C,) with scalars
     broadcast) otherwise; None when a per-token one has the wrong byte count."""
-    values = [s.advantage for s in examples]
-    if all(isinstance(v, float) for v in values):
+    if set(map(type, values)) == {float}:
         return np.asarray(values, dtype=_F32), None
     pieces = []
     for v, n in zip(values, n_completion.tolist(), strict=True):
@@ -304,40 +377,52 @@ def _all_finite(values: npt.NDArray[np.float32]) -> bool:
     return bool(np.isfinite(values.sum(dtype=np.float64))) or bool(np.isfinite(values).all())
 
 
-def _scalars_finite(examples: Sequence[ArraySample]) -> bool:
-    scalars: list[float] = [s.advantage for s in examples if isinstance(s.advantage, float)]
-    scalars += [s.reward for s in examples if s.reward is not None]
-    for s in examples:
-        if s.metrics:
-            scalars += s.metrics.values()
-    return all(math.isfinite(v) for v in scalars)
+def _scalars_finite(columns: _Columns, scalar_advantages: npt.NDArray[np.float32] | None) -> bool:
+    """Scalar advantages, rewards and metric values are finite."""
+    if scalar_advantages is not None:
+        # float32 of a finite float64 beyond float32's range is inf: check the values as sent.
+        scalars: list[float] = list(cast(tuple[float, ...], columns.advantage))
+    else:
+        scalars = [v for v in columns.advantage if isinstance(v, float)]
+    if columns.reward.count(None) != len(columns.reward):
+        scalars += [r for r in columns.reward if r is not None]
+    if any(columns.metrics):
+        for metrics in columns.metrics:
+            if metrics:
+                scalars += metrics.values()
+    return _all_finite(np.asarray(scalars, dtype=np.float64)) if scalars else True
 
 
-def _flags(kept: Sequence[ArraySample], name: str) -> list[bool] | None:
-    flags = [getattr(s, name) is not None for s in kept]
-    return flags if any(flags) else None
+def _flags(column: tuple[object, ...]) -> list[bool] | None:
+    if column.count(None) == len(column):
+        return None
+    return [v is not None for v in column]
 
 
 def _rewards(
-    kept: Sequence[ArraySample], joined: _Joined, c0: int, c1: int
+    kept: _Columns, joined: _Joined, c0: int, c1: int
 ) -> tuple[npt.NDArray[np.float32] | None, list[bool] | None]:
     """``rewards`` and ``has_rewards`` of the chunk of ``kept`` (see `SampleChunk.rewards`)."""
-    kept_n_completion = joined.n_completion[len(joined.n_completion) - len(kept) :].tolist()
+    if kept.token_rewards.count(None) == len(kept.token_rewards) and kept.reward.count(None) == len(
+        kept.reward
+    ):
+        return None, None
+    kept_n_completion = joined.n_completion[len(joined.n_completion) - len(kept.reward) :].tolist()
     has = [
-        s.token_rewards is not None or (s.reward is not None and n > 0)
-        for s, n in zip(kept, kept_n_completion, strict=True)
+        t is not None or (r is not None and n > 0)
+        for t, r, n in zip(kept.token_rewards, kept.reward, kept_n_completion, strict=True)
     ]
     if not any(has):
         return None, None
     # Per sample: rewards are rare enough (GAE runs) that a loop over the batch costs nothing.
     out = np.zeros(c1 - c0, _F32)
     start = 0
-    for s, n in zip(kept, kept_n_completion, strict=True):
-        if s.token_rewards is not None:
-            out[start : start + n] = np.frombuffer(s.token_rewards, FLOAT_DTYPE)
-        elif s.reward is not None and n > 0:
+    for t, r, n in zip(kept.token_rewards, kept.reward, kept_n_completion, strict=True):
+        if t is not None:
+            out[start : start + n] = np.frombuffer(t, FLOAT_DTYPE)
+        elif r is not None and n > 0:
             carrying = np.flatnonzero(joined.completion_mask[c0 + start : c0 + start + n])
-            out[start + (int(carrying[-1]) if carrying.size else n - 1)] = s.reward
+            out[start + (int(carrying[-1]) if carrying.size else n - 1)] = r
         start += n
     return out, has
 
@@ -369,13 +454,30 @@ class RunBuffer:
     def head_arrived_at(self) -> float:
         return self._chunks[0].arrived_at
 
-    def pop(self) -> tuple[SampleChunk, int]:
-        """Remove the oldest sample: (its chunk, its index there)."""
-        chunk, k = self._chunks[0], self._head
-        self._head += 1
-        if self._head == len(chunk):
-            self._chunks.popleft()
-            self._head = 0
-        self._samples -= 1
-        self.tokens -= chunk.lengths[k]
-        return chunk, k
+    def lengths(self) -> Iterator[int]:
+        """Tokens of every buffered sample, oldest first (lazily; do not add or take meanwhile)."""
+        if not self._chunks:
+            return iter(())
+        first, *rest = self._chunks
+        return itertools.chain(
+            itertools.islice(first.lengths, self._head, None),
+            itertools.chain.from_iterable(chunk.lengths for chunk in rest),
+        )
+
+    def take(self, n: int) -> list[tuple[SampleChunk, int, int]]:
+        """Remove the ``n`` oldest samples (at most what is buffered): ``(chunk, first index, end
+        index)`` per chunk they come from, oldest first."""
+        taken: list[tuple[SampleChunk, int, int]] = []
+        while n > 0 and self._chunks:
+            chunk, k0 = self._chunks[0], self._head
+            k1 = min(len(chunk), k0 + n)
+            taken.append((chunk, k0, k1))
+            self.tokens -= sum(chunk.lengths[k0:k1])
+            self._samples -= k1 - k0
+            n -= k1 - k0
+            if k1 == len(chunk):
+                self._chunks.popleft()
+                self._head = 0
+            else:
+                self._head = k1
+        return taken

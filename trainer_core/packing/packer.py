@@ -45,6 +45,7 @@ batch is ever stored.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -74,8 +75,18 @@ class RunPackStats:
     """True if this pack completed the run's step (its optimizer should step after this pack)."""
     step: int
     """The run's completed-step count after this pack."""
-    consumed: list[SampleRef] = field(default_factory=list)
-    """The samples taken, in selection order."""
+    taken: list[tuple[int, int, int]] = field(default_factory=list)
+    """The samples taken, in selection order, as runs of consecutive samples of one batch:
+    ``(batch id, index in the batch of the first, how many)``."""
+
+    @property
+    def consumed(self) -> list[SampleRef]:
+        """The samples taken, one `SampleRef` each, in selection order."""
+        return [SampleRef(batch_id, first + i) for batch_id, first, n in self.taken for i in range(n)]
+
+    def samples_per_batch(self) -> list[tuple[int, int]]:
+        """``(batch id, samples taken of it)`` in selection order."""
+        return [(batch_id, n) for batch_id, _, n in self.taken]
 
 
 @dataclass
@@ -343,42 +354,49 @@ class Packer:
         if not selected:
             return None
         self._last_pack_at = self._clock()
-        runs = {
-            slot: self._update_run_progress(slot, [item for item, _ in picks])
-            for slot, picks in selected.items()
-        }
+        runs = {slot: self._update_run_progress(slot, taken) for slot, (taken, _) in selected.items()}
 
-        # Slot-ascending flat list: sorting a bin's indices then yields ascending slots.
-        flat = [(slot, chunk, k, row) for slot in sorted(selected) for (chunk, k), row in selected[slot]]
-        lengths = [chunk.lengths[k] for _, chunk, k, _ in flat]
+        # Slot-ascending flat lists: sorting a bin's indices then yields ascending slots.
+        flat: list[Member] = []
+        lengths: list[int] = []
+        first_fit_rows: list[int] = []
+        for slot in sorted(selected):
+            taken, rows = selected[slot]
+            for chunk, k0, k1 in taken:
+                flat.extend(zip(itertools.repeat(slot), itertools.repeat(chunk), range(k0, k1)))
+                lengths.extend(chunk.lengths[k0:k1])
+            first_fit_rows.extend(rows)
         bins = pack_ffd(lengths, self.seq_len)
         if len(bins) > self.dp_world_size:
             # FFD is not monotone: rarely it needs a row more than the first-fit placement that admitted
             # the samples. Keep that placement then (one row per rank is what the budget promised).
             by_row: dict[int, list[int]] = {}
-            for i, (_, _, _, row) in enumerate(flat):
+            for i, row in enumerate(first_fit_rows):
                 by_row.setdefault(row, []).append(i)
             bins = list(by_row.values())
         # Ranks without a row would run a filler: split the heaviest rows instead (samples whole).
         bins = split_to_align(bins, lengths, self.dp_world_size, self.attention_cost_weight)
-        members = [[flat[i][:3] for i in sorted(b)] for b in bins]
+        members = [[flat[i] for i in sorted(b)] for b in bins]
         costs = [
             bin_cost(
                 [lengths[i] for i in b],
-                self._rows.padded_length(sum(lengths[i] for i in b)),
+                self._rows.padded_length(sum([lengths[i] for i in b])),
                 self.attention_cost_weight,
             )
             for b in bins
         ]
         return PackResult(micro_batches=self._distribute(members, costs), runs=runs)
 
-    def _select_round_robin(self) -> dict[int, list[tuple[tuple[SampleChunk, int], int]]]:
+    def _select_round_robin(self) -> dict[int, tuple[list[tuple[SampleChunk, int, int]], list[int]]]:
         """One sample per turn across runs with work, within each run's step quota and the budget.
 
         The budget is ``dp_world_size`` rows of ``seq_len`` tokens, checked by first-fit placement
         (not just a token sum): a plain ``seq_len × dp_world_size`` token budget routinely needs
         ``dp_world_size + 1`` rows after packing, i.e. a second pass on one rank for a small leftover while
-        the others run fillers. Returns, per slot, ((chunk, index), first-fit row) in selection order.
+        the others run fillers. A run's picks are always its oldest samples, so the turns only read
+        lengths and each run's picks leave its buffer at the end in one `RunBuffer.take`. Returns, per
+        slot, (the samples taken as ``(chunk, first, end)``, each sample's first-fit row in selection
+        order).
         """
         slots = sorted(slot for slot, state in self._runs.items() if state.buffer)
         if not slots:
@@ -393,40 +411,44 @@ class Packer:
             for slot in turn_order
         }
         room = [self.seq_len] * self.dp_world_size  # free tokens per row
-        selected: dict[int, list[tuple[tuple[SampleChunk, int], int]]] = {}
+        n_rows = len(room)
+        heads = {slot: self._runs[slot].buffer.lengths() for slot in turn_order}
+        rows_of: dict[int, list[int]] = {}
         first_denied: int | None = None
         last_served: int | None = None
         contenders = [slot for slot in turn_order if quota[slot] > 0]
         while contenders:
             still: list[int] = []
             for slot in contenders:
-                state = self._runs[slot]
-                size = state.buffer.head_length()
-                row = next((r for r, free in enumerate(room) if free >= size), -1)
-                if row < 0:
+                size = next(heads[slot])
+                row = 0
+                while row < n_rows and room[row] < size:
+                    row += 1
+                if row == n_rows:
                     # Out of this pack; it opens the next one so it is not passed over again.
                     if first_denied is None:
                         first_denied = slot
                     continue
                 room[row] -= size
-                taken = selected.setdefault(slot, [])
-                taken.append((state.buffer.pop(), row))
+                rows = rows_of.setdefault(slot, [])
+                rows.append(row)
                 last_served = slot
-                if len(taken) < quota[slot]:
+                if len(rows) < quota[slot]:
                     still.append(slot)
             contenders = still
         if first_denied is not None:
             self._rr_next = first_denied
         elif last_served is not None:
             self._rr_next = last_served + 1
-        return selected
+        return {slot: (self._runs[slot].buffer.take(len(rows)), rows) for slot, rows in rows_of.items()}
 
-    def _update_run_progress(self, slot: int, items: list[tuple[SampleChunk, int]]) -> RunPackStats:
+    def _update_run_progress(self, slot: int, taken: list[tuple[SampleChunk, int, int]]) -> RunPackStats:
         state = self._runs[slot]
-        tokens = sum(chunk.lengths[k] for chunk, k in items)
+        samples = sum(k1 - k0 for _, k0, k1 in taken)
+        tokens = sum(sum(chunk.lengths[k0:k1]) for chunk, k0, k1 in taken)
         state.progress.total_tokens += tokens
-        state.progress.total_samples += len(items)
-        state.samples_consumed_this_step += len(items)
+        state.progress.total_samples += samples
+        state.samples_consumed_this_step += samples
         # Selection never exceeds the step's remaining quota, so this completes at most one step.
         completed = state.samples_consumed_this_step >= state.batch_size
         if completed:
@@ -434,12 +456,12 @@ class Packer:
             state.samples_consumed_this_step -= state.batch_size
             self.ready_to_update[slot] = True
         return RunPackStats(
-            samples=len(items),
+            samples=samples,
             tokens=tokens,
-            loss_tokens=sum(chunk.loss_tokens[k] for chunk, k in items),
+            loss_tokens=sum(sum(chunk.loss_tokens[k0:k1]) for chunk, k0, k1 in taken),
             step_completed=completed,
             step=state.progress.step,
-            consumed=[SampleRef(batch_id=chunk.batch_id, index=chunk.first_index + k) for chunk, k in items],
+            taken=[(chunk.batch_id, chunk.first_index + k0, k1 - k0) for chunk, k0, k1 in taken],
         )
 
     def _distribute(self, rows: list[list[Member]], costs: list[float]) -> list[list[MicroBatch]]:
