@@ -2,9 +2,11 @@
 all its samples' tokens plus offset tables), and no Python object per sample.
 
 A per-sample object with its own array views cost ~20 µs a sample (10k-sample batches spend more in
-that bookkeeping than in the tokens); here a batch costs one ``b"".join`` + ``frombuffer`` per field
-and a few vectorised operations over per-sample length arrays, and a sample is just an index into its
-chunk. `RowFormat.build` then reads members as ``(chunk, index)`` slices of the flat arrays.
+that bookkeeping than in the tokens); here a batch costs one pass that takes its samples' fields as
+columns (`_Columns`: C-level, no per-sample Python), one ``b"".join`` + ``frombuffer`` per field and a
+few vectorised operations over per-sample length arrays, and a sample is just an index into its
+chunk. `RowFormat.build` then concatenates the members' per-sample views (made here in C-level
+``map`` calls: ids, and the loss mask and logprobs laid out token-aligned, zeros on the prompt).
 
 `SampleChunk.from_arrays` also checks the Packer's rules (``contracts.wire.sample_problems`` with
 ``full=False``) on the joined arrays, so the bytes are walked once for checking and buffering; a

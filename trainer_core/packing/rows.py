@@ -220,10 +220,10 @@ Member = tuple[int, SampleChunk, int]
 class RowFormat:
     """How rows of one pool are laid out; builds rows from buffered samples, and fillers.
 
-    A row of plain samples writes three per-token arrays (ids, loss mask, logprobs: 9 bytes per token),
-    one slice assignment per sample each, plus a few Python numbers per sample; rows with optional
-    per-token fields concatenate slices for those. Memcpy-speed work per token, nothing per token in
-    Python.
+    A row of plain samples is three per-token arrays (ids, loss mask, logprobs: 9 bytes per token),
+    each one concatenation of the members' views, plus a few Python numbers per sample; rows with
+    optional per-token fields concatenate slices for those too. Memcpy-speed work per token, nothing
+    per token in Python.
     """
 
     n_slots: int
@@ -251,8 +251,9 @@ class RowFormat:
 
         Each per-token field is one ``np.concatenate`` of the members' token-aligned views (kept by
         their chunk) and a padding view, so a row owns its buffers (pickled to another rank it sends
-        its own tokens only) and costs a few list appends per sample: measured ~2x less CPU per row
-        than a slice assignment per sample and field into preallocated arrays (docs/benchmarks.md)."""
+        its own tokens only) and costs a few list appends per sample instead of a slice assignment per
+        sample and field into preallocated arrays (with the selection changes of the same push, `pack`
+        measured ~20 % less CPU: docs/benchmarks.md)."""
         ids: list[np.ndarray] = []
         loss: list[np.ndarray] = []
         logprobs: list[np.ndarray] = []
