@@ -5,8 +5,7 @@ A per-sample object with its own array views cost ~20 µs a sample (10k-sample b
 that bookkeeping than in the tokens); here a batch costs one pass that takes its samples' fields as
 columns (`_Columns`: C-level, no per-sample Python), one ``b"".join`` + ``frombuffer`` per field and a
 few vectorised operations over per-sample length arrays, and a sample is just an index into its
-chunk. `RowFormat.build` then concatenates the members' per-sample views (made here in C-level
-``map`` calls: ids, and the loss mask and logprobs laid out token-aligned, zeros on the prompt).
+chunk. `RowFormat.build` then reads members as ``(chunk, index)`` slices of the flat arrays.
 
 `SampleChunk.from_arrays` also checks the Packer's rules (``contracts.wire.sample_problems`` with
 ``full=False``) on the joined arrays, so the bytes are walked once for checking and buffering; a
@@ -60,13 +59,7 @@ class SampleChunk:
     """Tokens per sample that carry loss in a row (completion_mask, minus a sample-initial token)."""
     completion_mask: npt.NDArray[np.bool_]
     """(C,)"""
-    id_views: list[npt.NDArray[np.int32]]
-    """Per sample: its ``(len,)`` token ids (views of ``ids``)."""
-    loss_views: list[npt.NDArray[np.bool_]]
-    """Per sample: its ``(len,)`` loss mask in a row: False on the prompt, ``completion_mask`` on the
-    completion, and False on the first token when the prompt is empty (no in-sample predecessor)."""
-    logprob_views: list[npt.NDArray[np.float32]]
-    """Per sample: its ``(len,)`` inference logprobs, 0 on the prompt."""
+    logprobs: npt.NDArray[np.float32]
     advantage_scalars: list[float] | None
     """(N,) float32 values when every sample's advantage is a scalar; else None and
     ``advantage_tokens`` is set."""
@@ -122,15 +115,7 @@ class SampleChunk:
             loss_tokens[empty_prompt] -= completion_mask[np.asarray(kept_c)[empty_prompt]]
         kept = columns.kept(skip)
         n_prompt_list = kept_n_prompt.tolist()
-        loss = np.frombuffer(_after_prompt_zeros(kept.completion_mask, n_prompt_list, 1), np.bool_)
-        if empty_prompt.size:
-            loss = loss.copy()
-            loss[np.asarray(kept_t)[empty_prompt]] = False
-        token_logprobs = np.frombuffer(
-            _after_prompt_zeros(kept.completion_logprobs, n_prompt_list, FLOAT_DTYPE.itemsize), FLOAT_DTYPE
-        )
         ids = joined.ids[t0:]
-        samples = list(map(slice, kept_t[:-1], kept_t[1:]))
         has_teacher = _flags(kept.teacher_logprobs)
         has_weights = _flags(kept.weights)
         rewards, has_rewards = _rewards(kept, joined, c0, c1)
@@ -146,9 +131,7 @@ class SampleChunk:
             lengths=joined.lengths[skip:].tolist(),
             loss_tokens=loss_tokens.tolist(),
             completion_mask=completion_mask,
-            id_views=list(map(ids.__getitem__, samples)),
-            loss_views=list(map(loss.__getitem__, samples)),
-            logprob_views=list(map(token_logprobs.__getitem__, samples)),
+            logprobs=joined.logprobs[c0:],
             advantage_scalars=None if adv_scalars is None else adv_scalars[skip:].tolist(),
             advantage_tokens=None if adv_tokens is None else adv_tokens[c0:],
             teacher=None if has_teacher is None else joined.filled("teacher_logprobs", columns, 0.0)[c0:],
@@ -203,6 +186,7 @@ class _Joined:
     lengths: npt.NDArray[np.int64]
     ids: npt.NDArray[np.int32]
     completion_mask: npt.NDArray[np.bool_]
+    logprobs: npt.NDArray[np.float32]
     advantages: tuple[npt.NDArray[np.float32] | None, npt.NDArray[np.float32] | None]
     optional: dict[str, npt.NDArray[np.float32] | None]
     """teacher_logprobs, token_rewards, weights: the values of the samples that have them, end to end."""
@@ -254,6 +238,7 @@ class _Joined:
             lengths=lengths,
             ids=ids,
             completion_mask=mask.view(np.bool_),
+            logprobs=np.frombuffer(b"".join(columns.completion_logprobs), FLOAT_DTYPE),
             advantages=advantages,
             optional=optional,
         )
