@@ -107,11 +107,9 @@ def test_a_body_is_buffered_up_to_the_high_water_mark_before_reading_pauses():
 
     pauses: list[int] = []
     protocol = LimitedHttpToolsProtocol.__new__(LimitedHttpToolsProtocol)
-    protocol.parser = SimpleNamespace(should_upgrade=lambda: False)  # type: ignore[assignment]
-    protocol.cycle = SimpleNamespace(  # type: ignore[assignment]
-        body=bytearray(), response_complete=False, message_event=asyncio.Event()
-    )
-    protocol.flow = SimpleNamespace(pause_reading=lambda: pauses.append(len(protocol.cycle.body)))  # type: ignore[assignment]
+    protocol.parser = SimpleNamespace(should_upgrade=lambda: False)
+    protocol.cycle = SimpleNamespace(body=bytearray(), response_complete=False, message_event=asyncio.Event())
+    protocol.flow = SimpleNamespace(pause_reading=lambda: pauses.append(len(protocol.cycle.body)))
     protocol.on_body(b"x" * (BODY_HIGH_WATER_BYTES - 10))
     assert pauses == [] and protocol.cycle.message_event.is_set()
     protocol.on_body(b"x" * 20)
