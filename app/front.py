@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
@@ -143,14 +144,18 @@ class Front:
             if response is not None:
                 await response(scope, replay, send_app)
                 return
+            for key in ("route", "endpoint", "path_params"):  # the router sets them its own way
+                del scope[key]
         await self.app(scope, replay, send_app)
 
 
 async def _handled(request: Request, exc: Exception) -> Response | None:
     """The app's exception handler's response to `exc` (as its exception middleware would look it
-    up: by the exception's classes, most specific first), or None: the error guard answers."""
+    up: an HTTPException's status code first, then the exception's classes, most specific first), or
+    None: the error guard answers."""
     handlers: dict[Any, Any] = request.app.exception_handlers
-    for cls in type(exc).__mro__:
+    keys: list[Any] = [exc.status_code] if isinstance(exc, HTTPException) else []
+    for cls in [*keys, *type(exc).__mro__]:
         if cls is Exception:  # the server-error handler's key, not the exception middleware's
             return None
         handler = handlers.get(cls)
