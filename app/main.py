@@ -14,13 +14,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.adapters.pool_router import router as pool_adapters_router
 from app.adapters.router import router as adapters_router
 from app.adapters.tenant_router import router as tenant_adapters_router
+from app.batches.lean_route import hot_route
 from app.batches.pool_router import router as pool_batches_router
 from app.batches.router import router as batches_router
 from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
-from app.error_guard import ErrorGuard
 from app.errors import AppError, RateLimited, error_body
 from app.events.router import router as events_router
+from app.front import Front
 from app.lifecycle import on_shutdown, on_startup
 from app.limits import InFlight
 from app.migrate import head_revision, schema_revision
@@ -28,7 +29,6 @@ from app.openapi import install_openapi
 from app.pools.admin_router import router as pools_admin_router
 from app.pools.catalog import router as pools_catalog_router
 from app.pools.router import router as pools_router
-from app.request_guard import RequestGuard
 from app.runs.router import router as runs_router
 from app.telemetry.setup import install_metrics
 from app.tenants.router import router as tenants_router
@@ -158,15 +158,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     ):
         app.include_router(router)
     install_ui(app)
-    # The request guard reads the body before anything opens a database session; the error
-    # guard, outermost, turns any escaped exception into the uniform body.
+    metrics = install_metrics(app)
+    # One layer for the request metrics, the error guard, the request guard (the body is read and
+    # checked before anything opens a database session) and the dashboard's headers; the hot
+    # ingestion route is answered from it (app/front.py).
     app.add_middleware(
-        RequestGuard,
+        Front,
+        metrics=metrics,
         max_body_bytes=settings.max_body_bytes,
         body_timeout_seconds=settings.body_timeout_seconds,
+        hot=hot_route(batches_router),
     )
-    app.add_middleware(ErrorGuard)
-    # Outermost of all: requests answered by the guards are counted too.
-    install_metrics(app)
     install_openapi(app)
     return app

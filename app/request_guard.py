@@ -1,5 +1,5 @@
-"""The request guard: what is checked before a request reaches a route, and so before any
-database session opens.
+"""The request guard (applied by app/front.py): what is checked before a request reaches a route,
+and so before any database session opens.
 
 - The body is read whole here, with its size limit (413) and a read deadline (408). A client
   that sends the headers and part of a body (slow or on purpose) therefore holds a socket and
@@ -20,7 +20,7 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote
 
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from app.errors import error_body
 from app.serving import MAX_HEADER_BYTES
@@ -36,34 +36,34 @@ _JSON_MEDIA_SUFFIX = "+json"
 _TYPED_BATCH_ROUTE = re.compile(r"^/v1/runs/[^/]+/batches$")
 
 
-class RequestGuard:
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_timeout_seconds: float) -> None:
-        self.app = app
+class BodyGuard:
+    """The checks above, for app/front.py (which answers what the guard lets through)."""
+
+    def __init__(self, *, max_body_bytes: int, body_timeout_seconds: float) -> None:
         self.max_body_bytes = max_body_bytes
         self.body_timeout_seconds = body_timeout_seconds
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def check(self, scope: Scope, receive: Receive, send: Send) -> tuple[bytes, Receive] | None:
+        """(the body, a `receive` that replays it) for the app; or None: the request was refused
+        (the refusal sent with `send`)."""
         if _head_bytes(scope) > MAX_HEADER_BYTES:
             # The protocol refuses a head that outgrows the limit while it is still arriving (app/serving.py);
             # one that arrived whole in a single read is caught here, so the limit is exact.
             await _refuse(send, 431, _headers_too_large())
-            return
+            return None
         problem = _query_problem(scope)
         if problem is not None:
             await _refuse(send, 422, problem)
-            return
+            return None
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _refuse(send, 413, _too_large(self.max_body_bytes))
-            return
+            return None
         body, disconnected, refusal = await self._read_body(receive)
         if refusal is not None:
             await _refuse(send, *refusal)
-            return
+            return None
         problem = _json_problem(
             headers.get(b"content-type", b""),
             body,
@@ -71,7 +71,7 @@ class RequestGuard:
         )
         if problem is not None:
             await _refuse(send, 422, problem)
-            return
+            return None
 
         replayed = False
 
@@ -84,7 +84,7 @@ class RequestGuard:
                 return {"type": "http.disconnect"}
             return await receive()  # waits for the disconnect, as a real receive would
 
-        await self.app(scope, replay, send)
+        return body, replay
 
     async def _read_body(self, receive: Receive) -> tuple[bytes, bool, tuple[int, dict[str, Any]] | None]:
         """(body, client disconnected, refusal or None)."""

@@ -14,7 +14,8 @@ read, so a head is refused at most one read (64 KiB) past the limit; a head that
 one read is held to the exact limit by app/request_guard.py. `LimitedH11Protocol` (h11's own
 limit, answered with a 431) stays available: `--http app.serving:LimitedH11Protocol
 --h11-max-incomplete-event-size 16384`. Request *bodies* have their own limit and read deadline
-in app/request_guard.py.
+in app/request_guard.py; the httptools protocol buffers up to BODY_HIGH_WATER_BYTES of a body
+before it stops reading the socket.
 
 uvicorn's X-Forwarded-* handling (its ProxyHeadersMiddleware, one more ASGI layer on every request)
 is on only when `FORWARDED_ALLOW_IPS` (uvicorn's own variable: the proxies to trust) is set: the
@@ -32,6 +33,13 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 MAX_HEADER_BYTES = 16 * 1024
 """Request line and headers together (h11's own default)."""
+
+BODY_HIGH_WATER_BYTES = 1024 * 1024
+"""Unread request body a connection buffers before the server stops reading its socket (uvicorn's
+own mark is 64 KiB). The request guard reads every body whole into memory anyway (up to
+`max_body_bytes`, app/request_guard.py), so pausing earlier bounds nothing; it only cost a 0.4 MB
+rollout batch a second pause/resume round through the event loop and ~0.2-0.3 ms of service CPU
+(docs/benchmarks.md, "Third push")."""
 
 KEEP_ALIVE_SECONDS = 5
 
@@ -83,6 +91,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        # uvicorn's on_body (0.30-0.54) with BODY_HIGH_WATER_BYTES for its 64 KiB mark.
+        if (self.parser.should_upgrade() and self._should_upgrade()) or self.cycle.response_complete:
+            return
+        self.cycle.body += body
+        if len(self.cycle.body) > BODY_HIGH_WATER_BYTES:
+            self.flow.pause_reading()
+        self.cycle.message_event.set()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -1,5 +1,8 @@
 """The batch-submission route's fast path: the hot request of the service, handled without
 FastAPI's dependency solving and response-model work, in one trip through the thread pool.
+The front layer (app/front.py) calls `fast_response` straight after the request guard, without
+the exception-handler and routing layers; a request that reaches the route (the front layer
+declined it, or an app built otherwise) gets the same fast path from the route's handler.
 
 `LeanSubmitRoute` is the route class of `POST /v1/runs/{run_id}/batches` only. Its endpoint,
 dependencies and OpenAPI document are those of the declared route (app/batches/router.py); only
@@ -19,10 +22,11 @@ errors the app's handlers turn into the uniform body. The session is committed b
 response is built, as SessionDep does, so a 2xx still means the row is durable.
 """
 
+import re
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, APIRouter
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
@@ -32,6 +36,7 @@ from app.batches import service
 from app.batches.ingest_run import load_ingest_run
 from app.batches.schemas import JSON_CONTENT_TYPES, MSGPACK_CONTENT_TYPES, BatchOut
 from app.config import Settings
+from app.front import HotRoute
 from app.key_cache import key_cache
 from app.limits import InFlight
 
@@ -47,12 +52,32 @@ class LeanSubmitRoute(APIRoute):
         documented = super().get_route_handler()
 
         async def handler(request: Request) -> Response:
-            lean = _fast_path_request(request)
-            if lean is None:
-                return await documented(request)
-            return await _submit(request, lean)
+            response = await fast_response(request, await request.body())
+            return response if response is not None else await documented(request)
 
         return handler
+
+
+async def fast_response(request: Request, body: bytes) -> Response | None:
+    """The fast path's answer to a request of the route whose body is `body` (read and checked by
+    the request guard), or None: the documented handler must answer. Raises what the route's
+    handler would (the app's exception handlers answer it)."""
+    lean = _fast_path_request(request)
+    if lean is None:
+        return None
+    return await _submit(request, lean, body)
+
+
+def hot_route(router: APIRouter) -> HotRoute:
+    """The route of this class in `router` (the batches router), to be answered from the front
+    layer (app/front.py) by `fast_response`."""
+    (route,) = (r for r in router.routes if isinstance(r, LeanSubmitRoute))
+    assert route.path == "/v1/runs/{run_id}/batches" and route.methods == {"POST"}, route.path
+    return HotRoute(route, _HOT_PATH, fast_response)
+
+
+_HOT_PATH = re.compile(r"^/v1/runs/(?P<run_id>[^/]+)/batches$")
+"""The route's path (its `{run_id}` is a plain string parameter: any characters but "/")."""
 
 
 class _Lean:
@@ -93,11 +118,10 @@ def _fast_path_request(request: Request) -> _Lean | None:
     return _Lean(cached.tenant_id, run_id, msgpack, key)
 
 
-async def _submit(request: Request, lean: _Lean) -> Response:
+async def _submit(request: Request, lean: _Lean, body: bytes) -> Response:
     in_flight: InFlight = request.app.state.in_flight
     in_flight.acquire(lean.tenant_id)  # 429 before anything else, as require_tenant does
     try:
-        body = await request.body()  # read already by the request guard: no I/O
         result = await run_in_threadpool(_submit_in_thread, request, lean, body)
     finally:
         in_flight.release(lean.tenant_id)

@@ -1,14 +1,14 @@
-"""Wiring /metrics into an app: its registry, the request middleware, the route."""
+"""Wiring /metrics into an app: its registry, the request families (counted by app/front.py), the route."""
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from app.telemetry.collector import DatabaseCollector
-from app.telemetry.http import HttpMetrics, RequestMetrics, multiprocess_dir
+from app.telemetry.http import HttpMetrics, multiprocess_dir
 from app.telemetry.router import router
 
 
-def install_metrics(app: FastAPI) -> None:
+def install_metrics(app: FastAPI) -> HttpMetrics:
     """Each app has its own registry (tests build many apps in one process); in multiprocess
     mode the request families go to the shared directory instead (app/telemetry/__init__.py)."""
     registry = CollectorRegistry()
@@ -16,5 +16,4 @@ def install_metrics(app: FastAPI) -> None:
     app.state.metrics_registry = registry
     http = HttpMetrics(None if multiprocess_dir() is not None else registry)
     app.include_router(router)
-    # Outermost: a request refused by the body-size limit is counted too.
-    app.add_middleware(RequestMetrics, metrics=http)
+    return http

@@ -95,3 +95,23 @@ def test_proxy_headers_only_when_trusted_proxies_are_configured():
     assert isinstance(_loaded_app({"FORWARDED_ALLOW_IPS": "10.0.0.1"}), ProxyHeadersMiddleware)
     assert "--no-proxy-headers" in uvicorn_cli_args({})
     assert "--proxy-headers" in uvicorn_cli_args({"FORWARDED_ALLOW_IPS": "10.0.0.1"})
+
+
+def test_a_body_is_buffered_up_to_the_high_water_mark_before_reading_pauses():
+    """uvicorn pauses a connection's socket reads once 64 KiB of body is unread; the service's protocol
+    only past BODY_HIGH_WATER_BYTES (the request guard reads each body whole anyway)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from app.serving import BODY_HIGH_WATER_BYTES
+
+    pauses: list[int] = []
+    protocol = LimitedHttpToolsProtocol.__new__(LimitedHttpToolsProtocol)
+    protocol.parser = SimpleNamespace(should_upgrade=lambda: False)
+    protocol.cycle = SimpleNamespace(body=bytearray(), response_complete=False, message_event=asyncio.Event())
+    protocol.flow = SimpleNamespace(pause_reading=lambda: pauses.append(len(protocol.cycle.body)))
+    protocol.on_body(b"x" * (BODY_HIGH_WATER_BYTES - 10))
+    assert pauses == [] and protocol.cycle.message_event.is_set()
+    protocol.on_body(b"x" * 20)
+    assert pauses == [BODY_HIGH_WATER_BYTES + 10]
+    assert len(protocol.cycle.body) == BODY_HIGH_WATER_BYTES + 10
