@@ -1,11 +1,14 @@
 """Engine, session factory, the declarative Base and the typed session dependency."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
+from functools import lru_cache
 from typing import Annotated, Any
 
+import psycopg
 from fastapi import Depends, Request
-from sqlalchemy import CursorResult, Delete, MetaData, Update, create_engine, event
+from sqlalchemy import ClauseElement, CursorResult, Delete, MetaData, Update, create_engine, event
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
@@ -32,6 +35,49 @@ def rows_changed(session: Session, stmt: Update | Delete) -> int:
     result = session.execute(stmt)
     assert isinstance(result, CursorResult)  # what DML returns; the declared type is the general Result
     return result.rowcount
+
+
+# --------------------------------------------------------------------------- Postgres, directly
+# The ingestion hot path runs its few statements on the psycopg connection of the SQLAlchemy
+# connection it holds (same pool, same pre-ping, same transaction), skipping SQLAlchemy's
+# per-statement work (~0.08 ms of CPU each), as server-side prepared statements. A driver error
+# goes through SQLAlchemy's own handling (Connection._handle_dbapi_exception): the same exception
+# classes (OperationalError, IntegrityError, DataError…), the connection invalidated on a
+# disconnect, so the error guard answers exactly as it does for a statement run through SQLAlchemy.
+
+
+@lru_cache(maxsize=64)
+def pg_sql(statement: ClauseElement) -> tuple[str, Mapping[str, Any]]:
+    """`statement` compiled once for psycopg (`%(name)s` parameters), with the values of the
+    parameters it carries itself (literals in a WHERE, a LIMIT)."""
+    compiled = statement.compile(dialect=_PG_DIALECT)
+    return compiled.string, {k: v for k, v in compiled.params.items() if v is not None}
+
+
+_PG_DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
+
+
+def pg_execute(
+    connection: Connection, statement: ClauseElement, params: Mapping[str, Any], *, fold_begin: bool = False
+) -> tuple[Any, ...] | None:
+    """Run `statement` (compiled by pg_sql) on `connection`'s psycopg connection as a prepared
+    statement; its first row, or None. `fold_begin`: the transaction's first statement, sent with
+    its BEGIN in one round trip (pipeline mode) instead of two."""
+    sql, own = pg_sql(statement)
+    values = {**own, **params} if own else params
+    driver = connection.connection.driver_connection
+    assert isinstance(driver, psycopg.Connection)
+    try:
+        if fold_begin and not driver.autocommit:
+            # Sent on leaving the block (BEGIN, the statement and one Sync); the result is read after.
+            with driver.pipeline():
+                cursor = driver.execute(sql, values, prepare=True)
+        else:
+            cursor = driver.execute(sql, values, prepare=True)
+        return cursor.fetchone() if cursor.description is not None else None
+    except Exception as exc:
+        # Translated (or re-raised as it is) exactly as a statement run through SQLAlchemy.
+        connection._handle_dbapi_exception(exc, sql, values, None, None)
 
 
 def make_engine(url: str) -> Engine:

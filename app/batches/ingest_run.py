@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import ScalarSelect, Select, bindparam, select
 from sqlalchemy.orm import Session
 
+from app.db import pg_execute
 from app.errors import NotFound
 from app.pools.models import Pool
 from app.runs.models import Run
@@ -77,9 +78,13 @@ def load_ingest_run(session: Session, *, tenant_id: str, run_id: str) -> IngestR
     (on Postgres its connection is then in autocommit until the session commits)."""
     if not is_run_id(run_id):
         raise NotFound(f"run {run_id} not found")
-    options = _AUTOCOMMIT if session.get_bind().dialect.name == "postgresql" else None
-    connection = session.connection(execution_options=options)
-    row = connection.execute(_LOAD, {"run_id": run_id, "tenant_id": tenant_id}).one_or_none()
+    params = {"run_id": run_id, "tenant_id": tenant_id}
+    row: Any
+    if session.get_bind().dialect.name == "postgresql":
+        # On the psycopg connection directly, prepared (app/db.py pg_execute).
+        row = pg_execute(session.connection(execution_options=_AUTOCOMMIT), _LOAD, params)
+    else:
+        row = session.connection().execute(_LOAD, params).one_or_none()
     if row is None:
         raise NotFound(f"run {run_id} not found")
     return IngestRun(*row)

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Connection, Row, text
+from sqlalchemy import JSON, Connection, text
+from sqlalchemy.exc import NoResultFound
 
+from app.db import pg_execute
 from app.rollouts.service import StepStats
 from contracts.status import BatchState, RunStatus
 
@@ -102,7 +104,10 @@ def reserve_and_insert(
 ) -> Reserved:
     """`values`: the batch row's columns except `sample_offset` (`state` is pending)."""
     assert values["state"] == BatchState.PENDING.value
-    row = connection.execute(
+    # On the psycopg connection directly (app/db.py pg_execute), the transaction's first statement
+    # sent with its BEGIN: one round trip.
+    row = pg_execute(
+        connection,
         _STATEMENT,
         values
         | {
@@ -112,32 +117,27 @@ def reserve_and_insert(
             "max_pending_batches": max_pending_batches,
             "max_pending_bytes": max_pending_bytes,
         },
-    ).one()
+        fold_begin=True,
+    )
+    if row is None:  # pragma: no cover - run rows are never deleted (as `.one()` raised before)
+        raise NoResultFound("No row was found when one was required")
     created_at = values["created_at"]
     assert isinstance(created_at, datetime)
+    (submitted, status, step, eviction_reason, evicted_by, pending_batches, pending_bytes, batch_id) = row[:8]
+    stats_current, *stats = row[8:]
     return Reserved(
-        row.submitted_samples,
-        row.status,
-        row.step,
-        row.eviction_reason,
-        row.evicted_by,
-        int(row.pending_batches),
-        int(row.pending_bytes),
-        None if row.batch_id is None else (row.batch_id, created_at),
-        StepStatsRead(bool(row.stats_current), _stats_row(row)),
+        submitted,
+        status,
+        step,
+        eviction_reason,
+        evicted_by,
+        int(pending_batches),
+        int(pending_bytes),
+        None if batch_id is None else (batch_id, created_at),
+        StepStatsRead(bool(stats_current), _stats_row(stats)),
     )
 
 
-def _stats_row(row: Row[Any]) -> StepStats | None:
-    if row.stats_id is None:
-        return None
-    return StepStats(
-        row.stats_id,
-        row.stats_samples,
-        row.stats_reward_count,
-        row.stats_reward_mean,
-        row.stats_reward_m2,
-        row.stats_reward_min,
-        row.stats_reward_max,
-        row.stats_metrics,
-    )
+def _stats_row(columns: list[Any]) -> StepStats | None:
+    """The step_stats columns of the statement's row, in its order."""
+    return None if columns[0] is None else StepStats(*columns)

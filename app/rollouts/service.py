@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.orm import Session
 
-from app.db import utcnow
+from app.db import pg_execute, utcnow
 from app.events.service import append_event
 from app.rollouts.models import RolloutStats
 from contracts.arrays import ArrayBatch
@@ -192,7 +192,8 @@ def add_batch(
     }
     event = {"action": "batch.received", "actor": "orchestrator", "tenant_id": tenant_id, "run_id": run_id}
     if connection.dialect.name == "postgresql":
-        connection.execute(
+        pg_execute(  # on the psycopg connection directly, prepared (app/db.py)
+            connection,
             _WRITE_STATS_AND_EVENT_PG,
             new
             | event
