@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> None:
             spent = sum(submit() for _ in range(args.batches))
             per_round.append(spent / args.batches * 1000)
             print(f"round {r + 1}: {per_round[-1]:.2f} ms CPU per batch (worker thread)")
-        print(f"median {statistics.median(per_round):.2f} ms (rounds: {', '.join(f'{x:.2f}' for x in per_round)})")
+        print(
+            f"median {statistics.median(per_round):.2f} ms (rounds: {', '.join(f'{x:.2f}' for x in per_round)})"
+        )
     finally:
         if engine is not None:
             engine.dispose()
