@@ -58,22 +58,16 @@ _PG_DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]
 
 
 def pg_execute(
-    connection: Connection, statement: ClauseElement, params: Mapping[str, Any], *, fold_begin: bool = False
+    connection: Connection, statement: ClauseElement, params: Mapping[str, Any]
 ) -> tuple[Any, ...] | None:
     """Run `statement` (compiled by pg_sql) on `connection`'s psycopg connection as a prepared
-    statement; its first row, or None. `fold_begin`: the transaction's first statement, sent with
-    its BEGIN in one round trip (pipeline mode) instead of two."""
+    statement, in the connection's transaction; its first row, or None."""
     sql, own = pg_sql(statement)
     values = {**own, **params} if own else params
     driver = connection.connection.driver_connection
     assert isinstance(driver, psycopg.Connection)
     try:
-        if fold_begin and not driver.autocommit:
-            # Sent on leaving the block (BEGIN, the statement and one Sync); the result is read after.
-            with driver.pipeline():
-                cursor = driver.execute(sql, values, prepare=True)
-        else:
-            cursor = driver.execute(sql, values, prepare=True)
+        cursor = driver.execute(sql, values, prepare=True)
         return cursor.fetchone() if cursor.description is not None else None
     except Exception as exc:
         # Translated (or re-raised as it is) exactly as a statement run through SQLAlchemy.

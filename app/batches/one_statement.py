@@ -104,8 +104,7 @@ def reserve_and_insert(
 ) -> Reserved:
     """`values`: the batch row's columns except `sample_offset` (`state` is pending)."""
     assert values["state"] == BatchState.PENDING.value
-    # On the psycopg connection directly (app/db.py pg_execute), the transaction's first statement
-    # sent with its BEGIN: one round trip.
+    # On the psycopg connection directly, prepared (app/db.py pg_execute).
     row = pg_execute(
         connection,
         _STATEMENT,
@@ -117,7 +116,6 @@ def reserve_and_insert(
             "max_pending_batches": max_pending_batches,
             "max_pending_bytes": max_pending_bytes,
         },
-        fold_begin=True,
     )
     if row is None:  # pragma: no cover - run rows are never deleted (as `.one()` raised before)
         raise NoResultFound("No row was found when one was required")
