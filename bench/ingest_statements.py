@@ -17,7 +17,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-
 from app import migrate
 from app.batches.ingest_run import _LOAD
 from app.batches.one_statement import _STATEMENT
