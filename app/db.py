@@ -41,10 +41,10 @@ def rows_changed(session: Session, stmt: Update | Delete) -> int:
 # The ingestion hot path runs its few statements on the psycopg connection of the SQLAlchemy
 # connection it holds (same pool, same pre-ping, same transaction), skipping SQLAlchemy's
 # per-statement work (0.06-0.25 ms of CPU each: bench/ingest_statements.py), as server-side
-# prepared statements. A driver error
-# goes through SQLAlchemy's own handling (Connection._handle_dbapi_exception): the same exception
-# classes (OperationalError, IntegrityError, DataError…), the connection invalidated on a
-# disconnect, so the error guard answers exactly as it does for a statement run through SQLAlchemy.
+# prepared statements. A driver error goes through SQLAlchemy's own handling
+# (Connection._handle_dbapi_exception): the same exception classes (OperationalError,
+# IntegrityError, DataError…), the connection invalidated on a disconnect, so the error guard
+# answers exactly as it does for a statement run through SQLAlchemy.
 
 
 @lru_cache(maxsize=64)
