@@ -21,7 +21,7 @@ import tinker
 from tinker import types
 
 from tests.e2e.helpers import download_adapter_tensors, kill_pool, start_pool, wait_for
-from tests.e2e.test_tinker_pool import BASE_MODEL, _data, _key, _train
+from tests.e2e.tinker_harness import BASE_MODEL, datums, tenant_key, train_steps, wait_until_served
 from trainer_core.pause_point import (
     MANUAL_BEFORE_CLAIM,
     MANUAL_BEFORE_OPTIM,
@@ -75,9 +75,9 @@ def _logprobs(output: Any) -> list[np.ndarray]:
     ],
 )
 def test_a_pool_killed_mid_step_loses_nothing_and_applies_the_step_once(live_service, tmp_path, point, nproc):
-    key, http = _key(live_service, "tinker-crash")
+    key, http = tenant_key(live_service, "tinker-crash")
     pause = tmp_path / "pause"
-    data = _data()
+    data = datums()
     first, second = data[:2], data[2:]
     pool = start_pool(
         live_service.url,
@@ -88,18 +88,9 @@ def test_a_pool_killed_mid_step_loses_nothing_and_applies_the_step_once(live_ser
     )
     service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
     try:
-        wait_for(
-            lambda: (
-                tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
-                .get_server_capabilities()
-                .result()
-                .supported_models
-            ),
-            timeout=120,
-            what="the pool to register",
-        )
+        wait_until_served(live_service.url, key, timeout=120)
         crashed = _new_model(service).result()
-        _train(crashed, data, steps=1, lr=LR)  # step 1, checkpointed: the crash step starts from it
+        train_steps(crashed, data, steps=1, lr=LR)  # step 1, checkpointed: the crash step starts from it
         fb1 = crashed.forward_backward(
             first, "cross_entropy"
         ).result()  # delivered; its gradient lives in pool A
@@ -119,16 +110,16 @@ def test_a_pool_killed_mid_step_loses_nothing_and_applies_the_step_once(live_ser
         )
         fb2 = fb2_future.result(timeout=180)
         step2 = step_future.result(timeout=60)
-        _train(crashed, data, steps=1, lr=LR)  # step 3, from the rebuilt state
+        train_steps(crashed, data, steps=1, lr=LR)  # step 3, from the rebuilt state
         after_crash = _adapter(crashed, http, live_service, key)
 
         # The same calls on a pool that was never interrupted.
         alone = _new_model(service).result()
-        _train(alone, data, steps=1, lr=LR)
+        train_steps(alone, data, steps=1, lr=LR)
         fb1_alone = alone.forward_backward(first, "cross_entropy").result()
         fb2_alone = alone.forward_backward(second, "cross_entropy").result()
         step2_alone = alone.optim_step(types.AdamParams(learning_rate=LR)).result()
-        _train(alone, data, steps=1, lr=LR)
+        train_steps(alone, data, steps=1, lr=LR)
         uninterrupted = _adapter(alone, http, live_service, key)
     finally:
         service.close("success").result()

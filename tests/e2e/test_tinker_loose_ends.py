@@ -32,13 +32,13 @@ from app.pools.service import declare_dead_pools
 from contracts.pool_api import PoolHeartbeatOut
 from contracts.tinker_work import ManualResult, ManualWorkItem
 from tests.common import WORKER_TOKEN
-from tests.e2e.helpers import MODEL_CACHE, wait_for
-from tests.e2e.test_tinker_pool import BASE_MODEL, _data, _key, _train, running_pool
+from tests.e2e.helpers import wait_for
+from tests.e2e.tinker_harness import BASE_MODEL, datums, pool_args, running_pool, tenant_key, train_steps
 from tests.trainer_core.test_external_sampler import serving_fake_vllm
 from trainer_core.dist import World
 from trainer_core.http_source import HttpRunSource
 from trainer_core.service_client import PoolServiceClient
-from trainer_core.worker import PoolTrainer, WorkerArgs
+from trainer_core.worker import PoolTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.timeout(300)]
 
@@ -54,18 +54,18 @@ def _same(got: list[np.ndarray], want: list[np.ndarray]) -> bool:
 
 @pytest.mark.filterwarnings("ignore:DEPRECATED.*load_state:FutureWarning")  # the call under test
 def test_a_run_that_loaded_older_weights_restores_them_after_a_pool_restart(live_service, tmp_path):
-    key, http = _key(live_service, "tinker-load-restart")
-    data = _data()
+    key, http = tenant_key(live_service, "tinker-load-restart")
+    data = datums()
     service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
     try:
         with running_pool(live_service.url, tmp_path):
             training = service.create_lora_training_client(
                 BASE_MODEL, rank=4, seed=7, train_unembed=False, train_mlp=False
             ).result()
-            _train(training, data, steps=2)
+            train_steps(training, data, steps=2)
             saved = training.save_state("at-2").result()
             at_2 = _logprobs(training, data)
-            _train(training, data, steps=2)  # checkpoints of steps 3 and 4 on the pool
+            train_steps(training, data, steps=2)  # checkpoints of steps 3 and 4 on the pool
             assert not _same(_logprobs(training, data), at_2)
             training.load_state(saved.path).result()
             assert _same(_logprobs(training, data), at_2)
@@ -75,7 +75,7 @@ def test_a_run_that_loaded_older_weights_restores_them_after_a_pool_restart(live
             assert _same(_logprobs(training, data), at_2)
             # One step from the loaded weights: step 3 again, checkpointed; the load's request
             # is no longer kept (nothing to replay), so the checkpoint alone must hold it.
-            _train(training, data, steps=1)
+            train_steps(training, data, steps=1)
             after = _logprobs(training, data)
             assert not _same(after, at_2)
 
@@ -136,18 +136,12 @@ class PoolThread:
 
 
 def _start_dying_pool(live_service, tmp_path, client: DyingClient) -> PoolThread:
-    args = WorkerArgs(
-        url=live_service.url,
-        token=WORKER_TOKEN,
-        slots=3,
-        seq_len=64,
-        max_rank=8,
-        checkpoint_dir=tmp_path / "ckpt",
-        model_cache_dir=MODEL_CACHE,
-        pack_timeout_s=0.05,
-        poll_interval_s=0.02,
+    trainer = PoolTrainer(
+        pool_args(live_service.url, tmp_path),
+        world=World(),
+        device=torch.device("cpu"),
+        source=HttpRunSource(client),
     )
-    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -168,8 +162,8 @@ def test_a_pool_declared_dead_stops_its_tinker_work_cleanly_and_a_new_pool_serve
     live_service, tmp_path, caplog, dies_at
 ):
     caplog.set_level(logging.ERROR, logger="loraloom.worker")
-    key, http = _key(live_service, "tinker-dead-pool")
-    data = _data()
+    key, http = tenant_key(live_service, "tinker-dead-pool")
+    data = datums()
     client = DyingClient(live_service.url, WORKER_TOKEN, live_service.env["LORALOOM_DATABASE_URL"])
     pool = _start_dying_pool(live_service, tmp_path, client)
     service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
@@ -177,7 +171,7 @@ def test_a_pool_declared_dead_stops_its_tinker_work_cleanly_and_a_new_pool_serve
         training = service.create_lora_training_client(
             BASE_MODEL, rank=4, seed=9, train_unembed=False, train_mlp=False
         ).result()
-        _train(training, data, steps=1)
+        train_steps(training, data, steps=1)
         # Gradients accumulated on the pool, not stepped yet.
         training.forward_backward(data, "cross_entropy").result()
         slot = next(iter(pool.trainer.slots))
@@ -205,8 +199,8 @@ def test_a_pool_declared_dead_stops_its_tinker_work_cleanly_and_a_new_pool_serve
 
 
 def test_the_sampler_weights_kept_for_a_run_go_when_it_is_deleted(live_service, tmp_path):
-    key, http = _key(live_service, "tinker-sampler-cleanup")
-    data = _data()
+    key, http = tenant_key(live_service, "tinker-sampler-cleanup")
+    data = datums()
     service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
     try:
         with running_pool(live_service.url, tmp_path):
@@ -217,7 +211,7 @@ def test_the_sampler_weights_kept_for_a_run_go_when_it_is_deleted(live_service, 
                 for seed in (1, 2)
             ]
             for training in (kept, other):
-                _train(training, data, steps=1)
+                train_steps(training, data, steps=1)
                 training.save_weights_for_sampler("s1").result()
             runs = {r["config"]["seed"]: r["id"] for r in http.get("/v1/runs").json()["items"]}
             copies = {seed: tmp_path / "ckpt" / run_id / "sampler_weights" for seed, run_id in runs.items()}
@@ -237,14 +231,14 @@ def test_the_sampler_weights_kept_for_a_run_go_when_it_is_deleted(live_service, 
 
 
 def test_with_a_sampler_url_the_sdks_samples_come_from_the_external_server(live_service, tmp_path):
-    key, http = _key(live_service, "tinker-external-sampler")
+    key, http = tenant_key(live_service, "tinker-external-sampler")
     service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
     try:
         with serving_fake_vllm() as (url, fake), running_pool(live_service.url, tmp_path, sampler_url=url):
             training = service.create_lora_training_client(
                 BASE_MODEL, rank=4, seed=4, train_unembed=False, train_mlp=False
             ).result()
-            _train(training, _data(), steps=1)
+            train_steps(training, datums(), steps=1)
             path = training.save_weights_for_sampler("s1").result().path
             sampler = service.create_sampling_client(model_path=path).result()
             prompt = tinker.types.ModelInput.from_ints([5, 6, 7])

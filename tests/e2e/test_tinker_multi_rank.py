@@ -12,8 +12,8 @@ import pytest
 import tinker
 from tinker import types
 
-from tests.e2e.helpers import download_adapter_tensors, kill_pool, start_pool, wait_for
-from tests.e2e.test_tinker_pool import BASE_MODEL, _key
+from tests.e2e.helpers import download_adapter_tensors, kill_pool, start_pool
+from tests.e2e.tinker_harness import BASE_MODEL, tenant_key, wait_until_served
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.timeout(400)]
 
@@ -23,7 +23,7 @@ exactly zero, so a gradient of ~1e-12 whose sign differs by summation order (two
 sums against one rank's) moves that weight by 2·lr. The test is about the sum, not that noise."""
 
 
-def _data() -> list[types.Datum]:
+def datums() -> list[types.Datum]:
     """Six datums of 24-31 tokens: several 64-token rows, so both ranks get some."""
     out = []
     for k in range(6):
@@ -38,7 +38,7 @@ def _calls(service: tinker.ServiceClient, http: httpx.Client, url: str, key: str
     training = service.create_lora_training_client(
         BASE_MODEL, rank=4, seed=11, train_unembed=False, train_mlp=False
     ).result()
-    data = _data()
+    data = datums()
     losses, norms = [], []
     for _ in range(2):
         first = training.forward_backward(data[:3], "cross_entropy")
@@ -62,16 +62,13 @@ def _calls(service: tinker.ServiceClient, http: httpx.Client, url: str, key: str
 
 
 def _on_pool(live_service, tmp_path, nproc: int, tenant: str) -> dict[str, Any]:
-    key, http = _key(live_service, tenant)
+    key, http = tenant_key(live_service, tenant)
     pool = start_pool(
         live_service.url, data_dir=live_service.data_dir, nproc=nproc, log_path=tmp_path / f"pool-{nproc}.log"
     )
     service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
     try:
-        rest = tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
-        wait_for(
-            lambda: rest.get_server_capabilities().result().supported_models, timeout=120, what="the pool"
-        )
+        wait_until_served(live_service.url, key, timeout=120)
         return _calls(service, http, live_service.url, key)
     finally:
         service.close("success").result()

@@ -3,12 +3,6 @@ built-in model, one rank, in a thread of this process so the test can pause its 
 forward_backward + optim_step train, the losses run, several tenants share passes, a run that
 leaves fails its futures and the pool goes on."""
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Any
-
 import httpx
 import numpy as np
 import pytest
@@ -17,112 +11,31 @@ import torch
 from peft import PeftModel
 from tinker import types
 
-from contracts.tinker_work import ManualWorkItem
-from tests.common import WORKER_TOKEN
 from tests.e2e.helpers import MODEL_CACHE, download_adapter_tensors, extract_adapter, wait_for
-from trainer_core.dist import World
-from trainer_core.http_source import HttpRunSource
+from tests.e2e.tinker_harness import (
+    BASE_MODEL,
+    datums,
+    pending_futures,
+    running_pool,
+    tenant_key,
+    train_steps,
+    wait_until_served,
+)
 from trainer_core.models.registry import load_base_model
-from trainer_core.service_client import PoolServiceClient
-from trainer_core.worker import PoolTrainer, WorkerArgs
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.timeout(300)]
 
-BASE_MODEL = "loraloom-tiny"
-
-
-class GatedClient(PoolServiceClient):
-    """The pool's service client with a pause point before each claim of manual work."""
-
-    def __init__(self, url: str, token: str) -> None:
-        super().__init__(url, token)
-        self.open = threading.Event()
-        self.open.set()
-
-    def claim_manual(self, max_items: int) -> list[ManualWorkItem]:
-        self.open.wait()
-        return super().claim_manual(max_items)
-
-
-@dataclass
-class Pool:
-    trainer: PoolTrainer
-    client: GatedClient
-
-
-@contextmanager
-def running_pool(url: str, tmp_path, **overrides: Any) -> Iterator[Pool]:
-    """A one-rank pool in a thread; `overrides`: WorkerArgs fields (target_modules, max_rank, ...)."""
-    args = WorkerArgs(
-        url=url,
-        token=WORKER_TOKEN,
-        slots=3,
-        seq_len=64,
-        max_rank=8,
-        checkpoint_dir=tmp_path / "ckpt",
-        model_cache_dir=MODEL_CACHE,
-        pack_timeout_s=0.05,
-        poll_interval_s=0.02,
-    )
-    args = replace(args, **overrides)
-    client = GatedClient(url, WORKER_TOKEN)
-    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
-    thread = threading.Thread(target=trainer.run, daemon=True)
-    thread.start()
-    try:
-        yield Pool(trainer, client)
-    finally:
-        client.open.set()
-        trainer.stop_requested = True
-        thread.join(timeout=60)
-        trainer.close()
-
-
-def _key(live_service, name: str) -> tuple[str, httpx.Client]:
-    http = live_service.tenant_client(name)
-    return http.headers["Authorization"].removeprefix("Bearer "), http
-
-
-def _data(offset: int = 0) -> list[types.Datum]:
-    rows = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5, 4], [2, 4, 6, 8, 10, 12, 14]]
-    out = []
-    for row in rows:
-        seq = [t + offset for t in row]
-        # The SDK converts plain lists to TensorData.
-        inputs: dict[str, Any] = {"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)}
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs))
-    return out
-
-
-def _train(training, data, steps: int, lr: float = 2e-2) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        fb = training.forward_backward(data, "cross_entropy")
-        opt = training.optim_step(types.AdamParams(learning_rate=lr))
-        losses.append(fb.result().metrics["loss:sum"])
-        opt.result()
-    return losses
-
 
 def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_path):
-    key, http = _key(live_service, "tinker-train")
+    key, http = tenant_key(live_service, "tinker-train")
     with running_pool(live_service.url, tmp_path) as pool, http:
         service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
         try:
-            wait_for(
-                lambda: (
-                    tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
-                    .get_server_capabilities()
-                    .result()
-                    .supported_models
-                ),
-                timeout=30,
-                what="the pool to register",
-            )
+            wait_until_served(live_service.url, key, timeout=30)
             training = service.create_lora_training_client(
                 BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
             ).result()
-            data = _data()
+            data = datums()
 
             # forward: per-token logprobs of the targets, and nothing trained.
             fwd = training.forward(data, "cross_entropy").result()
@@ -131,7 +44,7 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
             assert np.all(lp < 0)
             assert fwd.metrics["loss:sum"] == pytest.approx(-lp.sum(), rel=1e-5)
 
-            losses = _train(training, data, steps=10)
+            losses = train_steps(training, data, steps=10)
             assert losses[0] == pytest.approx(fwd.metrics["loss:sum"], rel=1e-5)
             assert losses[-1] < 0.8 * losses[0], losses
 
@@ -212,9 +125,9 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
 def test_two_tenants_share_passes_each_as_if_alone_and_a_deleted_run_fails_only_its_own_futures(
     live_service, tmp_path
 ):
-    key_a, http_a = _key(live_service, "tinker-a")
-    key_b, http_b = _key(live_service, "tinker-b")
-    key_c, http_c = _key(live_service, "tinker-c")
+    key_a, http_a = tenant_key(live_service, "tinker-a")
+    key_b, http_b = tenant_key(live_service, "tinker-b")
+    key_c, http_c = tenant_key(live_service, "tinker-c")
     with running_pool(live_service.url, tmp_path) as pool, http_a, http_b, http_c:
         a = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_a)
         b = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_b)
@@ -229,9 +142,9 @@ def test_two_tenants_share_passes_each_as_if_alone_and_a_deleted_run_fails_only_
 
             # Pause the pool's claims, submit both tenants' work, let it go: one claim takes both.
             pool.client.open.clear()
-            fa = ta.forward_backward(_data(), "cross_entropy")
-            fb = tb.forward_backward(_data(offset=3), "cross_entropy")
-            wait_for(lambda: _pending(live_service) >= 2, timeout=30, what="both requests stored")
+            fa = ta.forward_backward(datums(), "cross_entropy")
+            fb = tb.forward_backward(datums(offset=3), "cross_entropy")
+            wait_for(lambda: pending_futures(live_service) >= 2, timeout=30, what="both requests stored")
             manual = pool.trainer.manual
             assert manual is not None
             before = manual.mixed_passes
@@ -246,7 +159,7 @@ def test_two_tenants_share_passes_each_as_if_alone_and_a_deleted_run_fails_only_
                 BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
             ).result()
             mixed = manual.mixed_passes
-            _train(tc, _data(), steps=1)
+            train_steps(tc, datums(), steps=1)
             assert manual.mixed_passes == mixed
             run_a = http_a.get("/v1/runs").json()["items"][0]["id"]
             run_c = http_c.get("/v1/runs").json()["items"][0]["id"]
@@ -273,44 +186,29 @@ def test_two_tenants_share_passes_each_as_if_alone_and_a_deleted_run_fails_only_
             # Tenant B's run is deleted while its next request waits: that future fails with the
             # reason; tenant A's goes on.
             pool.client.open.clear()
-            pending_b = tb.forward_backward(_data(offset=3), "cross_entropy")
-            wait_for(lambda: _pending(live_service) >= 1, timeout=30, what="B's request stored")
+            pending_b = tb.forward_backward(datums(offset=3), "cross_entropy")
+            wait_for(lambda: pending_futures(live_service) >= 1, timeout=30, what="B's request stored")
             run_b = http_b.get("/v1/runs").json()["items"][0]["id"]
             assert http_b.delete(f"/v1/runs/{run_b}").status_code in (200, 204)
             pool.client.open.set()
             with pytest.raises(tinker.RequestFailedError, match="left"):
                 pending_b.result()
-            assert _train(ta, _data(), steps=2)[-1] > 0
+            assert train_steps(ta, datums(), steps=2)[-1] > 0
         finally:
             for client in (a, b, c):
                 client.close("success").result()
 
 
-def _pending(live_service) -> int:
-    from sqlalchemy import create_engine, text
-
-    engine = create_engine(live_service.env["LORALOOM_DATABASE_URL"])
-    try:
-        with engine.connect() as conn:
-            return int(
-                conn.execute(
-                    text("SELECT count(*) FROM tinker_futures WHERE status = 'pending'")
-                ).scalar_one()
-            )
-    finally:
-        engine.dispose()
-
-
 def test_save_state_then_load_with_optimizer_continues_like_the_original(live_service, tmp_path):
-    key, http = _key(live_service, "tinker-state")
+    key, http = tenant_key(live_service, "tinker-state")
     with running_pool(live_service.url, tmp_path), http:
         service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
         try:
             original = service.create_lora_training_client(
                 BASE_MODEL, rank=4, seed=5, train_unembed=False, train_mlp=False
             ).result()
-            data = _data()
-            _train(original, data, steps=3)
+            data = datums()
+            train_steps(original, data, steps=3)
             saved = original.save_state("after-3").result()
             assert saved.path == f"tinker://{original.model_id}/weights/after-3"
             at_save = original.forward(data, "cross_entropy").result()
@@ -324,7 +222,9 @@ def test_save_state_then_load_with_optimizer_continues_like_the_original(live_se
                     assert np.allclose(got["logprobs"].to_numpy(), want["logprobs"].to_numpy(), atol=1e-5)
 
             # With the optimizer state, training goes on exactly as the original's.
-            assert np.allclose(_train(resumed, data, steps=2), _train(original, data, steps=2), rtol=1e-5)
+            assert np.allclose(
+                train_steps(resumed, data, steps=2), train_steps(original, data, steps=2), rtol=1e-5
+            )
             a = original.forward(data, "cross_entropy").result()
             b = resumed.forward(data, "cross_entropy").result()
             for got, want in zip(b.loss_fn_outputs, a.loss_fn_outputs, strict=True):

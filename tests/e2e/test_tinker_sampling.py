@@ -15,7 +15,15 @@ from tinker import types
 
 from contracts.tokenizer import CharTokenizer
 from tests.e2e.helpers import MODEL_CACHE, extract_adapter, wait_for
-from tests.e2e.test_tinker_pool import BASE_MODEL, _data, _key, _pending, _train, running_pool
+from tests.e2e.tinker_harness import (
+    BASE_MODEL,
+    datums,
+    pending_futures,
+    running_pool,
+    tenant_key,
+    train_steps,
+    wait_until_served,
+)
 from trainer_core.models.registry import load_base_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.timeout(300)]
@@ -36,22 +44,19 @@ def _sample(client, n: int = 1, **params) -> types.SampleResponse:
 
 
 def test_sampling_older_weights_the_base_model_seeds_and_stops_through_the_sdk(live_service, tmp_path):
-    key, http = _key(live_service, "tinker-sample")
+    key, http = tenant_key(live_service, "tinker-sample")
     with running_pool(live_service.url, tmp_path) as pool, http:
         service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
         try:
-            rest = tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
-            wait_for(
-                lambda: rest.get_server_capabilities().result().supported_models, timeout=30, what="the pool"
-            )
+            wait_until_served(live_service.url, key, timeout=30)
             training = service.create_lora_training_client(
                 BASE_MODEL, rank=4, seed=1, train_unembed=False, train_mlp=False
             ).result()
-            data = _data()
-            _train(training, data, steps=3, lr=5e-2)
+            data = datums()
+            train_steps(training, data, steps=3, lr=5e-2)
             older_path = training.save_weights_for_sampler("step3").result().path
             older = service.create_sampling_client(model_path=older_path).result()
-            _train(training, data, steps=3, lr=5e-2)
+            train_steps(training, data, steps=3, lr=5e-2)
             newer = service.create_sampling_client(
                 model_path=training.save_weights_for_sampler("step6").result().path
             ).result()
@@ -159,14 +164,11 @@ def test_sampling_older_weights_the_base_model_seeds_and_stops_through_the_sdk(l
 def test_the_base_model_samples_on_a_pool_that_holds_no_tinker_model(live_service, tmp_path):
     """A base-model sampling client needs no run: the pool asks for its requests although it has no
     Tinker model (and so no other reason to ask for manual work)."""
-    key, http = _key(live_service, "tinker-base")
+    key, http = tenant_key(live_service, "tinker-base")
     with running_pool(live_service.url, tmp_path) as pool, http:
         service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
         try:
-            rest = tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
-            wait_for(
-                lambda: rest.get_server_capabilities().result().supported_models, timeout=30, what="the pool"
-            )
+            wait_until_served(live_service.url, key, timeout=30)
             plain = service.create_sampling_client(base_model=BASE_MODEL).result()
             sampled = _sample(plain, 2, max_tokens=5, seed=3, stop=[])
             assert not pool.trainer.slots
@@ -189,8 +191,8 @@ def _forward_logprobs(training, prompt: list[int], generated: list[int]) -> np.n
 
 
 def test_two_tenants_samples_decode_in_one_generation_pass_each_with_its_own_adapter(live_service, tmp_path):
-    key_a, http_a = _key(live_service, "tinker-sample-a")
-    key_b, http_b = _key(live_service, "tinker-sample-b")
+    key_a, http_a = tenant_key(live_service, "tinker-sample-a")
+    key_b, http_b = tenant_key(live_service, "tinker-sample-b")
     with running_pool(live_service.url, tmp_path) as pool, http_a, http_b:
         a = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_a)
         b = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key_b)
@@ -201,8 +203,8 @@ def test_two_tenants_samples_decode_in_one_generation_pass_each_with_its_own_ada
             tb = b.create_lora_training_client(
                 BASE_MODEL, rank=2, seed=2, train_unembed=False, train_mlp=False
             ).result()
-            _train(ta, _data(), steps=2, lr=5e-2)
-            _train(tb, _data(offset=3), steps=2, lr=5e-2)
+            train_steps(ta, datums(), steps=2, lr=5e-2)
+            train_steps(tb, datums(offset=3), steps=2, lr=5e-2)
             sa = a.create_sampling_client(model_path=ta.save_weights_for_sampler("a").result().path).result()
             sb = b.create_sampling_client(model_path=tb.save_weights_for_sampler("b").result().path).result()
             manual = pool.trainer.manual
@@ -213,7 +215,9 @@ def test_two_tenants_samples_decode_in_one_generation_pass_each_with_its_own_ada
             params = types.SamplingParams(max_tokens=6, seed=2, stop=[])
             fa = sa.sample(types.ModelInput.from_ints(PROMPT), 2, params)
             fb = sb.sample(types.ModelInput.from_ints(PROMPT[:2]), 1, params)
-            wait_for(lambda: _pending(live_service) >= 2, timeout=30, what="both sample requests stored")
+            wait_for(
+                lambda: pending_futures(live_service) >= 2, timeout=30, what="both sample requests stored"
+            )
             before = manual.samples.passes
             pool.client.open.set()
             ra, rb = fa.result(), fb.result()

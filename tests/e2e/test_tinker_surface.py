@@ -14,8 +14,15 @@ from peft import PeftModel
 from tinker import types
 
 from contracts.tokenizer import CharTokenizer
-from tests.e2e.helpers import MODEL_CACHE, download_adapter_tensors, extract_adapter, wait_for
-from tests.e2e.test_tinker_pool import BASE_MODEL, _data, _key, _train, running_pool
+from tests.e2e.helpers import MODEL_CACHE, download_adapter_tensors, extract_adapter
+from tests.e2e.tinker_harness import (
+    BASE_MODEL,
+    datums,
+    running_pool,
+    tenant_key,
+    train_steps,
+    wait_until_served,
+)
 from trainer_core.models.registry import load_base_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only, pytest.mark.timeout(300)]
@@ -24,26 +31,13 @@ EVERY_MODULE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 TEXTS = ["1+2=3", "4+4=8", "7+1=8"]
 
 
-def _wait_for_pool(url: str, key: str) -> None:
-    wait_for(
-        lambda: (
-            tinker.RestClient(base_url=url, api_key="tml-" + key)
-            .get_server_capabilities()
-            .result()
-            .supported_models
-        ),
-        timeout=30,
-        what="the pool to register",
-    )
-
-
 def test_sdk_defaults_train_the_unembedding_and_its_tokenizer_loads_offline(
     live_service, tmp_path, monkeypatch
 ):
-    key, http = _key(live_service, "tinker-defaults")
+    key, http = tenant_key(live_service, "tinker-defaults")
     # The SDK's defaults: rank 32, attention, MLP and unembedding.
     with running_pool(live_service.url, tmp_path, target_modules=EVERY_MODULE, max_rank=32), http:
-        _wait_for_pool(live_service.url, key)
+        wait_until_served(live_service.url, key, timeout=30)
         service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
         try:
             training = service.create_lora_training_client(BASE_MODEL).result()
@@ -69,7 +63,7 @@ def test_sdk_defaults_train_the_unembedding_and_its_tokenizer_loads_offline(
                     )
                 )
 
-            losses = _train(training, data, steps=10, lr=5e-3)
+            losses = train_steps(training, data, steps=10, lr=5e-3)
             assert losses[-1] < 0.8 * losses[0], losses
 
             saved = training.save_weights_for_sampler("final").result()
@@ -107,10 +101,10 @@ def test_sdk_defaults_train_the_unembedding_and_its_tokenizer_loads_offline(
 
 
 def test_checkpoints_list_describe_and_delete_for_their_tenant_only(live_service, tmp_path):
-    key, http = _key(live_service, "tinker-ckpt")
-    other_key, other_http = _key(live_service, "tinker-ckpt-other")
+    key, http = tenant_key(live_service, "tinker-ckpt")
+    other_key, other_http = tenant_key(live_service, "tinker-ckpt-other")
     with running_pool(live_service.url, tmp_path), http, other_http:
-        _wait_for_pool(live_service.url, key)
+        wait_until_served(live_service.url, key, timeout=30)
         service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
         rest = tinker.RestClient(base_url=live_service.url, api_key="tml-" + key)
         other = tinker.RestClient(base_url=live_service.url, api_key="tml-" + other_key)
@@ -120,7 +114,7 @@ def test_checkpoints_list_describe_and_delete_for_their_tenant_only(live_service
             ).result()
             model_id = training.model_id
             assert rest.list_checkpoints(model_id).result().checkpoints == []
-            _train(training, _data(), steps=1)
+            train_steps(training, datums(), steps=1)
             state = training.save_state("s1").result().path
             sampler = training.save_weights_for_sampler("w1").result().path
 
@@ -181,10 +175,10 @@ def test_checkpoints_list_describe_and_delete_for_their_tenant_only(live_service
 
 
 def test_a_pool_without_the_sdks_defaults_names_what_it_lacks(live_service, tmp_path):
-    key, http = _key(live_service, "tinker-narrow-pool")
+    key, http = tenant_key(live_service, "tinker-narrow-pool")
     # Attention only, rank 8: neither the SDK's default rank (32) nor its MLP / unembedding fit.
     with running_pool(live_service.url, tmp_path), http:
-        _wait_for_pool(live_service.url, key)
+        wait_until_served(live_service.url, key, timeout=30)
         service = tinker.ServiceClient(base_url=live_service.url, api_key="tml-" + key)
         try:
             with pytest.raises(tinker.UnprocessableEntityError, match="lm_head") as refused:
