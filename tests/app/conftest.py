@@ -5,6 +5,7 @@ Fixtures only: the helpers they use live in tests/app/api.py and tests/app/facto
 """
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -12,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
+from app.batches import lean_route
 from app.config import Settings
 from app.db import make_engine, make_session_factory
 from app.main import create_app
@@ -58,3 +60,17 @@ def live_server(app: FastAPI) -> Iterator[LiveServer]:
 def http(live_server: LiveServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=live_server.url, timeout=30) as c:
         yield c
+
+
+@pytest.fixture
+def fast_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Run ids of the batch submissions the hot route's fast path handled (app/batches/lean_route.py)."""
+    calls: list[str] = []
+    real = lean_route._submit_in_thread
+
+    def counted(request: Any, lean: Any, body: bytes) -> Any:
+        calls.append(lean.run_id)
+        return real(request, lean, body)
+
+    monkeypatch.setattr(lean_route, "_submit_in_thread", counted)
+    return calls

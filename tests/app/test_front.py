@@ -5,7 +5,6 @@ handlers), and the guards still run before it."""
 import logging
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 
 from app.batches import lean_route
@@ -17,19 +16,6 @@ from tests.app.factories import batch_count, seed_run
 from tests.app.test_prometheus import scrape
 
 ROUTE = "/v1/runs/{run_id}/batches"
-
-
-@pytest.fixture
-def fast_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    calls: list[str] = []
-    real = lean_route._submit_in_thread
-
-    def counted(request: Any, lean: Any, body: bytes) -> Any:
-        calls.append(lean.run_id)
-        return real(request, lean, body)
-
-    monkeypatch.setattr(lean_route, "_submit_in_thread", counted)
-    return calls
 
 
 def _requests(samples: dict, status: str, route: str = ROUTE) -> float:

@@ -6,29 +6,13 @@ import json
 import re
 from typing import Any
 
-import pytest
 from fastapi.testclient import TestClient
 
-from app.batches import lean_route
 from app.config import Settings
 from app.key_cache import ApiKeyCache
 from app.main import create_app
 from tests.app.api import MSGPACK, batch_body, post_batch
 from tests.app.factories import Seeded, batch_count, rollout_files, seed_run
-
-
-@pytest.fixture
-def fast_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Run ids of the requests the fast path handled."""
-    calls: list[str] = []
-    real = lean_route._submit_in_thread
-
-    def counted(request: Any, lean: Any, body: bytes) -> Any:
-        calls.append(lean.run_id)
-        return real(request, lean, body)
-
-    monkeypatch.setattr(lean_route, "_submit_in_thread", counted)
-    return calls
 
 
 def _session(settings: Settings, cache_seconds: float) -> list[tuple[int, Any]]:
