@@ -299,6 +299,53 @@ def post_all(
 # --------------------------------------------------------------------------- main
 
 
+def measure_rounds(
+    batches: list[TrainingBatch],
+    rounds: int,
+    raw_dir: Path,
+    raw: Result,
+    targets: list[tuple[Result, str, str]],
+    *,
+    url: str,
+    pid: int,
+) -> None:
+    """The batches in `rounds` chunks; per chunk the raw file path (one writer, same disk), then each
+    target `(result, api key, run id)` posting the chunk with its format and clients while the
+    server's process tree CPU is read around it. Accumulates into `raw` and the targets' results."""
+    per_round = -(-len(batches) // rounds)
+    for start in range(0, len(batches), per_round):
+        chunk = batches[start : start + per_round]
+        chunk_samples = sum(len(b.examples) for b in chunk)
+        chunk_payload = sum(len(msgpack_encoder.encode(b)) for b in chunk)
+        t0 = time.perf_counter()
+        for i, b in enumerate(chunk):
+            t = time.perf_counter()
+            n = raw_write(raw_dir, start + i, b)
+            raw.latencies_ms.append((time.perf_counter() - t) * 1000)
+            raw.wire_bytes += n
+            raw.payload_bytes += n
+        raw.seconds += time.perf_counter() - t0
+        raw.batches += len(chunk)
+        raw.samples += chunk_samples
+        for result, secret, run_id in targets:
+            cpu0, sys0 = tree_cpu_seconds(pid)
+            seconds, wire, lat = post_all(url, secret, run_id, chunk, fmt=result.fmt, clients=result.clients)
+            cpu1, sys1 = tree_cpu_seconds(pid)
+            result.server_cpu_s += cpu1 - cpu0
+            result.server_sys_s += sys1 - sys0
+            result.seconds += seconds
+            result.wire_bytes += wire
+            result.payload_bytes += chunk_payload
+            result.latencies_ms += lat
+            result.batches += len(chunk)
+            result.samples += chunk_samples
+        rates = ", ".join(
+            f"{r.fmt}×{r.clients} {r.samples / r.seconds / (raw.samples / raw.seconds):.2f}"
+            for r, _, _ in targets
+        )
+        print(f"round {start // per_round + 1}: × raw so far: {rates}", file=sys.stderr)
+
+
 def table(results: list[Result]) -> str:
     raw = next(r for r in results if r.path == "raw files")
     raw_rate = raw.samples / raw.seconds
@@ -353,41 +400,8 @@ def main(argv: list[str] | None = None) -> None:
             if warm:
                 post_all(url, secret, run_id, warm, fmt=fmt, clients=clients)
 
-        per_round = -(-len(batches) // args.rounds)
-        for start in range(0, len(batches), per_round):
-            chunk = batches[start : start + per_round]
-            chunk_samples = sum(len(b.examples) for b in chunk)
-            chunk_payload = sum(len(msgpack_encoder.encode(b)) for b in chunk)
-            # Raw file path: same batches, same disk, one writer.
-            t0 = time.perf_counter()
-            for i, b in enumerate(chunk):
-                t = time.perf_counter()
-                n = raw_write(raw_dir, start + i, b)
-                raw.latencies_ms.append((time.perf_counter() - t) * 1000)
-                raw.wire_bytes += n
-                raw.payload_bytes += n
-            raw.seconds += time.perf_counter() - t0
-            raw.batches += len(chunk)
-            raw.samples += chunk_samples
-            for result, run_id in zip(service_results, run_ids, strict=True):
-                cpu0, sys0 = tree_cpu_seconds(proc.pid)
-                seconds, wire, lat = post_all(
-                    url, secret, run_id, chunk, fmt=result.fmt, clients=result.clients
-                )
-                cpu1, sys1 = tree_cpu_seconds(proc.pid)
-                result.server_cpu_s += cpu1 - cpu0
-                result.server_sys_s += sys1 - sys0
-                result.seconds += seconds
-                result.wire_bytes += wire
-                result.payload_bytes += chunk_payload
-                result.latencies_ms += lat
-                result.batches += len(chunk)
-                result.samples += chunk_samples
-            rates = ", ".join(
-                f"{r.fmt}×{r.clients} {r.samples / r.seconds / (raw.samples / raw.seconds):.2f}"
-                for r in service_results
-            )
-            print(f"round {start // per_round + 1}: × raw so far: {rates}", file=sys.stderr)
+        targets = [(result, secret, run_id) for result, run_id in zip(service_results, run_ids, strict=True)]
+        measure_rounds(batches, args.rounds, raw_dir, raw, targets, url=url, pid=proc.pid)
         results: list[Result] = [raw, *service_results]
 
         # Sanity: the service stored what it acknowledged, and the files are what the rows say.

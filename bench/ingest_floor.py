@@ -39,14 +39,12 @@ from bench.ingest import (
     create_database,
     drop_database,
     make_batches,
+    measure_rounds,
     parse_args,
     post_all,
-    raw_write,
     table,
-    tree_cpu_seconds,
 )
 from contracts.durable import atomic_write_bytes
-from contracts.wire import msgpack_encoder
 from loraloom.launch import free_port
 
 _INSERT = (
@@ -158,35 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         proc, url = _start(database_url, workdir / "data", workdir / "floor.log")
         for c in clients_list:
             post_all(url, "-", f"run_warm{c}", warm, fmt="msgpack", clients=c)
-        per_round = -(-len(batches) // args.rounds)
-        for start in range(0, len(batches), per_round):
-            chunk = batches[start : start + per_round]
-            chunk_samples = sum(len(b.examples) for b in chunk)
-            chunk_payload = sum(len(msgpack_encoder.encode(b)) for b in chunk)
-            t0 = time.perf_counter()
-            for i, b in enumerate(chunk):
-                t = time.perf_counter()
-                n = raw_write(raw_dir, start + i, b)
-                raw.latencies_ms.append((time.perf_counter() - t) * 1000)
-                raw.wire_bytes += n
-                raw.payload_bytes += n
-            raw.seconds += time.perf_counter() - t0
-            raw.batches += len(chunk)
-            raw.samples += chunk_samples
-            for result in floors:
-                cpu0, sys0 = tree_cpu_seconds(proc.pid)
-                seconds, wire, lat = post_all(
-                    url, "-", f"run_{result.clients}", chunk, fmt="msgpack", clients=result.clients
-                )
-                cpu1, sys1 = tree_cpu_seconds(proc.pid)
-                result.server_cpu_s += cpu1 - cpu0
-                result.server_sys_s += sys1 - sys0
-                result.seconds += seconds
-                result.wire_bytes += wire
-                result.payload_bytes += chunk_payload
-                result.latencies_ms += lat
-                result.batches += len(chunk)
-                result.samples += chunk_samples
+        targets = [(result, "-", f"run_{result.clients}") for result in floors]
+        measure_rounds(batches, args.rounds, raw_dir, raw, targets, url=url, pid=proc.pid)
     finally:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
