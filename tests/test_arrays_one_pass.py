@@ -1,6 +1,6 @@
-"""contracts.arrays: the one-pass check of a good batch (`_trainable`) passes exactly the batches the
-three separate checks (`_byte_problems`, `_shapes_ok`, `_values_ok`) pass, so every refusal is still
-worded by the same path."""
+"""contracts.arrays: the one-pass check of a good batch (`_trainable`) passes exactly the batches the one
+definition of the rules passes (the byte rules of the binary form, then `sample_problems` on the list
+form), so every refusal is still worded by the same path."""
 
 import math
 
@@ -9,6 +9,7 @@ import pytest
 
 from contracts import arrays
 from contracts.arrays import ArrayBatch
+from contracts.wire import sample_problems
 from tests.trainer_core.test_packing_binary_checks import BAD, GOOD_EDGES, SEQ_LEN, VOCAB, _f32, _good
 
 MORE: dict[str, dict[str, object]] = {
@@ -25,21 +26,23 @@ MORE: dict[str, dict[str, object]] = {
 CASES = {**BAD, **GOOD_EDGES, **MORE}
 
 
-def _separately(batch: ArrayBatch, *, full: bool, vocab_size: int | None) -> bool:
-    return (
-        not arrays._byte_problems(batch)
-        and arrays._shapes_ok(batch, seq_len=SEQ_LEN, full=full)
-        and arrays._values_ok(batch, vocab_size=vocab_size, full=full)
+def _by_the_rules(batch: ArrayBatch, *, full: bool, vocab_size: int | None) -> bool:
+    if arrays._byte_problems(batch):
+        return False
+    limit = arrays.MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+    return not any(
+        sample_problems(s, seq_len=SEQ_LEN, vocab_size=limit, full=full)
+        for s in arrays.to_lists(batch).examples
     )
 
 
 @pytest.mark.parametrize("full", [True, False])
 @pytest.mark.parametrize("vocab_size", [VOCAB, None])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_one_pass_check_agrees_with_the_three(case: str, full: bool, vocab_size: int | None) -> None:
+def test_the_one_pass_check_agrees_with_the_rules(case: str, full: bool, vocab_size: int | None) -> None:
     sample = msgspec.structs.replace(_good(), **CASES[case])
     batch = ArrayBatch(examples=[_good(), sample, _good(2, 5)])
-    expected = _separately(batch, full=full, vocab_size=vocab_size)
+    expected = _by_the_rules(batch, full=full, vocab_size=vocab_size)
     assert arrays._trainable(batch, seq_len=SEQ_LEN, vocab_size=vocab_size, full=full) == expected
     if not expected:  # refused, in the words of the slow path
         assert arrays.array_batch_problems(batch, seq_len=SEQ_LEN, vocab_size=vocab_size, full=full)
