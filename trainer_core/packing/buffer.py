@@ -434,10 +434,6 @@ class RunBuffer:
         self._samples += len(chunk)
         self.tokens += chunk.num_tokens
 
-    def head_length(self) -> int:
-        """Tokens of the oldest sample (the buffer must not be empty)."""
-        return self._chunks[0].lengths[self._head]
-
     def head_arrived_at(self) -> float:
         return self._chunks[0].arrived_at
 
