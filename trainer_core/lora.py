@@ -586,6 +586,11 @@ class MultiLoRA:
             layer.path = path
 
 
+def master_dtype(base_dtype: torch.dtype) -> torch.dtype:
+    """The dtype LoRA weights train in on a base of ``base_dtype``: fp32 for a half type, else the same."""
+    return torch.float32 if base_dtype in (torch.bfloat16, torch.float16) else base_dtype
+
+
 def apply_multi_lora(
     model: nn.Module,
     target_modules: Sequence[str],
@@ -601,6 +606,11 @@ def apply_multi_lora(
     Every base parameter of `model` is frozen; only the LoRA parameters train. Each slot starts
     as rank = alpha = max_rank with `dropout`, freshly initialised (the identity). Raises if a
     target name matches no linear layer (a typo would otherwise train nothing).
+
+    ``dtype``: of the LoRA weights, hence of their gradients and optimizer state. By default the base's
+    dtype but never a half type: a bf16/fp16 base gets fp32 LoRA weights (master weights; the forward
+    casts them to the activations' dtype, so the matmuls still run in bf16). Small updates to a bf16
+    weight round away (8 significant bits), which is why the pool's bf16 default on CUDA needs this.
     """
     targets = tuple(dict.fromkeys(target_modules))
     if not targets:
@@ -622,7 +632,13 @@ def apply_multi_lora(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         wrapped = MultiLoRALinear(
-            linear, n_slots, max_rank, dropout=dropout, segment_context=context, dtype=dtype, path=path
+            linear,
+            n_slots,
+            max_rank,
+            dropout=dropout,
+            segment_context=context,
+            dtype=dtype or master_dtype(linear.weight.dtype),
+            path=path,
         )
         setattr(parent, child, wrapped)
         layers[name] = wrapped

@@ -117,7 +117,7 @@ def copy_task_row(seed: int) -> MicroBatch:
 def test_bf16_base_trains_fp32_lora_master_weights(saved_model):
     model = load_base_model(str(saved_model), dtype="bf16")
     base_before = {k: v.clone() for k, v in model.state_dict().items()}
-    handle = apply_multi_lora(model, TARGETS, n_slots=2, max_rank=8, dtype=torch.float32)
+    handle = apply_multi_lora(model, TARGETS, n_slots=2, max_rank=8)  # as the worker calls it
     handle.reset_slot(1, seed=0)
     params = handle.slot_parameters(1)
     assert {p.dtype for p in params} == {torch.float32}
@@ -149,7 +149,7 @@ def test_bf16_base_trains_fp32_lora_master_weights(saved_model):
 
 def test_adapters_export_fp32_by_default_and_bf16_on_request(tmp_path):
     model = build_model("qwen2", seed=0, vocab_size=VOCAB, dtype=torch.bfloat16)
-    handle = apply_multi_lora(model, TARGETS, n_slots=2, max_rank=4)  # bf16 parameters here
+    handle = apply_multi_lora(model, TARGETS, n_slots=2, max_rank=4, dtype=torch.bfloat16)
     handle.reset_slot(1, seed=3)
     default = export_peft_adapter(handle, 1, tmp_path / "default", base_model_name_or_path="tiny")
     assert {t.dtype for t in load_file(default / ADAPTER_WEIGHTS).values()} == {torch.float32}
