@@ -20,7 +20,8 @@ ratio measures what packing costs). Two parts:
   time, ratio, and peak memory.
 - **kernels** (how the packed kernel was chosen): attention alone (forward + backward of q, k, v with the
   model's head layout), packed row vs the batched SDPA: per-segment SDPA (`segment_attention`), one SDPA
-  with the dense additive mask, and ``flex_attention`` with a block mask where it can run.
+  with the dense additive mask, ``flex_attention`` with a block mask where it can run, and torch's
+  flash varlen kernel (``torch.nn.attention.varlen.varlen_attn``: CUDA, half dtypes) where it can run.
 
 Timing: every config is built once in this process and timed in interleaved rounds (a slow period of a
 shared machine hits all configs alike): median over --repeats rounds after --warmup untimed steps, as
@@ -31,6 +32,8 @@ resident set over the step (VmHWM reset through /proc/self/clear_refs first). Pr
 """
 
 import argparse
+import inspect
+import itertools
 import os
 import statistics
 import subprocess
@@ -249,7 +252,40 @@ def kernel_steps(args: argparse.Namespace, length: int) -> dict[str, Step | str]
         steps["packed: flex_attention + block mask (eager)"] = flex
     except Exception as exc:  # noqa: BLE001 - reported in the table: why this kernel cannot run here
         steps["packed: flex_attention + block mask"] = f"cannot run: {str(exc).splitlines()[0][:120]}"
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)  # (S+1,)
+
+    def varlen() -> None:
+        out = varlen_causal(q[0], k[0], v[0], cu_seqlens, n)  # (L, H, D)
+        out.contiguous().sum().backward()
+
+    try:
+        varlen()
+        steps["packed: torch varlen_attn (one call)"] = varlen
+    except Exception as exc:  # noqa: BLE001 - CUDA-only, half dtypes only: said in the table
+        steps["packed: torch varlen_attn"] = f"cannot run: {str(exc).splitlines()[0][:120]}"
     return steps
+
+
+def varlen_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """torch's flash varlen attention, causal, (T, H, D) → (T, H, D); its keyword arguments differ
+    between torch versions (``is_causal`` or ``window_size``; ``enable_gqa`` or not), so read them."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, object] = {}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    else:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    if "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)  # type: ignore[arg-type]
+    return out[0] if isinstance(out, tuple) else out
 
 
 # ---- timing and report ------------------------------------------------------------------------------
@@ -285,6 +321,11 @@ def basis(args: argparse.Namespace, t: Timing) -> float:
     return t.cpu_ms if args.device == "cpu" else t.wall_ms
 
 
+def ms(args: argparse.Namespace, value: float) -> str:
+    """Whole ms on the CPU; on a GPU a kernel takes a few ms, so two decimals."""
+    return f"{value:.0f}" if args.device == "cpu" else f"{value:.2f}"
+
+
 def run_model_part(args: argparse.Namespace, argv: list[str], model_dir: str) -> str:
     from trainer_core.models.precision import resolve_attn_implementation, resolve_dtype
 
@@ -313,7 +354,7 @@ def run_model_part(args: argparse.Namespace, argv: list[str], model_dir: str) ->
         for impl in impls:
             p, b = times[f"{impl}:packed"], times[f"{impl}:batched"]
             lines.append(
-                f"| {length} | {impl} | {basis(args, p):.0f} | {basis(args, b):.0f} | "
+                f"| {length} | {impl} | {ms(args, basis(args, p))} | {ms(args, basis(args, b))} | "
                 f"{basis(args, p) / basis(args, b):.2f} | {mem[(impl, length, 'packed')]:.0f} | "
                 f"{mem[(impl, length, 'batched')]:.0f} |"
             )
@@ -337,7 +378,8 @@ def run_kernel_part(args: argparse.Namespace) -> str:
                 lines.append(f"| {length} | {key} | {step} | - |")
             else:
                 lines.append(
-                    f"| {length} | {key} | {basis(args, times[key]):.0f} | {basis(args, times[key]) / base:.2f} |"
+                    f"| {length} | {key} | {ms(args, basis(args, times[key]))} | "
+                    f"{basis(args, times[key]) / base:.2f} |"
                 )
     return "\n".join(lines)
 
