@@ -81,7 +81,12 @@ def worker(
         ),
     ] = None,
     seq_len: Annotated[
-        int | None, _opt(POOL, "Tokens per packed micro-batch [LORALOOM_SEQ_LEN] (1024).")
+        int | None,
+        _opt(
+            POOL,
+            "Tokens per packed micro-batch [LORALOOM_SEQ_LEN] (1024). On a GPU use 8192-16384: each "
+            "micro-batch has a fixed host cost (docs/benchmarks.md).",
+        ),
     ] = None,
     checkpoint_dir: Annotated[
         Path | None,
