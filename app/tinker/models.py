@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
@@ -11,6 +11,21 @@ from app.db import Base, utcnow
 CHECKPOINT_DELETED = "loraloom_deleted"
 """Set in a save's result when the user deletes the checkpoint it named (the future itself stays:
 it answers a retried request with the same seq_id). Keys prefixed `loraloom_` never reach the SDK."""
+
+
+REPLAYED_KINDS = ("forward_backward", "load_weights")
+"""Done requests whose effect lives in the pool's memory until the run's next optim_step is
+checkpointed: the accumulated gradient, the loaded weights."""
+
+CLAIMABLE = (
+    f"status = 'pending' OR (status = 'complete' AND kind IN ({', '.join(repr(k) for k in REPLAYED_KINDS)}) "
+    "AND request IS NOT NULL AND CAST(request AS TEXT) <> 'null')"
+)
+"""The futures a pool's claim can take (app.tinker.work.claim): pending work, and done work whose kept
+request another pool may replay. A partial index holds only these, so the claim, which every pool polls
+every poll interval, reads a handful of rows instead of every retained future (bench/tinker_claim.py).
+Postgres uses the index only where the query's filter implies this one, so the claim's filter spells the
+same terms (tests/app/test_tinker_claim_index.py checks the plan)."""
 
 
 class TinkerSession(Base):
@@ -47,7 +62,16 @@ class TinkerFuture(Base):
     submission finds the future of the first one instead of being applied twice."""
 
     __tablename__ = "tinker_futures"
-    __table_args__ = (UniqueConstraint("model_id", "seq_id"),)
+    __table_args__ = (
+        UniqueConstraint("model_id", "seq_id"),
+        Index(
+            "ix_tinker_futures_claimable",
+            "run_id",
+            "seq_id",
+            postgresql_where=text(CLAIMABLE),
+            sqlite_where=text(CLAIMABLE),
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)

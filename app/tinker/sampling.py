@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.orm import Session
 
 from app.errors import NotFound, ValidationFailed
@@ -215,12 +215,10 @@ def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> 
     return future
 
 
-def claim_base_samples(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
-    """The pending base-model sample requests of the pool's base model, oldest first, marked running."""
-    if max_items <= 0:
-        return []
-    base_model = get_alive_pool(session, pool_id=pool_id).base_model
-    rows = session.scalars(
+def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture]:
+    """The pending base-model samples `claim_base_samples` takes, locked. Indexed either way: by
+    model_id, or by the partial index of claimable futures (`app.tinker.models.CLAIMABLE`)."""
+    return (
         select(TinkerFuture)
         .where(
             TinkerFuture.status == PENDING,
@@ -231,7 +229,15 @@ def claim_base_samples(session: Session, *, pool_id: str, max_items: int) -> lis
         .order_by(TinkerFuture.created_at, TinkerFuture.id)
         .limit(max_items)
         .with_for_update(skip_locked=True)
-    ).all()
+    )
+
+
+def claim_base_samples(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
+    """The pending base-model sample requests of the pool's base model, oldest first, marked running."""
+    if max_items <= 0:
+        return []
+    base_model = get_alive_pool(session, pool_id=pool_id).base_model
+    rows = session.scalars(base_samples_query(base_model, max_items)).all()
     taken = []
     for future in rows:
         if future.request is not None:

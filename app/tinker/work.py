@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, and_, not_, null, or_, select, update
+from sqlalchemy import ColumnElement, Select, and_, not_, null, or_, select, update
 from sqlalchemy.orm import Session
 
 from app.config import Settings
@@ -28,7 +28,7 @@ from app.runs.models import Run
 from app.runs.schemas import validation_problems
 from app.tinker import leases, proto
 from app.tinker.leases import request_cleared
-from app.tinker.models import TinkerFuture, TinkerModel
+from app.tinker.models import REPLAYED_KINDS, TinkerFuture, TinkerModel
 from app.tinker.service import NotSupported, get_model, get_session, new_model_run, touch_model
 from contracts.ids import new_id
 from contracts.run_config import RunConfig
@@ -322,9 +322,6 @@ def resolve_sampler_path(session: Session, *, tenant_id: str, path: str) -> tupl
 # --- the pool's side ----------------------------------------------------------------------------
 
 
-REPLAYED_KINDS = ("forward_backward", "load_weights")
-"""Done requests whose effect lives in the pool's memory until the run's next optim_step is
-checkpointed: the accumulated gradient, the loaded weights."""
 BOUNDARY_KINDS = ("optim_step", "load_weights")
 """A run's claim ends at the first of these: the pool runs the passes before it, then it."""
 
@@ -340,23 +337,29 @@ def _to_replay(pool_id: str) -> ColumnElement[bool]:
     )
 
 
-def claim(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
-    """The work of the pool's active runs, per run in seq_id order up to and including its next
-    optim_step or load_weights: pending work, marked running and held by this pool, and done work
-    to replay (`_to_replay`), marked `replay`."""
-    pool = get_alive_pool(session, pool_id=pool_id)
-    rows = session.scalars(
+def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerFuture]:
+    """The futures `claim` takes, locked: its filter implies `app.tinker.models.CLAIMABLE`, so Postgres
+    reads them through that partial index."""
+    return (
         select(TinkerFuture)
         .join(Run, Run.id == TinkerFuture.run_id)
         .where(
             or_(TinkerFuture.status == PENDING, _to_replay(pool_id)),
             Run.status == RunStatus.ACTIVE,
-            Run.base_model == pool.base_model,
+            Run.base_model == base_model,
         )
         .order_by(TinkerFuture.run_id, TinkerFuture.seq_id)
         .limit(max_items)
         .with_for_update(of=TinkerFuture, skip_locked=True)
-    ).all()
+    )
+
+
+def claim(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
+    """The work of the pool's active runs, per run in seq_id order up to and including its next
+    optim_step or load_weights: pending work, marked running and held by this pool, and done work
+    to replay (`_to_replay`), marked `replay`."""
+    pool = get_alive_pool(session, pool_id=pool_id)
+    rows = session.scalars(claim_query(pool_id, pool.base_model, max_items)).all()
     taken: list[ManualWorkItem] = []
     stopped: set[str | None] = set()
     for future in rows:

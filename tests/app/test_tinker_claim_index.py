@@ -1,0 +1,63 @@
+"""The pools' Tinker claims read the claimable futures through their partial index
+(app.tinker.models.CLAIMABLE), not every retained future: Postgres uses a partial index only where
+the query's filter implies the index's, so a claim filter that drifted from it would scan the table."""
+
+import pytest
+from sqlalchemy import Engine, Select, create_engine, text
+
+from app.tinker.models import CLAIMABLE
+from app.tinker.sampling import base_model_key, base_samples_query
+from app.tinker.work import claim_query
+from bench.tinker_claim import INDEX, seed_retained_futures
+
+pytestmark = pytest.mark.postgres_only
+
+RUNS, DONE_PER_RUN = 10, 2000
+
+
+@pytest.fixture
+def retained_futures(database_url: str):
+    """10 active runs, each with 2,000 done futures whose requests were cleared and 2 pending ones, plus
+    2,000 done base-model samples and one pending: what a day of Tinker training leaves behind."""
+    engine = create_engine(database_url)
+    with engine.begin() as conn:
+        seed_retained_futures(conn, runs=RUNS, done_per_run=DONE_PER_RUN)
+        conn.execute(
+            text(
+                "INSERT INTO tinker_futures (id, tenant_id, kind, model_id, status, created_at) "
+                "SELECT 's' || s, 't', 'sample', :key, CASE WHEN s > :done THEN 'pending' ELSE 'complete' END, "
+                "now() FROM generate_series(1, :done + 1) s"
+            ),
+            {"done": DONE_PER_RUN, "key": base_model_key("base")},
+        )
+        conn.execute(text("ANALYZE tinker_futures"))
+    yield engine
+    engine.dispose()
+
+
+def plan(engine: Engine, query: Select) -> str:
+    sql = query.compile(engine, compile_kwargs={"literal_binds": True})
+    with engine.connect() as conn:
+        return "\n".join(conn.execute(text(f"EXPLAIN {sql}")).scalars())
+
+
+def test_the_run_work_claim_reads_the_partial_index(retained_futures):
+    got = plan(retained_futures, claim_query("pool-1", "base", 64))
+    assert INDEX in got, got
+    assert "Seq Scan on tinker_futures" not in got, got
+
+
+def test_the_base_sample_claim_reads_an_index(retained_futures):
+    """Through the partial index or the base model's own futures (model_id), whichever the planner
+    costs lower; never the whole table."""
+    got = plan(retained_futures, base_samples_query("base", 64))
+    assert "Index" in got and "Seq Scan on tinker_futures" not in got, got
+
+
+def test_the_index_holds_only_claimable_futures(retained_futures):
+    """Pending work and done work with a kept request: a few rows out of 22,000 retained."""
+    with retained_futures.connect() as conn:
+        size = conn.execute(text("SELECT pg_relation_size(:i)"), {"i": INDEX}).scalar_one()
+        kept = conn.execute(text(f"SELECT count(*) FROM tinker_futures WHERE {CLAIMABLE}")).scalar_one()
+    assert kept == RUNS * 2 + 1
+    assert size <= 8192 * 2, size  # the metapage and one leaf page
