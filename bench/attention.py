@@ -101,11 +101,10 @@ def save_model(args: argparse.Namespace, path: Path) -> None:
 
 def model_step(args: argparse.Namespace, model_dir: str, impl: str, length: int, layout: str) -> Step:
     """One forward + backward of the row ("packed") or the batch ("batched"), through load_base_model."""
-    from contracts.wire import TrainingBatch, TrainingSample
+    from bench.packed_row import packed_row
     from trainer_core.lora import apply_multi_lora
     from trainer_core.modeling import forward_packed
     from trainer_core.models.registry import load_base_model
-    from trainer_core.packing import Packer
 
     model = load_base_model(model_dir, dtype=args.dtype, attn_implementation=impl, device=args.device)
     model.to(args.device)
@@ -119,26 +118,7 @@ def model_step(args: argparse.Namespace, model_dir: str, impl: str, length: int,
     per_slot = args.samples // SLOTS
 
     if layout == "packed":
-        packer = Packer(n_slots=SLOTS, seq_len=length, dp_world_size=1)
-        for slot in range(SLOTS):
-            rows = ids[slot * per_slot : (slot + 1) * per_slot].tolist()
-            samples = [
-                TrainingSample(
-                    prompt_ids=r[:1],
-                    prompt_mask=[True],
-                    completion_ids=r[1:],
-                    completion_mask=[True] * (n - 1),
-                    completion_logprobs=[0.0] * (n - 1),
-                    advantage=1.0,
-                )
-                for r in rows
-            ]
-            packer.add_run(slot, batch_size=per_slot)
-            packer.add_batch(slot, TrainingBatch(examples=samples), batch_id=slot)
-        packed = packer.pack(force=True)
-        assert packed is not None
-        ((row,),) = packed.micro_batches
-        assert row.num_tokens == length and row.num_samples == args.samples
+        row = packed_row(ids, SLOTS)
         targets = row.input_ids[1:].to(args.device)
 
         def step() -> None:

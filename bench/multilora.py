@@ -52,11 +52,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from bench.packed_row import packed_row
 from trainer_core.modeling import forward_packed
 
 if TYPE_CHECKING:
     from trainer_core.lora import PathName
-    from trainer_core.packing import MicroBatch
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -194,7 +194,7 @@ def multi_step_fn(args: argparse.Namespace, n: int, path: "PathName") -> tuple[C
     compute_dtype = next(p for p in model.parameters() if not p.requires_grad).dtype
 
     if args.layout == "packed":
-        row = packed_row(args, ids, n)
+        row = packed_row(ids, n)
         targets = row.input_ids[1:].to(args.device)
 
         def step() -> None:
@@ -216,36 +216,6 @@ def multi_step_fn(args: argparse.Namespace, n: int, path: "PathName") -> tuple[C
     chosen = layer.resolve_path(layer.lora_A[0].device, compute_dtype, SegmentLayout(tuple(counts)))
     impl = getattr(model.config, "_attn_implementation", "?")
     return step, f"{chosen}, {args.layout}, {impl}"
-
-
-def packed_row(args: argparse.Namespace, ids: torch.Tensor, n: int) -> "MicroBatch":
-    """The (S, seq_len) sequences as one packed row of the worker's `Packer`, adapter i's sequences
-    (rows i·S/N … ) in slot i; every token but each sequence's first is a loss token."""
-    from contracts.wire import TrainingBatch, TrainingSample
-    from trainer_core.packing import Packer
-
-    per_slot = ids.shape[0] // n
-    packer = Packer(n_slots=n, seq_len=args.tokens, dp_world_size=1)
-    for slot in range(n):
-        rows = ids[slot * per_slot : (slot + 1) * per_slot].tolist()
-        samples = [
-            TrainingSample(
-                prompt_ids=r[:1],
-                prompt_mask=[True],
-                completion_ids=r[1:],
-                completion_mask=[True] * (len(r) - 1),
-                completion_logprobs=[0.0] * (len(r) - 1),
-                advantage=1.0,
-            )
-            for r in rows
-        ]
-        packer.add_run(slot, batch_size=per_slot)
-        packer.add_batch(slot, TrainingBatch(examples=samples), batch_id=slot)
-    packed = packer.pack(force=True)
-    assert packed is not None
-    ((row,),) = packed.micro_batches
-    assert row.num_tokens == args.tokens and row.num_samples == ids.shape[0]
-    return row
 
 
 def peft_step_fn(args: argparse.Namespace, n: int) -> tuple[Callable[[], None], str]:

@@ -139,14 +139,25 @@ def assert_close_bf16(got: Tensor | None, want: Tensor | None, what: str) -> Non
         assert err <= BF16_REL_TOL * want.abs().max().item() + 1e-6, f"{what}: max error {err}"
 
 
-@pytest.mark.parametrize("path", paths_for(torch.bfloat16))
+CUDA_PARAM = pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA_PARAM])
+@pytest.mark.parametrize("path", ["grouped", "loop", "auto"])
 @pytest.mark.parametrize("counts", COUNTS[:3])
-def test_paths_match_reference_bf16(path: str, counts: tuple[int, ...]) -> None:
-    layer = make_layer(torch.bfloat16)
-    ref_layer = make_layer(torch.bfloat16).float()  # the same bf16 values, computed in float32
+def test_paths_match_reference_bf16(device: str, path: str, counts: tuple[int, ...]) -> None:
+    reason = grouped_mm_unsupported_reason(
+        torch.device(device), torch.bfloat16, (IN, OUT, MAX_RANK), for_auto=False
+    )
+    if path == "grouped" and reason:
+        pytest.skip(reason)
+    layer = make_layer(torch.bfloat16).to(device)
+    ref_layer = make_layer(torch.bfloat16).float().to(device)  # the same bf16 values, computed in float32
     total = sum(counts)
-    x = torch.randn(2, total, IN).to(torch.bfloat16)[:1]  # a batch slice, bf16
-    upstream = torch.randn(1, total, OUT).to(torch.bfloat16)
+    x = torch.randn(2, total, IN).to(device=device, dtype=torch.bfloat16)[:1]  # a batch slice, bf16
+    upstream = torch.randn(1, total, OUT).to(device=device, dtype=torch.bfloat16)
     y, gx, grads = run_and_grads(layer, x, counts, path, upstream)
     y_ref, gx_ref, grads_ref = reference_and_grads(ref_layer, x.float(), counts, upstream.float())
     assert y.dtype == torch.bfloat16

@@ -114,8 +114,17 @@ def copy_task_row(seed: int) -> MicroBatch:
     return row
 
 
-def test_bf16_base_trains_fp32_lora_master_weights(saved_model):
-    model = load_base_model(str(saved_model), dtype="bf16")
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+def test_bf16_base_trains_fp32_lora_master_weights(saved_model, device):
+    """As the worker loads and wraps the model (on CUDA with the loader's default dtype, bf16)."""
+    model = load_base_model(str(saved_model), dtype="bf16" if device == "cpu" else None, device=device)
+    model = torch.nn.Module.to(model, device)
     base_before = {k: v.clone() for k, v in model.state_dict().items()}
     handle = apply_multi_lora(model, TARGETS, n_slots=2, max_rank=8)  # as the worker calls it
     handle.reset_slot(1, seed=0)
@@ -125,14 +134,14 @@ def test_bf16_base_trains_fp32_lora_master_weights(saved_model):
     opt.create(1, params, optim=OptimSettings(lr=1e-2), scheduler=SchedulerSettings(), max_steps=20)
     model.train()
     row = copy_task_row(3)
-    targets = row.input_ids[1:]
+    targets, loss_mask = row.input_ids[1:].to(device), row.loss_mask[1:].to(device)
     losses = []
     for _ in range(8):
         with handle.segments(row.slot_token_counts):
             logits = forward_packed(model, row)
         assert logits.dtype == torch.bfloat16
         token_loss = torch.nn.functional.cross_entropy(logits[:-1].float(), targets, reduction="none")
-        loss = token_loss[row.loss_mask[1:]].sum()
+        loss = token_loss[loss_mask].sum()
         loss.backward()
         assert {p.grad.dtype for p in params} == {torch.float32}
         losses.append(float(loss.detach()) / int(row.loss_mask.sum()))
