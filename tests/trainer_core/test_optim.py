@@ -281,3 +281,28 @@ def test_lifecycle_errors_and_remove_drops_pending_grads():
     assert all(p.grad is None for p in params) and 0 not in opt
     with pytest.raises(KeyError):
         opt.step([0])
+
+
+def test_foreach_and_loop_steps_give_the_same_parameters_on_cpu():
+    """The default multi-tensor step is the per-tensor loop's arithmetic: bit-identical on the CPU, with
+    clipping, a parameter without gradient and weight decay in play."""
+    finals = {}
+    for impl in ("loop", "foreach"):
+        opt = MultiRunOptimizer(2, impl=impl)
+        params = [_params(seed=slot, shapes=((4, 3), (3,), (5, 2))) for slot in range(2)]
+        for slot in range(2):
+            settings = OptimSettings(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5)
+            opt.create(slot, params[slot], optim=settings, scheduler=SchedulerSettings(), max_steps=10)
+        for step in range(4):
+            for slot in range(2):
+                _accumulate(params[slot][:2], seed=10 * step + slot, scale=3.0)  # the third gets none
+                opt.add_loss_tokens(slot, 7)
+            stats = opt.step([0, 1])
+            assert all(s.grad_norm > 0.5 for s in stats.values())  # clipping is exercised
+        finals[impl] = [p.detach().clone() for ps in params for p in ps]
+    assert_same(finals["loop"], finals["foreach"])
+
+
+def test_unknown_optimizer_impl_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"optimizer impl must be one of \['loop', 'foreach'\], got 'fused'"):
+        MultiRunOptimizer(2, impl="fused")
