@@ -130,25 +130,34 @@ def backward_isolated(
     row (masked attention gives 0 × Inf). So: keep the gradients from before this micro-batch; if
     any present run's gradients come out non-finite, go back to them and redo the row once per run,
     keeping each run's result only if it is finite. The failing run is reported non-finite (and
-    evicted by the caller); the others get exactly their own gradients. Costs one clone of the
-    present runs' LoRA gradients per micro-batch, and extra passes only on failure.
+    evicted by the caller); the others get exactly their own gradients.
+
+    The gradients from before are set aside (not copied) and the pass writes fresh ones: those are
+    checked, then added to the set-aside ones — the same sums autograd would have accumulated, bit for
+    bit. Check and add are multi-tensor kernels, a handful of launches whatever the number of tensors
+    (a clone and a host-synchronising check per tensor cost thousands per micro-batch on a GPU:
+    bench/grad_guard.py). A sum that overflows only there is caught by the run's optimizer step, which
+    reports it non-finite too.
     """
     extras = extras or _Extras({}, None)
     present = [
         slot for slot, n in enumerate(mb.slot_token_counts.tolist()) if n > 0 and slot in loss_settings
     ]
     params = [p for slot in present for p in extras.slot_parameters(lora, slot)]
-    before = _clone_grads(params)
+    before = _take_grads(params)
     stats = _backward(model, lora, mb, loss_settings, extras)
     if _grads_finite(params):
+        _add_back(params, before)
         return stats
     _restore_grads(params, before)
     merged = LossStats.zeros(lora.n_slots, device=stats.loss_sum.device)
     for slot in present:
         alone = dataclasses.replace(mb, loss_mask=mb.loss_mask & (mb.token_slots == slot))
-        kept = _clone_grads(params)
+        kept = _take_grads(params)
         own = _backward(model, lora, alone, loss_settings, extras).only(slot)
-        if not _grads_finite(params):
+        if _grads_finite(params):
+            _add_back(params, kept)
+        else:
             _restore_grads(params, kept)
             own = own.flag_nonfinite(slot)
         merged = merged + own
@@ -208,12 +217,33 @@ def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
     return dataclasses.replace(mb, **moved)
 
 
-def _clone_grads(params: list[nn.Parameter]) -> list[torch.Tensor | None]:
-    return [None if p.grad is None else p.grad.clone() for p in params]
+def _take_grads(params: list[nn.Parameter]) -> list[torch.Tensor | None]:
+    """The parameters' gradients, set aside: the next backward writes fresh ones."""
+    taken = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return taken
 
 
 def _grads_finite(params: list[nn.Parameter]) -> bool:
-    return all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)
+    """Whether every gradient is finite: one multi-tensor check (GradScaler's, with a scale of 1, which
+    leaves the values as they are) and one read on the host."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return True
+    found = torch.zeros(1, device=grads[0].device)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=grads[0].device))
+    return not bool(found)
+
+
+def _add_back(params: list[nn.Parameter], earlier: list[torch.Tensor | None]) -> None:
+    """Each parameter's gradient := the set-aside one + the fresh one, in place in the set-aside tensor."""
+    pairs = [(p, old) for p, old in zip(params, earlier, strict=True) if old is not None]
+    fresh = [(p, old, p.grad) for p, old in pairs if p.grad is not None]
+    if fresh:
+        torch._foreach_add_([old for _, old, _ in fresh], [new for _, _, new in fresh])
+    for p, old in pairs:
+        p.grad = old
 
 
 def _restore_grads(params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
