@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15 item 7 on a CUDA machine, from the repository root: the CUDA tests, then the GPU benchmarks.
 #
-#   bash bench/gpu.sh [OUT_DIR] [PART...]      # parts: env tests multilora attention (default: all)
+#   bash bench/gpu.sh [OUT_DIR] [PART...]      # parts: env tests multilora attention host (default: all)
 #
 # Each part's output goes to OUT_DIR/<part>.log (default ./gpu-results) and to the terminal. Python is
 # $PYTHON (default python3), which needs torch with CUDA, transformers, peft, msgspec and pydantic.
@@ -11,7 +11,7 @@
 set -uo pipefail
 out=${1:-gpu-results}
 shift || true
-parts=("${@:-env tests multilora attention}")
+parts=("${@:-env tests multilora attention host}")
 read -r -a parts <<<"${parts[*]}"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -53,8 +53,15 @@ torch.cuda.get_device_name(), transformers.__version__, peft.__version__)"
         run attention "$py" -m bench.attention --device cuda --dtype bf16 --lengths 8192 \
             --impls sdpa --parts model --layers 24 --threads 0 --warmup 2 --repeats 5
         ;;
+    host)
+        # The host-side work of a pool step beside forward/backward, and where a step's time goes.
+        run host "$py" -m bench.optimizer_step --device cuda --runs 1,8 --repeats 10
+        run host "$py" -m bench.grad_guard --device cuda --runs 1,8 --repeats 10
+        run host "$py" -m bench.multilora --device cuda --dtype bf16 --preset qwen2-0.5b --seq-len 512 \
+            --tokens 4096 --ns 1,8 --modes multi,peft --warmup 3 --repeats 5 --no-memory --profile
+        ;;
     *)
-        echo "unknown part $part (env tests multilora attention)" >&2
+        echo "unknown part $part (env tests multilora attention host)" >&2
         status=2
         ;;
     esac

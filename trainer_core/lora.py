@@ -189,7 +189,8 @@ class MultiLoRALinear(nn.Module):
         max_rank: rows of A / columns of B stored per slot.
         dropout: initial dropout of every slot (see `configure_slot`).
         segment_context: where the counts come from when `forward` is called without them.
-        dtype: dtype of the LoRA parameters (default: the base weight's). The delta is computed in
+        dtype: dtype of the LoRA parameters (default: the base weight's, even a half type;
+            `apply_multi_lora`, which the pool uses, defaults to `master_dtype`). The delta is computed in
             the activations' dtype (the base's): with fp32 parameters on a bf16 base the parameters
             are master weights, cast to bf16 for the matmuls, and their gradients and optimizer state
             stay fp32 (mixed precision as torch.autocast does it).
@@ -637,7 +638,7 @@ def apply_multi_lora(
             max_rank,
             dropout=dropout,
             segment_context=context,
-            dtype=dtype or master_dtype(linear.weight.dtype),
+            dtype=dtype if dtype is not None else master_dtype(linear.weight.dtype),
             path=path,
         )
         setattr(parent, child, wrapped)

@@ -91,10 +91,10 @@ class MultiRunOptimizer:
     """One AdamW + one schedule + one loss-token counter per slot.
 
     ``impl``: how a run's step walks its tensors. ``"foreach"`` (the default): torch's multi-tensor
-    kernels over the run's tensors, a dozen kernel launches per run. ``"loop"``: one tensor at a time,
-    a dozen launches per tensor — 336 tensors for rank-16 LoRA on every linear of a 24-layer model, so
-    on an H100 34 ms per run against 6 ms (bench/optimizer_step.py, docs/benchmarks.md), most of it
-    launching kernels. Either way a run's step reads only its own tensors (its own AdamW), so its
+    kernels over the run's tensors, a few dozen kernel launches per run. ``"loop"``: one tensor at a
+    time, about a dozen launches per tensor — 336 tensors for rank-16 LoRA on every linear of a 24-layer
+    model, so on an H100 34 ms per run against 6 ms (bench/optimizer_step.py, docs/benchmarks.md); what
+    remains of the 6 ms is mostly AdamW's per-tensor Python bookkeeping (``fused=True`` would be next). Either way a run's step reads only its own tensors (its own AdamW), so its
     result does not depend on the other runs nor on the slot it is in; on the CPU the two give
     bit-identical parameters, on CUDA they differ by rounding (1.5e-8 after 3 steps).
     """
@@ -258,6 +258,10 @@ class MultiRunOptimizer:
         """Restore ``slot`` (created beforehand with the same parameters, in the same order)."""
         run = self._run(slot)
         run.optimizer.load_state_dict(state["optimizer"])
+        # A saved param group carries the implementation it was saved with (checkpoints from before
+        # "foreach" say foreach=False); this optimizer's own choice wins.
+        for group in run.optimizer.param_groups:
+            group["foreach"] = self.impl == "foreach"
         run.scheduler.load_state_dict(state["scheduler"])
         run.loss_tokens = int(state.get("loss_tokens", 0))
         run.loss_weight = float(state.get("loss_weight", run.loss_tokens))

@@ -67,9 +67,10 @@ class WorkerSettings(BaseSettings):
     """Linear layers that get LoRA slots (comma-separated); runs may pick a subset."""
     seq_len: int = Field(default=1024, ge=8)
     """Tokens per packed micro-batch; also the longest sample the pool accepts. Each micro-batch is one
-    forward/backward with a fixed host cost (~150 ms for a 24-layer model on an H100, whatever its
-    length), so on a GPU rows of 8k-16k tokens train 6-10x more tokens per second than 1,024
-    (docs/benchmarks.md, "GPU figures")."""
+    forward/backward whose host cost barely grows with its length (a 24-layer 0.5B model on an H100:
+    160 ms at 1,024 tokens, 254 ms at 16,384), so on a GPU rows of 8k-16k tokens train 6-10x more tokens
+    per second than 1,024, memory permitting (the fp32 logits of a 16k row at a 152k vocabulary alone
+    take ~10 GB) (docs/benchmarks.md, "GPU figures")."""
     checkpoint_dir: Path | None = None
     """Per-run checkpoints go to checkpoint_dir/<run_id>/checkpoints/ (default: data_dir/runs)."""
     data_dir: Path = DEFAULT_DATA_DIR

@@ -231,8 +231,9 @@ def _grads_finite(params: list[nn.Parameter]) -> bool:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return True
-    found = torch.zeros(1, device=grads[0].device)
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(1, device=grads[0].device))
+    found = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+    one = torch.ones(1, dtype=torch.float32, device=grads[0].device)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
     return not bool(found)
 
 

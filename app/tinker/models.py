@@ -17,15 +17,26 @@ REPLAYED_KINDS = ("forward_backward", "load_weights")
 """Done requests whose effect lives in the pool's memory until the run's next optim_step is
 checkpointed: the accumulated gradient, the loaded weights."""
 
-CLAIMABLE = (
-    f"status = 'pending' OR (status = 'complete' AND kind IN ({', '.join(repr(k) for k in REPLAYED_KINDS)}) "
-    "AND request IS NOT NULL AND CAST(request AS TEXT) <> 'null')"
-)
+
+def claimable(table: str = "") -> str:
+    """The predicate of `CLAIMABLE`, its columns prefixed with ``table.`` if given."""
+    t = f"{table}." if table else ""
+    kinds = ", ".join(f"'{k}'" for k in REPLAYED_KINDS)
+    return (
+        f"{t}status = 'pending' OR ({t}status = 'complete' AND {t}kind IN ({kinds}) "
+        f"AND {t}request IS NOT NULL AND CAST({t}request AS TEXT) <> 'null')"
+    )
+
+
+CLAIMABLE = claimable()
 """The futures a pool's claim can take (app.tinker.work.claim): pending work, and done work whose kept
 request another pool may replay. A partial index holds only these, so the claim, which every pool polls
 every poll interval, reads a handful of rows instead of every retained future (bench/tinker_claim.py).
-Postgres uses the index only where the query's filter implies this one, so the claim's filter spells the
-same terms (tests/app/test_tinker_claim_index.py checks the plan)."""
+Postgres uses a partial index only where it can prove from the query's filter that this predicate holds;
+the claim's own terms are bound parameters, which a generic plan (a prepared statement after a few runs)
+cannot look into, so the claim also states this predicate literally (`claimable("tinker_futures")`;
+tests/app/test_tinker_claim_index.py checks the plan, generic included). SQLite keeps the index too but
+its planner does not use it for this query."""
 
 
 class TinkerSession(Base):

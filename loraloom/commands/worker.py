@@ -84,8 +84,8 @@ def worker(
         int | None,
         _opt(
             POOL,
-            "Tokens per packed micro-batch [LORALOOM_SEQ_LEN] (1024). On a GPU use 8192-16384: each "
-            "micro-batch has a fixed host cost (docs/benchmarks.md).",
+            "Tokens per packed micro-batch [LORALOOM_SEQ_LEN] (1024). On a GPU, 8192-16384 where memory "
+            "allows: each micro-batch has a host cost that barely grows with its length (docs/benchmarks.md).",
         ),
     ] = None,
     checkpoint_dir: Annotated[

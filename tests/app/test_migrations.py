@@ -71,3 +71,17 @@ def test_partial_slot_index_exists(empty_database_url):
     assert ix["unique"] and ix["column_names"] == ["base_model", "slot"]
     where = ix.get("dialect_options", {})
     assert any("active" in str(v) for v in where.values()), where
+
+
+def test_partial_claimable_index_exists(empty_database_url):
+    """The Tinker claim's index (migration 0008) is partial, on the claimable futures, on both backends."""
+    migrate.upgrade(empty_database_url)
+    engine = make_engine(empty_database_url)
+    try:
+        indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes("tinker_futures")}
+    finally:
+        engine.dispose()
+    ix = indexes["ix_tinker_futures_claimable"]
+    assert ix["column_names"] == ["run_id", "seq_id"] and not ix["unique"]
+    where = " ".join(str(v) for v in ix.get("dialect_options", {}).values())
+    assert "pending" in where and "forward_backward" in where and "load_weights" in where, where

@@ -306,3 +306,16 @@ def test_foreach_and_loop_steps_give_the_same_parameters_on_cpu():
 def test_unknown_optimizer_impl_is_a_clear_error():
     with pytest.raises(ValueError, match=r"optimizer impl must be one of \['loop', 'foreach'\], got 'fused'"):
         MultiRunOptimizer(2, impl="fused")
+
+
+def test_a_checkpoint_of_the_loop_optimizer_loads_into_foreach():
+    """Checkpoints written before the multi-tensor default say foreach=False in their param groups; a run
+    resumed from one takes this optimizer's implementation, not the saved one."""
+    old = MultiRunOptimizer(1, impl="loop")
+    old.create(0, _params(seed=1), optim=OptimSettings(lr=1e-2), scheduler=SchedulerSettings(), max_steps=5)
+    saved = old.state_dict(0)
+    assert saved["optimizer"]["param_groups"][0]["foreach"] is False
+    new = MultiRunOptimizer(1)
+    new.create(0, _params(seed=1), optim=OptimSettings(lr=1e-2), scheduler=SchedulerSettings(), max_steps=5)
+    new.load_state_dict(0, saved)
+    assert new._run(0).optimizer.param_groups[0]["foreach"] is True

@@ -11,7 +11,7 @@ from contracts.layout import ADAPTER_WEIGHTS
 from contracts.run_config import OptimSettings, SchedulerSettings
 from contracts.wire import TrainingBatch, TrainingSample
 from trainer_core.export import export_peft_adapter, import_peft_adapter
-from trainer_core.lora import apply_multi_lora
+from trainer_core.lora import apply_multi_lora, master_dtype
 from trainer_core.modeling import forward_packed
 from trainer_core.models import builtin, precision
 from trainer_core.models.attention import PACKED_ATTENTION
@@ -57,6 +57,19 @@ def test_bad_settings_are_clear_errors(dtype, attn, device, message):
     with pytest.raises(ValueError, match=message):
         dtype_ = precision.resolve_dtype(dtype, device)
         precision.resolve_attn_implementation(attn, device, dtype_)
+
+
+@pytest.mark.parametrize(
+    ("base", "lora"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
+def test_lora_master_weights_are_never_a_half_type(base, lora):
+    assert master_dtype(base) == lora
 
 
 @pytest.fixture(scope="module")
