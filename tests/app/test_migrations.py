@@ -2,6 +2,7 @@
 the ORM models and what the migrations create (on the backend under test)."""
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -59,15 +60,21 @@ def test_upgrade_downgrade_and_no_drift(empty_database_url):
     assert _drift(url) == []
 
 
-def test_partial_slot_index_exists(empty_database_url):
-    """The index that guarantees slots is partial (active runs only) on both backends."""
-    migrate.upgrade(empty_database_url)
-    engine = make_engine(empty_database_url)
+def _migrated_index(url: str, table: str, name: str) -> dict[str, Any]:
+    """Index `name` of `table` after migrating the empty database at `url` to head, as the inspector
+    reports it (partial predicates under ``dialect_options``)."""
+    migrate.upgrade(url)
+    engine = make_engine(url)
     try:
-        indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes("runs")}
+        indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes(table)}
     finally:
         engine.dispose()
-    ix = indexes["uq_runs_active_slot"]
+    return dict(indexes[name])
+
+
+def test_partial_slot_index_exists(empty_database_url):
+    """The index that guarantees slots is partial (active runs only) on both backends."""
+    ix = _migrated_index(empty_database_url, "runs", "uq_runs_active_slot")
     assert ix["unique"] and ix["column_names"] == ["base_model", "slot"]
     where = ix.get("dialect_options", {})
     assert any("active" in str(v) for v in where.values()), where
@@ -75,13 +82,7 @@ def test_partial_slot_index_exists(empty_database_url):
 
 def test_partial_claimable_index_exists(empty_database_url):
     """The Tinker claim's index (migration 0008) is partial, on the claimable futures, on both backends."""
-    migrate.upgrade(empty_database_url)
-    engine = make_engine(empty_database_url)
-    try:
-        indexes = {ix["name"]: ix for ix in inspect(engine).get_indexes("tinker_futures")}
-    finally:
-        engine.dispose()
-    ix = indexes["ix_tinker_futures_claimable"]
+    ix = _migrated_index(empty_database_url, "tinker_futures", "ix_tinker_futures_claimable")
     assert ix["column_names"] == ["run_id", "seq_id"] and not ix["unique"]
     where = " ".join(str(v) for v in ix.get("dialect_options", {}).values())
     assert "pending" in where and "forward_backward" in where and "load_weights" in where, where

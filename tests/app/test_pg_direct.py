@@ -3,14 +3,11 @@ they did through SQLAlchemy: the same exception classes, the connection invalida
 disconnect, and through the app the same answer (a lock wait cut short by the database is the 503
 `database_unavailable` with Retry-After), with nothing stored."""
 
-from typing import Any
-
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy import exc as sa_exc
 
-from app.batches import lean_route
 from app.db import make_engine, pg_execute
 from app.error_guard import is_database_unavailable
 from app.key_cache import ApiKeyCache
@@ -39,15 +36,7 @@ def test_driver_errors_are_sqlalchemy_s(settings):
         engine.dispose()
 
 
-def test_a_database_error_on_the_hot_path_is_the_uniform_503_and_stores_nothing(settings, monkeypatch):
-    fast: list[str] = []
-    real = lean_route._submit_in_thread
-
-    def counted(request: Any, lean: Any, body: bytes) -> Any:
-        fast.append(lean.run_id)
-        return real(request, lean, body)
-
-    monkeypatch.setattr(lean_route, "_submit_in_thread", counted)
+def test_a_database_error_on_the_hot_path_is_the_uniform_503_and_stores_nothing(settings, fast_calls):
     seeded = seed_run(settings)
     name = settings.database_url.rsplit("/", 1)[1]
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
@@ -65,7 +54,7 @@ def test_a_database_error_on_the_hot_path_is_the_uniform_503_and_stores_nothing(
                 r = post_batch(client, seeded, batch_body(2, seed=2), msgpack=True, key="b")
                 lock.rollback()
             holder.dispose()
-            assert fast == [seeded.run_id]  # the fast path (psycopg directly) answered it
+            assert fast_calls == [seeded.run_id]  # the fast path (psycopg directly) answered it
             assert r.status_code == 503, r.text
             assert r.json()["error"]["code"] == "database_unavailable"
             assert int(r.headers["retry-after"]) > 0
