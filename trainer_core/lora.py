@@ -172,6 +172,11 @@ def grouped_mm_unsupported_reason(
     return None
 
 
+def master_dtype(base_dtype: torch.dtype) -> torch.dtype:
+    """The dtype LoRA weights train in on a base of ``base_dtype``: fp32 for a half type, else the same."""
+    return torch.float32 if base_dtype in (torch.bfloat16, torch.float16) else base_dtype
+
+
 class MultiLoRALinear(nn.Module):
     """A frozen `nn.Linear` plus `n_slots` LoRA adapters; each token uses its slot's adapter.
 
@@ -189,8 +194,8 @@ class MultiLoRALinear(nn.Module):
         max_rank: rows of A / columns of B stored per slot.
         dropout: initial dropout of every slot (see `configure_slot`).
         segment_context: where the counts come from when `forward` is called without them.
-        dtype: dtype of the LoRA parameters (default: the base weight's, even a half type;
-            `apply_multi_lora`, which the pool uses, defaults to `master_dtype`). The delta is computed in
+        dtype: dtype of the LoRA parameters (default: `master_dtype` of the base weight's: fp32 on a
+            bf16/fp16 base, else the base's). The delta is computed in
             the activations' dtype (the base's): with fp32 parameters on a bf16 base the parameters
             are master weights, cast to bf16 for the matmuls, and their gradients and optimizer state
             stay fp32 (mixed precision as torch.autocast does it).
@@ -223,7 +228,8 @@ class MultiLoRALinear(nn.Module):
         self.max_rank = max_rank
         self.segment_context = segment_context
         self.path: PathName = path
-        device, param_dtype = base.weight.device, dtype or base.weight.dtype
+        device = base.weight.device
+        param_dtype = dtype if dtype is not None else master_dtype(base.weight.dtype)
         self.lora_A = nn.ParameterList(
             nn.Parameter(torch.zeros(max_rank, self.in_features, device=device, dtype=param_dtype))
             for _ in range(n_slots)
@@ -587,11 +593,6 @@ class MultiLoRA:
             layer.path = path
 
 
-def master_dtype(base_dtype: torch.dtype) -> torch.dtype:
-    """The dtype LoRA weights train in on a base of ``base_dtype``: fp32 for a half type, else the same."""
-    return torch.float32 if base_dtype in (torch.bfloat16, torch.float16) else base_dtype
-
-
 def apply_multi_lora(
     model: nn.Module,
     target_modules: Sequence[str],
@@ -608,8 +609,8 @@ def apply_multi_lora(
     as rank = alpha = max_rank with `dropout`, freshly initialised (the identity). Raises if a
     target name matches no linear layer (a typo would otherwise train nothing).
 
-    ``dtype``: of the LoRA weights, hence of their gradients and optimizer state. By default the base's
-    dtype but never a half type: a bf16/fp16 base gets fp32 LoRA weights (master weights; the forward
+    ``dtype``: of the LoRA weights, hence of their gradients and optimizer state. By default
+    `master_dtype` (as `MultiLoRALinear`): a bf16/fp16 base gets fp32 LoRA weights (master weights; the forward
     casts them to the activations' dtype, so the matmuls still run in bf16). Small updates to a bf16
     weight round away (8 significant bits), which is why the pool's bf16 default on CUDA needs this.
     """
@@ -638,7 +639,7 @@ def apply_multi_lora(
             max_rank,
             dropout=dropout,
             segment_context=context,
-            dtype=dtype if dtype is not None else master_dtype(linear.weight.dtype),
+            dtype=dtype,
             path=path,
         )
         setattr(parent, child, wrapped)

@@ -28,7 +28,7 @@ def make_layer(dtype: torch.dtype = torch.float32, seed: int = 0) -> MultiLoRALi
     with torch.no_grad():
         base.weight.copy_(torch.randn(OUT, IN, generator=gen) * 0.2)
         base.bias.copy_(torch.randn(OUT, generator=gen))
-    layer = MultiLoRALinear(base, N_SLOTS, MAX_RANK)
+    layer = MultiLoRALinear(base, N_SLOTS, MAX_RANK, dtype=dtype)  # bf16 parameters too, when asked
     for slot, (rank, alpha) in enumerate(zip(RANKS, ALPHAS, strict=True)):
         layer.configure_slot(slot, rank=rank, alpha=alpha)
         layer.reset_slot(slot, generator=gen)
