@@ -18,6 +18,9 @@ every adapter gets whole sequences and attention costs the same in every mode). 
               --layout batched a plain (sequences, seq_len) batch. Ratio column = time / time of multi
               at N = 1 on the same tokens.
 - multi-loop: the same with the per-segment loop path forced (the reference path).
+- multi-base: "multi" with another version of trainer_core/lora.py (--baseline-lora FILE, e.g.
+              ``git show REV:trainer_core/lora.py > /tmp/lora_base.py``), timed in the same rounds: an A/B
+              of a change to the LoRA layer on the same machine, minute and model.
 - peft:       one PeftModel with N adapters (fp32 adapter weights, like ours); per adapter: set_adapter,
               forward/backward on that adapter's sub-batch as a plain batch (what peft offers for
               training several adapters).
@@ -39,6 +42,7 @@ first; model, adapters and inputs already built). Prints a markdown table.
 """
 
 import argparse
+import importlib.util
 import statistics
 import subprocess
 import sys
@@ -47,6 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--ns", default="1,2,4,8,16", help="adapter counts, comma-separated")
-    p.add_argument("--modes", default="multi,peft", help="of multi, multi-loop, peft")
+    p.add_argument("--modes", default="multi,peft", help="of multi, multi-loop, multi-base, peft")
+    p.add_argument("--baseline-lora", default=None, help="the lora.py that mode multi-base runs")
     p.add_argument("--layout", default="packed", choices=["packed", "batched"], help="of the multi modes")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="for MFU (0: by device name, else none)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per config (>= 1)")
@@ -178,8 +184,28 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def multi_step_fn(args: argparse.Namespace, n: int, path: "PathName") -> tuple[Callable[[], None], str]:
-    from trainer_core.lora import SegmentLayout, apply_multi_lora
+def lora_module(args: argparse.Namespace, baseline: bool) -> ModuleType:
+    """trainer_core.lora, or for the baseline the file --baseline-lora loaded as a module of its own."""
+    if not baseline:
+        import trainer_core.lora
+
+        return trainer_core.lora
+    if not args.baseline_lora:
+        raise SystemExit("mode multi-base needs --baseline-lora FILE")
+    if "lora_baseline" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("lora_baseline", args.baseline_lora)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["lora_baseline"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["lora_baseline"]
+
+
+def multi_step_fn(
+    args: argparse.Namespace, n: int, path: "PathName", *, baseline: bool = False
+) -> tuple[Callable[[], None], str]:
+    lora = lora_module(args, baseline)
+    SegmentLayout, apply_multi_lora = lora.SegmentLayout, lora.apply_multi_lora
 
     model = build(args)
     # As the worker: fp32 LoRA weights (the master weights) whatever the base's dtype.
@@ -253,7 +279,7 @@ def sync(device: str) -> None:
 def make_step(args: argparse.Namespace, mode: str, n: int) -> tuple[Callable[[], None], str]:
     if mode == "peft":
         return peft_step_fn(args, n)
-    return multi_step_fn(args, n, "loop" if mode == "multi-loop" else "auto")
+    return multi_step_fn(args, n, "loop" if mode == "multi-loop" else "auto", baseline=mode == "multi-base")
 
 
 Timings = dict[tuple[str, int], list[tuple[float, float]]]
@@ -426,6 +452,13 @@ def main(argv: list[str] | None = None) -> None:
     # On a GPU the CPU time is only the host's; on the CPU it is the work, whoever else runs.
     basis = "wall" if args.device == "cuda" else "cpu"
     print(table(results, basis, args.tokens, flops_per_token(args), peak_tflops(args)))
+    base = {r.n: r for r in results if r.mode == "multi-base"}
+    for r in results:
+        if r.mode == "multi" and r.n in base:
+            b = base[r.n]
+            print(
+                f"multi ÷ multi-base at N = {r.n}: {r.median_ms / b.median_ms:.3f} (median wall), {r.min_ms / b.min_ms:.3f} (min wall)"
+            )
 
 
 if __name__ == "__main__":

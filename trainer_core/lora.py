@@ -29,7 +29,7 @@ import operator
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -134,21 +134,6 @@ class SegmentContext:
         self.layout: SegmentLayout | None = None
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the incoming gradient contiguous.
-
-    grouped_mm's backward rejects expanded gradients (e.g. from `out.sum().backward()`).
-    """
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
 def grouped_mm_available() -> bool:
     """Whether this torch has a grouped GEMM op at all."""
     return _GROUPED_MM is not None
@@ -243,6 +228,10 @@ class MultiLoRALinear(nn.Module):
         self.register_buffer(
             "lora_scaling", torch.zeros(n_slots, max_rank, device=device, dtype=param_dtype), persistent=False
         )
+        # Each slot's A and B stay leaves of their own (a run's optimizer owns exactly its slot); their
+        # storage is a slice of one stack per factor, which the grouped kernels read without a copy.
+        self._stack_a = _SlotStack(list(self.lora_A))
+        self._stack_b = _SlotStack(list(self.lora_B))
         self._configs: list[SlotConfig] = []
         self._enabled = [True] * n_slots
         """Per slot: whether this layer is one of the slot's run's target modules (`set_slot_enabled`)."""
@@ -374,25 +363,33 @@ class MultiLoRALinear(nn.Module):
             return "grouped"
         if path == "loop":
             return "loop"
-        # auto: a single segment is one plain matmul pair, nothing to group.
+        # auto: a single segment is one plain matmul pair, nothing to group. (`_GroupedDelta` runs one
+        # segment as plain matmuls with the kernels of N, but its Python backward costs more host time
+        # than autograd's own nodes for the loop's few ops: measured, docs/benchmarks.md.)
         multi = len(layout.active) > 1
         if multi and grouped_mm_unsupported_reason(device, dtype, dims, for_auto=True) is None:
             return "grouped"
         return "loop"
 
     def _delta_grouped(self, x: Tensor, layout: SegmentLayout) -> Tensor:
-        """All active segments in two grouped GEMMs: h = x A_gᵀ, y = h (c_g ⊙ B_g)ᵀ."""
-        slots = layout.active
+        """All active segments in one autograd node: h = x A_gᵀ, y = h (c_g ⊙ B_g)ᵀ, per group g.
+
+        The slots' factors are read from the stacks they live in (`_SlotStack`: no stacking copy per
+        pass), cast to the compute dtype once, and `_GroupedDelta` computes the gradients
+        itself, handing each slot its slice — what made N adapters cost more launches than one was
+        the generic autograd graph of stack, cast and scale per layer (see the class)."""
+        a_all, b_all = self._stack_a.current(), self._stack_b.current()
+        scaling, slots = self.lora_scaling, layout.active
+        index = None
+        if slots[-1] - slots[0] + 1 == len(slots):  # consecutive slots (one, all): views, no copy
+            a_all, b_all, scaling = (t[slots[0] : slots[-1] + 1] for t in (a_all, b_all, scaling))
+        else:
+            index = layout.active_index(x.device)
+        enabled = tuple(self._enabled[s] for s in slots)
+        a_params, b_params = self._stack_a.params, self._stack_b.params
+        params = [a_params[s] for s in slots] + [b_params[s] for s in slots]
         offs = layout.offsets(x.device)  # (G,)
-        dtype = x.dtype  # the compute dtype; a no-op cast when the parameters are in it already
-        a = torch.stack([self.lora_A[s] for s in slots]).to(dtype)  # (G, R, in)
-        # Scaling folded into B; its zero entries beyond each slot's rank cut those gradients.
-        scale = self.lora_scaling.index_select(0, layout.active_index(x.device)).to(dtype)  # (G, R)
-        b = torch.stack([self.lora_B[s] for s in slots]).to(dtype) * scale[:, None, :]  # (G, out, R)
-        assert _GROUPED_MM is not None  # resolve_path chose "grouped" only where it exists
-        h = _GROUPED_MM(x.contiguous(), a.transpose(1, 2), offs=offs)  # (T, R)
-        y = _GROUPED_MM(h, b.transpose(1, 2), offs=offs)  # (T, out)
-        return _ContiguousGrad.apply(y)
+        return _GroupedDelta.apply(x.contiguous(), a_all, b_all, scaling, index, offs, enabled, *params)
 
     def _delta_loop(self, x: Tensor, layout: SegmentLayout) -> Tensor:
         """The reference: one (x_s A_sᵀ) B_sᵀ · alpha/r per segment, sliced to the slot's rank."""
@@ -415,6 +412,109 @@ class MultiLoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, n_slots={self.n_slots}, max_rank={self.max_rank}"
+
+
+class _SlotStack:
+    """One factor's slot parameters, and the (n_slots, ...) stack whose slices they are.
+
+    Anything that gives a parameter new storage (``module.to(...)``, ``param.data = ...``,
+    ``load_state_dict(assign=True)``) ends the sharing; `current` notices and re-stacks, keeping the
+    values and the parameter objects (hence their optimizer state). The check is one pointer per
+    slot: this object holds the stack, so no other tensor can be allocated where its slices are, and a
+    parameter at its slice's address is that slice."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self._restack()
+
+    def current(self) -> Tensor:
+        if [p.data_ptr() for p in self.params] != self._pointers:
+            self._restack()
+        return self.stack
+
+    def _restack(self) -> None:
+        self.stack = torch.stack([p.detach() for p in self.params])
+        with torch.no_grad():
+            for s, p in enumerate(self.params):
+                p.data = self.stack[s]
+        self._pointers = [p.data_ptr() for p in self.params]
+
+
+class _GroupedDelta(torch.autograd.Function):
+    """The LoRA delta of all active slots, (T, in) → (T, out), with its own backward.
+
+    Inputs: x (T, in) in the compute dtype; the factor stacks a_all (n, R, in), b_all (n, out, R) and
+    scaling (n, R) in the master dtype; ``index`` (G,) of the active slots among the n, or None when
+    they are all n (the caller passes the stacks narrowed to a run of consecutive active slots);
+    ``offs`` (G,) segment ends; ``enabled`` per active slot; then the active slots' A parameters and
+    their B parameters (2G leaves — inputs only so that autograd routes each slot its gradient; the
+    values are read from the stacks, of which they are slices).
+
+    Why a function of its own: written with autograd's generic ops, N slots cost ~7 more kernel
+    launches per layer and pass than one (stack A, stack B, casts of each, select and cast the
+    scaling, scale; their backwards), ~1,200 on a 24-layer model with LoRA on all seven linears,
+    which on a GPU is host time the step waits for. Here one slot and N slots launch the same
+    kernels: forward cast A, scale-and-cast B (one `mul` into a compute-dtype output), two matmuls;
+    backward four matmuls and two casts back to the master dtype. One group runs as plain matmuls,
+    several as grouped matmuls over the segments.
+
+    The gradients are those of ``y = x Aᵀ (c ⊙ B)ᵀ`` per segment, computed in the compute dtype
+    and cast to the master dtype (as autocast's backward of the casts does); a disabled slot
+    (`set_slot_enabled`) has zero scaling, so zero delta, and gets no gradient (None), as on the loop
+    path.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        a_all: Tensor,
+        b_all: Tensor,
+        scaling: Tensor,
+        index: Tensor | None,
+        offs: Tensor,
+        enabled: tuple[bool, ...],
+        *params: Tensor,
+    ) -> Tensor:
+        if index is not None:
+            a_all, b_all, scaling = (t.index_select(0, index) for t in (a_all, b_all, scaling))
+        a = a_all.to(x.dtype)  # (G, R, in)
+        b = torch.empty(b_all.shape, dtype=x.dtype, device=x.device)
+        torch.mul(b_all, scaling[:, None, :], out=b)  # (G, out, R): scaled, then rounded once
+        if len(enabled) == 1:
+            h = x @ a[0].T  # (T, R)
+            y = h @ b[0].T  # (T, out)
+        else:
+            assert _GROUPED_MM is not None  # resolve_path chose "grouped" only where it exists
+            h = _GROUPED_MM(x, a.transpose(1, 2), offs=offs)
+            y = _GROUPED_MM(h, b.transpose(1, 2), offs=offs)
+        ctx.save_for_backward(x, a, b, h, offs, scaling)
+        ctx.enabled = enabled
+        ctx.master_dtype = a_all.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
+        x, a, b, h, offs, scaling = ctx.saved_tensors
+        enabled: tuple[bool, ...] = ctx.enabled
+        grad_y = grad_y.contiguous()  # e.g. expanded, from out.sum().backward()
+        if len(enabled) == 1:
+            grad_h = grad_y @ b[0]  # (T, R)
+            grad_b = (grad_y.T @ h)[None]  # (1, out, R)
+            grad_x = grad_h @ a[0] if ctx.needs_input_grad[0] else None  # (T, in)
+            grad_a = (grad_h.T @ x)[None]  # (1, R, in)
+        else:
+            assert _GROUPED_MM is not None
+            grad_h = _GROUPED_MM(grad_y, b, offs=offs)  # (T, R)
+            grad_b = _GROUPED_MM(grad_y.T, h, offs=offs)  # (G, out, R): segment g's grad_yᵀ h
+            grad_x = _GROUPED_MM(grad_h, a, offs=offs) if ctx.needs_input_grad[0] else None
+            grad_a = _GROUPED_MM(grad_h.T, x, offs=offs)  # (G, R, in)
+        master: torch.dtype = ctx.master_dtype
+        grads_a = grad_a.to(master).unbind(0)
+        grads_b = torch.mul(grad_b, scaling[:, None, :]).to(master).unbind(0)  # d/dB of c ⊙ B
+        keep = [on and need for on, need in zip(enabled * 2, ctx.needs_input_grad[7:], strict=True)]
+        slot_grads = [g if k else None for g, k in zip(grads_a + grads_b, keep, strict=True)]
+        return (grad_x, None, None, None, None, None, None, *slot_grads)
 
 
 def _check_path(path: str) -> None:

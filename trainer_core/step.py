@@ -78,9 +78,11 @@ def train_step(
     stats = LossStats.from_tensor(packed)
     all_reduce_grads_([p for slot in active for p in extras.slot_parameters(lora, slot)], world)
 
+    # One device read per statistic for all slots (per slot, each read would wait for the device).
+    tokens, norms, flags = stats.loss_tokens.tolist(), stats.norm.tolist(), stats.nonfinite.tolist()
     for slot in active:
-        optimizer.add_loss_tokens(slot, stats.loss_tokens[slot], stats.norm[slot])
-    nonfinite = {slot for slot in active if bool(stats.nonfinite[slot])}
+        optimizer.add_loss_tokens(slot, tokens[slot], norms[slot])
+    nonfinite = {slot for slot in active if flags[slot]}
     stepped = optimizer.step([slot for slot in sorted(completing) if slot not in nonfinite])
     nonfinite |= {slot for slot, s in stepped.items() if s.nonfinite}
     if not world.is_master:
