@@ -378,8 +378,9 @@ class MultiLoRALinear(nn.Module):
         pass), cast to the compute dtype once, and `_GroupedDelta` computes the gradients
         itself, handing each slot its slice — what made N adapters cost more launches than one was
         the generic autograd graph of stack, cast and scale per layer (see the class)."""
-        a_all, b_all = self._stack_a.current(), self._stack_b.current()
-        scaling, slots = self.lora_scaling, layout.active
+        slots = layout.active
+        a_all, b_all = self._stack_a.current(slots), self._stack_b.current(slots)
+        scaling = self.lora_scaling
         index = None
         if slots[-1] - slots[0] + 1 == len(slots):  # consecutive slots (one, all): views, no copy
             a_all, b_all, scaling = (t[slots[0] : slots[-1] + 1] for t in (a_all, b_all, scaling))
@@ -420,15 +421,17 @@ class _SlotStack:
     Anything that gives a parameter new storage (``module.to(...)``, ``param.data = ...``,
     ``load_state_dict(assign=True)``) ends the sharing; `current` notices and re-stacks, keeping the
     values and the parameter objects (hence their optimizer state). The check is one pointer per
-    slot: this object holds the stack, so no other tensor can be allocated where its slices are, and a
+    slot read (a pass reads only the active slots' slices): this object holds the stack, so no other tensor can be allocated where its slices are, and a
     parameter at its slice's address is that slice."""
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self._restack()
 
-    def current(self) -> Tensor:
-        if [p.data_ptr() for p in self.params] != self._pointers:
+    def current(self, slots: Sequence[int]) -> Tensor:
+        """The stack, re-stacked first if one of ``slots`` (those the caller reads) has moved."""
+        params, pointers = self.params, self._pointers
+        if any(params[s].data_ptr() != pointers[s] for s in slots):
             self._restack()
         return self.stack
 
