@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer_core.models import builtin
 from trainer_core.models.precision import resolve_attn_implementation, resolve_dtype
+from trainer_core.models.rms_norm import use_functional_rms_norm
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("LORALOOM_MODEL_CACHE", "./.loraloom/models"))
 
@@ -35,7 +36,8 @@ def load_base_model(
     (bf16 on CUDA, fp32 otherwise), ``"fp32"``, ``"bf16"`` or a torch dtype. ``attn_implementation``:
     ``None``/``"auto"`` (flash-attention 2 on CUDA when installed, else packed per-sample SDPA),
     ``"packed"``, ``"flash_attention_2"``, ``"sdpa"``, ``"eager"`` (the last two pack with a dense
-    mask). See `trainer_core.models.precision`.
+    mask). See `trainer_core.models.precision`. The Llama-family RMSNorms run through
+    `F.rms_norm` (`trainer_core.models.rms_norm`).
     """
     dtype = resolve_dtype(dtype, device)
     attn_implementation = resolve_attn_implementation(attn_implementation, device, dtype)
@@ -54,4 +56,5 @@ def load_base_model(
     nn.Module.to(model, dtype)
     for p in model.parameters():
         p.requires_grad_(False)
+    use_functional_rms_norm(model)  # same arithmetic, fewer kernel launches
     return model
