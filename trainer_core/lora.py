@@ -332,9 +332,19 @@ class MultiLoRALinear(nn.Module):
         x_flat = self._segment_dropout(x_flat, layout)
         if self.resolve_path(x_flat.device, x_flat.dtype, layout, path) == "grouped":
             delta = self._delta_grouped(x_flat, layout)
+        elif len(layout.active) == 1 and self._enabled[layout.active[0]] and out.dtype == x_flat.dtype:
+            return self._add_one_segment(out, x_flat, layout.active[0])
         else:
             delta = self._delta_loop(x_flat, layout)  # (T, out)
         return out + delta.view(out.shape).to(out.dtype)
+
+    def _add_one_segment(self, out: Tensor, x: Tensor, slot: int) -> Tensor:
+        """out + (x A_sᵀ)(c_s ⊙ B_s)ᵀ for a micro-batch of one slot: the second matmul and the add in
+        one `addmm` (one kernel fewer per layer than `_delta_loop`'s, same gradients)."""
+        a = self.lora_A[slot].to(x.dtype)  # (R, in)
+        b = (self.lora_B[slot] * self.lora_scaling[slot]).to(x.dtype)  # (out, R)
+        y = torch.addmm(out.reshape(-1, self.out_features), x @ a.T, b.T)  # (T, out)
+        return y.view(out.shape)
 
     def _layout(self, counts: Counts | None) -> SegmentLayout | None:
         if counts is not None:
