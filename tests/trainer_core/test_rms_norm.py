@@ -9,7 +9,6 @@ from trainer_core.models.registry import load_base_model
 from trainer_core.models.rms_norm import FORMULA_CLASSES, use_functional_rms_norm
 from trainer_core.models.tiny import ARCHS, Arch, build_model
 
-
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
 
 
