@@ -35,7 +35,8 @@ torch.cuda.get_device_name(), transformers.__version__, peft.__version__)"
     tests)
         # --noconftest: the suite's conftest sets up the service's database, which these tests do not use.
         run tests "$py" -m pytest -q -p no:cacheprovider --noconftest -o addopts="" \
-            tests/trainer_core/test_cuda.py tests/trainer_core/test_lora.py tests/trainer_core/test_precision.py
+            tests/trainer_core/test_cuda.py tests/trainer_core/test_lora.py tests/trainer_core/test_precision.py \
+            tests/trainer_core/test_grad_guard.py tests/trainer_core/test_rms_norm.py
         ;;
     multilora)
         common=(--device cuda --dtype bf16 --preset qwen2-0.5b --seq-len 512 --warmup 3 --repeats 10)
