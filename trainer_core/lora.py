@@ -230,8 +230,8 @@ class MultiLoRALinear(nn.Module):
         )
         # Each slot's A and B stay leaves of their own (a run's optimizer owns exactly its slot); their
         # storage is a slice of one stack per factor, which the grouped kernels read without a copy.
-        self._stack_a = _SlotStack(list(self.lora_A))
-        self._stack_b = _SlotStack(list(self.lora_B))
+        self._stack_a = _SlotStack(self.lora_A)
+        self._stack_b = _SlotStack(self.lora_B)
         self._configs: list[SlotConfig] = []
         self._enabled = [True] * n_slots
         """Per slot: whether this layer is one of the slot's run's target modules (`set_slot_enabled`)."""
@@ -239,6 +239,14 @@ class MultiLoRALinear(nn.Module):
             self._configs.append(SlotConfig(max_rank, float(max_rank), dropout))
             self.configure_slot(slot, rank=max_rank, alpha=float(max_rank), dropout=dropout)
             self.reset_slot(slot)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> "MultiLoRALinear":
+        """`module.to(...)` and friends give every parameter new storage: stack them again there, so
+        the old stack does not stay behind on the old device or in the old dtype."""
+        super()._apply(fn, recurse)
+        self._stack_a.restack()
+        self._stack_b.restack()
+        return self
 
     # ---- slots -------------------------------------------------------------------------------
 
@@ -340,7 +348,10 @@ class MultiLoRALinear(nn.Module):
 
     def _add_one_segment(self, out: Tensor, x: Tensor, slot: int) -> Tensor:
         """out + (x A_sᵀ)(c_s ⊙ B_s)ᵀ for a micro-batch of one slot: the second matmul and the add in
-        one `addmm` (one kernel fewer per layer than `_delta_loop`'s, same gradients)."""
+        one `addmm` (one kernel fewer per layer than `_delta_loop`'s, same gradients). In bf16 the sum
+        is rounded once where the other paths round the delta and then the sum: a run's bf16 outputs
+        differ by an ulp here and there depending on whether its micro-batch was shared (isolation in
+        bf16 holds within rounding, as between the grouped and loop paths before)."""
         a = self.lora_A[slot].to(x.dtype)  # (R, in)
         b = (self.lora_B[slot] * self.lora_scaling[slot]).to(x.dtype)  # (out, R)
         y = torch.addmm(out.reshape(-1, self.out_features), x @ a.T, b.T)  # (T, out)
@@ -432,31 +443,32 @@ class MultiLoRALinear(nn.Module):
 
 
 class _SlotStack:
-    """One factor's slot parameters, and the (n_slots, ...) stack whose slices they are.
+    """One factor's slot parameters (the layer's `nn.ParameterList`), and the (n_slots, ...) stack whose
+    slices they are.
 
-    Anything that gives a parameter new storage (``module.to(...)``, ``param.data = ...``,
-    ``load_state_dict(assign=True)``) ends the sharing; `current` notices and re-stacks, keeping the
-    values and the parameter objects (hence their optimizer state). The check is one pointer per
-    slot read (a pass reads only the active slots' slices): this object holds the stack, so no other tensor can be allocated where its slices are, and a
-    parameter at its slice's address is that slice."""
+    Anything that gives a parameter new storage (``module.to(...)``, ``param.data = ...``) or puts a new
+    parameter in the list (``load_state_dict(assign=True)``, ``lora_A[s] = ...``) ends the sharing;
+    `current` notices for the slots a pass reads and re-stacks, keeping the values and the parameter
+    objects in the list (hence their optimizer state). The check is one pointer per slot read, against
+    the address of its slice in the stack this object holds (so no other tensor can live there)."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: nn.ParameterList) -> None:
         self.params = params
-        self._restack()
+        self.restack()
 
     def current(self, slots: Sequence[int]) -> Tensor:
-        """The stack, re-stacked first if one of ``slots`` (those the caller reads) has moved."""
-        params, pointers = self.params, self._pointers
-        if any(params[s].data_ptr() != pointers[s] for s in slots):
-            self._restack()
+        """The stack, re-stacked first if one of ``slots`` (those the caller reads) is not its slice."""
+        stack, params = self.stack, self.params
+        base, step = stack.data_ptr(), stack.stride(0) * stack.element_size()
+        if any(params[s].data_ptr() != base + s * step for s in slots):
+            self.restack()
         return self.stack
 
-    def _restack(self) -> None:
+    def restack(self) -> None:
         self.stack = torch.stack([p.detach() for p in self.params])
         with torch.no_grad():
             for s, p in enumerate(self.params):
                 p.data = self.stack[s]
-        self._pointers = [p.data_ptr() for p in self.params]
 
 
 class _GroupedDelta(torch.autograd.Function):
@@ -472,9 +484,10 @@ class _GroupedDelta(torch.autograd.Function):
     Why a function of its own: written with autograd's generic ops, N slots cost ~7 more kernel
     launches per layer and pass than one (stack A, stack B, casts of each, select and cast the
     scaling, scale; their backwards), ~1,200 on a 24-layer model with LoRA on all seven linears,
-    which on a GPU is host time the step waits for. Here one slot and N slots launch the same
-    kernels: forward cast A, scale-and-cast B (one `mul` into a compute-dtype output), two matmuls;
-    backward four matmuls and two casts back to the master dtype. One group runs as plain matmuls,
+    which on a GPU is host time the step waits for. Here one slot and N consecutive slots launch the
+    same kernels: forward cast A, scale-and-cast B (one `mul` into a compute-dtype output), two
+    matmuls; backward four matmuls and two casts back to the master dtype (active slots with gaps
+    between them add an `index_select` of A, B and the scaling). One group runs as plain matmuls,
     several as grouped matmuls over the segments.
 
     The gradients are those of ``y = x Aᵀ (c ⊙ B)ᵀ`` per segment, computed in the compute dtype
@@ -513,6 +526,7 @@ class _GroupedDelta(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
         x, a, b, h, offs, scaling = ctx.saved_tensors
         enabled: tuple[bool, ...] = ctx.enabled

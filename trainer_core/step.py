@@ -145,7 +145,8 @@ def backward_isolated(
     present = [
         slot for slot, n in enumerate(mb.slot_token_counts.tolist()) if n > 0 and slot in loss_settings
     ]
-    params = [p for slot in present for p in extras.slot_parameters(lora, slot)]
+    groups = [extras.slot_parameters(lora, slot) for slot in present]
+    params = [p for group in groups for p in group]
     before = _take_grads(params)
     stats = _backward(model, lora, mb, loss_settings, extras)
     if _grads_finite(params):
@@ -153,14 +154,22 @@ def backward_isolated(
         return stats
     _restore_grads(params, before)
     merged = LossStats.zeros(lora.n_slots, device=stats.loss_sum.device)
-    for slot in present:
+    start = 0
+    for slot, group in zip(present, groups, strict=True):
         alone = dataclasses.replace(mb, loss_mask=mb.loss_mask & (mb.token_slots == slot))
         kept = _take_grads(params)
         own = _backward(model, lora, alone, loss_settings, extras).only(slot)
-        if _grads_finite(params):
-            _add_back(params, kept)
+        mine = slice(start, start + len(group))
+        start += len(group)
+        # Only the slot's own gradients are judged and kept. The others' fresh ones carry no loss of
+        # theirs (zero, or NaN where their own adapter overflows: 0 × Inf) and are dropped: a run
+        # whose adapter diverged must not get its neighbours evicted.
+        others = params[: mine.start] + params[mine.stop :]
+        _restore_grads(others, kept[: mine.start] + kept[mine.stop :])
+        if _grads_finite(group):
+            _add_back(group, kept[mine])
         else:
-            _restore_grads(params, kept)
+            _restore_grads(group, kept[mine])
             own = own.flag_nonfinite(slot)
         merged = merged + own
     return merged
@@ -240,13 +249,28 @@ def _grads_finite(params: list[nn.Parameter]) -> bool:
 
 
 def _add_back(params: list[nn.Parameter], earlier: list[torch.Tensor | None]) -> None:
-    """Each parameter's gradient := the set-aside one + the fresh one, in place in the set-aside tensor."""
+    """Each parameter's gradient := the set-aside one + the fresh one, in place in the set-aside tensor.
+
+    A fresh gradient with nothing set aside stays, but not as a view: the grouped LoRA path hands each
+    slot a slice of one tensor shared by the micro-batch's slots, and a run's gradient must neither keep
+    the others' alive while it accumulates nor carry them along if it is ever saved. One multi-tensor
+    copy."""
+    views = [p for p, old in zip(params, earlier, strict=True) if old is None and _in_shared_storage(p.grad)]
+    if views:
+        for p, own in zip(views, torch._foreach_mul([p.grad for p in views], 1.0), strict=True):  # type: ignore[misc]
+            p.grad = own
     pairs = [(p, old) for p, old in zip(params, earlier, strict=True) if old is not None]
     fresh = [(p, old, p.grad) for p, old in pairs if p.grad is not None]
     if fresh:
         torch._foreach_add_([old for _, old, _ in fresh], [new for _, _, new in fresh])
     for p, old in pairs:
         p.grad = old
+
+
+def _in_shared_storage(grad: torch.Tensor | None) -> bool:
+    """Whether the tensor is a part of a larger storage (autograd detaches a view it keeps as a gradient,
+    so ``_base`` does not tell)."""
+    return grad is not None and grad.untyped_storage().nbytes() != grad.numel() * grad.element_size()
 
 
 def _restore_grads(params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:

@@ -65,3 +65,23 @@ def test_the_check_leaves_the_gradients_as_they_are():
     assert all(
         torch.equal(p.grad, b) for p, b in zip([p for p in params if p.grad is not None], before, strict=True)
     )
+
+
+def test_a_fresh_gradient_kept_alone_owns_its_storage():
+    """The grouped LoRA path gives each slot a view of one shared gradient tensor; kept without an
+    earlier gradient to add to, it is copied out, so no run's gradient holds (or would save) another's."""
+    from trainer_core.lora import MultiLoRALinear
+
+    layer = MultiLoRALinear(nn.Linear(32, 48), 3, 8)
+    params = [p for slot in range(3) for p in layer.slot_parameters(slot)]
+    with torch.no_grad():
+        for p in params:
+            p.normal_()
+    earlier = step._take_grads(params)
+    layer(torch.randn(9, 32), [3, 3, 3], path="grouped").square().sum().backward()
+    assert all(step._in_shared_storage(p.grad) for p in params)  # slices of one tensor, as handed out
+    fresh = [p.grad.clone() for p in params]
+    step._add_back(params, earlier)
+    for p, want in zip(params, fresh, strict=True):
+        assert p.grad.untyped_storage().nbytes() == p.grad.numel() * p.grad.element_size()
+        assert torch.equal(p.grad, want)

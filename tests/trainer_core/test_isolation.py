@@ -121,8 +121,17 @@ class Outcome:
     """Micro-batches that held A's tokens together with another run's."""
 
 
-def train(placement: dict[int, RunSpec], *, steps_of: str = "A", n_steps: int = A_STEPS) -> Outcome:
-    """Train the runs in their slots until run ``steps_of`` has completed ``n_steps`` steps."""
+def train(
+    placement: dict[int, RunSpec],
+    *,
+    steps_of: str = "A",
+    n_steps: int = A_STEPS,
+    diverged_adapter: str | None = None,
+) -> Outcome:
+    """Train the runs in their slots until run ``steps_of`` has completed ``n_steps`` steps.
+
+    ``diverged_adapter``: that run's adapter is made to overflow before the first step (its o_proj B
+    set to Inf within its rank): finite inputs, non-finite activations and gradients of its own."""
     model = build_model("llama", seed=0, vocab_size=VOCAB)
     lora = apply_multi_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj"], N_SLOTS, MAX_RANK)
     opt = MultiRunOptimizer(N_SLOTS)
@@ -141,6 +150,12 @@ def train(placement: dict[int, RunSpec], *, steps_of: str = "A", n_steps: int = 
         for step in range(spec.max_steps):
             packer.add_batch(slot, make_batch(spec, step), batch_id=step)
     slot_of = {spec.name: slot for slot, spec in placement.items()}
+    if diverged_adapter is not None:
+        slot, rank = slot_of[diverged_adapter], placement[slot_of[diverged_adapter]].rank
+        with torch.no_grad():
+            for name, layer in lora.layers.items():
+                if name.endswith("o_proj"):
+                    layer.lora_B[slot][:, :rank].fill_(float("inf"))
     active = dict(placement)
     steps = dict.fromkeys(slot_of, 0)
     evicted: list[str] = []
@@ -214,5 +229,17 @@ def test_a_run_turning_nan_is_evicted_and_a_is_unchanged(alone):
     together = train({1: RUN_A, 2: poisoned, 3: RUN_B})
     assert together.evicted == ["C"]
     assert together.steps["C"] == 1  # its first step went through; the NaN one never stepped
+    assert together.steps["A"] == A_STEPS
+    assert_adapters_close(together.adapters["A"], alone.adapters["A"])
+
+
+@pytest.mark.slow
+def test_a_run_whose_adapter_diverges_is_evicted_alone(alone):
+    """C's adapter overflows in its own forward. In a shared micro-batch its LoRA gradients are NaN even
+    when only A's loss is back-propagated (0 x Inf), so judging every run's gradients on A's re-run
+    evicted A too; each re-run now judges the run's own gradients only."""
+    together = train({0: RUN_A, 1: RUN_C}, diverged_adapter="C")
+    assert together.evicted == ["C"]
+    assert together.shared_micro_batches >= 1
     assert together.steps["A"] == A_STEPS
     assert_adapters_close(together.adapters["A"], alone.adapters["A"])

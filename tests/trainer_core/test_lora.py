@@ -1,6 +1,7 @@
 """MultiLoRALinear / apply_multi_lora: the grouped and loop paths against a dense per-adapter
 reference, identity of fresh slots, slot isolation, rank masking under AdamW, the segment context."""
 
+import copy
 from collections import Counter
 
 import pytest
@@ -507,3 +508,45 @@ def test_slot_state_dict_holds_only_its_slot() -> None:
     handle = apply_multi_lora(model, ["q_proj", "v_proj"], n_slots=3, max_rank=4)
     for key, tensor in handle.slot_state_dict(1).items():
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), key
+
+
+def test_new_parameter_objects_are_read_and_trained() -> None:
+    """``load_state_dict(assign=True)`` and ``lora_A[s] = Parameter(...)`` put new parameters in the
+    lists: the grouped path reads them and their gradients reach them (not the replaced ones)."""
+    layer = make_layer()
+    state = {k: v * 3 for k, v in layer.state_dict().items()}
+    layer.load_state_dict(state, assign=True)
+    layer.lora_B[1] = nn.Parameter(layer.lora_B[1].detach() + 0.5 * (layer.lora_scaling[1] > 0))
+    counts = (3, 1, 7, 1, 4)
+    x, upstream = torch.randn(16, IN), torch.randn(16, OUT)
+    y_g, gx_g, grads_g = run_and_grads(layer, x, counts, "grouped", upstream)
+    y_l, gx_l, grads_l = run_and_grads(layer, x, counts, "loop", upstream)
+    torch.testing.assert_close(y_g, y_l, rtol=1e-5, atol=1e-5)
+    assert all(g is not None for g in grads_g)  # on the parameters now in the lists
+    assert_grads_close(grads_g, grads_l, rtol=1e-5, atol=1e-5)
+
+
+def test_a_deep_copy_stacks_its_own_parameters() -> None:
+    layer = copy.deepcopy(make_layer())
+    layer.lora_A[0].data = torch.randn_like(layer.lora_A[0])
+    counts = (3, 1, 7, 1, 4)
+    x, upstream = torch.randn(16, IN), torch.randn(16, OUT)
+    y_g, _, _ = run_and_grads(layer, x, counts, "grouped", upstream)
+    y_l, _, _ = run_and_grads(layer, x, counts, "loop", upstream)
+    torch.testing.assert_close(y_g, y_l, rtol=1e-5, atol=1e-5)
+
+
+def test_module_to_takes_the_stack_along() -> None:
+    """No stale stack stays behind in the old dtype (or on the old device) after ``module.to``."""
+    layer = make_layer().double()
+    a0 = layer.lora_A[0]
+    assert layer._stack_a.stack.dtype == torch.float64
+    assert a0.data_ptr() == layer._stack_a.stack.data_ptr()
+
+
+def test_a_disabled_slot_gets_no_gradient_on_the_grouped_path() -> None:
+    layer = make_layer()
+    layer.set_slot_enabled(2, False)
+    _, _, grads = run_and_grads(layer, torch.randn(16, IN), (3, 1, 7, 1, 4), "grouped", torch.randn(16, OUT))
+    assert grads[4] is None and grads[5] is None  # slot 2's A and B
+    assert all(g is not None for i, g in enumerate(grads) if i not in (4, 5))

@@ -1,5 +1,7 @@
 """The loader's RMSNorms through F.rms_norm: the same outputs and gradients as transformers' own."""
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -78,3 +80,13 @@ def test_other_norms_are_left_alone() -> None:
     model = nn.Sequential(GemmaLikeRMSNorm(), nn.LayerNorm(8))
     assert use_functional_rms_norm(model) == 0
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_a_model_with_functional_norms_still_pickles(tmp_path) -> None:
+    build_model("qwen3", seed=0).save_pretrained(tmp_path)
+    model = load_base_model(str(tmp_path), dtype="fp32", attn_implementation="sdpa")
+    ids = torch.randint(0, 256, (1, 7))
+    copy = pickle.loads(pickle.dumps(model))
+    assert all("forward" in vars(m) for m in copy.modules() if type(m) in FORMULA_CLASSES)
+    with torch.no_grad():
+        torch.testing.assert_close(copy(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)

@@ -56,5 +56,5 @@ def load_base_model(
     nn.Module.to(model, dtype)
     for p in model.parameters():
         p.requires_grad_(False)
-    use_functional_rms_norm(model)  # same arithmetic, fewer kernel launches
+    use_functional_rms_norm(model)  # the same formula in fewer kernel launches
     return model

@@ -1,10 +1,11 @@
-"""The decoder's RMSNorms through `torch.nn.functional.rms_norm`: the same arithmetic in fewer kernels.
+"""The decoder's RMSNorms through `torch.nn.functional.rms_norm`: the same formula in fewer kernels.
 
 transformers' Llama-family RMSNorm is written as seven tensor ops (cast to fp32, square, mean, add eps,
 rsqrt, scale, cast back) and its weight; each is a kernel launch forward and more backward. A model of
 24 layers has 49 such norms (97 for Qwen3, whose attention normalises q and k too), and on a GPU the
 pool's step is bound by the host's launches, not by the GPU (docs/benchmarks.md, "GPU figures"). On
-CUDA `F.rms_norm` is one fused kernel each way; elsewhere it is the same composite arithmetic.
+CUDA `F.rms_norm` is one fused kernel each way, equal to transformers' forward within rounding (an ulp
+on a few elements in bf16); on the CPU it is the same composite arithmetic, bit for bit.
 
 `use_functional_rms_norm` gives the norms of the classes in `FORMULA_CLASSES` — those whose forward is
 exactly ``weight * (x_fp32 * rsqrt(mean(x_fp32²) + eps)).to(dtype)`` — a forward computing that with
@@ -13,7 +14,7 @@ exactly ``weight * (x_fp32 * rsqrt(mean(x_fp32²) + eps)).to(dtype)`` — a forw
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +50,9 @@ def use_functional_rms_norm(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module) in FORMULA_CLASSES:
-            # An instance attribute: nn.Module.__call__ calls self.forward, which finds it first.
-            module.forward = types.MethodType(_functional_forward, module)
+            # An instance attribute: nn.Module.__call__ calls self.forward, which finds it first. A
+            # partial of a module-level function, so that the model still pickles (a bound method of
+            # a function the class does not have would not load back).
+            module.forward = functools.partial(_functional_forward, module)
             count += 1
     return count
