@@ -2,7 +2,7 @@
 rank runs its share of the packed rows, the gradients are summed over ranks at the optim_step, as
 for rollout runs. Real processes: Postgres, the service under uvicorn, torchrun pools (gloo), the
 tiny model, the unmodified `tinker` SDK. The same calls on a 2-rank pool and on a 1-rank pool give
-the same results and the same adapter (1e-5)."""
+the same results and the same adapter (within float rounding: 1e-4, see the test)."""
 
 from typing import Any
 
@@ -81,12 +81,15 @@ def test_a_two_rank_pool_trains_tinker_models_as_one_rank_does(live_service, tmp
     assert np.allclose(two["losses"], one["losses"], rtol=1e-5)
     assert np.allclose(two["norms"], one["norms"], rtol=1e-4)
     # The two ranks' partial gradients sum in another order than one rank's: the adapters differ by
-    # float rounding (measured: at most 7e-7), which this tiny model's sensitivity (gradient norms
-    # ~2e3) shows as up to ~3e-4 in a logprob of magnitude ~8.
+    # float rounding, which this tiny model's sensitivity (gradient norms ~2e3) shows as up to ~3e-4 in
+    # a logprob of magnitude ~8. Measured: at most 7e-7 with the LoRA matmuls sliced to the rank; 1.1e-5
+    # on one weight once they ran at the pool's max_rank (same values, other rounding): its gradient is
+    # near Adam's eps, where an update moves by lr / (4 eps) = 5e3 times the gradient's rounding. A
+    # rank's share missing from the sum would move weights by ~lr (2e-2): 1e-4 tells the two apart.
     assert two["adapter"].keys() == one["adapter"].keys()
     for name, tensor in two["adapter"].items():
         diff = np.abs(tensor.numpy() - one["adapter"][name].numpy()).max()
-        assert diff <= 1e-5, (name, diff)
+        assert diff <= 1e-4, (name, diff)
     for a, b in zip(two["logprobs"], one["logprobs"], strict=True):
         assert np.allclose(a, b, rtol=0, atol=1e-3), np.abs(a - b).max()
     assert any(np.abs(t.numpy()).max() > 0 for k, t in two["adapter"].items() if "lora_B" in k)  # it trained
