@@ -346,14 +346,18 @@ class MultiLoRALinear(nn.Module):
             delta = self._delta_loop(x_flat, layout)  # (T, out)
         return out + delta.view(out.shape).to(out.dtype)
 
+    def _slot_factors(self, slot: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """A_s (R, in) and c_s ⊙ B_s (out, R) in the compute dtype: scaled in the master dtype, rounded
+        once. The scaling row is zero beyond the slot's rank, so no slice to the rank is needed."""
+        return self.lora_A[slot].to(dtype), (self.lora_B[slot] * self.lora_scaling[slot]).to(dtype)
+
     def _add_one_segment(self, out: Tensor, x: Tensor, slot: int) -> Tensor:
         """out + (x A_sᵀ)(c_s ⊙ B_s)ᵀ for a micro-batch of one slot: the second matmul and the add in
         one `addmm` (one kernel fewer per layer than `_delta_loop`'s, same gradients). In bf16 the sum
         is rounded once where the other paths round the delta and then the sum: a run's bf16 outputs
         differ by an ulp here and there depending on whether its micro-batch was shared (isolation in
         bf16 holds within rounding, as between the grouped and loop paths before)."""
-        a = self.lora_A[slot].to(x.dtype)  # (R, in)
-        b = (self.lora_B[slot] * self.lora_scaling[slot]).to(x.dtype)  # (out, R)
+        a, b = self._slot_factors(slot, x.dtype)
         y = torch.addmm(out.reshape(-1, self.out_features), x @ a.T, b.T)  # (T, out)
         return y.view(out.shape)
 
@@ -428,8 +432,7 @@ class MultiLoRALinear(nn.Module):
             if not self._enabled[slot]:
                 deltas.append(part.new_zeros(part.shape[0], self.out_features))
                 continue
-            a = self.lora_A[slot].to(x.dtype)  # (R, in), in the compute dtype
-            b = (self.lora_B[slot] * self.lora_scaling[slot]).to(x.dtype)  # (out, R), scaled, then rounded
+            a, b = self._slot_factors(slot, x.dtype)
             deltas.append((part @ a.T) @ b.T)  # (T_s, out)
         return torch.cat(deltas) if len(deltas) > 1 else deltas[0]
 
