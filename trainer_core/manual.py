@@ -49,6 +49,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from contracts.arrays import MAX_TOKEN_ID
 from contracts.http import ApiError
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -130,6 +131,9 @@ class ManualExecutor:
     checkpoint_dir: Path
     """The pool's checkpoint home: saved Tinker states live in `{run_id}/tinker_states/{name}`."""
     world: World = field(default_factory=World)
+    vocab_size: int | None = None
+    """The base model's vocabulary: a request with a token id outside it fails alone, before any
+    pass (the service checks ids against it only once a pool has registered)."""
     passes: int = 0
     """Forward passes (rows) run for manual work."""
     mixed_passes: int = 0
@@ -173,7 +177,9 @@ class ManualExecutor:
             pause_at(MANUAL_BEFORE_CLAIM)
             items = self._claim(self.client)
             slot_of = {run.run_id: slot for slot, run in slots.items() if run.leaving is None}
-            answers, runnable = _triage(items, slots, slot_of)
+            answers, runnable = _triage(
+                items, slots, slot_of, seq_len=self.seq_len, vocab_size=self.vocab_size
+            )
             round_ = _Round(
                 work=[(i, it, slot_of.get(it.run_id)) for i, it in runnable],
                 answered=any(not r.release for r in answers),
@@ -410,16 +416,38 @@ def _loss(item: ManualWorkItem, datum: ManualDatum, lp: Tensor) -> Tensor:
     )
 
 
+def _unfit(item: ManualWorkItem, *, seq_len: int, vocab_size: int | None) -> str | None:
+    """Why a forward/forward_backward cannot run on this pool (None: it can). Checked here as well as
+    at the service: a request stored before any pool registered was checked without the vocabulary,
+    and one bad id in a pass would stop the pool for every tenant."""
+    limit = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+    for i, datum in enumerate(item.data or ()):
+        if len(datum.tokens) > seq_len:
+            return f"datum {i}: {len(datum.tokens)} tokens; the pool's max_seq_len is {seq_len}"
+        for name in ("tokens", "target_tokens"):
+            ids = getattr(datum, name)
+            if ids and (min(ids) < 0 or max(ids) >= limit):
+                return f"datum {i}: a token id of {name} is outside the vocabulary [0, {limit})"
+    return None
+
+
 def _triage(
     items: Sequence[ManualWorkItem],
     slots: Mapping[int, RunSlot],
     slot_of: Mapping[str, int],
+    *,
+    seq_len: int,
+    vocab_size: int | None,
 ) -> tuple[list[ManualResult], list[tuple[int, ManualWorkItem]]]:
     """(the answers of the items that do not run here, the (claim index, item) of those that do)."""
     answers: list[ManualResult] = []
     runnable: list[tuple[int, ManualWorkItem]] = []
     for index, item in enumerate(items):
-        if _samples_base_model(item):
+        if item.kind in ("forward", "forward_backward") and (
+            problem := _unfit(item, seq_len=seq_len, vocab_size=vocab_size)
+        ):
+            answers.append(_failed(item, problem))
+        elif _samples_base_model(item):
             runnable.append((index, item))  # needs no run
         elif item.run_id not in slot_of:
             # Not admitted here yet (active at the service since this loop's look), or leaving:

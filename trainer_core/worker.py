@@ -282,6 +282,7 @@ class PoolTrainer:
                 seq_len=args.seq_len,
                 checkpoint_dir=args.checkpoint_home,
                 world=world,
+                vocab_size=self.vocab_size,
                 text_decoder=partial(load_text_decoder, args.base_model, args.model_cache_dir),
                 external_sampler=None
                 if args.sampler_url is None

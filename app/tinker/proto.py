@@ -37,6 +37,8 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
+            if result >> 64:  # a tenth byte above bit 63: no 64-bit value
+                raise ProtoError("varint beyond 64 bits")
             return result, pos
         shift += 7
 

@@ -4,9 +4,10 @@ Requests ignore fields we do not use (the SDK adds optional fields between versi
 we use are bounded. Responses carry exactly the fields the SDK reads.
 """
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
 
 from contracts.run_config import KNOWN_TARGET_MODULES
 
@@ -20,13 +21,30 @@ TINKER_LORA_ALPHA = 32.0
 assert set(ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES) == KNOWN_TARGET_MODULES
 
 
+MAX_USER_METADATA_BYTES = 16 * 1024
+"""A model's or session's user_metadata, as JSON: it is stored and sent back in every listing."""
+
+
+def _bounded_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is not None and len(json.dumps(value, default=str)) > MAX_USER_METADATA_BYTES:
+        raise ValueError(f"user_metadata is over {MAX_USER_METADATA_BYTES} bytes as JSON")
+    return value
+
+
+UserMetadata = Annotated[dict[str, Any] | None, AfterValidator(_bounded_metadata)]
+user_metadata_adapter: TypeAdapter[dict[str, Any] | None] = TypeAdapter(UserMetadata)
+
+MAX_TAG_CHARS = 256
+MAX_MODEL_SEQ_ID = 1_000_000
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
 class CreateSessionRequest(_Request):
-    tags: list[str] = Field(default_factory=list, max_length=64)
-    user_metadata: dict[str, Any] | None = None
+    tags: list[Annotated[str, Field(max_length=MAX_TAG_CHARS)]] = Field(default_factory=list, max_length=64)
+    user_metadata: UserMetadata = None
     sdk_version: str = Field(default="unknown", max_length=64)
 
 
@@ -55,9 +73,9 @@ class OptimizerConfig(_Request):
 
 class CreateModelRequest(_Request):
     session_id: str = Field(max_length=64)
-    model_seq_id: int = Field(ge=0, le=1_000_000)
+    model_seq_id: int = Field(ge=0, le=MAX_MODEL_SEQ_ID)
     base_model: str = Field(min_length=1, max_length=256)
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = OptimizerConfig()
 

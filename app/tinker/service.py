@@ -138,6 +138,8 @@ def create_model(
     )
     if existing is not None:
         return existing
+    if session.get(TinkerModel, model_id) is not None:  # made by load_weights (create-from-state)
+        raise ValidationFailed(f"model {model_id} exists already (loaded from saved weights)")
     new_model_run(
         session,
         tenant_id=tenant_id,
@@ -235,7 +237,10 @@ def training_run_out(model: TinkerModel, run: Run) -> TrainingRunOut:
         lora_rank=int(run.config["lora"]["rank"]),
         corrupted=run.status == RunStatus.FAILED,
         last_request_time=model.last_request_at.isoformat(),
-        user_metadata={str(k): str(v) for k, v in (model.user_metadata or {}).items()} or None,
+        # A dict by validation; a row stored before user_metadata was checked may hold anything.
+        user_metadata={str(k): str(v) for k, v in metadata.items()} or None
+        if isinstance(metadata := model.user_metadata, dict)
+        else None,
     )
 
 

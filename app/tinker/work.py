@@ -29,7 +29,9 @@ from app.runs.schemas import validation_problems
 from app.tinker import leases, proto
 from app.tinker.leases import request_cleared
 from app.tinker.models import REPLAYED_KINDS, TinkerFuture, TinkerModel, claimable
+from app.tinker.schemas import MAX_MODEL_SEQ_ID, user_metadata_adapter
 from app.tinker.service import NotSupported, get_model, get_session, new_model_run, touch_model
+from contracts.arrays import MAX_TOKEN_ID
 from contracts.ids import new_id
 from contracts.run_config import RunConfig
 from contracts.status import MOVABLE_RUN_STATUSES, RunStatus
@@ -43,6 +45,8 @@ from contracts.tinker_work import (
 LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo")
 SAVE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 PENDING, RUNNING = "pending", "running"
+MAX_LOSS_FN_CONFIG_KEYS = 32
+"""The loss functions read a handful (clip thresholds, KL coefficients)."""
 
 
 class RunNotActive(AppError):
@@ -54,6 +58,33 @@ def _flat(tensor: proto.Tensor | None) -> list[Any] | None:
     return None if tensor is None else tensor.data.ravel().tolist()
 
 
+def _bad_field(index: int, name: str, problem: str) -> ValidationFailed:
+    return ValidationFailed(
+        f"datum {index}: {name} {problem}",
+        details=[{"loc": ["data", str(index), name], "msg": problem, "type": "value_error"}],
+    )
+
+
+def _token_ids(index: int, name: str, values: list[Any]) -> list[int]:
+    """Token ids as ints: whole numbers in [0, 2^31) whatever the tensor's dtype (a float tensor of
+    ids is accepted when its values are whole; 1.7, NaN or -5 are refused, never truncated)."""
+    ids = np.asarray(values, dtype=np.float64)  # exact for every id in range
+    if ids.size and not (
+        np.isfinite(ids).all()
+        and (ids == np.floor(ids)).all()
+        and ids.min() >= 0
+        and ids.max() <= MAX_TOKEN_ID
+    ):
+        raise _bad_field(index, name, f"must hold token ids: whole numbers in [0, {MAX_TOKEN_ID}]")
+    return [int(v) for v in values]
+
+
+def _finite(index: int, name: str, values: list[Any] | None) -> list[Any] | None:
+    if values is not None and not np.isfinite(np.asarray(values, dtype=np.float64)).all():
+        raise _bad_field(index, name, "must be finite (no NaN or infinity)")
+    return values
+
+
 def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
     inputs = raw.loss_fn_inputs
     unknown = sorted(set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"})
@@ -63,14 +94,15 @@ def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
         raise ValidationFailed(f"datum {index}: loss_fn_inputs needs target_tokens")
     if loss_fn != "cross_entropy" and not {"logprobs", "advantages"} <= set(inputs):
         raise ValidationFailed(f"datum {index}: {loss_fn} needs loss_fn_inputs logprobs and advantages")
-    weights = _flat(inputs.get("weights")) or [1.0] * len(raw.tokens)
+    weights = _finite(index, "weights", _flat(inputs.get("weights"))) or [1.0] * len(raw.tokens)
+    rl = loss_fn != "cross_entropy"
     try:
         return ManualDatum(
-            tokens=raw.tokens,
-            target_tokens=[int(t) for t in _flat(inputs["target_tokens"]) or []],
+            tokens=_token_ids(index, "tokens", raw.tokens),
+            target_tokens=_token_ids(index, "target_tokens", _flat(inputs["target_tokens"]) or []),
             weights=weights,
-            logprobs=_flat(inputs.get("logprobs")) if loss_fn != "cross_entropy" else None,
-            advantages=_flat(inputs.get("advantages")) if loss_fn != "cross_entropy" else None,
+            logprobs=_finite(index, "logprobs", _flat(inputs.get("logprobs"))) if rl else None,
+            advantages=_finite(index, "advantages", _flat(inputs.get("advantages"))) if rl else None,
         )
     except ValidationError as exc:
         raise ValidationFailed(
@@ -80,16 +112,20 @@ def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
 
 
 def _check_against_pool(session: Session, run: Run, data: list[ManualDatum]) -> None:
+    """Lengths within the pool's max_seq_len and ids within its vocabulary. With no live pool the
+    run's own seq_len bounds the length (ids are already non-negative int32); the vocabulary is
+    known only to a pool, which fails a request with an id outside it on its own (it never
+    reaches the model: trainer_core.manual)."""
     pool = live_pool(session, base_model=run.base_model)
-    if pool is None:
-        return
+    max_len = pool.max_seq_len if pool is not None else RunConfig.model_validate(run.config).seq_len
     for i, d in enumerate(data):
-        if len(d.tokens) > pool.max_seq_len:
-            raise ValidationFailed(
-                f"datum {i}: {len(d.tokens)} tokens; the pool's max_seq_len is {pool.max_seq_len}"
-            )
+        if len(d.tokens) > max_len:
+            whose = "the pool's max_seq_len" if pool is not None else "the model's seq_len"
+            raise ValidationFailed(f"datum {i}: {len(d.tokens)} tokens; {whose} is {max_len}")
+        if pool is None:
+            continue
         tokens = np.asarray(d.tokens + d.target_tokens)
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= pool.vocab_size):
+        if tokens.size and tokens.max() >= pool.vocab_size:
             raise ValidationFailed(f"datum {i}: a token id is outside the vocabulary [0, {pool.vocab_size})")
 
 
@@ -128,6 +164,7 @@ def submit_forward_backward(session: Session, *, tenant_id: str, body: bytes) ->
     except proto.ProtoError as exc:
         raise ValidationFailed(f"malformed ForwardBackwardRequest: {exc}") from exc
     _, run = get_model(session, tenant_id=tenant_id, model_id=req.model_id)
+    _counter(req.seq_id, "forward_backward needs seq_id")
     existing = _existing(session, model_id=req.model_id, seq_id=req.seq_id)
     if existing is not None:
         return existing
@@ -138,6 +175,10 @@ def submit_forward_backward(session: Session, *, tenant_id: str, body: bytes) ->
     numbers = {k: v for k, v in req.loss_fn_config.items() if isinstance(v, float)}
     if len(numbers) != len(req.loss_fn_config):
         raise NotSupported("text values in loss_fn_config")
+    if len(numbers) > MAX_LOSS_FN_CONFIG_KEYS:
+        raise ValidationFailed(f"loss_fn_config has {len(numbers)} keys; at most {MAX_LOSS_FN_CONFIG_KEYS}")
+    if not all(np.isfinite(list(numbers.values()))):
+        raise ValidationFailed("loss_fn_config values must be finite (no NaN or infinity)")
     data = [_datum(i, d, req.loss_fn) for i, d in enumerate(req.data)]
     _check_against_pool(session, run, data)
     item = ManualWorkItem(
@@ -158,10 +199,15 @@ def _in_order(
     """(model id, its run, the request's seq_id, the future an earlier request with that seq_id made)."""
     model_id = str(body.get("model_id", ""))
     _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
-    seq_id = body.get("seq_id")
-    if not isinstance(seq_id, int):
-        raise ValidationFailed(f"{call} needs an integer seq_id")
+    seq_id = _counter(body.get("seq_id"), f"{call} needs seq_id")
     return model_id, run, seq_id, _existing(session, model_id=model_id, seq_id=seq_id)
+
+
+def _counter(value: object, what: str, *, most: int = 2**31 - 1) -> int:
+    """A request counter (seq_id, model_seq_id): an int in [0, most]; booleans are not numbers here."""
+    if type(value) is not int or not 0 <= value <= most:
+        raise ValidationFailed(f"{what}: an integer in [0, {most}]")
+    return value
 
 
 def _save_name(body: dict[str, Any], default: str) -> str:
@@ -249,9 +295,17 @@ def submit_load_weights(
     source, name = _saved_state(session, tenant_id=tenant_id, path=path)
     if body.get("session_id") is not None:
         owner = get_session(session, tenant_id=tenant_id, session_id=str(body["session_id"]))
-        model_seq_id = body.get("model_seq_id")
-        if not isinstance(model_seq_id, int):
-            raise ValidationFailed("load_weights with session_id needs an integer model_seq_id")
+        model_seq_id = _counter(
+            body.get("model_seq_id"),
+            "load_weights with session_id needs model_seq_id",
+            most=MAX_MODEL_SEQ_ID,
+        )
+        try:
+            user_metadata = user_metadata_adapter.validate_python(body.get("user_metadata"))
+        except ValidationError as exc:
+            raise ValidationFailed(
+                "invalid user_metadata", details=validation_problems(exc, prefix=("user_metadata",))
+            ) from exc
         model_id = f"{owner.id}:train:{model_seq_id}"
         if session.get(TinkerModel, model_id) is not None:
             existing = _existing(session, model_id=model_id, seq_id=0)
@@ -266,17 +320,14 @@ def submit_load_weights(
             owner=owner,
             model_seq_id=model_seq_id,
             config=config,
-            user_metadata=body.get("user_metadata"),
+            user_metadata=user_metadata,
             settings=settings,
         )
         seq_id = 0
     else:
         model_id = str(body.get("model_id", ""))
         _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
-        raw_seq_id = body.get("seq_id")
-        if not isinstance(raw_seq_id, int):
-            raise ValidationFailed("load_weights with model_id needs an integer seq_id")
-        seq_id = raw_seq_id
+        seq_id = _counter(body.get("seq_id"), "load_weights with model_id needs seq_id")
         existing = _existing(session, model_id=model_id, seq_id=seq_id)
         if existing is not None:
             return existing
