@@ -12,8 +12,8 @@ body and a JSON body with the same fault get the same 422. Torch-free.
 """
 
 import struct
-from collections.abc import Iterable
-from typing import cast
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -95,25 +95,46 @@ _PER_TOKEN: tuple[tuple[str, np.dtype, str], ...] = (
 # --------------------------------------------------------------------------- conversions
 
 
+class NoBinaryForm(ValueError):
+    """A list batch that has no binary form: a token id or mask value that is no integer or does
+    not fit its type. Names the sample and the field, as the service's 422 would."""
+
+    def __init__(self, index: int, field: str, problem: str) -> None:
+        super().__init__(f"sample {index}: {field} {problem}")
+        self.index, self.field, self.problem = index, field, problem
+
+
+def _whole(values: object, dtype: np.dtype, what: str) -> bytes:
+    """A non-list (a numpy array, a tuple) of integers as ``dtype``, refused rather than wrapped or
+    truncated when a value is no integer or does not fit."""
+    array = np.asarray(values)
+    if array.size and array.dtype.kind not in "biu":
+        raise ValueError(f"must hold {what}: integers, not {array.dtype}")
+    info = np.iinfo(dtype)
+    if array.size and (array.min() < info.min or array.max() > info.max):
+        raise ValueError(f"must hold {what} in [{info.min}, {info.max}]")
+    return array.astype(dtype).tobytes()
+
+
 def _ints(values: list[int]) -> bytes:
     if type(values) is list:
         try:
             # struct packs a list of Python ints 4x faster than numpy converts it (each element
-            # is read by its C type; no intermediate array). Exact: a value that does not fit or
-            # is no int raises, and numpy then gives its own answer, as before.
+            # is read by its C type; no intermediate array), and refuses a value that is no int
+            # or does not fit (numpy would truncate 1.7 to 1).
             return struct.pack(f"<{len(values)}i", *values)
-        except (struct.error, TypeError):
-            pass
-    return np.asarray(values, dtype=IDS_DTYPE).tobytes()
+        except (struct.error, TypeError) as exc:
+            raise ValueError(f"must hold token ids: integers in [-2^31, 2^31) ({exc})") from None
+    return _whole(values, IDS_DTYPE, "token ids")
 
 
 def _mask(values: list[bool]) -> bytes:
     if type(values) is list:
         try:
             return bytes(values)  # bools and small ints as uint8, 3x faster than numpy
-        except (TypeError, ValueError):
-            pass
-    return np.asarray(values, dtype=MASK_DTYPE).tobytes()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"must hold booleans ({exc})") from None
+    return _whole(values, MASK_DTYPE, "booleans")
 
 
 def _floats(values: list[float]) -> bytes:
@@ -131,25 +152,35 @@ def _opt_floats(values: list[float] | None) -> bytes | None:
     return None if values is None else _floats(values)
 
 
+_CONVERSIONS: tuple[tuple[str, Callable[[Any], Any]], ...] = (
+    ("prompt_ids", _ints),
+    ("prompt_mask", _mask),
+    ("completion_ids", _ints),
+    ("completion_mask", _mask),
+    ("completion_logprobs", _floats),
+    ("advantage", lambda v: _floats(v) if isinstance(v, list) else v),
+    ("teacher_logprobs", _opt_floats),
+    ("token_rewards", _opt_floats),
+    ("weights", _opt_floats),
+)
+
+
+def _sample_arrays(index: int, s: TrainingSample) -> ArraySample:
+    converted: dict[str, Any] = {}
+    for name, convert in _CONVERSIONS:
+        try:
+            converted[name] = convert(getattr(s, name))
+        except (ValueError, TypeError) as exc:
+            raise NoBinaryForm(index, name, str(exc)) from None
+    return ArraySample(**converted, reward=s.reward, metrics=s.metrics)
+
+
 def to_arrays(batch: TrainingBatch) -> ArrayBatch:
-    """The binary form of a list batch (token ids must fit int32: check with `batch_problems` first)."""
+    """The binary form of a list batch. Raises `NoBinaryForm` (a ValueError naming the sample and
+    field) when a token id or mask value is no integer or does not fit int32 / uint8; every other
+    rule is the service's to check (`array_batch_problems`)."""
     return ArrayBatch(
-        examples=[
-            ArraySample(
-                prompt_ids=_ints(s.prompt_ids),
-                prompt_mask=_mask(s.prompt_mask),
-                completion_ids=_ints(s.completion_ids),
-                completion_mask=_mask(s.completion_mask),
-                completion_logprobs=_floats(s.completion_logprobs),
-                advantage=_floats(s.advantage) if isinstance(s.advantage, list) else s.advantage,
-                teacher_logprobs=_opt_floats(s.teacher_logprobs),
-                reward=s.reward,
-                token_rewards=_opt_floats(s.token_rewards),
-                weights=_opt_floats(s.weights),
-                metrics=s.metrics,
-            )
-            for s in batch.examples
-        ],
+        examples=[_sample_arrays(i, s) for i, s in enumerate(batch.examples)],
         temperature=batch.temperature,
         step=batch.step,
         env=batch.env,

@@ -29,12 +29,12 @@ from typing import Any, Literal, TypeVar
 import httpx
 from pydantic import TypeAdapter
 
+from contracts.arrays import NoBinaryForm, to_arrays
 from contracts.arrays import encode as encode_arrays
-from contracts.arrays import to_arrays
-from contracts.http import RetryPolicy, send_with_retries, send_with_retries_async
+from contracts.http import RetryPolicy, ValidationError, send_with_retries, send_with_retries_async
 from contracts.ids import is_run_id
 from contracts.run_config import RunConfig
-from contracts.wire import TrainingBatch, json_encoder
+from contracts.wire import Problem, TrainingBatch, json_encoder
 from orchestrator.archive import adapter_dir_tar, extract_adapter, read_marker
 from orchestrator.errors import ApiError, error_from_response
 from orchestrator.models import (
@@ -176,7 +176,13 @@ class _Ops:
         if fmt == "msgpack":
             # The binary form (contracts/arrays.py): typed arrays the service checks with numpy and
             # stores as sent; the per-token lists are converted here, once.
-            content, ctype = encode_arrays(to_arrays(batch)), "application/msgpack"
+            try:
+                content, ctype = encode_arrays(to_arrays(batch)), "application/msgpack"
+            except NoBinaryForm as exc:  # the 422 the service gives the same batch in JSON, unsent
+                problem = Problem(exc.index, exc.field, exc.problem)
+                raise ValidationError(
+                    f"invalid batch: {exc}", code="validation_error", details=[problem.as_dict()]
+                ) from None
         elif fmt == "json":
             content, ctype = json_encoder.encode(batch), "application/json"
         else:

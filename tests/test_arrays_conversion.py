@@ -6,6 +6,7 @@ import math
 import random
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 
@@ -46,16 +47,36 @@ def test_ints_and_masks_as_numpy() -> None:
     assert arrays._ints([]) == b"" and arrays._mask([]) == b"" and arrays._floats([]) == b""
 
 
-def test_what_struct_cannot_pack_gets_numpys_answer() -> None:
+def test_what_has_no_binary_form_is_refused_by_sample_and_field_never_truncated() -> None:
     loose: Any = arrays  # the wrong types below are the point
-    with pytest.raises(OverflowError):  # numpy's error for an id beyond int32, as before
-        arrays._ints([1, 2**31])
-    with pytest.raises(OverflowError):
-        loose._mask([1, 300])
-    assert loose._ints([1.0, 2.0]) == _numpy([1.0, 2.0], IDS_DTYPE)  # floats: numpy's cast, as before
-    assert loose._mask([1.0, 0.0]) == _numpy([1.0, 0.0], MASK_DTYPE)
-    as_array = np.arange(5, dtype=np.int64)  # not a list: numpy directly
-    assert loose._ints(as_array) == _numpy(as_array, IDS_DTYPE)
+    base: dict[str, Any] = {
+        "prompt_ids": [5, 6],
+        "prompt_mask": [False, True],
+        "completion_ids": [7],
+        "completion_mask": [True],
+    }
+    bad: dict[str, Any] = {
+        "prompt_ids": [1.7, 5],  # numpy would have stored 1
+        "completion_ids": [2**31],  # numpy would have raised a bare OverflowError
+        "prompt_mask": [1, 300],
+        "completion_mask": [0.5],
+    }
+    for field, values in bad.items():
+        sample = TrainingSample(**(base | {field: values}), completion_logprobs=[-0.5])
+        with pytest.raises(arrays.NoBinaryForm) as refused:
+            to_arrays(TrainingBatch(examples=[TrainingSample(**base, completion_logprobs=[-0.5]), sample]))
+        assert (refused.value.index, refused.value.field) == (1, field)
+        assert str(refused.value).startswith(f"sample 1: {field} must hold")
+    # Not a list (a numpy array, a tuple): whole numbers that fit, else refused (numpy would wrap 2**40).
+    assert loose._ints(np.arange(5, dtype=np.int64)) == _numpy(np.arange(5), IDS_DTYPE)
+    assert loose._ints((1, 2)) == _numpy([1, 2], IDS_DTYPE)
+    for values in (np.array([2**40]), np.array([1.5]), np.array([-1], dtype=np.int64)):
+        if values.dtype.kind == "i" and values.min() >= -(2**31):
+            continue
+        with pytest.raises(ValueError, match="token ids"):
+            loose._ints(values)
+    with pytest.raises(ValueError, match="booleans"):
+        loose._mask(np.array([2, 300]))
 
 
 def test_to_arrays_round_trips_a_batch() -> None:
@@ -75,3 +96,33 @@ def test_to_arrays_round_trips_a_batch() -> None:
     assert back.prompt_mask == [False, False, True] and back.completion_mask == [True, False]
     assert back.completion_logprobs == [-0.25, -1.5] and back.advantage == [0.5, -0.5]
     assert back.teacher_logprobs == pytest.approx([-0.1, -0.2]) and back.weights == [1.0, 0.5]
+
+
+def test_the_sdk_refuses_such_a_batch_as_the_service_would_before_sending_it() -> None:
+    from contracts.http import ValidationError
+    from orchestrator.client import LoraloomClient
+
+    sent: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(500)
+
+    transport = httpx.MockTransport(answer)
+    sample = TrainingSample(
+        prompt_ids=[1.7, 5],  # type: ignore[list-item]
+        prompt_mask=[False, False],
+        completion_ids=[7],
+        completion_mask=[True],
+        completion_logprobs=[-0.5],
+    )
+    with (
+        LoraloomClient("http://loraloom.invalid", "llk_x", transport=transport) as client,
+        pytest.raises(ValidationError) as refused,
+    ):
+        client.submit_batch("run_0123456789ab", TrainingBatch(examples=[sample]))
+    assert refused.value.details == [
+        {"sample": 0, "field": "prompt_ids", "problem": refused.value.details[0]["problem"]}
+    ]
+    assert "sample 0: prompt_ids must hold token ids" in str(refused.value)
+    assert not sent
