@@ -88,12 +88,19 @@ def metrics(
     if as_json:
         echo_json({"items": items})
         return
+    rows = [i | {"reward": _reward_mean(i)} for i in items]
     columns = [("STEP", "step")] + [
-        (c.upper(), c) for c in METRIC_COLUMNS if any(i.get(c) is not None for i in items)
+        (c.upper(), c) for c in ("reward", *METRIC_COLUMNS) if any(r.get(c) is not None for r in rows)
     ]
-    table(items, columns)
+    table(rows, columns)
     if plot is not None:
         typer.echo(f"plot: {plot}")
+
+
+def _reward_mean(item: dict[str, Any]) -> float | None:
+    """The step's mean reward: the service reports rewards as an aggregate (mean, std, count, ...)."""
+    reward = item.get("reward")
+    return reward.get("mean") if isinstance(reward, dict) else reward
 
 
 def _plot(run_id: str, items: list[dict[str, Any]], path: Path) -> None:
@@ -106,12 +113,11 @@ def _plot(run_id: str, items: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = [
-        name for name in ("loss", "reward", "mean_reward") if any(i.get(name) is not None for i in items)
-    ]
+    values = {"loss": lambda i: i.get("loss"), "reward (mean)": _reward_mean}
+    series = [name for name, value in values.items() if any(value(i) is not None for i in items)]
     fig, axes = plt.subplots(len(series) or 1, 1, figsize=(7, 2.5 * max(len(series), 1)), squeeze=False)
     for ax, name in zip(axes[:, 0], series, strict=False):
-        points = [(i["step"], i[name]) for i in items if i.get(name) is not None]
+        points = [(i["step"], v) for i in items if (v := values[name](i)) is not None]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker=".")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)

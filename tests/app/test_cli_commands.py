@@ -20,7 +20,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from typer.testing import CliRunner
 
+from contracts.wire import TrainingBatch, TrainingSample
 from loraloom.cli import cli
+from orchestrator.client import LoraloomClient
 from tests.app.api import POOL_SPEC, WORKER_HEADERS
 from tests.common import ADMIN_KEY
 from trainer_core.models.tiny import build_model
@@ -114,6 +116,24 @@ def test_metrics_table_json_and_plot(svc: Service, tmp_path: Path) -> None:
     items = svc.ok("metrics", run_id, "--json", json_out=True)
     assert isinstance(items, dict) and [i["step"] for i in items["items"]] == [1, 2, 3]
     png = tmp_path / "plot" / "loss.png"
+    svc.ok("metrics", run_id, "--plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_metrics_show_and_plot_the_mean_reward(svc: Service, tmp_path: Path) -> None:
+    """The service reports a step's rewards as an aggregate (a dict): a column of its mean, and a
+    curve (the plot crashed on the dict)."""
+    run_id = svc.create_run("rewarded", max_steps=10)
+    sample: dict[str, Any] = {"prompt_ids": [1, 2], "prompt_mask": [False, False], "completion_ids": [3, 4]}
+    sample |= {"completion_mask": [True, True], "completion_logprobs": [-0.5, -0.5], "advantage": 0.0}
+    batch = TrainingBatch(examples=[TrainingSample(**sample, reward=r) for r in (0.25, 0.75)], step=0)
+    with LoraloomClient(svc.url, svc.key) as client:
+        client.submit_batch(run_id, batch)
+    svc.report_step(run_id, 1)
+    header, *rows = str(svc.ok("metrics", run_id)).splitlines()
+    assert header.split()[:3] == ["STEP", "REWARD", "LOSS"]
+    assert rows[0].split()[:2] == ["0", "0.5"]
+    png = tmp_path / "rewards.png"
     svc.ok("metrics", run_id, "--plot", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
