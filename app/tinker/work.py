@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, Select, and_, not_, null, or_, select, text, update
+from sqlalchemy import ColumnElement, Select, and_, case, func, not_, null, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from app.config import Settings
@@ -389,19 +389,52 @@ def _to_replay(pool_id: str) -> ColumnElement[bool]:
 
 
 def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerFuture]:
-    """The futures `claim` takes, locked, read through the partial index `app.tinker.models.CLAIMABLE`."""
+    """The futures `claim` takes, locked, read through the partial index `app.tinker.models.CLAIMABLE`.
+
+    Fair across runs: each run's claimable futures up to and including its first step boundary,
+    dealt round-robin (every run's first, then every run's second, ...) into the ``max_items``. A
+    plain ``ORDER BY run_id, seq_id LIMIT`` let a run whose id sorts first and that keeps many
+    requests queued fill every claim, rows past its boundary included, while another tenant's one
+    request waited (review of 2026-11-23, H2). Window functions cannot share a query level with
+    ``FOR UPDATE``, so the pick is a subquery and the lock is taken by id."""
+    claimable_now = (
+        or_(TinkerFuture.status == PENDING, _to_replay(pool_id)),
+        # Implied by the line above; said literally so that every plan can use the partial index.
+        text(f"({claimable(TinkerFuture.__tablename__)})"),
+        Run.status == RunStatus.ACTIVE,
+        Run.base_model == base_model,
+    )
+    is_boundary = case((TinkerFuture.kind.in_(BOUNDARY_KINDS), 1), else_=0)
+    ranked = (
+        select(
+            TinkerFuture.id,
+            TinkerFuture.run_id,
+            func.row_number()
+            .over(partition_by=TinkerFuture.run_id, order_by=TinkerFuture.seq_id)
+            .label("turn"),
+            # Boundaries before this future in its run: only those with none are this claim's.
+            func.coalesce(
+                func.sum(is_boundary).over(
+                    partition_by=TinkerFuture.run_id, order_by=TinkerFuture.seq_id, rows=(None, -1)
+                ),
+                0,
+            ).label("boundaries_before"),
+        )
+        .join(Run, Run.id == TinkerFuture.run_id)
+        .where(*claimable_now)
+        .subquery()
+    )
+    picked = (
+        select(ranked.c.id)
+        .where(ranked.c.boundaries_before == 0)
+        .order_by(ranked.c.turn, ranked.c.run_id)
+        .limit(max_items)
+    )
     return (
         select(TinkerFuture)
         .join(Run, Run.id == TinkerFuture.run_id)
-        .where(
-            or_(TinkerFuture.status == PENDING, _to_replay(pool_id)),
-            # Implied by the line above; said literally so that every plan can use the partial index.
-            text(f"({claimable(TinkerFuture.__tablename__)})"),
-            Run.status == RunStatus.ACTIVE,
-            Run.base_model == base_model,
-        )
+        .where(TinkerFuture.id.in_(picked), *claimable_now)
         .order_by(TinkerFuture.run_id, TinkerFuture.seq_id)
-        .limit(max_items)
         .with_for_update(of=TinkerFuture, skip_locked=True)
     )
 
