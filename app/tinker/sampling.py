@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import Select, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
 from app.errors import NotFound, ValidationFailed
@@ -29,7 +29,7 @@ from app.runs.schemas import validation_problems
 from app.tinker import proto
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
 from app.tinker.service import NotSupported, touch_model
-from app.tinker.work import PENDING, RunNotActive, resolve_sampler_path
+from app.tinker.work import PENDING, RunNotActive, check_pending_room, resolve_sampler_path
 from contracts.ids import new_id
 from contracts.status import MOVABLE_RUN_STATUSES
 from contracts.tinker_work import ManualWorkItem, SamplingSpec
@@ -191,6 +191,7 @@ def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> 
         raise ValidationFailed(f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}")
     if pool is not None and any(not 0 <= t < pool.vocab_size for t in spec.prompt + spec.stop_tokens):
         raise ValidationFailed(f"a prompt or stop token id is outside the vocabulary [0, {pool.vocab_size})")
+    check_pending_room(session, tenant_id=tenant_id)
     item = ManualWorkItem(
         request_id=new_id("req"), run_id="" if run is None else run.id, seq_id=0, kind="sample", sampling=spec
     )
@@ -217,17 +218,34 @@ def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> 
 
 def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture]:
     """The pending base-model samples `claim_base_samples` takes, locked. Indexed either way: by
-    model_id, or by the partial index of claimable futures (`app.tinker.models.CLAIMABLE`)."""
+    model_id, or by the partial index of claimable futures (`app.tinker.models.CLAIMABLE`).
+
+    Dealt round-robin across tenants (each tenant's oldest first): every tenant may sample the base
+    model, so oldest-first across all of them let one tenant's queue hold everyone else's request
+    back for as long as it kept it full (review of 2026-11-23, H3). As in `work.claim_query`, the
+    window picks in a subquery and the lock is taken by id."""
+    waiting = (
+        TinkerFuture.status == PENDING,
+        TinkerFuture.kind == "sample",
+        TinkerFuture.run_id.is_(None),
+        TinkerFuture.model_id == base_model_key(base_model),
+    )
+    ranked = (
+        select(
+            TinkerFuture.id,
+            TinkerFuture.created_at,
+            func.row_number()
+            .over(partition_by=TinkerFuture.tenant_id, order_by=(TinkerFuture.created_at, TinkerFuture.id))
+            .label("turn"),
+        )
+        .where(*waiting)
+        .subquery()
+    )
+    picked = select(ranked.c.id).order_by(ranked.c.turn, ranked.c.created_at, ranked.c.id).limit(max_items)
     return (
         select(TinkerFuture)
-        .where(
-            TinkerFuture.status == PENDING,
-            TinkerFuture.kind == "sample",
-            TinkerFuture.run_id.is_(None),
-            TinkerFuture.model_id == base_model_key(base_model),
-        )
+        .where(TinkerFuture.id.in_(picked), *waiting)
         .order_by(TinkerFuture.created_at, TinkerFuture.id)
-        .limit(max_items)
         .with_for_update(skip_locked=True)
     )
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.db import utcnow
-from app.errors import AppError, NotFound, ValidationFailed
+from app.errors import AppError, NotFound, RateLimited, ValidationFailed
 from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
 from app.runs.models import Run
@@ -135,6 +135,34 @@ def _existing(session: Session, *, model_id: str, seq_id: int) -> TinkerFuture |
     )
 
 
+MAX_PENDING_PER_TENANT = 256
+"""Tinker requests (work and samples) of one tenant waiting for a pool; one more gets a 429 with
+Retry-After. The SDK keeps a handful in flight per client; without a bound one tenant could queue
+hours of work ahead of everyone (review of 2026-11-23, M2/H3)."""
+PENDING_RETRY_AFTER_SECONDS = 2
+
+
+def check_pending_room(session: Session, *, tenant_id: str) -> None:
+    """429 when the tenant has `MAX_PENDING_PER_TENANT` requests waiting (read through the partial
+    index of claimable futures: a handful of rows, not the day's history)."""
+    pending = session.scalar(
+        select(func.count())
+        .select_from(TinkerFuture)
+        .where(
+            TinkerFuture.tenant_id == tenant_id,
+            TinkerFuture.status == PENDING,
+            text(f"({claimable(TinkerFuture.__tablename__)})"),
+        )
+    )
+    if pending is not None and pending >= MAX_PENDING_PER_TENANT:
+        raise RateLimited(
+            f"{pending} Tinker requests of this tenant are waiting for the pool; at most "
+            f"{MAX_PENDING_PER_TENANT}. Retry once some are done",
+            details={"kind": "pending_requests", "pending": pending, "max_pending": MAX_PENDING_PER_TENANT},
+            retry_after=PENDING_RETRY_AFTER_SECONDS,
+        )
+
+
 def _submit(
     session: Session, *, tenant_id: str, model_id: str, run: Run, item: ManualWorkItem, ordered: bool = True
 ) -> TinkerFuture:
@@ -142,6 +170,7 @@ def _submit(
     requests do not: they are numbered per sampling client, and order among them is free)."""
     if run.status not in MOVABLE_RUN_STATUSES:
         raise RunNotActive(f"model {model_id}: its run {run.id} is {run.status}; it takes no more requests")
+    check_pending_room(session, tenant_id=tenant_id)
     future = TinkerFuture(
         id=item.request_id,
         tenant_id=tenant_id,

@@ -5,7 +5,9 @@ whose id sorted first)."""
 
 import pytest
 
+from app.tinker import work
 from tests.app.api import WORKER_HEADERS, register
+from tests.app.test_tinker_sampling import _base_sampler, _headers, _sample_body
 from tests.app.test_tinker_work import PROTOBUF, _datum, _fwdbwd_body, _model
 
 pytestmark = pytest.mark.postgres_only
@@ -51,3 +53,49 @@ def test_every_run_gets_a_turn_in_each_claim(client, tenant, other_tenant):
     for items in by_run.values():
         assert [seq for _, seq in items] == list(range(2, len(items) + 2))
         assert items[-1][0] == "optim_step"
+
+
+def test_base_model_samples_are_dealt_round_robin_across_tenants(client, tenant, other_tenant):
+    pool_id = register(client)
+    busy = _base_sampler(client, tenant)
+    quiet = _base_sampler(client, other_tenant)
+    for _ in range(5):  # queued first: oldest-first would serve all five before the quiet one
+        r = client.post("/api/v1/asample", json=_sample_body(busy, [5, 6, 7]), headers=_headers(tenant))
+        assert r.status_code == 200, r.text
+    quiet_request = client.post(
+        "/api/v1/asample", json=_sample_body(quiet, [5, 6]), headers=_headers(other_tenant)
+    )
+    items = client.post(
+        "/v1/pool/manual/claim", json={"pool_id": pool_id, "max_items": 2}, headers=WORKER_HEADERS
+    ).json()["items"]
+    assert quiet_request.json()["request_id"] in [i["request_id"] for i in items]
+    assert len(items) == 2
+
+
+def test_a_tenants_waiting_requests_are_bounded_and_a_retry_still_finds_its_own(
+    client, tenant, other_tenant, monkeypatch
+):
+    monkeypatch.setattr(work, "MAX_PENDING_PER_TENANT", 3)
+    register(client)
+    model_id, headers = _model(client, tenant)
+    sampler = _base_sampler(client, tenant)
+    bodies = [_fwdbwd_body(model_id, seq_id, [_datum([1, 2, 3])]) for seq_id in (1, 2, 3, 4)]
+    for body in bodies[:3]:
+        assert (
+            client.post("/api/v1/forward_backward", content=body, headers=headers | PROTOBUF).status_code
+            == 200
+        )
+    refused = client.post("/api/v1/forward_backward", content=bodies[3], headers=headers | PROTOBUF)
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["Retry-After"] == str(work.PENDING_RETRY_AFTER_SECONDS)
+    assert refused.json()["error"]["details"]["pending"] == 3
+    sample = client.post("/api/v1/asample", json=_sample_body(sampler, [5, 6]), headers=headers)
+    assert sample.status_code == 429  # samples count too
+    retry = client.post("/api/v1/forward_backward", content=bodies[0], headers=headers | PROTOBUF)
+    assert retry.status_code == 200  # a retried request finds its stored future
+    other_model, other_headers = _model(client, other_tenant)  # other tenants are not affected
+    body = _fwdbwd_body(other_model, 1, [_datum([1, 2, 3])])
+    assert (
+        client.post("/api/v1/forward_backward", content=body, headers=other_headers | PROTOBUF).status_code
+        == 200
+    )
