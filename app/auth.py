@@ -106,16 +106,16 @@ def require_tenant(
     # A valid key looked up in the last few seconds is trusted (app/key_cache.py: the revocation bound).
     cache = key_cache(request.app.state, request.app.state.settings.api_key_cache_seconds)
     if (hit := cache.get(digest)) is not None:
-        yield from _counted(request, TenantPrincipal(tenant_id=hit.tenant_id, api_key_id=hit.api_key_id))
+        yield from counted(request, TenantPrincipal(tenant_id=hit.tenant_id, api_key_id=hit.api_key_id))
         return
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
     if key is None or key.revoked_at is not None:
         raise Unauthorized("invalid or revoked API key")
     cache.put(digest, tenant_id=key.tenant_id, api_key_id=key.id)
-    yield from _counted(request, TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id))
+    yield from counted(request, TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id))
 
 
-def _counted(request: Request, principal: TenantPrincipal) -> Iterator[TenantPrincipal]:
+def counted(request: Request, principal: TenantPrincipal) -> Iterator[TenantPrincipal]:
     # Counted from here to the end of the response (app/limits.py): one tenant's flood gets 429s
     # while the others' requests still find threads and database connections.
     in_flight: InFlight = request.app.state.in_flight

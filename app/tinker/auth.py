@@ -5,35 +5,46 @@ is looked up exactly as a Bearer key is (same sha256, same revocation, same tena
 no second kind of secret is stored.
 """
 
+from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.auth import TenantPrincipal, hash_key
+from app.auth import TenantPrincipal, counted, hash_key
 from app.db import SessionDep
-from app.errors import Unauthorized
+from app.errors import RateLimited, Unauthorized, raises
+from app.key_cache import key_cache
 from app.tenants.models import ApiKey
 
 TINKER_KEY_PREFIX = "tml-"
 
 
-def require_tinker_tenant(request: Request, session: SessionDep) -> TenantPrincipal:
-    return tinker_tenant(session, request)
+@raises(Unauthorized, RateLimited)
+def require_tinker_tenant(request: Request, session: SessionDep) -> Iterator[TenantPrincipal]:
+    """The caller, counted against the tenant's in-flight limit while the route runs (as on
+    /v1: one tenant's flood gets 429s while the others' requests still find threads and database
+    connections)."""
+    yield from counted(request, tinker_tenant(session, request))
 
 
 def tinker_tenant(session: Session, request: Request) -> TenantPrincipal:
-    """The caller of a Tinker route, from its X-API-Key (401 if missing, malformed or revoked)."""
+    """The caller of a Tinker route, from its X-API-Key (401 if missing, malformed or revoked).
+    A valid key looked up in the last few seconds is trusted, as for Bearer keys (app/key_cache.py:
+    the revocation bound): `retrieve_future` authenticates every check of its long poll."""
     given = request.headers.get("x-api-key", "").strip()
     if not given.startswith(TINKER_KEY_PREFIX):
         raise Unauthorized("missing or malformed X-API-Key header; expected 'tml-' + a loraloom API key")
-    key = session.scalar(
-        select(ApiKey).where(ApiKey.key_hash == hash_key(given.removeprefix(TINKER_KEY_PREFIX)))
-    )
+    digest = hash_key(given.removeprefix(TINKER_KEY_PREFIX))
+    cache = key_cache(request.app.state, request.app.state.settings.api_key_cache_seconds)
+    if (hit := cache.get(digest)) is not None:
+        return TenantPrincipal(tenant_id=hit.tenant_id, api_key_id=hit.api_key_id)
+    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
     if key is None or key.revoked_at is not None:
         raise Unauthorized("invalid or revoked API key")
+    cache.put(digest, tenant_id=key.tenant_id, api_key_id=key.id)
     return TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
 
 
-TinkerTenantDep = Annotated[TenantPrincipal, Depends(require_tinker_tenant)]
+TinkerTenantDep = Annotated[TenantPrincipal, Depends(require_tinker_tenant, scope="function")]

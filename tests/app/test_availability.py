@@ -24,6 +24,7 @@ from app.config import Settings
 from app.main import create_app
 from app.runs import service as runs_service
 from app.serving import MAX_HEADER_BYTES, uvicorn_options
+from app.tinker import service as tinker_service
 from tests.app.api import LiveServer, TenantHandle, batch_body, create_run, new_tenant
 from tests.app.factories import committed, row_counts
 
@@ -162,6 +163,48 @@ def test_requests_in_flight_per_tenant_get_429(settings, monkeypatch):
         first.join(10)
         assert results == [200]
         assert http.get("/v1/runs", headers=busy.headers).status_code == 200
+
+
+@pytest.mark.postgres_only
+def test_tinker_requests_count_against_the_same_in_flight_limit(settings, monkeypatch):
+    """The Tinker routes were not counted (review of 2026-11-23, M1): a tenant could hold every
+    thread and database connection through /api/v1 while its /v1 requests got 429s."""
+    settings = settings.model_copy(update={"tenant_max_in_flight": 1})
+    entered, release = threading.Event(), threading.Event()
+    real_capabilities = tinker_service.capabilities
+
+    def held_capabilities(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return real_capabilities(*args, **kwargs)
+
+    with (
+        LiveServer(create_app(settings), **uvicorn_options()) as server,
+        httpx.Client(base_url=server.url, timeout=10) as http,
+    ):
+        busy, other = new_tenant(http), new_tenant(http)
+        tinker_headers = {"X-API-Key": "tml-" + busy.key}
+        monkeypatch.setattr(tinker_service, "capabilities", held_capabilities)
+        results: list[int] = []
+        first = threading.Thread(
+            target=lambda: results.append(
+                http.get("/api/v1/get_server_capabilities", headers=tinker_headers).status_code
+            )
+        )
+        first.start()
+        assert entered.wait(10)
+        for r in (
+            http.post("/api/v1/create_session", json={}, headers=tinker_headers),
+            http.get("/v1/runs", headers=busy.headers),  # one limit for both APIs
+        ):
+            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
+        monkeypatch.setattr(tinker_service, "capabilities", real_capabilities)
+        other_headers = {"X-API-Key": "tml-" + other.key}
+        assert http.get("/api/v1/get_server_capabilities", headers=other_headers).status_code == 200
+        release.set()
+        first.join(10)
+        assert results == [200]
+        assert http.post("/api/v1/create_session", json={}, headers=tinker_headers).status_code == 200
 
 
 def test_pending_batches_per_run_get_429(settings):
