@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.config import Settings
@@ -140,23 +141,34 @@ def create_model(
         return existing
     if session.get(TinkerModel, model_id) is not None:  # made by load_weights (create-from-state)
         raise ValidationFailed(f"model {model_id} exists already (loaded from saved weights)")
-    new_model_run(
-        session,
-        tenant_id=tenant_id,
-        api_key_id=api_key_id,
-        owner=owner,
-        model_seq_id=body.model_seq_id,
-        config=_run_config(session, body),
-        user_metadata=body.user_metadata,
-        settings=settings,
-    )
-    return complete_future(
-        session,
-        tenant_id=tenant_id,
-        kind="create_model",
-        model_id=model_id,
-        result={"model_id": model_id, "type": "create_model"},
-    )
+    try:
+        with session.begin_nested():  # a savepoint: a concurrent twin's create wins, not a 500
+            new_model_run(
+                session,
+                tenant_id=tenant_id,
+                api_key_id=api_key_id,
+                owner=owner,
+                model_seq_id=body.model_seq_id,
+                config=_run_config(session, body),
+                user_metadata=body.user_metadata,
+                settings=settings,
+            )
+            return complete_future(
+                session,
+                tenant_id=tenant_id,
+                kind="create_model",
+                model_id=model_id,
+                result={"model_id": model_id, "type": "create_model"},
+            )
+    except IntegrityError:
+        # The same create sent twice at once: the second waited on the model's key until the
+        # first committed; answer with the first's future.
+        twin = session.scalar(
+            select(TinkerFuture).where(TinkerFuture.model_id == model_id, TinkerFuture.kind == "create_model")
+        )
+        if twin is None:
+            raise
+        return twin
 
 
 def new_model_run(

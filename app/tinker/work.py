@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 from sqlalchemy import ColumnElement, Select, and_, case, func, not_, null, or_, select, text, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from app.config import Settings
@@ -181,7 +182,16 @@ def _submit(
         status=PENDING,
         request=item.model_dump(mode="json"),
     )
-    session.add(future)
+    try:
+        with session.begin_nested():  # a savepoint: a concurrent twin's insert wins, not a 500
+            session.add(future)
+            session.flush()
+    except IntegrityError:
+        # The same request (model, seq_id) sent twice at once, both past `_existing`: the
+        # second waited on the unique index until the first committed; answer with that one.
+        if ordered and (twin := _existing(session, model_id=model_id, seq_id=item.seq_id)) is not None:
+            return twin
+        raise
     touch_model(session, model_id=model_id)
     session.flush()
     return future
