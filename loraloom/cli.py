@@ -24,7 +24,7 @@ import httpx
 import tomli_w
 import typer
 
-from loraloom.commands import observe
+from loraloom.commands import observe, preflight
 from loraloom.commands.errors import CliError, ErrorHandlingGroup, ExitCode
 from loraloom.commands.http import DEFAULT_URL, AdminKeyOpt, JsonOpt, KeyOpt, UrlOpt, api
 from loraloom.commands.http import echo_json as _echo_json
@@ -139,7 +139,13 @@ def serve(
     """Run the API service (settings from LORALOOM_* environment variables)."""
     import uvicorn
 
+    from app.config import Settings
     from app.serving import uvicorn_options
+
+    settings = Settings()
+    preflight.check_database(settings.database_url)
+    preflight.check_data_dir(str(settings.data_dir))
+    preflight.check_port(host, port)
 
     # httptools with a header-size limit (431) and keep-alive timeout: see app/serving.py.
     uvicorn.run(
@@ -150,20 +156,16 @@ def serve(
 @db_cli.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
     """Migrate the database (LORALOOM_DATABASE_URL) to the newest schema."""
-    from sqlalchemy.exc import OperationalError
-
     from app import migrate
     from app.config import Settings
 
     url = Settings().database_url
     try:
         migrate.upgrade(url, revision)
-    except OperationalError as exc:
-        raise CliError(
-            f"cannot reach the database: {str(exc.orig).strip().splitlines()[0]}",
-            kind=ExitCode.UNAVAILABLE,
-            hint="is the database running? check LORALOOM_DATABASE_URL",
-        ) from None
+    except Exception as exc:
+        if (problem := preflight.database_problem(exc)) is not None:
+            raise problem from None
+        raise
     typer.echo(f"database migrated to {revision}")
 
 

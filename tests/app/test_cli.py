@@ -1,6 +1,8 @@
 """The CLI against a live service (uvicorn in a thread), as the README uses it."""
 
 import json
+import socket
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,38 @@ def test_readme_gives_the_two_commands_and_the_curl_walkthrough():
         "application/toml",
     ):
         assert call in readme, call
+
+
+def test_serve_refuses_the_usual_setup_mistakes_in_one_line(tmp_path):
+    """Each was uvicorn's startup traceback (100-200 lines) with exit 3 ("not found" in the README's
+    table); now an error line and a hint, before anything listens."""
+    migrated = tmp_path / "ok.db"
+    _run("db", "upgrade", env={"LORALOOM_DATABASE_URL": f"sqlite:///{migrated}"})
+    unmigrated = tmp_path / "empty.db"
+    sqlite3.connect(unmigrated).close()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    ok = {"LORALOOM_DATABASE_URL": f"sqlite:///{migrated}", "LORALOOM_DATA_DIR": str(tmp_path / "data")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cases = [
+            ({"LORALOOM_DATABASE_URL": "garbage"}, [], 2, "LORALOOM_DATABASE_URL is not a URL"),
+            (
+                {"LORALOOM_DATABASE_URL": "postgres://x@127.0.0.1/x"},
+                [],
+                2,
+                "LORALOOM_DATABASE_URL is not a URL",
+            ),
+            ({"LORALOOM_DATABASE_URL": "postgresql+psycopg://nobody@127.0.0.1:9/x"}, [], 6, "cannot reach"),
+            ({"LORALOOM_DATABASE_URL": f"sqlite:///{tmp_path / 'none.db'}"}, [], 6, "no database at"),
+            ({"LORALOOM_DATABASE_URL": f"sqlite:///{unmigrated}"}, [], 6, "schema is at no revision"),
+            ({"LORALOOM_DATA_DIR": str(a_file / "data")}, [], 2, "data directory"),
+            ({}, ["--port", str(taken.getsockname()[1])], 6, "the port is in use"),
+        ]
+        for overrides, args, code, words in cases:
+            result = runner.invoke(cli, ["serve", *args], env=ok | overrides)
+            assert result.exit_code == code, (overrides, result.output)
+            assert result.output.startswith("error: ") and words in result.output, result.output
+            assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 2
+    assert not (tmp_path / "none.db").exists()  # the check created no empty database
