@@ -51,7 +51,23 @@ class ApiError(LoraloomError):
     def __str__(self) -> str:
         prefix = f"{self.status} " if self.status is not None else ""
         code = f"[{self.code}] " if self.code else ""
-        return f"{prefix}{code}{self.message}"
+        return f"{prefix}{code}{self.message}{_field_problems(self.details)}"
+
+
+def _field_problems(details: Any, most: int = 5) -> str:
+    """": body.config.lora.rank: Input should be ...; ..." for the field errors of a 422 whose message
+    only counts them ("2 invalid field(s)"), so a traceback or a log line says which field."""
+    if not isinstance(details, list):
+        return ""
+    problems = [
+        f"{'.'.join(str(p) for p in d['loc'])}: {d['msg']}"
+        for d in details
+        if isinstance(d, dict) and isinstance(d.get("loc"), list) and isinstance(d.get("msg"), str)
+    ]
+    if not problems:
+        return ""
+    more = f"; and {len(problems) - most} more" if len(problems) > most else ""
+    return ": " + "; ".join(problems[:most]) + more
 
 
 class BadRequest(ApiError):

@@ -256,3 +256,20 @@ def test_parse_retry_after() -> None:
     assert parse_retry_after(None) is None
     assert parse_retry_after("garbage") is None
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # in the past
+
+
+def test_a_422s_field_errors_are_in_the_sdks_error_text() -> None:
+    """The service's message only counts them ("2 invalid field(s)"); the exception's text names them."""
+    from contracts.http import ValidationError, error_from_response
+
+    details = [
+        {"loc": ["body", "config", "lora", "rank"], "msg": "Input should be greater than or equal to 1"},
+        {"loc": ["body", "config", "max_stepz"], "msg": "Extra inputs are not permitted"},
+    ]
+    body = {"error": {"code": "validation_error", "message": "2 invalid field(s)", "details": details}}
+    error = error_from_response(httpx.Response(422, json=body))
+    assert isinstance(error, ValidationError) and error.details == details
+    assert str(error) == (
+        "422 [validation_error] 2 invalid field(s): body.config.lora.rank: Input should be greater than or "
+        "equal to 1; body.config.max_stepz: Extra inputs are not permitted"
+    )
