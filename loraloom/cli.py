@@ -25,7 +25,7 @@ import tomli_w
 import typer
 
 from loraloom.commands import observe, preflight
-from loraloom.commands.errors import CliError, ErrorHandlingGroup, ExitCode
+from loraloom.commands.errors import CliError, ErrorHandlingGroup, ExitCode, require_worker_extra
 from loraloom.commands.http import DEFAULT_URL, AdminKeyOpt, JsonOpt, KeyOpt, UrlOpt, api
 from loraloom.commands.http import echo_json as _echo_json
 from loraloom.commands.http import table as _table
@@ -549,6 +549,7 @@ def demo(
     if interim:
         interim_demo()
         return
+    require_worker_extra("the demo (it trains with the worker pool)")
     from loraloom.demo import run_demo  # imports torch: only for the real demo
 
     # The built-in model's first build logs its progress every few seconds: show it.

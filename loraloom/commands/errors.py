@@ -142,3 +142,16 @@ class ErrorHandlingGroup(TyperGroup):
             error = CliError(f"{type(exc).__name__}: {exc}", hint="run again with --debug for the traceback")
             report(error, as_json="--json" in argv)
             raise typer.Exit(int(error.kind)) from None
+
+
+def require_worker_extra(what: str) -> None:
+    """A clear error when torch (the worker pool's extra) is not installed: the API-only install
+    (`pip install loraloom`) has the service, the SDK and the CLI, not the trainer."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise CliError(
+            f"{what} needs torch and the worker extra, which are not installed",
+            kind=ExitCode.USAGE,
+            hint="pip install torch==2.13.0 (or a CUDA build), then pip install 'loraloom[worker]'",
+        )

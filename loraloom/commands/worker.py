@@ -18,7 +18,7 @@ import httpx
 import typer
 from pydantic import ValidationError
 
-from loraloom.commands.errors import CliError, ExitCode
+from loraloom.commands.errors import CliError, ExitCode, require_worker_extra
 
 SERVICE = "Service"
 MODEL = "Model"
@@ -138,7 +138,8 @@ def worker(
     if dry_run:
         typer.echo(json.dumps(settings.model_dump(mode="json", exclude={"worker_token"}), indent=2))
         return
-    _check_base_model(settings.base_model)  # local, so before the network: the first problem named is ours
+    require_worker_extra("the worker pool")  # local checks before the network: ours are named first
+    _check_base_model(settings.base_model)
     if settings.runs_dir is None:
         if not settings.token:
             raise CliError(

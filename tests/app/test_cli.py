@@ -148,3 +148,17 @@ def test_serve_refuses_the_usual_setup_mistakes_in_one_line(tmp_path):
             assert result.output.startswith("error: ") and words in result.output, result.output
             assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 2
     assert not (tmp_path / "none.db").exists()  # the check created no empty database
+
+
+def test_without_torch_the_worker_and_the_demo_say_which_extra_to_install(monkeypatch, tmp_path):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real_find_spec(name, *a)
+    )
+    env = {"LORALOOM_WORKER_TOKEN": "t", "LORALOOM_MODEL_CACHE": str(tmp_path)}
+    for args in (["worker", "--url", "http://127.0.0.1:9"], ["demo", "--steps", "2"]):
+        result = runner.invoke(cli, args, env=env)
+        assert result.exit_code == 2, result.output
+        assert "needs torch" in result.output and "loraloom[worker]" in result.output
