@@ -416,7 +416,6 @@ class MultiAgentEngine:
                 rewards, keys, mode=self.config.filter_mode, ratio=self.config.filter_ratio
             ).kept
             kept = [samples[i] for i in kept_idx]
-            gae = self.config.advantage == "gae"
             advantages = (
                 [0.0] * len(kept)
                 if self.config.advantage == "gae"
@@ -439,7 +438,9 @@ class MultiAgentEngine:
                             completion_mask=[True] * len(s.completion_ids),
                             completion_logprobs=s.logprobs,
                             advantage=a,
-                            reward=s.reward if gae else None,
+                            # GAE trains on it; for every run the service aggregates it (metrics,
+                            # dashboard, trackers), and the pool does not buffer it then.
+                            reward=s.reward,
                         )
                         for s, a in zip(kept, advantages, strict=True)
                     ],

@@ -388,7 +388,12 @@ class PoolTrainer:
         if self.master is None:
             return
         m = self.master
-        m.packer.add_run(slot, batch_size=config.batch_size, progress=run.progress)
+        m.packer.add_run(
+            slot,
+            batch_size=config.batch_size,
+            progress=run.progress,
+            trains_on_rewards=config.advantage.estimator == "gae",
+        )
         # Exactly-once: everything handed out after the checkpoint comes back. The run may have left
         # since the state sync listed it (then it is released again at the next sync).
         if not self._for_run(run, "restart", lambda: m.source.restart_run(run_id, progress)):

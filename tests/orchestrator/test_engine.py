@@ -54,6 +54,9 @@ async def test_single_agent_batch() -> None:
     scalars = [s.advantage for s in batch.examples if isinstance(s.advantage, float)]
     assert len(scalars) == len(batch.examples)  # one scalar advantage per sample
     assert sorted({round(a, 6) for a in scalars}) == [-0.3, 0.3]
+    # Every sample carries its reward: the service aggregates it per step (metrics, dashboard);
+    # only GAE runs train on it (the pool does not buffer it for the others).
+    assert sorted({s.reward for s in batch.examples}) == [0.4, 1.0]
     # One sampler call per problem: the group's shared prompt with n = 4.
     assert len(sampler.prompts) == 12
 

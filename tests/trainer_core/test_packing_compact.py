@@ -8,6 +8,7 @@ never pickled. That the expanded views equal the old Packer's per-token tensors 
 import dataclasses
 import pickle
 
+import msgspec
 import torch
 
 from contracts.wire import TrainingBatch, TrainingSample
@@ -91,6 +92,27 @@ def test_per_token_advantages_are_stored_per_token_only_when_a_sample_has_them()
     mb = _row((0, TrainingBatch(examples=[_sample(2, 3), _sample(1, 3, advantage=[1.0, 2.0, 3.0])])))
     assert mb.token_advantages is not None and mb.token_advantages.dtype == torch.float32
     assert mb.advantages.tolist() == [0.0, 0.0, 0.5, 0.5, 0.5, 0.0, 1.0, 2.0, 3.0] + [0.0] * 7
+
+
+def test_rewards_are_buffered_only_for_runs_that_train_on_them() -> None:
+    """The SDK sends every sample's reward (the service aggregates it); a run whose advantages come
+    from the client keeps the plain row (no per-token rewards), a GAE run gets them."""
+    rewarded = TrainingBatch(examples=[msgspec.structs.replace(_sample(2, 3), reward=1.5)])
+    for trains_on_rewards, expected in ((False, None), (True, [0.0] * 4 + [1.5] + [0.0] * 11)):
+        packer = Packer(n_slots=1, seq_len=64, dp_world_size=1, pad_to_multiple_of=16)
+        packer.add_run(0, batch_size=1, trains_on_rewards=trains_on_rewards)
+        packer.add_batch(0, rewarded, batch_id=1)
+        result = packer.pack(force=True)
+        assert result is not None
+        (mb,) = result.micro_batches[0]
+        assert (None if mb.rewards is None else mb.rewards.tolist()) == expected
+        if not trains_on_rewards:
+            assert set(_stored_bytes(mb)) == {
+                "token_ids",
+                "loss_mask",
+                "inference_logprobs",
+                "slot_token_counts",
+            }
 
 
 def test_a_pickled_row_carries_only_the_compact_fields_and_expands_the_same() -> None:

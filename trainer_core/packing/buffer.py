@@ -92,6 +92,7 @@ class SampleChunk:
         arrived_at: float,
         seq_len: int,
         vocab_size: int | None,
+        rewards: bool = True,
     ) -> SampleChunk | None:
         """The samples ``examples[skip:]`` as a chunk; None when any sample of ``examples`` (the
         skipped ones too) may break a rule of ``sample_problems(full=False)`` (then ask
@@ -118,7 +119,8 @@ class SampleChunk:
         ids = joined.ids[t0:]
         has_teacher = _flags(kept.teacher_logprobs)
         has_weights = _flags(kept.weights)
-        rewards, has_rewards = _rewards(kept, joined, c0, c1)
+        # Rewards only for runs that train on them (GAE); for the others they are metrics only.
+        reward_values, has_rewards = _rewards(kept, joined, c0, c1) if rewards else (None, None)
         adv_scalars, adv_tokens = joined.advantages
         return cls(
             batch_id=batch_id,
@@ -138,7 +140,7 @@ class SampleChunk:
             has_teacher=has_teacher,
             weights=None if has_weights is None else joined.filled("weights", columns, None)[c0:],
             has_weights=has_weights,
-            rewards=rewards,
+            rewards=reward_values,
             has_rewards=has_rewards,
             plain=adv_tokens is None and has_teacher is None and has_weights is None and has_rewards is None,
         )

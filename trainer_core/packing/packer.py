@@ -127,6 +127,9 @@ class _RunState:
     progress: Progress = field(default_factory=Progress)
     samples_consumed_this_step: int = 0
     """Samples packed towards the current (incomplete) step; always < batch_size between packs."""
+    trains_on_rewards: bool = True
+    """False: the run's `reward` / `token_rewards` are metrics only (its advantages come from the
+    client), so they are not buffered and its rows stay on the plain path."""
 
 
 class Packer:
@@ -193,12 +196,16 @@ class Packer:
 
     # ---- runs ----------------------------------------------------------------------------------
 
-    def add_run(self, slot: int, *, batch_size: int, progress: Progress | None = None) -> None:
+    def add_run(
+        self, slot: int, *, batch_size: int, progress: Progress | None = None, trains_on_rewards: bool = True
+    ) -> None:
         """Start accounting for a run in ``slot``, at a step boundary.
 
         ``progress``: the run's progress object, which the Packer then advances in place as it packs
         (the trainer passes its own, so that the run's progress exists once); None starts a new one
-        at zero. See `set_progress` to move it to a checkpoint later.
+        at zero. See `set_progress` to move it to a checkpoint later. ``trains_on_rewards``: the run's
+        loss reads the samples' rewards (GAE); otherwise they are metrics only (the service
+        aggregates them) and are not buffered.
         """
         self._check_slot_range(slot)
         if slot in self._runs:
@@ -206,7 +213,9 @@ class Packer:
         if batch_size < 1:
             raise ValueError(f"batch_size must be ≥ 1, got {batch_size}")
         self._runs[slot] = _RunState(
-            batch_size=batch_size, progress=progress if progress is not None else Progress()
+            batch_size=batch_size,
+            progress=progress if progress is not None else Progress(),
+            trains_on_rewards=trains_on_rewards,
         )
         self.ready_to_update[slot] = False
 
@@ -271,8 +280,8 @@ class Packer:
                 self._check(slot, batch_id, index, sample)
             try:
                 batch = to_arrays(batch)
-            except OverflowError:  # ids travel as int32; only a pool without a vocabulary sees this
-                raise ValueError(f"slot {slot}, batch {batch_id}: a token id does not fit int32") from None
+            except ValueError as exc:  # ids travel as int32; only a pool without a vocabulary sees this
+                raise ValueError(f"slot {slot}, batch {batch_id}: {exc}") from None
         if not batch.examples[skip:]:
             if not checked:
                 self._check_arrays(slot, batch_id, batch)
@@ -285,6 +294,7 @@ class Packer:
             arrived_at=self._clock(),
             seq_len=self.seq_len,
             vocab_size=self.vocab_size,
+            rewards=state.trains_on_rewards,
         )
         if chunk is None:  # a rule is broken: the one wording of the rules names it (raises)
             self._check_arrays(slot, batch_id, batch)
