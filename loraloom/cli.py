@@ -530,7 +530,12 @@ def interim_demo(root: Path = Path(".loraloom/demo")) -> None:
             [("ID", "id"), ("NAME", "name"), ("STATUS", "status"), ("SLOT", "slot"), ("STEP", "step")],
         )
 
-    say(f"done. The database and run directories are in {root}/; `loraloom serve` runs the service.")
+    say(
+        f"done. The database and run directories are in {root}/. To serve them (an admin key of your own: "
+        "the demo's is gone):\n"
+        f"  LORALOOM_DATABASE_URL=sqlite:///{root}/loraloom.db LORALOOM_DATA_DIR={root}/data "
+        "LORALOOM_ADMIN_KEY=<a secret> loraloom serve"
+    )
 
 
 @cli.command()

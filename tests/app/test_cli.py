@@ -100,6 +100,8 @@ def test_interim_demo(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "queued" in out and "evicted" in out and "HTTP 404 not_found" in out
     assert "globex-agent  active" in out
+    # The command it ends with serves the demo's own database (a bare `loraloom serve` would not).
+    assert f"LORALOOM_DATABASE_URL=sqlite:///{(tmp_path / 'demo').resolve()}/loraloom.db" in out
 
 
 def test_readme_gives_the_two_commands_and_the_curl_walkthrough():
