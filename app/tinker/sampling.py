@@ -107,6 +107,14 @@ def get_sampling_session(session: Session, *, tenant_id: str, sampler_id: str) -
     run = None if row is None else session.get(Run, row.run_id)
     if row is None or run is None or row.tenant_id != tenant_id:
         raise NotFound(f"sampling session {sampler_id} not found")
+    if row.model_path is not None:
+        # Deleting the saved weights retires the samplers made from them (app.tinker.checkpoints).
+        try:
+            resolve_sampler_path(session, tenant_id=tenant_id, path=row.model_path)
+        except NotFound:
+            raise NotFound(
+                f"sampling session {sampler_id}: its weights {row.model_path} were deleted"
+            ) from None
     return Sampler(row.id, run.base_model, row.model_path, run.id, row.step)
 
 

@@ -178,3 +178,37 @@ def test_counters_and_metadata_are_checked_and_listings_survive(client, tenant, 
     db.commit()
     assert client.get("/api/v1/training_runs", headers=headers).status_code == 200
     assert client.get(f"/api/v1/training_runs/{session_id}:train:5", headers=headers).status_code == 200
+
+
+def test_deleting_sampler_weights_retires_the_samplers_made_from_them(client, tenant):
+    pool_id = register(client)
+    model_id, headers = _model(client, tenant)
+    saved = client.post(
+        "/api/v1/save_weights_for_sampler",
+        json={"model_id": model_id, "seq_id": 1, "path": "w"},
+        headers=headers,
+    )
+    assert saved.status_code == 200, saved.text
+    items = client.post("/v1/pool/manual/claim", json={"pool_id": pool_id}, headers=WORKER_HEADERS).json()[
+        "items"
+    ]
+    results = [{"request_id": i["request_id"], "metrics": {"step": 1}} for i in items]
+    client.post(
+        "/v1/pool/manual/results", json={"pool_id": pool_id, "results": results}, headers=WORKER_HEADERS
+    )
+    path = f"tinker://{model_id}/sampler_weights/w"
+    sampler = client.post("/api/v1/create_sampling_session", json={"model_path": path}, headers=headers)
+    sampler_id = sampler.json()["sampling_session_id"]
+    assert client.get(f"/api/v1/samplers/{sampler_id}", headers=headers).status_code == 200
+    deleted = client.delete(
+        f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/w", headers=headers
+    )
+    assert deleted.status_code == 204, deleted.text
+    gone = client.get(f"/api/v1/samplers/{sampler_id}", headers=headers)
+    assert gone.status_code == 404 and "were deleted" in gone.json()["error"]["message"]
+    body = {
+        "sampling_session_id": sampler_id,
+        "prompt": {"chunks": [{"tokens": [1, 2]}]},
+        "sampling_params": {},
+    }
+    assert client.post("/api/v1/asample", json=body, headers=headers).status_code == 404
