@@ -128,40 +128,54 @@ def _send_ignoring_reset(sock: socket.socket, data: bytes) -> None:
         sock.sendall(data)
 
 
+@contextlib.contextmanager
+def _one_request_held(monkeypatch, module: object, name: str, send) -> Iterator[None]:
+    """Inside: `send()` (a request) runs in a thread, held in `module.name` (its handler's service
+    call), so it is in flight; the other requests meanwhile run the real `name`. On leaving it is
+    released and must have answered 200."""
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(module, name)
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, held)
+    results: list[int] = []
+    thread = threading.Thread(target=lambda: results.append(send().status_code))
+    thread.start()
+    assert entered.wait(10)
+    monkeypatch.setattr(module, name, real)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join(10)
+    assert results == [200]
+
+
+def _assert_rate_limited(r: httpx.Response) -> None:
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
+    assert int(r.headers["retry-after"]) >= 1
+
+
 # SQLite (the embedded default) takes its write lock at BEGIN: one held transaction stalls every other
 # request there, so per-tenant fairness is a Postgres property (README, "Hostile clients and limits").
 @pytest.mark.postgres_only
 def test_requests_in_flight_per_tenant_get_429(settings, monkeypatch):
     settings = settings.model_copy(update={"tenant_max_in_flight": 1})
-    entered, release = threading.Event(), threading.Event()
-    real_list_runs = runs_service.list_runs
-
-    def held_list_runs(*args, **kwargs):
-        entered.set()
-        release.wait(10)
-        return real_list_runs(*args, **kwargs)
-
     with (
         LiveServer(create_app(settings), **uvicorn_options()) as server,
         httpx.Client(base_url=server.url, timeout=10) as http,
     ):
         busy, other = new_tenant(http), new_tenant(http)
-        monkeypatch.setattr(runs_service, "list_runs", held_list_runs)
-        results: list[int] = []
-        first = threading.Thread(
-            target=lambda: results.append(http.get("/v1/runs", headers=busy.headers).status_code)
-        )
-        first.start()
-        assert entered.wait(10)
-        r = http.get("/v1/runs/run_000000000000", headers=busy.headers)
-        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
-        assert int(r.headers["retry-after"]) >= 1
-        monkeypatch.setattr(runs_service, "list_runs", real_list_runs)
-        # Another tenant is not limited by the first one's requests.
-        assert http.get("/v1/runs", headers=other.headers).status_code == 200
-        release.set()
-        first.join(10)
-        assert results == [200]
+        with _one_request_held(
+            monkeypatch, runs_service, "list_runs", lambda: http.get("/v1/runs", headers=busy.headers)
+        ):
+            _assert_rate_limited(http.get("/v1/runs/run_000000000000", headers=busy.headers))
+            # Another tenant is not limited by the first one's requests.
+            assert http.get("/v1/runs", headers=other.headers).status_code == 200
         assert http.get("/v1/runs", headers=busy.headers).status_code == 200
 
 
@@ -170,40 +184,22 @@ def test_tinker_requests_count_against_the_same_in_flight_limit(settings, monkey
     """The Tinker routes were not counted (review of 2026-11-23, M1): a tenant could hold every
     thread and database connection through /api/v1 while its /v1 requests got 429s."""
     settings = settings.model_copy(update={"tenant_max_in_flight": 1})
-    entered, release = threading.Event(), threading.Event()
-    real_capabilities = tinker_service.capabilities
-
-    def held_capabilities(*args, **kwargs):
-        entered.set()
-        release.wait(10)
-        return real_capabilities(*args, **kwargs)
-
     with (
         LiveServer(create_app(settings), **uvicorn_options()) as server,
         httpx.Client(base_url=server.url, timeout=10) as http,
     ):
         busy, other = new_tenant(http), new_tenant(http)
         tinker_headers = {"X-API-Key": "tml-" + busy.key}
-        monkeypatch.setattr(tinker_service, "capabilities", held_capabilities)
-        results: list[int] = []
-        first = threading.Thread(
-            target=lambda: results.append(
-                http.get("/api/v1/get_server_capabilities", headers=tinker_headers).status_code
-            )
-        )
-        first.start()
-        assert entered.wait(10)
-        for r in (
-            http.post("/api/v1/create_session", json={}, headers=tinker_headers),
-            http.get("/v1/runs", headers=busy.headers),  # one limit for both APIs
+        with _one_request_held(
+            monkeypatch,
+            tinker_service,
+            "capabilities",
+            lambda: http.get("/api/v1/get_server_capabilities", headers=tinker_headers),
         ):
-            assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited", r.text
-        monkeypatch.setattr(tinker_service, "capabilities", real_capabilities)
-        other_headers = {"X-API-Key": "tml-" + other.key}
-        assert http.get("/api/v1/get_server_capabilities", headers=other_headers).status_code == 200
-        release.set()
-        first.join(10)
-        assert results == [200]
+            _assert_rate_limited(http.post("/api/v1/create_session", json={}, headers=tinker_headers))
+            _assert_rate_limited(http.get("/v1/runs", headers=busy.headers))  # one limit for both APIs
+            other_headers = {"X-API-Key": "tml-" + other.key}
+            assert http.get("/api/v1/get_server_capabilities", headers=other_headers).status_code == 200
         assert http.post("/api/v1/create_session", json={}, headers=tinker_headers).status_code == 200
 
 
