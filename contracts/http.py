@@ -55,8 +55,8 @@ class ApiError(LoraloomError):
 
 
 def _field_problems(details: Any, most: int = 5) -> str:
-    """": body.config.lora.rank: Input should be ...; ..." for the field errors of a 422 whose message
-    only counts them ("2 invalid field(s)"), so a traceback or a log line says which field."""
+    """The field errors of a 422 as text to append to its message, which only counts them ("2 invalid
+    field(s)"): `: body.config.lora.rank: Input should be ...; ...`, so a traceback says which field."""
     if not isinstance(details, list):
         return ""
     problems = [

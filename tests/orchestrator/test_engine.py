@@ -56,7 +56,9 @@ async def test_single_agent_batch() -> None:
     assert sorted({round(a, 6) for a in scalars}) == [-0.3, 0.3]
     # Every sample carries its reward: the service aggregates it per step (metrics, dashboard);
     # only GAE runs train on it (the pool does not buffer it for the others).
-    assert sorted({s.reward for s in batch.examples}) == [0.4, 1.0]
+    assert sorted({s.reward or 0.0 for s in batch.examples}) == [0.4, 1.0] and None not in {
+        s.reward for s in batch.examples
+    }
     # One sampler call per problem: the group's shared prompt with n = 4.
     assert len(sampler.prompts) == 12
 
