@@ -11,6 +11,7 @@ trainable sample, `contracts.wire.sample_problems`, on the list form of the batc
 body and a JSON body with the same fault get the same 422. Torch-free.
 """
 
+import contextlib
 import struct
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -105,9 +106,12 @@ class NoBinaryForm(ValueError):
 
 
 def _whole(values: object, dtype: np.dtype, what: str) -> bytes:
-    """A non-list (a numpy array, a tuple) of integers as ``dtype``, refused rather than wrapped or
-    truncated when a value is no integer or does not fit."""
-    array = np.asarray(values)
+    """Integers (a list of numpy scalars, an array, a tuple) as ``dtype``, refused rather than
+    wrapped or truncated when a value is no integer or does not fit."""
+    try:
+        array = np.asarray(values)
+    except (TypeError, ValueError) as exc:  # ragged, or objects numpy cannot hold
+        raise ValueError(f"must hold {what} ({exc})") from None
     if array.size and array.dtype.kind not in "biu":
         raise ValueError(f"must hold {what}: integers, not {array.dtype}")
     info = np.iinfo(dtype)
@@ -118,22 +122,18 @@ def _whole(values: object, dtype: np.dtype, what: str) -> bytes:
 
 def _ints(values: list[int]) -> bytes:
     if type(values) is list:
-        try:
+        with contextlib.suppress(struct.error, TypeError):
             # struct packs a list of Python ints 4x faster than numpy converts it (each element
-            # is read by its C type; no intermediate array), and refuses a value that is no int
-            # or does not fit (numpy would truncate 1.7 to 1).
+            # is read by its C type; no intermediate array). What it refuses (a float, a value
+            # beyond int32) is refused below too; numpy integer scalars pass there.
             return struct.pack(f"<{len(values)}i", *values)
-        except (struct.error, TypeError) as exc:
-            raise ValueError(f"must hold token ids: integers in [-2^31, 2^31) ({exc})") from None
     return _whole(values, IDS_DTYPE, "token ids")
 
 
 def _mask(values: list[bool]) -> bytes:
     if type(values) is list:
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             return bytes(values)  # bools and small ints as uint8, 3x faster than numpy
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"must hold booleans ({exc})") from None
     return _whole(values, MASK_DTYPE, "booleans")
 
 

@@ -110,11 +110,11 @@ def get_sampling_session(session: Session, *, tenant_id: str, sampler_id: str) -
     if row.model_path is not None:
         # Deleting the saved weights retires the samplers made from them (app.tinker.checkpoints).
         try:
-            resolve_sampler_path(session, tenant_id=tenant_id, path=row.model_path)
+            _, step = resolve_sampler_path(session, tenant_id=tenant_id, path=row.model_path)
         except NotFound:
-            raise NotFound(
-                f"sampling session {sampler_id}: its weights {row.model_path} were deleted"
-            ) from None
+            step = None
+        if step != row.step:  # deleted (a name saved again holds other weights)
+            raise NotFound(f"sampling session {sampler_id}: its weights {row.model_path} were deleted")
     return Sampler(row.id, run.base_model, row.model_path, run.id, row.step)
 
 

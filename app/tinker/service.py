@@ -134,12 +134,13 @@ def create_model(
     model_seq_id is the same model) and return the completed creation future."""
     owner = get_session(session, tenant_id=tenant_id, session_id=body.session_id)
     model_id = f"{owner.id}:train:{body.model_seq_id}"
-    existing = session.scalar(
-        select(TinkerFuture).where(TinkerFuture.model_id == model_id, TinkerFuture.kind == "create_model")
-    )
+    existing = _create_future(session, model_id)
     if existing is not None:
         return existing
-    if session.get(TinkerModel, model_id) is not None:  # made by load_weights (create-from-state)
+    if session.get(TinkerModel, model_id) is not None:
+        # A twin create committed since the query above (READ COMMITTED), or load_weights made it.
+        if (twin := _create_future(session, model_id)) is not None:
+            return twin
         raise ValidationFailed(f"model {model_id} exists already (loaded from saved weights)")
     try:
         with session.begin_nested():  # a savepoint: a concurrent twin's create wins, not a 500
@@ -163,12 +164,15 @@ def create_model(
     except IntegrityError:
         # The same create sent twice at once: the second waited on the model's key until the
         # first committed; answer with the first's future.
-        twin = session.scalar(
-            select(TinkerFuture).where(TinkerFuture.model_id == model_id, TinkerFuture.kind == "create_model")
-        )
-        if twin is None:
+        if (twin := _create_future(session, model_id)) is None:
             raise
         return twin
+
+
+def _create_future(session: Session, model_id: str) -> TinkerFuture | None:
+    return session.scalar(
+        select(TinkerFuture).where(TinkerFuture.model_id == model_id, TinkerFuture.kind == "create_model")
+    )
 
 
 def new_model_run(

@@ -136,10 +136,10 @@ def _existing(session: Session, *, model_id: str, seq_id: int) -> TinkerFuture |
     )
 
 
-MAX_PENDING_PER_TENANT = 256
+MAX_PENDING_PER_TENANT = 1024
 """Tinker requests (work and samples) of one tenant waiting for a pool; one more gets a 429 with
-Retry-After. The SDK keeps a handful in flight per client; without a bound one tenant could queue
-hours of work ahead of everyone (review of 2026-11-23, M2/H3)."""
+Retry-After. The SDK sends up to 400 samples at once; without a bound one tenant could queue hours
+of work ahead of everyone (review of 2026-11-23, M2/H3)."""
 PENDING_RETRY_AFTER_SECONDS = 2
 
 
@@ -352,16 +352,22 @@ def submit_load_weights(
                 return existing
             raise ValidationFailed(f"model {model_id} exists already")
         config = RunConfig.model_validate(source.config)
-        _, run = new_model_run(
-            session,
-            tenant_id=tenant_id,
-            api_key_id=api_key_id,
-            owner=owner,
-            model_seq_id=model_seq_id,
-            config=config,
-            user_metadata=user_metadata,
-            settings=settings,
-        )
+        try:
+            with session.begin_nested():  # a savepoint: a concurrent twin's load wins, not a 500
+                _, run = new_model_run(
+                    session,
+                    tenant_id=tenant_id,
+                    api_key_id=api_key_id,
+                    owner=owner,
+                    model_seq_id=model_seq_id,
+                    config=config,
+                    user_metadata=user_metadata,
+                    settings=settings,
+                )
+        except IntegrityError:
+            if (twin := _existing(session, model_id=model_id, seq_id=0)) is not None:
+                return twin
+            raise
         seq_id = 0
     else:
         model_id = str(body.get("model_id", ""))
@@ -451,6 +457,10 @@ def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerF
             func.row_number()
             .over(partition_by=TinkerFuture.run_id, order_by=TinkerFuture.seq_id)
             .label("turn"),
+            # Within a turn, the run waiting longest first: with more runs than a claim takes, the
+            # ones left out are first in the next claim (a tie broken by run id would leave them
+            # out of every claim).
+            func.min(TinkerFuture.created_at).over(partition_by=TinkerFuture.run_id).label("waiting_since"),
             # Boundaries before this future in its run: only those with none are this claim's.
             func.coalesce(
                 func.sum(is_boundary).over(
@@ -466,7 +476,7 @@ def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerF
     picked = (
         select(ranked.c.id)
         .where(ranked.c.boundaries_before == 0)
-        .order_by(ranked.c.turn, ranked.c.run_id)
+        .order_by(ranked.c.turn, ranked.c.waiting_since, ranked.c.run_id)
         .limit(max_items)
     )
     return (

@@ -20,7 +20,13 @@ def database_problem(exc: Exception) -> CliError | None:
     """The CLI's error for a failure to open LORALOOM_DATABASE_URL; None for other errors."""
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
-    if isinstance(exc, ArgumentError | NoSuchModuleError | ModuleNotFoundError):
+    if isinstance(exc, ModuleNotFoundError):
+        return CliError(
+            f"the database driver for LORALOOM_DATABASE_URL is not installed: {exc}",
+            kind=ExitCode.USAGE,
+            hint=DATABASE_URL_HINT + " (their drivers come with loraloom)",
+        )
+    if isinstance(exc, ArgumentError | NoSuchModuleError):
         return CliError(
             f"LORALOOM_DATABASE_URL is not a URL loraloom can use: {exc}",
             kind=ExitCode.USAGE,

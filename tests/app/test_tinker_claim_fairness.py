@@ -4,9 +4,11 @@ step boundary (review of 2026-11-23, H2: `ORDER BY run_id, seq_id LIMIT` gave ev
 whose id sorted first)."""
 
 import pytest
+from fastapi.testclient import TestClient
 
+from app.main import create_app
 from app.tinker import work
-from tests.app.api import WORKER_HEADERS, register
+from tests.app.api import WORKER_HEADERS, new_tenant, register
 from tests.app.test_tinker_sampling import _base_sampler, _headers, _sample_body
 from tests.app.test_tinker_work import PROTOBUF, _datum, _fwdbwd_body, _model
 
@@ -99,3 +101,19 @@ def test_a_tenants_waiting_requests_are_bounded_and_a_retry_still_finds_its_own(
         client.post("/api/v1/forward_backward", content=body, headers=other_headers | PROTOBUF).status_code
         == 200
     )
+
+
+def test_with_more_runs_than_a_claim_takes_the_ones_left_out_go_first_next(settings):
+    """Three runs with work, claims of two: the run the first claim leaves out is in the second (with
+    ties broken by run id, the same two lowest ids would win every claim)."""
+    with TestClient(create_app(settings.model_copy(update={"max_concurrent_runs": 3}))) as client:
+        pool_id = register(client, slots=3)
+        models = [_model(client, new_tenant(client)) for _ in range(3)]
+        for seq_id in (1, 2):  # every run's first pass, then every run's second
+            for model_id, headers in models:
+                body = _fwdbwd_body(model_id, seq_id, [_datum([1, 2, 3])])
+                r = client.post("/api/v1/forward_backward", content=body, headers=headers | PROTOBUF)
+                assert r.status_code == 200, r.text
+        first = {run for run, _, _ in _claim(client, pool_id, max_items=2)}
+        second = {run for run, _, _ in _claim(client, pool_id, max_items=2)}
+        assert len(first) == 2 and len(first | second) == 3

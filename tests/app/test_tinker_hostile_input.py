@@ -212,3 +212,14 @@ def test_deleting_sampler_weights_retires_the_samplers_made_from_them(client, te
         "sampling_params": {},
     }
     assert client.post("/api/v1/asample", json=body, headers=headers).status_code == 404
+    # The name saved again holds other weights (a later step): the old sampler stays retired.
+    again = {"model_id": model_id, "seq_id": 2, "path": "w"}
+    assert client.post("/api/v1/save_weights_for_sampler", json=again, headers=headers).status_code == 200
+    items = client.post("/v1/pool/manual/claim", json={"pool_id": pool_id}, headers=WORKER_HEADERS).json()[
+        "items"
+    ]
+    results = [{"request_id": i["request_id"], "metrics": {"step": 2}} for i in items]
+    client.post(
+        "/v1/pool/manual/results", json={"pool_id": pool_id, "results": results}, headers=WORKER_HEADERS
+    )
+    assert client.get(f"/api/v1/samplers/{sampler_id}", headers=headers).status_code == 404

@@ -72,3 +72,29 @@ def test_twin_creates_and_submissions_get_one_future(settings, monkeypatch):
         assert submitted[0].json()["request_id"] == submitted[1].json()["request_id"]
         runs = httpx.get(f"{server.url}/v1/runs", headers=tenant.headers).json()["items"]
         assert len(runs) == 1
+
+
+def test_a_twin_create_that_commits_between_the_checks_is_found(client, tenant, monkeypatch):
+    """The first request commits after the second's "created already?" query and before its "does
+    the model exist?" look: the second answers with the first's future (it was a 422 saying the
+    model had been loaded from saved weights)."""
+    headers = {"X-API-Key": "tml-" + tenant.key}
+    session_id = client.post("/api/v1/create_session", json={}, headers=headers).json()["session_id"]
+    create = {
+        "session_id": session_id,
+        "model_seq_id": 0,
+        "base_model": "loraloom-tiny",
+        "lora_config": {"rank": 4},
+    }
+    first = client.post("/api/v1/create_model", json=create, headers=headers)
+    assert first.status_code == 200, first.text
+    real, calls = tinker_service._create_future, []
+
+    def not_yet_committed_at_first(session, model_id):
+        calls.append(model_id)
+        return None if len(calls) == 1 else real(session, model_id)
+
+    monkeypatch.setattr(tinker_service, "_create_future", not_yet_committed_at_first)
+    second = client.post("/api/v1/create_model", json=create, headers=headers)
+    assert second.status_code == 200, second.text
+    assert second.json() == first.json() and len(calls) == 2
