@@ -5,6 +5,7 @@ on a unique index. It answers with the first one's future, as a retry after the 
 after their check and before their insert."""
 
 import threading
+from typing import Any
 
 import httpx
 import pytest
@@ -17,6 +18,19 @@ from tests.app.api import LiveServer, new_tenant, register
 from tests.app.test_tinker_work import PROTOBUF, _datum, _fwdbwd_body
 
 pytestmark = pytest.mark.postgres_only
+
+
+def _create_model_request(http: Any, tenant: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    """The tenant's Tinker headers and a create_model body in a new session of its own."""
+    headers = {"X-API-Key": "tml-" + tenant.key}
+    session_id = http.post("/api/v1/create_session", json={}, headers=headers).json()["session_id"]
+    create = {
+        "session_id": session_id,
+        "model_seq_id": 0,
+        "base_model": "loraloom-tiny",
+        "lora_config": {"rank": 4, "train_unembed": False, "train_mlp": False},
+    }
+    return headers, create
 
 
 def _twice_at_once(send) -> list[httpx.Response]:
@@ -47,14 +61,8 @@ def test_twin_creates_and_submissions_get_one_future(settings, monkeypatch):
     ):
         register(http)
         tenant = new_tenant(http)
-        headers = {"X-API-Key": "tml-" + tenant.key}
-        session_id = http.post("/api/v1/create_session", json={}, headers=headers).json()["session_id"]
-        create = {
-            "session_id": session_id,
-            "model_seq_id": 0,
-            "base_model": "loraloom-tiny",
-            "lora_config": {"rank": 4, "train_unembed": False, "train_mlp": False},
-        }
+        headers, create = _create_model_request(http, tenant)
+        session_id = create["session_id"]
         monkeypatch.setattr(tinker_service, "_run_config", run_config_after_both_checked)
         created = _twice_at_once(lambda: http.post("/api/v1/create_model", json=create, headers=headers))
         monkeypatch.setattr(tinker_service, "_run_config", real_run_config)
@@ -78,14 +86,7 @@ def test_a_twin_create_that_commits_between_the_checks_is_found(client, tenant, 
     """The first request commits after the second's "created already?" query and before its "does
     the model exist?" look: the second answers with the first's future (it was a 422 saying the
     model had been loaded from saved weights)."""
-    headers = {"X-API-Key": "tml-" + tenant.key}
-    session_id = client.post("/api/v1/create_session", json={}, headers=headers).json()["session_id"]
-    create = {
-        "session_id": session_id,
-        "model_seq_id": 0,
-        "base_model": "loraloom-tiny",
-        "lora_config": {"rank": 4},
-    }
+    headers, create = _create_model_request(client, tenant)
     first = client.post("/api/v1/create_model", json=create, headers=headers)
     assert first.status_code == 200, first.text
     real, calls = tinker_service._create_future, []
