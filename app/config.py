@@ -64,6 +64,14 @@ class Settings(BaseSettings):
     """How long a base-model `sample` request waits for a pool of its base model to claim it; the
     sweeper fails it after that (a live pool claims one within about a second)."""
 
+    tinker_max_tokens_per_round: int = Field(default=262_144, ge=1024, le=16 * 1024 * 1024)
+    """Tokens of Tinker work one pool round takes (forward/forward_backward data, and a run's samples
+    as num_samples x (prompt + max_tokens); at least one request): a request that does not fit
+    leaves its run for the next round while the claim goes on with the others. One request may
+    carry at most this many tokens (one datum alone up to the pool's max_seq_len) and 1,024
+    datums; the Tinker SDK is told both (its client config) and chunks its requests to fit. Base-
+    model samples are not counted."""
+
     metrics_token: SecretStr | None = None
     """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""
 

@@ -3,7 +3,7 @@
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from app.auth import WorkerDep
+from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
 from app.tinker import sampling, work
@@ -19,8 +19,15 @@ class ManualResultsOut(BaseModel):
 
 @router.post("/claim", operation_id="poolClaimManualWork")
 @raises(NotFound, Conflict)
-def claim_manual_work(_: WorkerDep, session: SessionDep, body: ManualClaimIn) -> ManualClaimOut:
-    items = work.claim(session, pool_id=body.pool_id, max_items=body.max_items)
+def claim_manual_work(
+    _: WorkerDep, session: SessionDep, settings: SettingsDep, body: ManualClaimIn
+) -> ManualClaimOut:
+    items = work.claim(
+        session,
+        pool_id=body.pool_id,
+        max_items=body.max_items,
+        max_tokens=settings.tinker_max_tokens_per_round,
+    )
     items += sampling.claim_base_samples(session, pool_id=body.pool_id, max_items=body.max_items - len(items))
     return ManualClaimOut(items=items)
 

@@ -48,8 +48,10 @@ def healthz() -> dict[str, str]:
 
 
 @router.post("/client/config", operation_id="tinkerClientConfig")
-def client_config(_: TinkerTenantDep) -> ClientConfig:
-    return ClientConfig()
+def client_config(_: TinkerTenantDep, settings: SettingsDep) -> ClientConfig:
+    return ClientConfig.for_limits(
+        max_datums=work.MAX_DATUMS_PER_REQUEST, max_tokens=settings.tinker_max_tokens_per_round
+    )
 
 
 @router.post("/client/dynamic_config", operation_id="tinkerClientDynamicConfig")
@@ -165,10 +167,15 @@ async def _raw_body(request: Request) -> bytes:
 
 @router.post("/forward_backward", operation_id="tinkerForwardBackward")
 def forward_backward(
-    principal: TinkerTenantDep, session: SessionDep, body: Annotated[bytes, Depends(_raw_body)]
+    principal: TinkerTenantDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    body: Annotated[bytes, Depends(_raw_body)],
 ) -> UntypedAPIFuture:
     """A protobuf `ForwardBackwardRequest` (forward_only for `forward`), queued for the pool."""
-    future = work.submit_forward_backward(session, tenant_id=principal.tenant_id, body=body)
+    future = work.submit_forward_backward(
+        session, tenant_id=principal.tenant_id, body=body, max_tokens=settings.tinker_max_tokens_per_round
+    )
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 

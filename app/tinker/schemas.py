@@ -112,6 +112,11 @@ class ServerCapabilities(BaseModel):
     supported_models: list[SupportedModel]
 
 
+SDK_BYTES_PER_TOKEN = 4
+"""What the Tinker SDK counts for a token when it sizes its forward_backward chunks (int32 in its
+protobuf body; tinker 0.38.0, `_estimate_chunk_bytes_count_proto`)."""
+
+
 class ClientConfig(BaseModel):
     """The SDK's feature flags, set to what loraloom serves: API keys (no JWT exchange), plain
     httpx, uncompressed protobuf forward_backward bodies, per-request futures."""
@@ -124,6 +129,17 @@ class ClientConfig(BaseModel):
     sample_use_retrieve_futures: bool = False
     custom_loss_server_side: bool = False
     sample_join_sampling_session: bool = False
+    fwdbwd_max_chunk_len: int
+    """Datums per forward_backward request the SDK sends (app.tinker.work.MAX_DATUMS_PER_REQUEST)."""
+    fwdbwd_max_chunk_bytes_count: int
+    """The SDK's estimate of a request's bytes, which counts each token as SDK_BYTES_PER_TOKEN plus
+    the loss inputs' bytes: at most this keeps a request's tokens within the service's limit."""
+
+    @classmethod
+    def for_limits(cls, *, max_datums: int, max_tokens: int) -> "ClientConfig":
+        return cls(
+            fwdbwd_max_chunk_len=max_datums, fwdbwd_max_chunk_bytes_count=max_tokens * SDK_BYTES_PER_TOKEN
+        )
 
 
 class ModelData(BaseModel):

@@ -6,7 +6,7 @@ and admitted like every other run, so it shows in GET /v1/runs, takes a slot wit
 tenant's quota and is evicted or deleted by the same rules.
 """
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.db import utcnow
-from app.errors import AppError, NotFound, ValidationFailed
+from app.errors import AppError, NotFound, RateLimited, ValidationFailed
 from app.pools.models import Pool
 from app.runs import service as runs
 from app.runs.admission import admission_problems, live_pool
@@ -60,7 +60,36 @@ class SessionFinished(AppError):
 # --- sessions -----------------------------------------------------------------------------
 
 
+MAX_LIVE_SESSIONS_PER_TENANT = 256
+"""Sessions of one tenant that are live at once (each SDK ServiceClient opens one): past it a new
+one is a 429, so a tenant cannot add session rows as fast as it can send requests."""
+SESSION_SILENT_SECONDS = 300.0
+"""A session with no heartbeat for this long (the SDK sends one every 10 s) is no longer live: its
+process is gone. It is not finished either (a heartbeat revives it), and its models stay."""
+SESSION_RETRY_AFTER_SECONDS = 10
+
+
 def create_session(session: Session, *, tenant_id: str, body: CreateSessionRequest) -> TinkerSession:
+    """A new session, within MAX_LIVE_SESSIONS_PER_TENANT (counted from this transaction's snapshot:
+    concurrent creations may pass it by the tenant's requests in flight, a flood guard)."""
+    silent_before = utcnow() - timedelta(seconds=SESSION_SILENT_SECONDS)
+    live = session.scalar(
+        select(func.count())
+        .select_from(TinkerSession)
+        .where(
+            TinkerSession.tenant_id == tenant_id,
+            TinkerSession.finished_at.is_(None),
+            TinkerSession.last_heartbeat_at >= silent_before,
+        )
+    )
+    if live is not None and live >= MAX_LIVE_SESSIONS_PER_TENANT:
+        raise RateLimited(
+            f"this tenant has {live} live Tinker sessions, the most it may hold; close some "
+            f"(ServiceClient.close / POST /api/v1/sessions/{{id}}/finish) or let them go silent "
+            f"({SESSION_SILENT_SECONDS:.0f} s without a heartbeat)",
+            details={"kind": "live_sessions", "live": live, "limit": MAX_LIVE_SESSIONS_PER_TENANT},
+            retry_after=SESSION_RETRY_AFTER_SECONDS,
+        )
     row = TinkerSession(id=new_id("ses"), tenant_id=tenant_id, sdk_version=body.sdk_version)
     session.add(row)
     session.flush()

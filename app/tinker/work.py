@@ -11,14 +11,16 @@ has left (evicted, deleted, failed, completed) fails with the reason, at the nex
 is polled if that comes first (app.tinker.leases), and the pool never receives it.
 """
 
+import itertools
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 from sqlalchemy import ColumnElement, Select, and_, case, func, not_, null, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from app.config import Settings
 from app.db import utcnow
@@ -48,6 +50,9 @@ SAVE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 PENDING, RUNNING = "pending", "running"
 MAX_LOSS_FN_CONFIG_KEYS = 32
 """The loss functions read a handful (clip thresholds, KL coefficients)."""
+MAX_DATUMS_PER_REQUEST = 1024
+"""Datums of one forward/forward_backward request: the SDK's own chunk length, which it is told
+(app.tinker.schemas.ClientConfig); its tokens are bounded by `Settings.tinker_max_tokens_per_round`."""
 
 
 class RunNotActive(AppError):
@@ -110,6 +115,25 @@ def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
             f"datum {index}: invalid loss_fn_inputs",
             details=validation_problems(exc, prefix=("data", str(index))),
         ) from exc
+
+
+def _check_request_size(data: list[proto.Datum], *, max_tokens: int) -> None:
+    """A request one pool round can take alone: a larger one would hold every other tenant's work
+    for longer than the round's bound (the SDK chunks to fit: it is told both limits). A round
+    therefore holds at most max(max_tokens, the pool's max_seq_len) tokens of training data."""
+    if len(data) > MAX_DATUMS_PER_REQUEST:
+        raise ValidationFailed(
+            f"{len(data)} datums in one request; at most {MAX_DATUMS_PER_REQUEST} (split the batch)",
+            details={"kind": "datums_per_request", "datums": len(data), "limit": MAX_DATUMS_PER_REQUEST},
+        )
+    tokens = sum(len(d.tokens) for d in data)
+    # One datum always passes (its length is bounded by max_seq_len, `_check_against_pool`): the
+    # SDK sends a datum larger than its chunk alone, and cannot split it further.
+    if tokens > max_tokens and len(data) > 1:
+        raise ValidationFailed(
+            f"{tokens} tokens in one request; at most {max_tokens} (split the batch)",
+            details={"kind": "tokens_per_request", "tokens": tokens, "limit": max_tokens},
+        )
 
 
 def _check_against_pool(session: Session, run: Run, data: list[ManualDatum]) -> None:
@@ -197,7 +221,10 @@ def _submit(
     return future
 
 
-def submit_forward_backward(session: Session, *, tenant_id: str, body: bytes) -> TinkerFuture:
+def submit_forward_backward(
+    session: Session, *, tenant_id: str, body: bytes, max_tokens: int
+) -> TinkerFuture:
+    """Queue a forward/forward_backward; `max_tokens`: the most tokens it may carry (a pool round's)."""
     try:
         req = proto.decode_forward_backward_request(body)
     except proto.ProtoError as exc:
@@ -211,6 +238,7 @@ def submit_forward_backward(session: Session, *, tenant_id: str, body: bytes) ->
         raise NotSupported(f"loss_fn {req.loss_fn!r} (supported: {', '.join(LOSS_FNS)})")
     if not req.data:
         raise ValidationFailed("forward_backward needs at least one datum")
+    _check_request_size(req.data, max_tokens=max_tokens)
     numbers = {k: v for k, v in req.loss_fn_config.items() if isinstance(v, float)}
     if len(numbers) != len(req.loss_fn_config):
         raise NotSupported("text values in loss_fn_config")
@@ -488,15 +516,20 @@ def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerF
     )
 
 
-def claim(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
+def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) -> list[ManualWorkItem]:
     """The work of the pool's active runs, per run in seq_id order up to and including its next
     optim_step or load_weights: pending work, marked running and held by this pool, and done work
-    to replay (`_to_replay`), marked `replay`."""
+    to replay (`_to_replay`), marked `replay`. At most `max_items`, and work of at most `max_tokens`
+    tokens (`_within_tokens`); what is left waits for the next claim."""
     pool = get_alive_pool(session, pool_id=pool_id)
-    rows = session.scalars(claim_query(pool_id, pool.base_model, max_items)).all()
+    # Requests are loaded one by one as the deal reaches them (`_within_tokens`): the rows past the
+    # budget stay queued and are fetched again by every claim, so their (up to megabytes of) data
+    # is left in the database.
+    query = claim_query(pool_id, pool.base_model, max_items).options(defer(TinkerFuture.request))
+    rows = session.scalars(query).all()
     taken: list[ManualWorkItem] = []
     stopped: set[str | None] = set()
-    for future in rows:
+    for future in _within_tokens(rows, max_tokens):
         if future.run_id in stopped or future.request is None:
             continue
         replay = future.status != PENDING
@@ -506,6 +539,47 @@ def claim(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkI
         if future.kind in BOUNDARY_KINDS:
             stopped.add(future.run_id)
     return taken
+
+
+def _request_tokens(future: TinkerFuture) -> int:
+    """The tokens a claimed request costs the round: its data's, or a sample's sequences'."""
+    request = future.request or {}
+    sampling = request.get("sampling")
+    if sampling:
+        return int(sampling["num_samples"]) * (len(sampling["prompt"]) + int(sampling["max_tokens"]))
+    return sum(len(datum["tokens"]) for datum in request.get("data") or ())
+
+
+def _within_tokens(rows: Sequence[TinkerFuture], max_tokens: int) -> list[TinkerFuture]:
+    """The claim's rows cut to `max_tokens` tokens of work, in the rows' own order.
+
+    The rows are dealt as `claim_query` picked them (every run's first, then every run's second,
+    the run waiting longest first in each turn); a request that would pass the budget is left, and
+    with it the rest of its run, while the deal goes on with the other runs (so a small request of
+    another tenant still fits beside a large one). The first request is always taken (one request
+    fits a round: `_check_request_size`). Each run's taken requests are a prefix of its own, so the
+    rest, replays included, is the next claim's, as with `max_items`. Without it a claim took
+    everything queued up to each run's step boundary: one tenant's long queue made a round, and
+    every other tenant's request in it, last as long as all of that queue's work."""
+    per_run: dict[str | None, list[TinkerFuture]] = {}
+    for future in rows:
+        per_run.setdefault(future.run_id, []).append(future)
+    runs = sorted(per_run.values(), key=lambda fs: (min(f.created_at for f in fs), fs[0].run_id or ""))
+    dealt = [f for turn in itertools.zip_longest(*runs) for f in turn if f is not None]
+    kept: set[int] = set()
+    left: set[str | None] = set()
+    tokens = 0
+    for future in dealt:
+        if future.run_id in left:
+            continue
+        cost = _request_tokens(future)
+        if kept and tokens + cost > max_tokens:
+            left.add(future.run_id)
+            continue
+        kept.add(id(future))
+        tokens += cost
+    # The rows' order, not a sort: a sample has no seq_id (None beside its run's numbered work).
+    return [f for f in rows if id(f) in kept]
 
 
 def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:

@@ -4,17 +4,21 @@ tenant (a token id outside the vocabulary submitted while no pool is live fails 
 tests/e2e/test_tinker_out_of_vocabulary.py)."""
 
 import math
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import func, select
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
+from app.db import utcnow
 from app.runs.models import Run
 from app.tinker import proto
-from app.tinker.models import TinkerModel
+from app.tinker import service as tinker_service
+from app.tinker.models import TinkerModel, TinkerSession
 from tests.app.api import WORKER_HEADERS, TenantHandle, register
 from tests.app.test_tinker_work import PROTOBUF, _datum, _fwdbwd_body, _model, _stored
 
@@ -223,3 +227,36 @@ def test_deleting_sampler_weights_retires_the_samplers_made_from_them(client, te
         "/v1/pool/manual/results", json={"pool_id": pool_id, "results": results}, headers=WORKER_HEADERS
     )
     assert client.get(f"/api/v1/samplers/{sampler_id}", headers=headers).status_code == 404
+
+
+def test_live_sessions_per_tenant_are_bounded_and_freed_by_finish_or_silence(
+    client, tenant, other_tenant, db, monkeypatch
+):
+    monkeypatch.setattr(tinker_service, "MAX_LIVE_SESSIONS_PER_TENANT", 3)
+    headers = {"X-API-Key": "tml-" + tenant.key}
+
+    def create(h: dict[str, str]) -> Any:
+        return client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "test"}, headers=h)
+
+    ids = [create(headers).json()["session_id"] for _ in range(3)]
+    refused = create(headers)
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["Retry-After"] == "10"
+    assert refused.json()["error"]["details"] == {"kind": "live_sessions", "live": 3, "limit": 3}
+    db.expire_all()
+    assert (
+        db.scalar(select(func.count()).select_from(TinkerSession).where(TinkerSession.tenant_id == tenant.id))
+        == 3
+    )
+    # Another tenant is not held back by this one's sessions.
+    assert create({"X-API-Key": "tml-" + other_tenant.key}).status_code == 200
+
+    # A finished session frees its place ...
+    assert client.post(f"/api/v1/sessions/{ids[0]}/finish", headers=headers).status_code == 204
+    assert create(headers).status_code == 200
+    assert create(headers).status_code == 429
+    # ... and so does one whose SDK has gone silent (no heartbeat for SESSION_SILENT_SECONDS).
+    silent = db.get(TinkerSession, ids[1])
+    silent.last_heartbeat_at = utcnow() - timedelta(seconds=tinker_service.SESSION_SILENT_SECONDS + 1)
+    db.commit()
+    assert create(headers).status_code == 200
