@@ -65,7 +65,11 @@ def live_service(database_url, tmp_path) -> Iterator[LiveService]:
         extra_env={
             "LORALOOM_MAX_CONCURRENT_RUNS": "2",
             "LORALOOM_LEASE_SECONDS": "30",
-            "LORALOOM_POOL_TIMEOUT_SECONDS": "5",
+            # Short enough that a killed pool's leases return within a test's wait, long enough
+            # that a loaded 2-core CI machine (a Postgres commit stalling on fsync, a busy
+            # process) does not declare a live pool dead: at 5 s one did, once, and the Tinker
+            # test that used it waited on a future no pool would ever serve.
+            "LORALOOM_POOL_TIMEOUT_SECONDS": "15",
             "LORALOOM_SWEEP_INTERVAL_SECONDS": "0.5",
         },
     )
