@@ -28,8 +28,9 @@ INDEX = "ix_tinker_futures_claimable"
 def seed_retained_futures(
     conn: Connection, *, runs: int, done_per_run: int, base_model: str = "base"
 ) -> None:
-    """A tenant, `runs` active runs of `base_model`, each with `done_per_run` completed futures whose
-    requests were cleared (forward_backward / optim_step alternately) and 2 pending ones."""
+    """A tenant, `runs` active runs of `base_model` (each a Tinker model's), each with `done_per_run`
+    completed futures whose requests were cleared (forward_backward / optim_step alternately) and 2
+    pending ones."""
     conn.execute(
         text("INSERT INTO tenants (id, name, max_concurrent_runs, created_at) VALUES ('t', 't', 4, now())")
     )
@@ -54,7 +55,24 @@ def seed_retained_futures(
         ),
         {"runs": runs, "done": done_per_run},
     )
+    # Each run is a Tinker model's, served at a different time (the claim's deal order reads it).
+    conn.execute(
+        text(
+            "INSERT INTO tinker_sessions (id, tenant_id, sdk_version, created_at, last_heartbeat_at) "
+            "VALUES ('s', 't', 'bench', now(), now())"
+        )
+    )
+    conn.execute(
+        text(
+            "INSERT INTO tinker_models (id, tenant_id, session_id, model_seq_id, run_id, created_at, "
+            "last_request_at, served_at) "
+            "SELECT 'model' || r, 't', 's', r, 'run' || r, now(), now(), now() - r * interval '1 second' "
+            "FROM generate_series(1, :runs) r"
+        ),
+        {"runs": runs},
+    )
     conn.execute(text("ANALYZE tinker_futures"))
+    conn.execute(text("ANALYZE tinker_models"))
     conn.execute(text("ANALYZE runs"))
 
 

@@ -41,7 +41,6 @@ its planner does not use it for this query."""
 
 class TinkerSession(Base):
     __tablename__ = "tinker_sessions"
-
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     sdk_version: Mapped[str] = mapped_column(String(64))
@@ -64,6 +63,9 @@ class TinkerModel(Base):
     user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_request_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    served_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    """When a pool's claim last took this model's work (None: never); the claim's deal order
+    (`app.tinker.work.claim_query`)."""
 
 
 class TinkerFuture(Base):

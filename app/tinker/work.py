@@ -11,9 +11,9 @@ has left (evicted, deleted, failed, completed) fails with the reason, at the nex
 is polled if that comes first (app.tinker.leases), and the pool never receives it.
 """
 
-import itertools
 import re
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -461,15 +461,44 @@ def _to_replay(pool_id: str) -> ColumnElement[bool]:
     )
 
 
-def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerFuture]:
-    """The futures `claim` takes, locked, read through the partial index `app.tinker.models.CLAIMABLE`.
+def _served_at() -> ColumnElement[datetime]:
+    """When a claim last took the future's run's work (`TinkerModel.served_at`), or, never served,
+    when its model was created: a model created after another's last service is dealt after it, so
+    that a tenant creating models cannot put a never-served one ahead of everyone forever."""
+    return (
+        select(func.max(func.coalesce(TinkerModel.served_at, TinkerModel.created_at)))
+        .where(TinkerModel.run_id == TinkerFuture.run_id)
+        .scalar_subquery()
+    )
+
+
+def _deal_order(
+    served_at: ColumnElement[datetime],
+    waiting_since: ColumnElement[datetime],
+    run_id: ColumnElement[str | None],
+) -> tuple[ColumnElement[Any], ...]:
+    """Runs' order within a turn: served longest ago first (`_served_at`), then waiting longest.
+
+    Served-longest-ago first bounds a run's wait by the number of runs: a round is cut at a token
+    budget (`_within_tokens`), so ordering by age alone let the tenant whose queue is oldest fill
+    round after round with budget-sized requests while a later tenant's one request waited for all
+    of them (up to 1,024 rounds). Waiting longest breaks ties (a tie broken by run id would leave
+    the same runs out of every claim past ``max_items``). A run without a model (None) first, as a
+    portable NULLS FIRST: SQLite and Postgres sort NULL at opposite ends."""
+    return (served_at.is_not(None), served_at, waiting_since, run_id)
+
+
+def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerFuture, int]:
+    """The futures `claim` takes, locked, read through the partial index `app.tinker.models.CLAIMABLE`,
+    each with its position in the deal (1 first), in lock order (run, seq_id).
 
     Fair across runs: each run's claimable futures up to and including its first step boundary,
-    dealt round-robin (every run's first, then every run's second, ...) into the ``max_items``. A
-    plain ``ORDER BY run_id, seq_id LIMIT`` let a run whose id sorts first and that keeps many
-    requests queued fill every claim, rows past its boundary included, while another tenant's one
-    request waited (review of 2026-11-23, H2). Window functions cannot share a query level with
-    ``FOR UPDATE``, so the pick is a subquery and the lock is taken by id."""
+    dealt round-robin (every run's first, then every run's second, ...) into the ``max_items``;
+    within a turn, the run served longest ago first (`_deal_order`). A plain ``ORDER BY run_id,
+    seq_id LIMIT`` let a run whose id sorts first and that keeps many requests queued fill every
+    claim, rows past its boundary included, while another tenant's one request waited (review of
+    2026-11-23, H2). Window functions cannot share a query level with ``FOR UPDATE``, so the pick
+    is a subquery and the lock is taken by id."""
     claimable_now = (
         or_(TinkerFuture.status == PENDING, _to_replay(pool_id)),
         # Implied by the line above; said literally so that every plan can use the partial index.
@@ -485,9 +514,7 @@ def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerF
             func.row_number()
             .over(partition_by=TinkerFuture.run_id, order_by=TinkerFuture.seq_id)
             .label("turn"),
-            # Within a turn, the run waiting longest first: with more runs than a claim takes, the
-            # ones left out are first in the next claim (a tie broken by run id would leave them
-            # out of every claim).
+            _served_at().label("served_at"),
             func.min(TinkerFuture.created_at).over(partition_by=TinkerFuture.run_id).label("waiting_since"),
             # Boundaries before this future in its run: only those with none are this claim's.
             func.coalesce(
@@ -501,16 +528,19 @@ def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerF
         .where(*claimable_now)
         .subquery()
     )
+    deal = (ranked.c.turn, *_deal_order(ranked.c.served_at, ranked.c.waiting_since, ranked.c.run_id))
     picked = (
-        select(ranked.c.id)
+        select(ranked.c.id, func.row_number().over(order_by=deal).label("position"))
         .where(ranked.c.boundaries_before == 0)
-        .order_by(ranked.c.turn, ranked.c.waiting_since, ranked.c.run_id)
+        .order_by(*deal)
         .limit(max_items)
+        .subquery()
     )
     return (
-        select(TinkerFuture)
+        select(TinkerFuture, picked.c.position)
+        .join(picked, picked.c.id == TinkerFuture.id)
         .join(Run, Run.id == TinkerFuture.run_id)
-        .where(TinkerFuture.id.in_(picked), *claimable_now)
+        .where(*claimable_now)
         .order_by(TinkerFuture.run_id, TinkerFuture.seq_id)
         .with_for_update(of=TinkerFuture, skip_locked=True)
     )
@@ -526,7 +556,7 @@ def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) ->
     # budget stay queued and are fetched again by every claim, so their (up to megabytes of) data
     # is left in the database.
     query = claim_query(pool_id, pool.base_model, max_items).options(defer(TinkerFuture.request))
-    rows = session.scalars(query).all()
+    rows = session.execute(query).tuples().all()
     taken: list[ManualWorkItem] = []
     stopped: set[str | None] = set()
     for future in _within_tokens(rows, max_tokens):
@@ -538,6 +568,13 @@ def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) ->
         taken.append(ManualWorkItem.model_validate({**future.request, "replay": replay}))
         if future.kind in BOUNDARY_KINDS:
             stopped.add(future.run_id)
+    if taken:
+        session.execute(
+            update(TinkerModel)
+            .where(TinkerModel.run_id.in_({item.run_id for item in taken}))
+            .values(served_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
     return taken
 
 
@@ -550,26 +587,22 @@ def _request_tokens(future: TinkerFuture) -> int:
     return sum(len(datum["tokens"]) for datum in request.get("data") or ())
 
 
-def _within_tokens(rows: Sequence[TinkerFuture], max_tokens: int) -> list[TinkerFuture]:
-    """The claim's rows cut to `max_tokens` tokens of work, in the rows' own order.
+def _within_tokens(rows: Sequence[tuple[TinkerFuture, int]], max_tokens: int) -> list[TinkerFuture]:
+    """The claim's rows (each with its position in the deal) cut to `max_tokens` tokens of work, in
+    the rows' own order.
 
-    The rows are dealt as `claim_query` picked them (every run's first, then every run's second,
-    the run waiting longest first in each turn); a request that would pass the budget is left, and
+    The rows are dealt in the order `claim_query` picked them (every run's first, then every run's
+    second, in each turn the runs in `_deal_order`); a request that would pass the budget is left, and
     with it the rest of its run, while the deal goes on with the other runs (so a small request of
     another tenant still fits beside a large one). The first request is always taken (one request
     fits a round: `_check_request_size`). Each run's taken requests are a prefix of its own, so the
     rest, replays included, is the next claim's, as with `max_items`. Without it a claim took
     everything queued up to each run's step boundary: one tenant's long queue made a round, and
     every other tenant's request in it, last as long as all of that queue's work."""
-    per_run: dict[str | None, list[TinkerFuture]] = {}
-    for future in rows:
-        per_run.setdefault(future.run_id, []).append(future)
-    runs = sorted(per_run.values(), key=lambda fs: (min(f.created_at for f in fs), fs[0].run_id or ""))
-    dealt = [f for turn in itertools.zip_longest(*runs) for f in turn if f is not None]
     kept: set[int] = set()
     left: set[str | None] = set()
     tokens = 0
-    for future in dealt:
+    for future, _ in sorted(rows, key=lambda row: row[1]):
         if future.run_id in left:
             continue
         cost = _request_tokens(future)
@@ -579,7 +612,7 @@ def _within_tokens(rows: Sequence[TinkerFuture], max_tokens: int) -> list[Tinker
         kept.add(id(future))
         tokens += cost
     # The rows' order, not a sort: a sample has no seq_id (None beside its run's numbered work).
-    return [f for f in rows if id(f) in kept]
+    return [f for f, _ in rows if id(f) in kept]
 
 
 def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:

@@ -37,14 +37,21 @@ def _tokens(n: int) -> list[int]:
 
 def _queue(client: TestClient, model_id: str, headers: dict[str, str], sizes: list[int]) -> None:
     """One forward_backward per size (a datum of that many tokens), then an optim_step."""
-    for seq_id, size in enumerate(sizes, start=1):
+    _queue_more(client, model_id, headers, first_seq_id=1, sizes=sizes)
+
+
+def _queue_more(
+    client: TestClient, model_id: str, headers: dict[str, str], *, first_seq_id: int, sizes: list[int]
+) -> None:
+    """`_queue` from request `first_seq_id` of the model on."""
+    for seq_id, size in enumerate(sizes, start=first_seq_id):
         r = client.post(
             "/api/v1/forward_backward",
             content=_fwdbwd_body(model_id, seq_id, [_datum(_tokens(size))]),
             headers=headers | PROTOBUF,
         )
         assert r.status_code == 200, r.text
-    step = {"model_id": model_id, "seq_id": len(sizes) + 1, "adam_params": {"learning_rate": 0.01}}
+    step = {"model_id": model_id, "seq_id": first_seq_id + len(sizes), "adam_params": {"learning_rate": 0.01}}
     assert client.post("/api/v1/optim_step", json=step, headers=headers).status_code == 200
 
 
@@ -173,7 +180,7 @@ def test_a_claim_leaves_the_data_of_the_requests_past_its_round_in_the_database(
     real = work._within_tokens
 
     def keeping(rows, max_tokens):  # the claim's rows, kept to be looked at after it
-        fetched.extend(rows)
+        fetched.extend(future for future, _ in rows)
         return real(rows, max_tokens)
 
     monkeypatch.setattr(work, "_within_tokens", keeping)
@@ -199,9 +206,33 @@ def test_a_request_that_does_not_fit_leaves_its_run_and_the_deal_goes_on(client,
     assert first == [("big", "forward_backward"), ("small", "forward_backward"), ("small", "optim_step")]
     # A stopping deal (the first version) left small's request behind late's for a whole round.
     second = sorted((runs[i["run_id"]], i["seq_id"]) for i in _claim(client, pool_id))
-    assert second == [("big", 2), ("big", 3)]  # big waits longest: late's 600 does not fit beside
+    assert second == [("late", 1), ("late", 2)]  # created before big's last service: before big
     third = sorted((runs[i["run_id"]], i["seq_id"]) for i in _claim(client, pool_id))
-    assert third == [("late", 1), ("late", 2)]
+    assert third == [("big", 2), ("big", 3)]
+
+
+def test_a_tenant_with_an_older_queue_of_full_rounds_does_not_keep_a_later_one_waiting(client, db):
+    """Each of busy's requests fills a round. Dealt by age alone, busy's queue (older than quiet's
+    request) came first in every round, and quiet waited for all of it (up to 1,024 rounds: the
+    pending limit); served longest ago first, quiet's request is in the second round."""
+    pool_id = register(client)
+    (busy, busy_headers), (quiet, quiet_headers) = (_model(client, new_tenant(client)) for _ in range(2))
+    _queue(client, busy, busy_headers, sizes=[1000, 1000, 1000, 1000])
+    _queue(client, quiet, quiet_headers, sizes=[1000])
+    runs = {db.get(TinkerModel, m).run_id: name for m, name in ((busy, "busy"), (quiet, "quiet"))}
+
+    def claimed() -> list[tuple[str, int]]:
+        return sorted((runs[i["run_id"]], i["seq_id"]) for i in _claim(client, pool_id))
+
+    assert claimed() == [("busy", 1)]  # neither served yet: the one created first
+    assert claimed() == [("quiet", 1), ("quiet", 2)]  # by age: busy's second
+    # quiet queues again: the run served longest ago is busy now.
+    _queue_more(client, quiet, quiet_headers, first_seq_id=3, sizes=[1000])
+    assert claimed() == [("busy", 2)]
+    assert claimed() == [("quiet", 3), ("quiet", 4)]
+    assert claimed() == [("busy", 3)]
+    assert claimed() == [("busy", 4), ("busy", 5)]
+    assert claimed() == []
 
 
 def test_a_sample_of_a_trained_model_is_claimed_beside_its_runs_numbered_work(client, tenant, db):
