@@ -41,6 +41,18 @@ its planner does not use it for this query."""
 
 class TinkerSession(Base):
     __tablename__ = "tinker_sessions"
+    __table_args__ = (
+        # `create_session` counts the tenant's live sessions (unfinished, heartbeat recent) through
+        # this; the tenant_id index alone read every session it ever opened.
+        Index(
+            "ix_tinker_sessions_live",
+            "tenant_id",
+            "last_heartbeat_at",
+            postgresql_where=text("finished_at IS NULL"),
+            sqlite_where=text("finished_at IS NULL"),
+        ),
+    )
+
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     sdk_version: Mapped[str] = mapped_column(String(64))

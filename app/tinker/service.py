@@ -9,7 +9,7 @@ tenant's quota and is evicted or deleted by the same rules.
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -69,19 +69,24 @@ process is gone. It is not finished either (a heartbeat revives it), and its mod
 SESSION_RETRY_AFTER_SECONDS = 10
 
 
-def create_session(session: Session, *, tenant_id: str, body: CreateSessionRequest) -> TinkerSession:
-    """A new session, within MAX_LIVE_SESSIONS_PER_TENANT (counted from this transaction's snapshot:
-    concurrent creations may pass it by the tenant's requests in flight, a flood guard)."""
-    silent_before = utcnow() - timedelta(seconds=SESSION_SILENT_SECONDS)
-    live = session.scalar(
+def live_sessions_query(tenant_id: str, *, now: datetime) -> Select[int]:
+    """How many of the tenant's sessions are live: unfinished, with a heartbeat in the last
+    SESSION_SILENT_SECONDS (read through the partial index `ix_tinker_sessions_live`)."""
+    return (
         select(func.count())
         .select_from(TinkerSession)
         .where(
             TinkerSession.tenant_id == tenant_id,
             TinkerSession.finished_at.is_(None),
-            TinkerSession.last_heartbeat_at >= silent_before,
+            TinkerSession.last_heartbeat_at >= now - timedelta(seconds=SESSION_SILENT_SECONDS),
         )
     )
+
+
+def create_session(session: Session, *, tenant_id: str, body: CreateSessionRequest) -> TinkerSession:
+    """A new session, within MAX_LIVE_SESSIONS_PER_TENANT (counted from this transaction's snapshot:
+    concurrent creations may pass it by the tenant's requests in flight, a flood guard)."""
+    live = session.scalar(live_sessions_query(tenant_id, now=utcnow()))
     if live is not None and live >= MAX_LIVE_SESSIONS_PER_TENANT:
         raise RateLimited(
             f"this tenant has {live} live Tinker sessions, the most it may hold; close some "

@@ -86,3 +86,11 @@ def test_partial_claimable_index_exists(empty_database_url):
     assert ix["column_names"] == ["run_id", "seq_id"] and not ix["unique"]
     where = " ".join(str(v) for v in ix.get("dialect_options", {}).values())
     assert "pending" in where and "forward_backward" in where and "load_weights" in where, where
+
+
+def test_partial_live_sessions_index_exists(empty_database_url):
+    """The live-session count's index (migration 0010) is partial, on the unfinished sessions."""
+    ix = _migrated_index(empty_database_url, "tinker_sessions", "ix_tinker_sessions_live")
+    assert ix["column_names"] == ["tenant_id", "last_heartbeat_at"] and not ix["unique"]
+    where = " ".join(str(v) for v in ix.get("dialect_options", {}).values())
+    assert "finished_at IS NULL" in where, where

@@ -1,13 +1,16 @@
 """The pools' Tinker claims read the claimable futures through their partial index
 (app.tinker.models.CLAIMABLE), not every retained future: Postgres uses a partial index only where
-the query's filter implies the index's, so a claim filter that drifted from it would scan the table."""
+the query's filter implies the index's, so a claim filter that drifted from it would scan the table.
+Likewise the count of a tenant's live sessions reads the unfinished ones only."""
 
 import pytest
 from sqlalchemy import Engine, Select, create_engine, text
 from sqlalchemy.dialects.postgresql import asyncpg
 
+from app.db import utcnow
 from app.tinker.models import CLAIMABLE
 from app.tinker.sampling import base_model_key, base_samples_query
+from app.tinker.service import live_sessions_query
 from app.tinker.work import claim_query
 from bench.tinker_claim import INDEX, seed_retained_futures
 
@@ -80,3 +83,30 @@ def test_the_index_holds_only_claimable_futures(retained_futures):
     with retained_futures.connect() as conn:
         kept = conn.execute(text(f"SELECT count(*) FROM tinker_futures WHERE {CLAIMABLE}")).scalar_one()
     assert kept == RUNS * 2 + 1
+
+
+def test_the_live_session_count_reads_its_partial_index(database_url: str):
+    """A tenant that opened 20,000 sessions and finished them: `create_session`'s count of its live
+    ones reads the unfinished ones only."""
+    engine = create_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO tenants (id, name, max_concurrent_runs, created_at) VALUES ('t', 't', 4, now())"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO tinker_sessions (id, tenant_id, sdk_version, created_at, last_heartbeat_at, "
+                    "finished_at) SELECT 'ses' || s, 't', 'x', now(), now(), "
+                    "CASE WHEN s > 20000 THEN NULL ELSE now() END FROM generate_series(1, 20003) s"
+                )
+            )
+            conn.execute(text("ANALYZE tinker_sessions"))
+        got = plan(engine, live_sessions_query("t", now=utcnow()))
+        assert "ix_tinker_sessions_live" in got, got
+        with engine.connect() as conn:
+            assert conn.execute(live_sessions_query("t", now=utcnow())).scalar_one() == 3
+    finally:
+        engine.dispose()
