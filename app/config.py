@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     leaves its run for the next round while the claim goes on with the others. One request may
     carry at most this many tokens (one datum alone up to the pool's max_seq_len) and 1,024
     datums; the Tinker SDK is told both (its client config) and chunks its requests to fit. Base-
-    model samples are not counted."""
+    model samples have a budget of their own of this size (`app.tinker.sampling.claim_base_samples`)."""
 
     metrics_token: SecretStr | None = None
     """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""

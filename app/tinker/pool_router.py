@@ -28,7 +28,12 @@ def claim_manual_work(
         max_items=body.max_items,
         max_tokens=settings.tinker_max_tokens_per_round,
     )
-    items += sampling.claim_base_samples(session, pool_id=body.pool_id, max_items=body.max_items - len(items))
+    items += sampling.claim_base_samples(
+        session,
+        pool_id=body.pool_id,
+        max_items=body.max_items - len(items),
+        max_tokens=settings.tinker_max_tokens_per_round,
+    )
     return ManualClaimOut(items=items)
 
 

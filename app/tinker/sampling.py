@@ -29,7 +29,7 @@ from app.runs.schemas import validation_problems
 from app.tinker import proto
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
 from app.tinker.service import NotSupported, touch_model
-from app.tinker.work import PENDING, RunNotActive, check_pending_room, resolve_sampler_path
+from app.tinker.work import PENDING, RunNotActive, check_pending_room, resolve_sampler_path, within_tokens
 from contracts.ids import new_id
 from contracts.status import MOVABLE_RUN_STATUSES
 from contracts.tinker_work import ManualWorkItem, SamplingSpec
@@ -224,9 +224,10 @@ def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> 
     return future
 
 
-def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture]:
-    """The pending base-model samples `claim_base_samples` takes, locked. Indexed either way: by
-    model_id, or by the partial index of claimable futures (`app.tinker.models.CLAIMABLE`).
+def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, int]:
+    """The pending base-model samples `claim_base_samples` takes, locked, each with its position in
+    the deal (1 first). Indexed either way: by model_id, or by the partial index of claimable futures
+    (`app.tinker.models.CLAIMABLE`).
 
     Dealt round-robin across tenants (each tenant's oldest first): every tenant may sample the base
     model, so oldest-first across all of them let one tenant's queue hold everyone else's request
@@ -249,23 +250,36 @@ def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture]:
         .where(*waiting)
         .subquery()
     )
-    picked = select(ranked.c.id).order_by(ranked.c.turn, ranked.c.created_at, ranked.c.id).limit(max_items)
+    deal = (ranked.c.turn, ranked.c.created_at, ranked.c.id)
+    picked = (
+        select(ranked.c.id, func.row_number().over(order_by=deal).label("position"))
+        .order_by(*deal)
+        .limit(max_items)
+        .subquery()
+    )
     return (
-        select(TinkerFuture)
-        .where(TinkerFuture.id.in_(picked), *waiting)
+        select(TinkerFuture, picked.c.position)
+        .join(picked, picked.c.id == TinkerFuture.id)
+        .where(*waiting)
         .order_by(TinkerFuture.created_at, TinkerFuture.id)
-        .with_for_update(skip_locked=True)
+        .with_for_update(of=TinkerFuture, skip_locked=True)
     )
 
 
-def claim_base_samples(session: Session, *, pool_id: str, max_items: int) -> list[ManualWorkItem]:
-    """The pending base-model sample requests of the pool's base model, oldest first, marked running."""
+def claim_base_samples(
+    session: Session, *, pool_id: str, max_items: int, max_tokens: int
+) -> list[ManualWorkItem]:
+    """The pending base-model sample requests of the pool's base model, dealt round-robin across
+    tenants, marked running: at most `max_items`, and sequences of at most `max_tokens` tokens
+    (num_samples × (prompt + max_tokens) each; at least one request). The budget is the samples' own,
+    beside the training work's (`work.claim`): one shared budget would let either starve the other,
+    and base samples not taken within `tinker_base_sample_wait_seconds` fail."""
     if max_items <= 0:
         return []
     base_model = get_alive_pool(session, pool_id=pool_id).base_model
-    rows = session.scalars(base_samples_query(base_model, max_items)).all()
+    rows = session.execute(base_samples_query(base_model, max_items)).tuples().all()
     taken = []
-    for future in rows:
+    for future in within_tokens(rows, max_tokens, turn_of=lambda future: future.tenant_id):
         if future.request is not None:
             # Held by this pool: returned to pending if it dies (app.tinker.leases).
             future.status, future.pool_id = "running", pool_id

@@ -12,7 +12,7 @@ is polled if that comes first (app.tinker.leases), and the pool never receives i
 """
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -480,7 +480,7 @@ def _deal_order(
     """Runs' order within a turn: served longest ago first (`_served_at`), then waiting longest.
 
     Served-longest-ago first bounds a run's wait by the number of runs: a round is cut at a token
-    budget (`_within_tokens`), so ordering by age alone let the tenant whose queue is oldest fill
+    budget (`within_tokens`), so ordering by age alone let the tenant whose queue is oldest fill
     round after round with budget-sized requests while a later tenant's one request waited for all
     of them (up to 1,024 rounds). Waiting longest breaks ties (a tie broken by run id would leave
     the same runs out of every claim past ``max_items``). A run without a model (None) first, as a
@@ -550,16 +550,16 @@ def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) ->
     """The work of the pool's active runs, per run in seq_id order up to and including its next
     optim_step or load_weights: pending work, marked running and held by this pool, and done work
     to replay (`_to_replay`), marked `replay`. At most `max_items`, and work of at most `max_tokens`
-    tokens (`_within_tokens`); what is left waits for the next claim."""
+    tokens (`within_tokens`); what is left waits for the next claim."""
     pool = get_alive_pool(session, pool_id=pool_id)
-    # Requests are loaded one by one as the deal reaches them (`_within_tokens`): the rows past the
+    # Requests are loaded one by one as the deal reaches them (`within_tokens`): the rows past the
     # budget stay queued and are fetched again by every claim, so their (up to megabytes of) data
     # is left in the database.
     query = claim_query(pool_id, pool.base_model, max_items).options(defer(TinkerFuture.request))
     rows = session.execute(query).tuples().all()
     taken: list[ManualWorkItem] = []
     stopped: set[str | None] = set()
-    for future in _within_tokens(rows, max_tokens):
+    for future in within_tokens(rows, max_tokens):
         if future.run_id in stopped or future.request is None:
             continue
         replay = future.status != PENDING
@@ -587,13 +587,19 @@ def _request_tokens(future: TinkerFuture) -> int:
     return sum(len(datum["tokens"]) for datum in request.get("data") or ())
 
 
-def _within_tokens(rows: Sequence[tuple[TinkerFuture, int]], max_tokens: int) -> list[TinkerFuture]:
+def within_tokens(
+    rows: Sequence[tuple[TinkerFuture, int]],
+    max_tokens: int,
+    *,
+    turn_of: Callable[[TinkerFuture], str | None] = lambda future: future.run_id,
+) -> list[TinkerFuture]:
     """The claim's rows (each with its position in the deal) cut to `max_tokens` tokens of work, in
     the rows' own order.
 
     The rows are dealt in the order `claim_query` picked them (every run's first, then every run's
     second, in each turn the runs in `_deal_order`); a request that would pass the budget is left, and
-    with it the rest of its run, while the deal goes on with the other runs (so a small request of
+    with it the rest of its run (`turn_of`: whose turns the deal gives, the run, or the tenant for
+    base-model samples), while the deal goes on with the others (so a small request of
     another tenant still fits beside a large one). The first request is always taken (one request
     fits a round: `_check_request_size`). Each run's taken requests are a prefix of its own, so the
     rest, replays included, is the next claim's, as with `max_items`. Without it a claim took
@@ -603,11 +609,11 @@ def _within_tokens(rows: Sequence[tuple[TinkerFuture, int]], max_tokens: int) ->
     left: set[str | None] = set()
     tokens = 0
     for future, _ in sorted(rows, key=lambda row: row[1]):
-        if future.run_id in left:
+        if turn_of(future) in left:
             continue
         cost = _request_tokens(future)
         if kept and tokens + cost > max_tokens:
-            left.add(future.run_id)
+            left.add(turn_of(future))
             continue
         kept.add(id(future))
         tokens += cost

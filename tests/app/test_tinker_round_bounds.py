@@ -17,6 +17,7 @@ from app.tinker.models import TinkerFuture, TinkerModel
 from contracts.ids import new_id
 from contracts.tinker_work import ManualWorkItem, SamplingSpec
 from tests.app.api import WORKER_HEADERS, new_tenant, register
+from tests.app.test_tinker_sampling import _base_sampler, _headers, _sample_body
 from tests.app.test_tinker_work import PROTOBUF, _datum, _fwdbwd_body, _model, _stored
 
 pytestmark = pytest.mark.postgres_only
@@ -177,13 +178,13 @@ def test_a_claim_leaves_the_data_of_the_requests_past_its_round_in_the_database(
     _queue(client, busy, headers, sizes=[600, 600, 600, 600])
 
     fetched: list[TinkerFuture] = []
-    real = work._within_tokens
+    real = work.within_tokens
 
     def keeping(rows, max_tokens):  # the claim's rows, kept to be looked at after it
         fetched.extend(future for future, _ in rows)
         return real(rows, max_tokens)
 
-    monkeypatch.setattr(work, "_within_tokens", keeping)
+    monkeypatch.setattr(work, "within_tokens", keeping)
     items = work.claim(db, pool_id=pool_id, max_items=64, max_tokens=ROUND)
     assert [i.seq_id for i in items] == [1]
     assert sorted(f.seq_id for f in fetched) == [1, 2, 3, 4, 5]
@@ -278,3 +279,23 @@ def test_one_datum_longer_than_a_round_passes_alone(client, tenant, db):
     r = client.post("/api/v1/forward_backward", content=two, headers=headers | PROTOBUF)
     assert r.status_code == 422, r.text
     assert r.json()["error"]["details"]["kind"] == "tokens_per_request"
+
+
+def test_base_model_samples_have_a_rounds_tokens_of_their_own(client, tenant, other_tenant, db):
+    """Each sample costs num_samples × (prompt + max_tokens) = 303 tokens: three fit a round of
+    1,024, beside a training request that fills the training work's round (one budget shared would
+    starve one or the other; without a budget the claim took all four)."""
+    pool_id = register(client)
+    busy, busy_headers = _model(client, tenant)
+    _queue(client, busy, busy_headers, sizes=[1000])
+    sampler = _base_sampler(client, other_tenant)
+    for _ in range(4):
+        body = _sample_body(sampler, [5, 6, 7], sampling_params={"max_tokens": 300})
+        r = client.post("/api/v1/asample", json=body, headers=_headers(other_tenant))
+        assert r.status_code == 200, r.text
+
+    def kinds(items: list[dict]) -> list[str]:
+        return sorted(i["kind"] for i in items)
+
+    assert kinds(_claim(client, pool_id)) == ["forward_backward", "optim_step", "sample", "sample", "sample"]
+    assert kinds(_claim(client, pool_id)) == ["sample"]
