@@ -68,8 +68,8 @@ class Settings(BaseSettings):
     """Tokens of Tinker work one pool round takes (forward/forward_backward data, and a run's samples
     as num_samples x (prompt + max_tokens); at least one request): a request that does not fit
     leaves its run for the next round while the claim goes on with the others. One request may
-    carry at most this many tokens (one datum alone up to the pool's max_seq_len) and 1,024
-    datums; the Tinker SDK is told both (its client config) and chunks its requests to fit. Base-
+    carry at most this many tokens (one datum alone up to the pool's max_seq_len; a sample its
+    num_samples x (prompt + max_tokens)) and 1,024 datums; the Tinker SDK is told both (its client config) and chunks its requests to fit. Base-
     model samples have a budget of their own of this size (`app.tinker.sampling.claim_base_samples`)."""
 
     metrics_token: SecretStr | None = None

@@ -131,6 +131,18 @@ class TinkerFuture(Base):
         return path if isinstance(path, str) else None
 
 
+class TinkerBaseTurn(Base):
+    """When a pool's claim last took a tenant's samples of a base model: the base-sample claim's
+    deal order (`app.tinker.sampling.base_samples_query`), as `TinkerModel.served_at` is the run
+    work's. `model_id` is the base model's key (`app.tinker.sampling.base_model_key`)."""
+
+    __tablename__ = "tinker_base_turns"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    served_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 class TinkerSamplingSession(Base):
     """A sampling client's session: the run adapter (at a step) it samples from."""
 

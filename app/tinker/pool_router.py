@@ -22,10 +22,14 @@ class ManualResultsOut(BaseModel):
 def claim_manual_work(
     _: WorkerDep, session: SessionDep, settings: SettingsDep, body: ManualClaimIn
 ) -> ManualClaimOut:
+    # Up to half the items are kept for waiting base-model samples: they got only what the run work
+    # left, and a claim full of it (64 small passes) left them none, round after round, until they
+    # failed unclaimed. What neither takes goes to the other.
+    kept = sampling.waiting_base_samples(session, pool_id=body.pool_id, at_most=body.max_items // 2)
     items = work.claim(
         session,
         pool_id=body.pool_id,
-        max_items=body.max_items,
+        max_items=body.max_items - kept,
         max_tokens=settings.tinker_max_tokens_per_round,
     )
     items += sampling.claim_base_samples(

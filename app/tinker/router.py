@@ -228,9 +228,16 @@ def get_sampler(principal: TinkerTenantDep, session: SessionDep, sampler_id: str
 
 
 @router.post("/asample", operation_id="tinkerSample")
-def asample(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
+def asample(
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
+) -> UntypedAPIFuture:
     """Served by the pool with the run's adapter, batched with every tenant's work."""
-    future = sampling.submit_sample(session, tenant_id=principal.tenant_id, body=body)
+    future = sampling.submit_sample(
+        session,
+        tenant_id=principal.tenant_id,
+        body=body,
+        max_round_tokens=settings.tinker_max_tokens_per_round,
+    )
     n = int((future.request or {}).get("sampling", {}).get("num_samples", 1))
     return UntypedAPIFuture(request_id=future.id, sample_sequence_ids=[f"{future.id}-{i}" for i in range(n)])
 

@@ -18,16 +18,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import Select, func, select
+from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from app.db import utcnow
 from app.errors import NotFound, ValidationFailed
 from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
 from app.runs.models import Run
 from app.runs.schemas import validation_problems
 from app.tinker import proto
-from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
+from app.tinker.models import TinkerBaseTurn, TinkerFuture, TinkerModel, TinkerSamplingSession
 from app.tinker.service import NotSupported, touch_model
 from app.tinker.work import PENDING, RunNotActive, check_pending_room, resolve_sampler_path, within_tokens
 from contracts.ids import new_id
@@ -149,7 +152,11 @@ def _stop(stop: Any) -> dict[str, Any]:
     raise ValidationFailed("sampling_params.stop must be a string, a list of strings or a list of token ids")
 
 
-def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+def submit_sample(
+    session: Session, *, tenant_id: str, body: dict[str, Any], max_round_tokens: int
+) -> TinkerFuture:
+    """Queue a sample; `max_round_tokens`: the most tokens its sequences may cost, num_samples ×
+    (prompt + max_tokens) (a pool round's: one request fits a round, as for forward_backward)."""
     sampler = get_sampling_session(
         session, tenant_id=tenant_id, sampler_id=str(body.get("sampling_session_id", ""))
     )
@@ -197,6 +204,13 @@ def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> 
         )
     if len(prompt) + spec.max_tokens > max_seq_len:
         raise ValidationFailed(f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}")
+    cost = spec.num_samples * (len(prompt) + spec.max_tokens)
+    if cost > max_round_tokens:
+        raise ValidationFailed(
+            f"{spec.num_samples} samples of {len(prompt)} + {spec.max_tokens} tokens are {cost} tokens in one "
+            f"request; at most {max_round_tokens} (fewer num_samples per request)",
+            details={"kind": "tokens_per_request", "tokens": cost, "limit": max_round_tokens},
+        )
     if pool is not None and any(not 0 <= t < pool.vocab_size for t in spec.prompt + spec.stop_tokens):
         raise ValidationFailed(f"a prompt or stop token id is outside the vocabulary [0, {pool.vocab_size})")
     check_pending_room(session, tenant_id=tenant_id)
@@ -224,6 +238,25 @@ def submit_sample(session: Session, *, tenant_id: str, body: dict[str, Any]) -> 
     return future
 
 
+def _waiting(base_model: str) -> tuple[ColumnElement[bool], ...]:
+    """The pending base-model samples of `base_model`."""
+    return (
+        TinkerFuture.status == PENDING,
+        TinkerFuture.kind == "sample",
+        TinkerFuture.run_id.is_(None),
+        TinkerFuture.model_id == base_model_key(base_model),
+    )
+
+
+def waiting_base_samples(session: Session, *, pool_id: str, at_most: int) -> int:
+    """How many base-model samples of the pool's base model wait, counted up to `at_most`."""
+    if at_most <= 0:
+        return 0
+    base_model = get_alive_pool(session, pool_id=pool_id).base_model
+    some = select(TinkerFuture.id).where(*_waiting(base_model)).limit(at_most).subquery()
+    return int(session.scalar(select(func.count()).select_from(some)) or 0)
+
+
 def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, int]:
     """The pending base-model samples `claim_base_samples` takes, locked, each with its position in
     the deal (1 first). Indexed either way: by model_id, or by the partial index of claimable futures
@@ -231,13 +264,19 @@ def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, 
 
     Dealt round-robin across tenants (each tenant's oldest first): every tenant may sample the base
     model, so oldest-first across all of them let one tenant's queue hold everyone else's request
-    back for as long as it kept it full (review of 2026-11-23, H3). As in `work.claim_query`, the
+    back for as long as it kept it full (review of 2026-11-23, H3). Within a turn, the tenant served
+    longest ago first (`TinkerBaseTurn`; never served: from its oldest waiting sample), as the run
+    work's claim does (`work._deal_order`): with a round's token budget, oldest-first again let a
+    queue of budget-sized samples hold another tenant's one request for all of it. As in `work.claim_query`, the
     window picks in a subquery and the lock is taken by id."""
-    waiting = (
-        TinkerFuture.status == PENDING,
-        TinkerFuture.kind == "sample",
-        TinkerFuture.run_id.is_(None),
-        TinkerFuture.model_id == base_model_key(base_model),
+    waiting = _waiting(base_model)
+    served_at = (
+        select(TinkerBaseTurn.served_at)
+        .where(
+            TinkerBaseTurn.tenant_id == TinkerFuture.tenant_id,
+            TinkerBaseTurn.model_id == TinkerFuture.model_id,
+        )
+        .scalar_subquery()
     )
     ranked = (
         select(
@@ -246,11 +285,15 @@ def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, 
             func.row_number()
             .over(partition_by=TinkerFuture.tenant_id, order_by=(TinkerFuture.created_at, TinkerFuture.id))
             .label("turn"),
+            # Never served: from when the tenant's oldest sample has waited.
+            func.coalesce(
+                served_at, func.min(TinkerFuture.created_at).over(partition_by=TinkerFuture.tenant_id)
+            ).label("served_at"),
         )
         .where(*waiting)
         .subquery()
     )
-    deal = (ranked.c.turn, ranked.c.created_at, ranked.c.id)
+    deal = (ranked.c.turn, ranked.c.served_at, ranked.c.created_at, ranked.c.id)
     picked = (
         select(ranked.c.id, func.row_number().over(order_by=deal).label("position"))
         .order_by(*deal)
@@ -279,12 +322,32 @@ def claim_base_samples(
     base_model = get_alive_pool(session, pool_id=pool_id).base_model
     rows = session.execute(base_samples_query(base_model, max_items)).tuples().all()
     taken = []
+    served: set[str] = set()
     for future in within_tokens(rows, max_tokens, turn_of=lambda future: future.tenant_id):
         if future.request is not None:
             # Held by this pool: returned to pending if it dies (app.tinker.leases).
             future.status, future.pool_id = "running", pool_id
             taken.append(ManualWorkItem.model_validate(future.request))
+            served.add(future.tenant_id)
+    _mark_served(session, tenant_ids=served, model_id=base_model_key(base_model))
     return taken
+
+
+def _mark_served(session: Session, *, tenant_ids: set[str], model_id: str) -> None:
+    """`TinkerBaseTurn.served_at` = now for these tenants' samples of the base model (an upsert)."""
+    if not tenant_ids:
+        return
+    now = utcnow()
+    dialect = session.get_bind().dialect.name
+    insert = postgresql_insert if dialect == "postgresql" else sqlite_insert
+    statement = insert(TinkerBaseTurn).values(
+        [{"tenant_id": t, "model_id": model_id, "served_at": now} for t in sorted(tenant_ids)]
+    )
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[TinkerBaseTurn.tenant_id, TinkerBaseTurn.model_id], set_={"served_at": now}
+        )
+    )
 
 
 def sample_proto(result: dict[str, Any]) -> bytes:

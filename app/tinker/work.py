@@ -507,19 +507,20 @@ def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerF
         Run.base_model == base_model,
     )
     is_boundary = case((TinkerFuture.kind.in_(BOUNDARY_KINDS), 1), else_=0)
+    # A run's samples (no seq_id) after its numbered work on both backends: Postgres sorts NULL
+    # last, SQLite first.
+    in_run_order = (TinkerFuture.seq_id.is_(None), TinkerFuture.seq_id)
     ranked = (
         select(
             TinkerFuture.id,
             TinkerFuture.run_id,
-            func.row_number()
-            .over(partition_by=TinkerFuture.run_id, order_by=TinkerFuture.seq_id)
-            .label("turn"),
+            func.row_number().over(partition_by=TinkerFuture.run_id, order_by=in_run_order).label("turn"),
             _served_at().label("served_at"),
             func.min(TinkerFuture.created_at).over(partition_by=TinkerFuture.run_id).label("waiting_since"),
             # Boundaries before this future in its run: only those with none are this claim's.
             func.coalesce(
                 func.sum(is_boundary).over(
-                    partition_by=TinkerFuture.run_id, order_by=TinkerFuture.seq_id, rows=(None, -1)
+                    partition_by=TinkerFuture.run_id, order_by=in_run_order, rows=(None, -1)
                 ),
                 0,
             ).label("boundaries_before"),

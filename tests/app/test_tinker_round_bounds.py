@@ -8,7 +8,7 @@ import time
 import pytest
 import tinker
 from fastapi.testclient import TestClient
-from sqlalchemy import inspect, select
+from sqlalchemy import func, inspect, select
 from tinker import types
 
 from app.config import Settings
@@ -299,3 +299,63 @@ def test_base_model_samples_have_a_rounds_tokens_of_their_own(client, tenant, ot
 
     assert kinds(_claim(client, pool_id)) == ["forward_backward", "optim_step", "sample", "sample", "sample"]
     assert kinds(_claim(client, pool_id)) == ["sample"]
+
+
+def _asample(client: TestClient, tenant, sampler: str, *, num_samples: int, max_tokens: int) -> str:
+    body = _sample_body(
+        sampler, [5, 6, 7], num_samples=num_samples, sampling_params={"max_tokens": max_tokens}
+    )
+    r = client.post("/api/v1/asample", json=body, headers=_headers(tenant))
+    assert r.status_code == 200, r.text
+    request_id: str = r.json()["request_id"]
+    return request_id
+
+
+def test_a_tenant_with_an_older_queue_of_full_base_samples_does_not_keep_a_later_one_waiting(
+    client, tenant, other_tenant
+):
+    """Each of busy's samples costs 1,003 tokens (a round's): dealt by age alone, busy's queue
+    came first in every round and quiet's one sample waited for all of it."""
+    pool_id = register(client)
+    busy, quiet = _base_sampler(client, tenant), _base_sampler(client, other_tenant)
+    busy_ids = [_asample(client, tenant, busy, num_samples=1, max_tokens=1000) for _ in range(3)]
+    quiet_id = _asample(client, other_tenant, quiet, num_samples=1, max_tokens=1000)
+
+    def claimed() -> list[str]:
+        return [i["request_id"] for i in _claim(client, pool_id)]
+
+    assert claimed() == [busy_ids[0]]  # neither served yet: the one waiting longest
+    assert claimed() == [quiet_id]  # by age: busy's second
+    assert claimed() == [busy_ids[1]]
+    assert claimed() == [busy_ids[2]]
+
+
+def test_a_claim_full_of_run_work_keeps_items_for_base_samples(client, tenant, other_tenant):
+    """64 small passes queued: the claim's items went to the run work first, and a base sample got
+    none, round after round, until it failed unclaimed."""
+    pool_id = register(client)
+    model_id, headers = _model(client, tenant)
+    _queue(client, model_id, headers, sizes=[10] * 8)
+    sample_id = _asample(
+        client, other_tenant, _base_sampler(client, other_tenant), num_samples=1, max_tokens=4
+    )
+    r = client.post(
+        "/v1/pool/manual/claim", json={"pool_id": pool_id, "max_items": 4}, headers=WORKER_HEADERS
+    )
+    assert r.status_code == 200, r.text
+    items = r.json()["items"]
+    assert [i["kind"] for i in items] == ["forward_backward"] * 3 + ["sample"]
+    assert items[-1]["request_id"] == sample_id
+
+
+def test_a_sample_larger_than_a_round_is_refused_and_nothing_is_stored(client, other_tenant, db):
+    register(client)
+    sampler = _base_sampler(client, other_tenant)
+    body = _sample_body(sampler, [5, 6, 7], num_samples=2, sampling_params={"max_tokens": 600})
+    r = client.post("/api/v1/asample", json=body, headers=_headers(other_tenant))
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert f"1206 tokens in one request; at most {ROUND}" in error["message"]
+    assert error["details"] == {"kind": "tokens_per_request", "tokens": 1206, "limit": ROUND}
+    db.expire_all()
+    assert db.scalar(select(func.count()).select_from(TinkerFuture).where(TinkerFuture.kind == "sample")) == 0
