@@ -8,7 +8,11 @@ from typing import Annotated, Any
 import psycopg
 from fastapi import Depends, Request
 from sqlalchemy import ClauseElement, CursorResult, Delete, MetaData, Update, create_engine, event
+from sqlalchemy.dialects.postgresql import Insert as PgInsert
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
@@ -28,6 +32,11 @@ class Base(DeclarativeBase):
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def conflict_insert(dialect: str, table: Any) -> PgInsert | SqliteInsert:
+    """INSERT into `table` in the dialect that can add ON CONFLICT (Postgres and SQLite spell it alike)."""
+    return pg_insert(table) if dialect == "postgresql" else sqlite_insert(table)
 
 
 def rows_changed(session: Session, stmt: Update | Delete) -> int:

@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from app.adapters.models import Adapter, Checkpoint, StepMetrics
 from app.adapters.upload import extract_adapter_tar
 from app.config import Settings
-from app.db import utcnow
+from app.db import conflict_insert, utcnow
 from app.errors import Conflict, NotFound
 from app.events.service import record_event
 from app.runs.admission import lock_admission
@@ -52,8 +50,7 @@ def _upsert(session: Session, model: type[_RunStepRow], *, values: dict[str, Any
     """INSERT … ON CONFLICT (run_id, step) DO UPDATE: a retried or repeated report replaces the row,
     and two concurrent ones cannot both insert."""
     key = ("run_id", "step")
-    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
-    stmt = insert(model).values(**values)
+    stmt = conflict_insert(session.get_bind().dialect.name, model).values(**values)
     stmt = stmt.on_conflict_do_update(
         index_elements=list(key), set_={col: stmt.excluded[col] for col in values if col not in key}
     )

@@ -18,8 +18,6 @@ from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import Insert, func, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from app.batches.ingest import ingest, request_digest
@@ -28,7 +26,7 @@ from app.batches.models import Batch
 from app.batches.one_statement import reserve_and_insert
 from app.batches.storage import StoredPayload, discard_payload, write_payload
 from app.config import Settings
-from app.db import utcnow
+from app.db import conflict_insert, utcnow
 from app.errors import Conflict, RateLimited
 from app.limits import PENDING_RETRY_AFTER_SECONDS
 from app.rollouts.service import add_batch as add_rollout_batch
@@ -152,9 +150,8 @@ def _replay_of_body(
 
 @lru_cache(maxsize=4)
 def _insert_new_stmt(dialect: str) -> Insert:
-    insert = pg_insert if dialect == "postgresql" else sqlite_insert
     return (
-        insert(Batch)
+        conflict_insert(dialect, Batch)
         .on_conflict_do_nothing(index_elements=["run_id", "idempotency_key"])
         .returning(Batch.id, Batch.created_at)
     )

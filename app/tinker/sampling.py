@@ -19,11 +19,9 @@ from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import ColumnElement, Select, func, select
-from sqlalchemy.dialects.postgresql import insert as postgresql_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from app.db import utcnow
+from app.db import conflict_insert, utcnow
 from app.errors import NotFound, ValidationFailed
 from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
@@ -32,7 +30,14 @@ from app.runs.schemas import validation_problems
 from app.tinker import proto
 from app.tinker.models import TinkerBaseTurn, TinkerFuture, TinkerModel, TinkerSamplingSession
 from app.tinker.service import NotSupported, touch_model
-from app.tinker.work import PENDING, RunNotActive, check_pending_room, resolve_sampler_path, within_tokens
+from app.tinker.work import (
+    PENDING,
+    RunNotActive,
+    check_pending_room,
+    resolve_sampler_path,
+    sample_tokens,
+    within_tokens,
+)
 from contracts.ids import new_id
 from contracts.status import MOVABLE_RUN_STATUSES
 from contracts.tinker_work import ManualWorkItem, SamplingSpec
@@ -204,7 +209,7 @@ def submit_sample(
         )
     if len(prompt) + spec.max_tokens > max_seq_len:
         raise ValidationFailed(f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}")
-    cost = spec.num_samples * (len(prompt) + spec.max_tokens)
+    cost = sample_tokens(spec.num_samples, len(prompt), spec.max_tokens)
     if cost > max_round_tokens:
         raise ValidationFailed(
             f"{spec.num_samples} samples of {len(prompt)} + {spec.max_tokens} tokens are {cost} tokens in one "
@@ -338,9 +343,7 @@ def _mark_served(session: Session, *, tenant_ids: set[str], model_id: str) -> No
     if not tenant_ids:
         return
     now = utcnow()
-    dialect = session.get_bind().dialect.name
-    insert = postgresql_insert if dialect == "postgresql" else sqlite_insert
-    statement = insert(TinkerBaseTurn).values(
+    statement = conflict_insert(session.get_bind().dialect.name, TinkerBaseTurn).values(
         [{"tenant_id": t, "model_id": model_id, "served_at": now} for t in sorted(tenant_ids)]
     )
     session.execute(

@@ -559,16 +559,14 @@ def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) ->
     query = claim_query(pool_id, pool.base_model, max_items).options(defer(TinkerFuture.request))
     rows = session.execute(query).tuples().all()
     taken: list[ManualWorkItem] = []
-    stopped: set[str | None] = set()
+    # No row past a run's step boundary: `claim_query` leaves them out.
     for future in within_tokens(rows, max_tokens):
-        if future.run_id in stopped or future.request is None:
+        if future.request is None:
             continue
         replay = future.status != PENDING
         if not replay:
             future.status, future.pool_id = RUNNING, pool_id
         taken.append(ManualWorkItem.model_validate({**future.request, "replay": replay}))
-        if future.kind in BOUNDARY_KINDS:
-            stopped.add(future.run_id)
     if taken:
         session.execute(
             update(TinkerModel)
@@ -579,12 +577,19 @@ def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) ->
     return taken
 
 
+def sample_tokens(num_samples: int, prompt_len: int, max_tokens: int) -> int:
+    """The tokens a sample request costs a round: each sequence its prompt and up to max_tokens."""
+    return num_samples * (prompt_len + max_tokens)
+
+
 def _request_tokens(future: TinkerFuture) -> int:
     """The tokens a claimed request costs the round: its data's, or a sample's sequences'."""
     request = future.request or {}
     sampling = request.get("sampling")
     if sampling:
-        return int(sampling["num_samples"]) * (len(sampling["prompt"]) + int(sampling["max_tokens"]))
+        return sample_tokens(
+            int(sampling["num_samples"]), len(sampling["prompt"]), int(sampling["max_tokens"])
+        )
     return sum(len(datum["tokens"]) for datum in request.get("data") or ())
 
 
