@@ -21,6 +21,7 @@ from app.runs import service as runs
 from app.runs.admission import admission_problems, live_pool
 from app.runs.models import Run
 from app.runs.schemas import RunCreate
+from app.timestamps import as_utc
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSession
 from app.tinker.schemas import (
     TINKER_LORA_ALPHA,
@@ -83,18 +84,24 @@ def live_sessions_query(tenant_id: str, *, now: datetime) -> Select[int]:
     )
 
 
-def create_session(session: Session, *, tenant_id: str, body: CreateSessionRequest) -> TinkerSession:
-    """A new session, within MAX_LIVE_SESSIONS_PER_TENANT (counted from this transaction's snapshot:
-    concurrent creations may pass it by the tenant's requests in flight, a flood guard)."""
-    live = session.scalar(live_sessions_query(tenant_id, now=utcnow()))
+def _check_live_room(session: Session, *, tenant_id: str, now: datetime, what: str) -> None:
+    """429 when the tenant holds MAX_LIVE_SESSIONS_PER_TENANT live sessions already (counted from
+    this transaction's snapshot: concurrent requests may pass it by the tenant's requests in
+    flight, a flood guard). `what` names the refused act in the message."""
+    live = session.scalar(live_sessions_query(tenant_id, now=now))
     if live is not None and live >= MAX_LIVE_SESSIONS_PER_TENANT:
         raise RateLimited(
-            f"this tenant has {live} live Tinker sessions, the most it may hold; close some "
+            f"{what}: this tenant has {live} live Tinker sessions, the most it may hold; close some "
             f"(ServiceClient.close / POST /api/v1/sessions/{{id}}/finish) or let them go silent "
             f"({SESSION_SILENT_SECONDS:.0f} s without a heartbeat)",
             details={"kind": "live_sessions", "live": live, "limit": MAX_LIVE_SESSIONS_PER_TENANT},
             retry_after=SESSION_RETRY_AFTER_SECONDS,
         )
+
+
+def create_session(session: Session, *, tenant_id: str, body: CreateSessionRequest) -> TinkerSession:
+    """A new session, within MAX_LIVE_SESSIONS_PER_TENANT (`_check_live_room`)."""
+    _check_live_room(session, tenant_id=tenant_id, now=utcnow(), what="no new session")
     row = TinkerSession(id=new_id("ses"), tenant_id=tenant_id, sdk_version=body.sdk_version)
     session.add(row)
     session.flush()
@@ -110,10 +117,16 @@ def get_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerS
 
 
 def heartbeat(session: Session, *, tenant_id: str, session_id: str) -> None:
+    """Keep the session live. A silent one (`SESSION_SILENT_SECONDS`) comes back only within
+    MAX_LIVE_SESSIONS_PER_TENANT: without the check a tenant could open the most, let them go
+    silent, open as many again and revive the first ones, holding twice the bound, and so on."""
     row = get_session(session, tenant_id=tenant_id, session_id=session_id)
     if row.finished_at is not None:
         raise SessionFinished(f"session {session_id} has finished")
-    row.last_heartbeat_at = utcnow()
+    now = utcnow()
+    if as_utc(row.last_heartbeat_at) < now - timedelta(seconds=SESSION_SILENT_SECONDS):
+        _check_live_room(session, tenant_id=tenant_id, now=now, what=f"session {session_id} stays silent")
+    row.last_heartbeat_at = now
 
 
 def finish_session(session: Session, *, tenant_id: str, session_id: str) -> None:
