@@ -115,6 +115,9 @@ class TinkerFuture(Base):
     """The work for the pool (contracts.tinker_work.ManualWorkItem fields), while it is not done;
     for a forward_backward or load_weights, until the run's next optim_step is checkpointed (a new
     pool rebuilds the step's gradients from them after a crash)."""
+    tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    """What the request costs a pool's round (app.tinker.work.work_tokens), written with it: the
+    claim cuts its rounds by this number without reading the request (up to megabytes of JSON)."""
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     error_category: Mapped[str | None] = mapped_column(String(16), default=None)

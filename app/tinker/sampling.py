@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import ColumnElement, Select, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from app.db import conflict_insert, utcnow
 from app.errors import NotFound, ValidationFailed
@@ -34,6 +34,8 @@ from app.tinker.work import (
     PENDING,
     RunNotActive,
     check_pending_room,
+    kept_requests,
+    mark_running,
     resolve_sampler_path,
     sample_tokens,
     within_tokens,
@@ -237,6 +239,7 @@ def submit_sample(
         run_id=None if run is None else run.id,
         status=PENDING,
         request=item.model_dump(mode="json"),
+        tokens=cost,
     )
     session.add(future)
     session.flush()
@@ -325,15 +328,21 @@ def claim_base_samples(
     if max_items <= 0:
         return []
     base_model = get_alive_pool(session, pool_id=pool_id).base_model
-    rows = session.execute(base_samples_query(base_model, max_items)).tuples().all()
+    # As in `work.claim`: the deal reads the stored token counts, only the kept requests are read.
+    query = base_samples_query(base_model, max_items).options(defer(TinkerFuture.request))
+    rows = session.execute(query).tuples().all()
+    kept = within_tokens(rows, max_tokens, turn_of=lambda future: future.tenant_id)
+    requests = kept_requests(session, kept)
     taken = []
     served: set[str] = set()
-    for future in within_tokens(rows, max_tokens, turn_of=lambda future: future.tenant_id):
-        if future.request is not None:
-            # Held by this pool: returned to pending if it dies (app.tinker.leases).
-            future.status, future.pool_id = "running", pool_id
-            taken.append(ManualWorkItem.model_validate(future.request))
+    running: list[str] = []
+    for future in kept:
+        if (request := requests.get(future.id)) is not None:
+            running.append(future.id)
+            taken.append(ManualWorkItem.model_validate(request))
             served.add(future.tenant_id)
+    # Held by this pool: returned to pending if it dies (app.tinker.leases).
+    mark_running(session, future_ids=running, pool_id=pool_id)
     _mark_served(session, tenant_ids=served, model_id=base_model_key(base_model))
     return taken
 

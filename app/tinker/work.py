@@ -205,6 +205,7 @@ def _submit(
         run_id=run.id,
         status=PENDING,
         request=item.model_dump(mode="json"),
+        tokens=work_tokens(item),
     )
     try:
         with session.begin_nested():  # a savepoint: a concurrent twin's insert wins, not a 500
@@ -553,20 +554,24 @@ def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) ->
     to replay (`_to_replay`), marked `replay`. At most `max_items`, and work of at most `max_tokens`
     tokens (`within_tokens`); what is left waits for the next claim."""
     pool = get_alive_pool(session, pool_id=pool_id)
-    # Requests are loaded one by one as the deal reaches them (`within_tokens`): the rows past the
-    # budget stay queued and are fetched again by every claim, so their (up to megabytes of) data
-    # is left in the database.
+    # The deal reads each row's stored token count; only the requests it keeps are read
+    # (`kept_requests`): the rows past the budget stay queued and are fetched again by every claim,
+    # so their (up to megabytes of) data is left in the database.
     query = claim_query(pool_id, pool.base_model, max_items).options(defer(TinkerFuture.request))
     rows = session.execute(query).tuples().all()
+    kept = within_tokens(rows, max_tokens)
+    requests = kept_requests(session, kept)
     taken: list[ManualWorkItem] = []
+    running: list[str] = []
     # No row past a run's step boundary: `claim_query` leaves them out.
-    for future in within_tokens(rows, max_tokens):
-        if future.request is None:
+    for future in kept:
+        if (request := requests.get(future.id)) is None:
             continue
         replay = future.status != PENDING
         if not replay:
-            future.status, future.pool_id = RUNNING, pool_id
-        taken.append(ManualWorkItem.model_validate({**future.request, "replay": replay}))
+            running.append(future.id)
+        taken.append(ManualWorkItem.model_validate({**request, "replay": replay}))
+    mark_running(session, future_ids=running, pool_id=pool_id)
     if taken:
         session.execute(
             update(TinkerModel)
@@ -577,20 +582,41 @@ def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) ->
     return taken
 
 
+def kept_requests(session: Session, futures: Sequence[TinkerFuture]) -> dict[str, dict[str, Any]]:
+    """The stored requests of `futures` (loaded with their request deferred) by future id, in one
+    query; a cleared request (None) is left out."""
+    if not futures:
+        return {}
+    rows = session.execute(
+        select(TinkerFuture.id, TinkerFuture.request).where(TinkerFuture.id.in_([f.id for f in futures]))
+    )
+    return {future_id: request for future_id, request in rows if request is not None}
+
+
+def mark_running(session: Session, *, future_ids: list[str], pool_id: str) -> None:
+    """The claimed futures are running, held by `pool_id` (its lease: app.tinker.leases), in one
+    UPDATE: setting them one by one on the loaded rows flushed one UPDATE per future."""
+    if future_ids:
+        session.execute(
+            update(TinkerFuture)
+            .where(TinkerFuture.id.in_(future_ids))
+            .values(status=RUNNING, pool_id=pool_id)
+            .execution_options(synchronize_session="evaluate")
+        )
+
+
 def sample_tokens(num_samples: int, prompt_len: int, max_tokens: int) -> int:
     """The tokens a sample request costs a round: each sequence its prompt and up to max_tokens."""
     return num_samples * (prompt_len + max_tokens)
 
 
-def _request_tokens(future: TinkerFuture) -> int:
-    """The tokens a claimed request costs the round: its data's, or a sample's sequences'."""
-    request = future.request or {}
-    sampling = request.get("sampling")
-    if sampling:
-        return sample_tokens(
-            int(sampling["num_samples"]), len(sampling["prompt"]), int(sampling["max_tokens"])
-        )
-    return sum(len(datum["tokens"]) for datum in request.get("data") or ())
+def work_tokens(item: ManualWorkItem) -> int:
+    """What a request costs a pool's round, stored with it (`TinkerFuture.tokens`): its data's
+    tokens, or a sample's sequences' (`sample_tokens`); 0 for a step, a save or a load."""
+    if item.sampling is not None:
+        spec = item.sampling
+        return sample_tokens(spec.num_samples, len(spec.prompt), spec.max_tokens)
+    return sum(len(datum.tokens) for datum in item.data)
 
 
 def within_tokens(
@@ -617,7 +643,7 @@ def within_tokens(
     for future, _ in sorted(rows, key=lambda row: row[1]):
         if turn_of(future) in left:
             continue
-        cost = _request_tokens(future)
+        cost = future.tokens
         if kept and tokens + cost > max_tokens:
             left.add(turn_of(future))
             continue

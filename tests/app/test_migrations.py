@@ -1,13 +1,14 @@
 """Migrations: upgrade head on an empty database, downgrade to base, and no drift between
 the ORM models and what the migrations create (on the backend under test)."""
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from app import migrate
 from app.db import make_engine
@@ -94,3 +95,44 @@ def test_partial_live_sessions_index_exists(empty_database_url):
     assert ix["column_names"] == ["tenant_id", "last_heartbeat_at"] and not ix["unique"]
     where = " ".join(str(v) for v in ix.get("dialect_options", {}).values())
     assert "finished_at IS NULL" in where, where
+
+
+def test_tokens_of_stored_requests_are_counted_on_upgrade(empty_database_url):
+    """Migration 0012 adds `tinker_futures.tokens`, which the claim cuts its rounds by: requests
+    stored before it get their count (more than one backfill batch of them), not 0, which would let
+    a claim take a whole queue in one round."""
+    url = empty_database_url
+    migrate.upgrade(url, "0011")
+    fwd = {"kind": "forward_backward", "data": [{"tokens": [1, 2, 3]}, {"tokens": [4, 5]}]}
+    sample = {
+        "kind": "sample",
+        "data": [],
+        "sampling": {"num_samples": 2, "prompt": [1, 2, 3], "max_tokens": 4},
+    }
+    requests = {f"fwd{i:04}": fwd for i in range(600)} | {
+        "sample": sample,
+        "step": {"kind": "optim_step", "data": []},
+        "cleared": None,
+    }
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO tenants (id, name, max_concurrent_runs, created_at) "
+                    "VALUES ('t', 't', 4, CURRENT_TIMESTAMP)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO tinker_futures (id, tenant_id, kind, status, request, created_at) "
+                    "VALUES (:id, 't', 'forward_backward', 'pending', :request, CURRENT_TIMESTAMP)"
+                ),
+                [{"id": key, "request": None if r is None else json.dumps(r)} for key, r in requests.items()],
+            )
+        migrate.upgrade(url)
+        with engine.connect() as conn:
+            tokens = dict(conn.execute(text("SELECT id, tokens FROM tinker_futures")).tuples().all())
+    finally:
+        engine.dispose()
+    assert tokens == {f"fwd{i:04}": 5 for i in range(600)} | {"sample": 14, "step": 0, "cleared": 0}

@@ -3,12 +3,13 @@ tenant with a long queue of large forward_backwards cannot make every other tena
 for all of it: a claim deals requests while their tokens fit, one request may carry at most a
 round's tokens (and 1,024 datums), and the official SDK is told both limits and chunks to fit."""
 
+import re
 import time
 
 import pytest
 import tinker
 from fastapi.testclient import TestClient
-from sqlalchemy import func, inspect, select
+from sqlalchemy import event, func, inspect, select
 from tinker import types
 
 from app.config import Settings
@@ -188,8 +189,10 @@ def test_a_claim_leaves_the_data_of_the_requests_past_its_round_in_the_database(
     items = work.claim(db, pool_id=pool_id, max_items=64, max_tokens=ROUND)
     assert [i.seq_id for i in items] == [1]
     assert sorted(f.seq_id for f in fetched) == [1, 2, 3, 4, 5]
+    # The deal reads the stored token counts: no dealt row's data is loaded with it (the one kept
+    # is read on its own: test_the_claim_reads_only_the_kept_requests_and_in_one_query).
     unread = {f.seq_id for f in fetched if "request" in inspect(f).unloaded}
-    assert unread == {3, 4, 5}  # 2 was read to find that it passes the budget; 5 is the optim_step
+    assert unread == {1, 2, 3, 4, 5}
     db.rollback()
 
 
@@ -259,6 +262,7 @@ def test_a_sample_of_a_trained_model_is_claimed_beside_its_runs_numbered_work(cl
             run_id=run_id,
             status="pending",
             request=item.model_dump(mode="json"),
+            tokens=work.work_tokens(item),
         )
     )
     db.commit()
@@ -359,3 +363,29 @@ def test_a_sample_larger_than_a_round_is_refused_and_nothing_is_stored(client, o
     assert error["details"] == {"kind": "tokens_per_request", "tokens": 1206, "limit": ROUND}
     db.expire_all()
     assert db.scalar(select(func.count()).select_from(TinkerFuture).where(TinkerFuture.kind == "sample")) == 0
+
+
+def test_the_claim_reads_only_the_kept_requests_and_in_one_query(client, tenant, db):
+    """The deal cuts by the token count stored with each request (`TinkerFuture.tokens`): the
+    requests it keeps are read in one query, the one it stops at is not read at all (before, one
+    deferred load per dealt row, on every poll)."""
+    pool_id = register(client)
+    model_id, headers = _model(client, tenant)
+    _queue(client, model_id, headers, sizes=[300, 300, 300, 300])  # three fit a round of 1,024
+    selected: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001, ARG001
+        head = re.split(r"\sFROM\s", statement.upper(), maxsplit=1)[0]  # the select list
+        if head.lstrip().startswith("SELECT") and "TINKER_FUTURES.REQUEST" in head:
+            selected.append(statement)
+
+    engine = db.get_bind()
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        items = work.claim(db, pool_id=pool_id, max_items=64, max_tokens=ROUND)
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+        db.rollback()
+    assert [item.seq_id for item in items] == [1, 2, 3]
+    assert [len(item.data[0].tokens) for item in items] == [300, 300, 300]
+    assert len(selected) == 1, selected
