@@ -72,6 +72,16 @@ class Settings(BaseSettings):
     num_samples x (prompt + max_tokens)) and 1,024 datums; the Tinker SDK is told both (its client config) and chunks its requests to fit. Base-
     model samples have a budget of their own of this size (`app.tinker.sampling.claim_base_samples`)."""
 
+    tinker_max_pending_per_tenant: int = Field(default=1024, ge=1, le=1_000_000)
+    """Tinker requests (training work and samples) of one tenant waiting for a pool at once; one more
+    is a 429 with Retry-After (the SDK retries it). The SDK sends up to 400 samples at once; without a
+    bound one tenant could queue hours of work ahead of everyone."""
+
+    tinker_max_live_sessions_per_tenant: int = Field(default=256, ge=1, le=1_000_000)
+    """Tinker sessions of one tenant live at once (each SDK ServiceClient opens one; finished ones and
+    ones silent for 5 minutes do not count): past it `create_session`, and the heartbeat that would
+    bring a silent one back, are a 429, so a tenant cannot add session rows as fast as it can send."""
+
     metrics_token: SecretStr | None = None
     """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""
 

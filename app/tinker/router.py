@@ -67,17 +67,17 @@ def telemetry(_: TinkerTenantDep) -> dict[str, str]:
 
 @router.post("/create_session", operation_id="tinkerCreateSession")
 def create_session(
-    principal: TinkerTenantDep, session: SessionDep, body: CreateSessionRequest
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: CreateSessionRequest
 ) -> dict[str, str]:
-    row = service.create_session(session, tenant_id=principal.tenant_id, body=body)
+    row = service.create_session(session, tenant_id=principal.tenant_id, body=body, settings=settings)
     return {"type": "create_session", "session_id": row.id}
 
 
 @router.post("/session_heartbeat", operation_id="tinkerSessionHeartbeat")
 def session_heartbeat(
-    principal: TinkerTenantDep, session: SessionDep, body: SessionHeartbeatRequest
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: SessionHeartbeatRequest
 ) -> dict[str, str]:
-    service.heartbeat(session, tenant_id=principal.tenant_id, session_id=body.session_id)
+    service.heartbeat(session, tenant_id=principal.tenant_id, session_id=body.session_id, settings=settings)
     return {"type": "session_heartbeat"}
 
 
@@ -174,31 +174,37 @@ def forward_backward(
 ) -> UntypedAPIFuture:
     """A protobuf `ForwardBackwardRequest` (forward_only for `forward`), queued for the pool."""
     future = work.submit_forward_backward(
-        session, tenant_id=principal.tenant_id, body=body, max_tokens=settings.tinker_max_tokens_per_round
+        session, tenant_id=principal.tenant_id, body=body, settings=settings
     )
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
 @router.post("/optim_step", operation_id="tinkerOptimStep")
-def optim_step(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
-    future = work.submit_optim_step(session, tenant_id=principal.tenant_id, body=body)
+def optim_step(
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
+) -> UntypedAPIFuture:
+    future = work.submit_optim_step(session, tenant_id=principal.tenant_id, body=body, settings=settings)
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
 @router.post("/save_weights_for_sampler", operation_id="tinkerSaveWeightsForSampler")
 def save_weights_for_sampler(
-    principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
 ) -> UntypedAPIFuture:
     """Names the adapter of the model's step at this point of its request order (every
     optim_step publishes one): `tinker://{model_id}/sampler_weights/{name}`."""
-    future = work.submit_save_for_sampler(session, tenant_id=principal.tenant_id, body=body)
+    future = work.submit_save_for_sampler(
+        session, tenant_id=principal.tenant_id, body=body, settings=settings
+    )
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
 @router.post("/save_weights", operation_id="tinkerSaveWeights")
-def save_weights(principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]) -> UntypedAPIFuture:
+def save_weights(
+    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
+) -> UntypedAPIFuture:
     """save_state: adapter and optimizer state by name, `tinker://{model_id}/weights/{name}`."""
-    future = work.submit_save_weights(session, tenant_id=principal.tenant_id, body=body)
+    future = work.submit_save_weights(session, tenant_id=principal.tenant_id, body=body, settings=settings)
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
@@ -236,7 +242,7 @@ def asample(
         session,
         tenant_id=principal.tenant_id,
         body=body,
-        max_round_tokens=settings.tinker_max_tokens_per_round,
+        settings=settings,
     )
     n = int((future.request or {}).get("sampling", {}).get("num_samples", 1))
     return UntypedAPIFuture(request_id=future.id, sample_sequence_ids=[f"{future.id}-{i}" for i in range(n)])

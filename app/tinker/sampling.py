@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from sqlalchemy import ColumnElement, Select, func, select
 from sqlalchemy.orm import Session, defer
 
+from app.config import Settings
 from app.db import conflict_insert, utcnow
 from app.errors import NotFound, ValidationFailed
 from app.pools.service import get_alive_pool
@@ -160,10 +161,11 @@ def _stop(stop: Any) -> dict[str, Any]:
 
 
 def submit_sample(
-    session: Session, *, tenant_id: str, body: dict[str, Any], max_round_tokens: int
+    session: Session, *, tenant_id: str, body: dict[str, Any], settings: Settings
 ) -> TinkerFuture:
-    """Queue a sample; `max_round_tokens`: the most tokens its sequences may cost, num_samples ×
-    (prompt + max_tokens) (a pool round's: one request fits a round, as for forward_backward)."""
+    """Queue a sample; its sequences may cost a pool round's tokens at most, num_samples × (prompt +
+    max_tokens) (`Settings.tinker_max_tokens_per_round`: one request fits a round, as for
+    forward_backward)."""
     sampler = get_sampling_session(
         session, tenant_id=tenant_id, sampler_id=str(body.get("sampling_session_id", ""))
     )
@@ -211,16 +213,19 @@ def submit_sample(
         )
     if len(prompt) + spec.max_tokens > max_seq_len:
         raise ValidationFailed(f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}")
-    cost = sample_tokens(spec.num_samples, len(prompt), spec.max_tokens)
-    if cost > max_round_tokens:
+    cost, most = (
+        sample_tokens(spec.num_samples, len(prompt), spec.max_tokens),
+        settings.tinker_max_tokens_per_round,
+    )
+    if cost > most:
         raise ValidationFailed(
             f"{spec.num_samples} samples of {len(prompt)} + {spec.max_tokens} tokens are {cost} tokens in one "
-            f"request; at most {max_round_tokens} (fewer num_samples per request)",
-            details={"kind": "tokens_per_request", "tokens": cost, "limit": max_round_tokens},
+            f"request; at most {most} (fewer num_samples per request)",
+            details={"kind": "tokens_per_request", "tokens": cost, "limit": most},
         )
     if pool is not None and any(not 0 <= t < pool.vocab_size for t in spec.prompt + spec.stop_tokens):
         raise ValidationFailed(f"a prompt or stop token id is outside the vocabulary [0, {pool.vocab_size})")
-    check_pending_room(session, tenant_id=tenant_id)
+    check_pending_room(session, tenant_id=tenant_id, most=settings.tinker_max_pending_per_tenant)
     item = ManualWorkItem(
         request_id=new_id("req"), run_id="" if run is None else run.id, seq_id=0, kind="sample", sampling=spec
     )

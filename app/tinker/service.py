@@ -61,9 +61,6 @@ class SessionFinished(AppError):
 # --- sessions -----------------------------------------------------------------------------
 
 
-MAX_LIVE_SESSIONS_PER_TENANT = 256
-"""Sessions of one tenant that are live at once (each SDK ServiceClient opens one): past it a new
-one is a 429, so a tenant cannot add session rows as fast as it can send requests."""
 SESSION_SILENT_SECONDS = 300.0
 """A session with no heartbeat for this long (the SDK sends one every 10 s) is no longer live: its
 process is gone. It is not finished either (a heartbeat revives it), and its models stay."""
@@ -84,24 +81,27 @@ def live_sessions_query(tenant_id: str, *, now: datetime) -> Select[int]:
     )
 
 
-def _check_live_room(session: Session, *, tenant_id: str, now: datetime, what: str) -> None:
-    """429 when the tenant holds MAX_LIVE_SESSIONS_PER_TENANT live sessions already (counted from
-    this transaction's snapshot: concurrent requests may pass it by the tenant's requests in
-    flight, a flood guard). `what` names the refused act in the message."""
+def _check_live_room(session: Session, *, tenant_id: str, now: datetime, most: int, what: str) -> None:
+    """429 when the tenant holds `most` live sessions already (`Settings.tinker_max_live_sessions_per_tenant`;
+    counted from this transaction's snapshot: concurrent requests may pass it by the tenant's
+    requests in flight, a flood guard). `what` names the refused act in the message."""
     live = session.scalar(live_sessions_query(tenant_id, now=now))
-    if live is not None and live >= MAX_LIVE_SESSIONS_PER_TENANT:
+    if live is not None and live >= most:
         raise RateLimited(
             f"{what}: this tenant has {live} live Tinker sessions, the most it may hold; close some "
             f"(ServiceClient.close / POST /api/v1/sessions/{{id}}/finish) or let them go silent "
             f"({SESSION_SILENT_SECONDS:.0f} s without a heartbeat)",
-            details={"kind": "live_sessions", "live": live, "limit": MAX_LIVE_SESSIONS_PER_TENANT},
+            details={"kind": "live_sessions", "live": live, "limit": most},
             retry_after=SESSION_RETRY_AFTER_SECONDS,
         )
 
 
-def create_session(session: Session, *, tenant_id: str, body: CreateSessionRequest) -> TinkerSession:
-    """A new session, within MAX_LIVE_SESSIONS_PER_TENANT (`_check_live_room`)."""
-    _check_live_room(session, tenant_id=tenant_id, now=utcnow(), what="no new session")
+def create_session(
+    session: Session, *, tenant_id: str, body: CreateSessionRequest, settings: Settings
+) -> TinkerSession:
+    """A new session, within the tenant's live sessions (`_check_live_room`)."""
+    most = settings.tinker_max_live_sessions_per_tenant
+    _check_live_room(session, tenant_id=tenant_id, now=utcnow(), most=most, what="no new session")
     row = TinkerSession(id=new_id("ses"), tenant_id=tenant_id, sdk_version=body.sdk_version)
     session.add(row)
     session.flush()
@@ -116,16 +116,19 @@ def get_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerS
     return row
 
 
-def heartbeat(session: Session, *, tenant_id: str, session_id: str) -> None:
-    """Keep the session live. A silent one (`SESSION_SILENT_SECONDS`) comes back only within
-    MAX_LIVE_SESSIONS_PER_TENANT: without the check a tenant could open the most, let them go
+def heartbeat(session: Session, *, tenant_id: str, session_id: str, settings: Settings) -> None:
+    """Keep the session live. A silent one (`SESSION_SILENT_SECONDS`) comes back only within the
+    tenant's live sessions (`Settings.tinker_max_live_sessions_per_tenant`): without the check a tenant could open the most, let them go
     silent, open as many again and revive the first ones, holding twice the bound, and so on."""
     row = get_session(session, tenant_id=tenant_id, session_id=session_id)
     if row.finished_at is not None:
         raise SessionFinished(f"session {session_id} has finished")
     now = utcnow()
     if as_utc(row.last_heartbeat_at) < now - timedelta(seconds=SESSION_SILENT_SECONDS):
-        _check_live_room(session, tenant_id=tenant_id, now=now, what=f"session {session_id} stays silent")
+        most = settings.tinker_max_live_sessions_per_tenant
+        _check_live_room(
+            session, tenant_id=tenant_id, now=now, most=most, what=f"session {session_id} stays silent"
+        )
     row.last_heartbeat_at = now
 
 

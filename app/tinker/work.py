@@ -160,16 +160,12 @@ def _existing(session: Session, *, model_id: str, seq_id: int) -> TinkerFuture |
     )
 
 
-MAX_PENDING_PER_TENANT = 1024
-"""Tinker requests (work and samples) of one tenant waiting for a pool; one more gets a 429 with
-Retry-After. The SDK sends up to 400 samples at once; without a bound one tenant could queue hours
-of work ahead of everyone (review of 2026-11-23, M2/H3)."""
 PENDING_RETRY_AFTER_SECONDS = 2
 
 
-def check_pending_room(session: Session, *, tenant_id: str) -> None:
-    """429 when the tenant has `MAX_PENDING_PER_TENANT` requests waiting (read through the partial
-    index of claimable futures: a handful of rows, not the day's history)."""
+def check_pending_room(session: Session, *, tenant_id: str, most: int) -> None:
+    """429 when the tenant has `most` requests waiting (`Settings.tinker_max_pending_per_tenant`;
+    read through the partial index of claimable futures: a handful of rows, not the day's history)."""
     pending = session.scalar(
         select(func.count())
         .select_from(TinkerFuture)
@@ -179,23 +175,30 @@ def check_pending_room(session: Session, *, tenant_id: str) -> None:
             text(f"({claimable(TinkerFuture.__tablename__)})"),
         )
     )
-    if pending is not None and pending >= MAX_PENDING_PER_TENANT:
+    if pending is not None and pending >= most:
         raise RateLimited(
-            f"{pending} Tinker requests of this tenant are waiting for the pool; at most "
-            f"{MAX_PENDING_PER_TENANT}. Retry once some are done",
-            details={"kind": "pending_requests", "pending": pending, "max_pending": MAX_PENDING_PER_TENANT},
+            f"{pending} Tinker requests of this tenant are waiting for the pool; at most {most}. "
+            "Retry once some are done",
+            details={"kind": "pending_requests", "pending": pending, "max_pending": most},
             retry_after=PENDING_RETRY_AFTER_SECONDS,
         )
 
 
 def _submit(
-    session: Session, *, tenant_id: str, model_id: str, run: Run, item: ManualWorkItem, ordered: bool = True
+    session: Session,
+    *,
+    tenant_id: str,
+    model_id: str,
+    run: Run,
+    item: ManualWorkItem,
+    settings: Settings,
+    ordered: bool = True,
 ) -> TinkerFuture:
     """Store the work as a pending future. `ordered`: it takes its model's seq_id (sampling
     requests do not: they are numbered per sampling client, and order among them is free)."""
     if run.status not in MOVABLE_RUN_STATUSES:
         raise RunNotActive(f"model {model_id}: its run {run.id} is {run.status}; it takes no more requests")
-    check_pending_room(session, tenant_id=tenant_id)
+    check_pending_room(session, tenant_id=tenant_id, most=settings.tinker_max_pending_per_tenant)
     future = TinkerFuture(
         id=item.request_id,
         tenant_id=tenant_id,
@@ -223,9 +226,10 @@ def _submit(
 
 
 def submit_forward_backward(
-    session: Session, *, tenant_id: str, body: bytes, max_tokens: int
+    session: Session, *, tenant_id: str, body: bytes, settings: Settings
 ) -> TinkerFuture:
-    """Queue a forward/forward_backward; `max_tokens`: the most tokens it may carry (a pool round's)."""
+    """Queue a forward/forward_backward; it may carry a pool round's tokens at most
+    (`Settings.tinker_max_tokens_per_round`)."""
     try:
         req = proto.decode_forward_backward_request(body)
     except proto.ProtoError as exc:
@@ -239,7 +243,7 @@ def submit_forward_backward(
         raise NotSupported(f"loss_fn {req.loss_fn!r} (supported: {', '.join(LOSS_FNS)})")
     if not req.data:
         raise ValidationFailed("forward_backward needs at least one datum")
-    _check_request_size(req.data, max_tokens=max_tokens)
+    _check_request_size(req.data, max_tokens=settings.tinker_max_tokens_per_round)
     numbers = {k: v for k, v in req.loss_fn_config.items() if isinstance(v, float)}
     if len(numbers) != len(req.loss_fn_config):
         raise NotSupported("text values in loss_fn_config")
@@ -258,7 +262,7 @@ def submit_forward_backward(
         loss_fn_config=numbers,
         data=data,
     )
-    return _submit(session, tenant_id=tenant_id, model_id=req.model_id, run=run, item=item)
+    return _submit(session, tenant_id=tenant_id, model_id=req.model_id, run=run, item=item, settings=settings)
 
 
 def _in_order(
@@ -285,7 +289,9 @@ def _save_name(body: dict[str, Any], default: str) -> str:
     return name
 
 
-def submit_optim_step(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+def submit_optim_step(
+    session: Session, *, tenant_id: str, body: dict[str, Any], settings: Settings
+) -> TinkerFuture:
     model_id, run, seq_id, existing = _in_order(session, tenant_id=tenant_id, body=body, call="optim_step")
     if existing is not None:
         return existing
@@ -302,10 +308,12 @@ def submit_optim_step(session: Session, *, tenant_id: str, body: dict[str, Any])
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="optim_step", adam=adam
     )
-    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item, settings=settings)
 
 
-def submit_save_for_sampler(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+def submit_save_for_sampler(
+    session: Session, *, tenant_id: str, body: dict[str, Any], settings: Settings
+) -> TinkerFuture:
     model_id, run, seq_id, existing = _in_order(
         session, tenant_id=tenant_id, body=body, call="save_weights_for_sampler"
     )
@@ -317,10 +325,12 @@ def submit_save_for_sampler(session: Session, *, tenant_id: str, body: dict[str,
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights_for_sampler", name=name
     )
-    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item, settings=settings)
 
 
-def submit_save_weights(session: Session, *, tenant_id: str, body: dict[str, Any]) -> TinkerFuture:
+def submit_save_weights(
+    session: Session, *, tenant_id: str, body: dict[str, Any], settings: Settings
+) -> TinkerFuture:
     """save_state: the adapter and optimizer state, by name, at this point of the request order."""
     model_id, run, seq_id, existing = _in_order(session, tenant_id=tenant_id, body=body, call="save_weights")
     if existing is not None:
@@ -329,7 +339,7 @@ def submit_save_weights(session: Session, *, tenant_id: str, body: dict[str, Any
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights", name=name
     )
-    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item, settings=settings)
 
 
 def weights_path(model_id: str, name: str) -> str:
@@ -416,7 +426,7 @@ def submit_load_weights(
         source_run_id=source.id,
         with_optimizer=bool(body.get("optimizer")),
     )
-    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item)
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item, settings=settings)
 
 
 def sampler_path(model_id: str, name: str) -> str:

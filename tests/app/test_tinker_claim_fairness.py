@@ -75,9 +75,9 @@ def test_base_model_samples_are_dealt_round_robin_across_tenants(client, tenant,
 
 
 def test_a_tenants_waiting_requests_are_bounded_and_a_retry_still_finds_its_own(
-    client, tenant, other_tenant, monkeypatch
+    client, tenant, other_tenant, settings, monkeypatch
 ):
-    monkeypatch.setattr(work, "MAX_PENDING_PER_TENANT", 3)
+    monkeypatch.setattr(settings, "tinker_max_pending_per_tenant", 3)
     register(client)
     model_id, headers = _model(client, tenant)
     sampler = _base_sampler(client, tenant)

@@ -231,9 +231,9 @@ def test_deleting_sampler_weights_retires_the_samplers_made_from_them(client, te
 
 
 def test_live_sessions_per_tenant_are_bounded_and_freed_by_finish_or_silence(
-    client, tenant, other_tenant, db, monkeypatch
+    client, tenant, other_tenant, db, settings, monkeypatch
 ):
-    monkeypatch.setattr(tinker_service, "MAX_LIVE_SESSIONS_PER_TENANT", 3)
+    monkeypatch.setattr(settings, "tinker_max_live_sessions_per_tenant", 3)
     headers = {"X-API-Key": "tml-" + tenant.key}
 
     def create(h: dict[str, str]) -> Any:
@@ -263,10 +263,10 @@ def test_live_sessions_per_tenant_are_bounded_and_freed_by_finish_or_silence(
     assert create(headers).status_code == 200
 
 
-def test_a_silent_session_comes_back_only_within_the_bound(client, tenant, db, monkeypatch):
+def test_a_silent_session_comes_back_only_within_the_bound(client, tenant, db, settings, monkeypatch):
     """Open the most, let them go silent, open as many again: reviving the first ones by heartbeat
     would hold twice the bound (and so on, one bound per SESSION_SILENT_SECONDS)."""
-    monkeypatch.setattr(tinker_service, "MAX_LIVE_SESSIONS_PER_TENANT", 2)
+    monkeypatch.setattr(settings, "tinker_max_live_sessions_per_tenant", 2)
     headers = {"X-API-Key": "tml-" + tenant.key}
 
     def create() -> str:
