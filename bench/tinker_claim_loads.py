@@ -1,8 +1,10 @@
-"""The whole Tinker claim (`app.tinker.work.claim`) with real requests queued: the query, the
-token cut and the reading of the requests it takes.
+"""A pool's whole poll for Tinker work (the body of `POST /v1/pool/manual/claim`:
+`app.tinker.pool_router.claim_manual_work`) with real requests queued: the queries, the token cut
+and the reading of the requests it takes, base-model samples' turn included.
 
     python -m bench.tinker_claim_loads                 # Postgres at 127.0.0.1 (a scratch database)
     python -m bench.tinker_claim_loads --runs 16 --requests 4 --datums 8 --tokens 512
+    python -m bench.tinker_claim_loads --runs 0 --repeats 300   # an idle pool's poll
 
 `bench.tinker_claim` times the claim's query alone; this times what a pool's poll pays for the
 claim: a scratch database, migrated to head, gets a live pool, --runs active runs (each a Tinker
@@ -26,7 +28,9 @@ from sqlalchemy import Connection, create_engine, event, inspect, text
 from sqlalchemy.orm import Session
 
 from app import migrate
-from app.tinker import work
+from app.config import Settings
+from app.tinker.pool_router import claim_manual_work
+from contracts.tinker_work import ManualClaimIn
 
 
 def _request(run: int, seq_id: int, datums: int, tokens: int) -> dict[str, Any]:
@@ -110,7 +114,8 @@ def seed(conn: Connection, *, runs: int, requests: int, datums: int, tokens: int
                     "tokens": 0 if step else datums * tokens,
                 }
             )
-    conn.execute(text(f"INSERT INTO tinker_futures ({columns}) VALUES ({values})"), rows)
+    if rows:  # --runs 0: the poll of an idle pool
+        conn.execute(text(f"INSERT INTO tinker_futures ({columns}) VALUES ({values})"), rows)
     for table in ("tinker_futures", "tinker_models", "runs", "pools"):
         conn.execute(text(f"ANALYZE {table}"))
 
@@ -139,17 +144,19 @@ def main() -> None:
             seed(conn, runs=args.runs, requests=args.requests, datums=args.datums, tokens=args.tokens)
         statements: list[str] = []
         event.listen(engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+        settings = Settings(database_url=url, tinker_max_tokens_per_round=args.max_tokens)
+        body = ManualClaimIn(pool_id="pool-1", max_items=64)
         times, taken = [], 0
         for _ in range(args.repeats):
             statements.clear()
             with Session(engine) as session:
                 start = time.perf_counter()
-                taken = len(work.claim(session, pool_id="pool-1", max_items=64, max_tokens=args.max_tokens))
+                taken = len(claim_manual_work(None, session, settings, body).items)
                 times.append((time.perf_counter() - start) * 1e3)
                 session.rollback()
         print(
             f"{args.runs} runs x {args.requests} forward_backwards of {args.datums} x {args.tokens} tokens "
-            f"(+ an optim_step), round of {args.max_tokens:,} tokens: a claim takes {taken} items in "
+            f"(+ an optim_step), round of {args.max_tokens:,} tokens: a poll takes {taken} items in "
             f"{len(statements)} statements; median of {args.repeats}: {statistics.median(times):.1f} ms "
             f"(min {min(times):.1f})"
         )

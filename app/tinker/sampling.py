@@ -13,6 +13,7 @@ A sampling client samples one of
 """
 
 import base64
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from app.tinker.models import TinkerBaseTurn, TinkerFuture, TinkerModel, TinkerS
 from app.tinker.service import NotSupported, touch_model
 from app.tinker.work import (
     PENDING,
+    STATEMENTS_CACHED,
     RunNotActive,
     check_pending_room,
     kept_requests,
@@ -266,10 +268,17 @@ def waiting_base_samples(session: Session, *, pool_id: str, at_most: int) -> int
     if at_most <= 0:
         return 0
     base_model = get_alive_pool(session, pool_id=pool_id).base_model
+    return int(session.scalar(_waiting_count(base_model, at_most)) or 0)
+
+
+@functools.lru_cache(maxsize=STATEMENTS_CACHED)
+def _waiting_count(base_model: str, at_most: int) -> Select[int]:
+    """`waiting_base_samples`' statement, built once per arguments (as `work.claim_query`)."""
     some = select(TinkerFuture.id).where(*_waiting(base_model)).limit(at_most).subquery()
-    return int(session.scalar(select(func.count()).select_from(some)) or 0)
+    return select(func.count()).select_from(some)
 
 
+@functools.lru_cache(maxsize=STATEMENTS_CACHED)
 def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, int]:
     """The pending base-model samples `claim_base_samples` takes, locked, each with its position in
     the deal (1 first). Indexed either way: by model_id, or by the partial index of claimable futures
@@ -280,8 +289,9 @@ def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, 
     back for as long as it kept it full (review of 2026-11-23, H3). Within a turn, the tenant served
     longest ago first (`TinkerBaseTurn`; never served: from its oldest waiting sample), as the run
     work's claim does (`work._deal_order`): with a round's token budget, oldest-first again let a
-    queue of budget-sized samples hold another tenant's one request for all of it. As in `work.claim_query`, the
-    window picks in a subquery and the lock is taken by id."""
+    queue of budget-sized samples hold another tenant's one request for all of it. As in
+    `work.claim_query`, the window picks in a subquery, the lock is taken by id, the requests are
+    deferred and the statement is built once per arguments."""
     waiting = _waiting(base_model)
     served_at = (
         select(TinkerBaseTurn.served_at)
@@ -319,6 +329,7 @@ def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, 
         .where(*waiting)
         .order_by(TinkerFuture.created_at, TinkerFuture.id)
         .with_for_update(of=TinkerFuture, skip_locked=True)
+        .options(defer(TinkerFuture.request))
     )
 
 
@@ -334,8 +345,7 @@ def claim_base_samples(
         return []
     base_model = get_alive_pool(session, pool_id=pool_id).base_model
     # As in `work.claim`: the deal reads the stored token counts, only the kept requests are read.
-    query = base_samples_query(base_model, max_items).options(defer(TinkerFuture.request))
-    rows = session.execute(query).tuples().all()
+    rows = session.execute(base_samples_query(base_model, max_items)).tuples().all()
     kept = within_tokens(rows, max_tokens, turn_of=lambda future: future.tenant_id)
     requests = kept_requests(session, kept)
     taken = []

@@ -11,6 +11,7 @@ has left (evicted, deleted, failed, completed) fails with the reason, at the nex
 is polled if that comes first (app.tinker.leases), and the pool never receives it.
 """
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -499,9 +500,21 @@ def _deal_order(
     return (served_at.is_not(None), served_at, waiting_since, run_id)
 
 
+STATEMENTS_CACHED = 256
+"""Built claim statements kept per process (`claim_query` and the sampling module's): one per pool,
+base model and max_items a pool claims with, so a handful; the bound only caps what re-registered
+pools leave behind."""
+
+
+@functools.lru_cache(maxsize=STATEMENTS_CACHED)
 def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerFuture, int]:
     """The futures `claim` takes, locked, read through the partial index `app.tinker.models.CLAIMABLE`,
-    each with its position in the deal (1 first), in lock order (run, seq_id).
+    each with its position in the deal (1 first), in lock order (run, seq_id); their requests deferred
+    (`claim` reads only those it keeps: `kept_requests`).
+
+    Built once per arguments and kept (`STATEMENTS_CACHED`): every pool runs it every poll interval,
+    work or not, and building it cost ~1.5 ms of CPU, more than Postgres takes to run it on an idle
+    queue (bench/tinker_claim_loads.py --runs 0). A statement is immutable, so threads share it.
 
     Fair across runs: each run's claimable futures up to and including its first step boundary,
     dealt round-robin (every run's first, then every run's second, ...) into the ``max_items``;
@@ -555,6 +568,7 @@ def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerF
         .where(*claimable_now)
         .order_by(TinkerFuture.run_id, TinkerFuture.seq_id)
         .with_for_update(of=TinkerFuture, skip_locked=True)
+        .options(defer(TinkerFuture.request))
     )
 
 
@@ -567,8 +581,7 @@ def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) ->
     # The deal reads each row's stored token count; only the requests it keeps are read
     # (`kept_requests`): the rows past the budget stay queued and are fetched again by every claim,
     # so their (up to megabytes of) data is left in the database.
-    query = claim_query(pool_id, pool.base_model, max_items).options(defer(TinkerFuture.request))
-    rows = session.execute(query).tuples().all()
+    rows = session.execute(claim_query(pool_id, pool.base_model, max_items)).tuples().all()
     kept = within_tokens(rows, max_tokens)
     requests = kept_requests(session, kept)
     taken: list[ManualWorkItem] = []
