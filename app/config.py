@@ -79,8 +79,8 @@ class Settings(BaseSettings):
 
     tinker_max_live_sessions_per_tenant: int = Field(default=256, ge=1, le=1_000_000)
     """Tinker sessions of one tenant live at once (each SDK ServiceClient opens one; finished ones and
-    ones silent for 5 minutes do not count): past it `create_session`, and the heartbeat that would
-    bring a silent one back, are a 429, so a tenant cannot add session rows as fast as it can send."""
+    ones silent for 5 minutes do not count): past it `create_session` is a 429, so a tenant cannot
+    add session rows as fast as it can send requests."""
 
     metrics_token: SecretStr | None = None
     """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""

@@ -75,9 +75,9 @@ def create_session(
 
 @router.post("/session_heartbeat", operation_id="tinkerSessionHeartbeat")
 def session_heartbeat(
-    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: SessionHeartbeatRequest
+    principal: TinkerTenantDep, session: SessionDep, body: SessionHeartbeatRequest
 ) -> dict[str, str]:
-    service.heartbeat(session, tenant_id=principal.tenant_id, session_id=body.session_id, settings=settings)
+    service.heartbeat(session, tenant_id=principal.tenant_id, session_id=body.session_id)
     return {"type": "session_heartbeat"}
 
 

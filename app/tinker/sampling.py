@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy import ColumnElement, Select, bindparam, func, select
 from sqlalchemy.orm import Session, defer
 
 from app.config import Settings
@@ -33,6 +33,7 @@ from app.tinker import proto
 from app.tinker.models import TinkerBaseTurn, TinkerFuture, TinkerModel, TinkerSamplingSession
 from app.tinker.service import NotSupported, touch_model
 from app.tinker.work import (
+    MAX_ITEMS,
     PENDING,
     STATEMENTS_CACHED,
     RunNotActive,
@@ -268,20 +269,21 @@ def waiting_base_samples(session: Session, *, pool_id: str, at_most: int) -> int
     if at_most <= 0:
         return 0
     base_model = get_alive_pool(session, pool_id=pool_id).base_model
-    return int(session.scalar(_waiting_count(base_model, at_most)) or 0)
+    return int(session.scalar(_waiting_count(base_model), {"at_most": at_most}) or 0)
 
 
 @functools.lru_cache(maxsize=STATEMENTS_CACHED)
-def _waiting_count(base_model: str, at_most: int) -> Select[int]:
-    """`waiting_base_samples`' statement, built once per arguments (as `work.claim_query`)."""
-    some = select(TinkerFuture.id).where(*_waiting(base_model)).limit(at_most).subquery()
+def _waiting_count(base_model: str) -> Select[int]:
+    """`waiting_base_samples`' statement, built once per base model (as `work.claim_query`), its
+    LIMIT the `at_most` parameter."""
+    some = select(TinkerFuture.id).where(*_waiting(base_model)).limit(bindparam("at_most", 1)).subquery()
     return select(func.count()).select_from(some)
 
 
 @functools.lru_cache(maxsize=STATEMENTS_CACHED)
-def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, int]:
+def base_samples_query(base_model: str) -> Select[TinkerFuture, int]:
     """The pending base-model samples `claim_base_samples` takes, locked, each with its position in
-    the deal (1 first). Indexed either way: by model_id, or by the partial index of claimable futures
+    the deal (1 first), at most the `work.MAX_ITEMS` parameter. Indexed either way: by model_id, or by the partial index of claimable futures
     (`app.tinker.models.CLAIMABLE`).
 
     Dealt round-robin across tenants (each tenant's oldest first): every tenant may sample the base
@@ -320,7 +322,7 @@ def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, 
     picked = (
         select(ranked.c.id, func.row_number().over(order_by=deal).label("position"))
         .order_by(*deal)
-        .limit(max_items)
+        .limit(bindparam(MAX_ITEMS, 64))
         .subquery()
     )
     return (
@@ -329,7 +331,7 @@ def base_samples_query(base_model: str, max_items: int) -> Select[TinkerFuture, 
         .where(*waiting)
         .order_by(TinkerFuture.created_at, TinkerFuture.id)
         .with_for_update(of=TinkerFuture, skip_locked=True)
-        .options(defer(TinkerFuture.request))
+        .options(defer(TinkerFuture.request), defer(TinkerFuture.result))
     )
 
 
@@ -345,7 +347,7 @@ def claim_base_samples(
         return []
     base_model = get_alive_pool(session, pool_id=pool_id).base_model
     # As in `work.claim`: the deal reads the stored token counts, only the kept requests are read.
-    rows = session.execute(base_samples_query(base_model, max_items)).tuples().all()
+    rows = session.execute(base_samples_query(base_model), {MAX_ITEMS: max_items}).tuples().all()
     kept = within_tokens(rows, max_tokens, turn_of=lambda future: future.tenant_id)
     requests = kept_requests(session, kept)
     taken = []

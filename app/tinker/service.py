@@ -21,7 +21,6 @@ from app.runs import service as runs
 from app.runs.admission import admission_problems, live_pool
 from app.runs.models import Run
 from app.runs.schemas import RunCreate
-from app.timestamps import as_utc
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSession
 from app.tinker.schemas import (
     TINKER_LORA_ALPHA,
@@ -81,27 +80,24 @@ def live_sessions_query(tenant_id: str, *, now: datetime) -> Select[int]:
     )
 
 
-def _check_live_room(session: Session, *, tenant_id: str, now: datetime, most: int, what: str) -> None:
-    """429 when the tenant holds `most` live sessions already (`Settings.tinker_max_live_sessions_per_tenant`;
-    counted from this transaction's snapshot: concurrent requests may pass it by the tenant's
-    requests in flight, a flood guard). `what` names the refused act in the message."""
-    live = session.scalar(live_sessions_query(tenant_id, now=now))
+def create_session(
+    session: Session, *, tenant_id: str, body: CreateSessionRequest, settings: Settings
+) -> TinkerSession:
+    """A new session, within the tenant's live sessions (`Settings.tinker_max_live_sessions_per_tenant`;
+    counted from this transaction's snapshot: concurrent creations may pass it by the tenant's
+    requests in flight, a flood guard). The bound is on creating session rows: a heartbeat bringing
+    a silent session back adds none, and being live gates nothing a session does, so it is not
+    checked there (refusing it would only leave an honest client's SDK warning forever)."""
+    most = settings.tinker_max_live_sessions_per_tenant
+    live = session.scalar(live_sessions_query(tenant_id, now=utcnow()))
     if live is not None and live >= most:
         raise RateLimited(
-            f"{what}: this tenant has {live} live Tinker sessions, the most it may hold; close some "
+            f"this tenant has {live} live Tinker sessions, the most it may hold; close some "
             f"(ServiceClient.close / POST /api/v1/sessions/{{id}}/finish) or let them go silent "
             f"({SESSION_SILENT_SECONDS:.0f} s without a heartbeat)",
             details={"kind": "live_sessions", "live": live, "limit": most},
             retry_after=SESSION_RETRY_AFTER_SECONDS,
         )
-
-
-def create_session(
-    session: Session, *, tenant_id: str, body: CreateSessionRequest, settings: Settings
-) -> TinkerSession:
-    """A new session, within the tenant's live sessions (`_check_live_room`)."""
-    most = settings.tinker_max_live_sessions_per_tenant
-    _check_live_room(session, tenant_id=tenant_id, now=utcnow(), most=most, what="no new session")
     row = TinkerSession(id=new_id("ses"), tenant_id=tenant_id, sdk_version=body.sdk_version)
     session.add(row)
     session.flush()
@@ -116,20 +112,11 @@ def get_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerS
     return row
 
 
-def heartbeat(session: Session, *, tenant_id: str, session_id: str, settings: Settings) -> None:
-    """Keep the session live. A silent one (`SESSION_SILENT_SECONDS`) comes back only within the
-    tenant's live sessions (`Settings.tinker_max_live_sessions_per_tenant`): without the check a tenant could open the most, let them go
-    silent, open as many again and revive the first ones, holding twice the bound, and so on."""
+def heartbeat(session: Session, *, tenant_id: str, session_id: str) -> None:
     row = get_session(session, tenant_id=tenant_id, session_id=session_id)
     if row.finished_at is not None:
         raise SessionFinished(f"session {session_id} has finished")
-    now = utcnow()
-    if as_utc(row.last_heartbeat_at) < now - timedelta(seconds=SESSION_SILENT_SECONDS):
-        most = settings.tinker_max_live_sessions_per_tenant
-        _check_live_room(
-            session, tenant_id=tenant_id, now=now, most=most, what=f"session {session_id} stays silent"
-        )
-    row.last_heartbeat_at = now
+    row.last_heartbeat_at = utcnow()
 
 
 def finish_session(session: Session, *, tenant_id: str, session_id: str) -> None:

@@ -19,7 +19,20 @@ from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, Select, and_, case, func, not_, null, or_, select, text, update
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    and_,
+    bindparam,
+    case,
+    func,
+    not_,
+    null,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
@@ -501,20 +514,27 @@ def _deal_order(
 
 
 STATEMENTS_CACHED = 256
-"""Built claim statements kept per process (`claim_query` and the sampling module's): one per pool,
-base model and max_items a pool claims with, so a handful; the bound only caps what re-registered
-pools leave behind."""
+"""Built claim statements kept per process (`claim_query` and the sampling module's): one per pool
+and base model (the number of items is a parameter given at execution), so a handful; the bound only
+caps what re-registered pools leave behind."""
+
+MAX_ITEMS = "max_items"
+"""The bound parameter of a cached claim statement's LIMIT, given at execution:
+``session.execute(claim_query(pool, base), {MAX_ITEMS: n})`` (64 when not given)."""
 
 
 @functools.lru_cache(maxsize=STATEMENTS_CACHED)
-def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerFuture, int]:
+def claim_query(pool_id: str, base_model: str) -> Select[TinkerFuture, int]:
     """The futures `claim` takes, locked, read through the partial index `app.tinker.models.CLAIMABLE`,
-    each with its position in the deal (1 first), in lock order (run, seq_id); their requests deferred
-    (`claim` reads only those it keeps: `kept_requests`).
+    each with its position in the deal (1 first), in lock order (run, seq_id); at most the `MAX_ITEMS`
+    parameter; their requests and results deferred (`claim` reads only the requests it keeps:
+    `kept_requests`).
 
     Built once per arguments and kept (`STATEMENTS_CACHED`): every pool runs it every poll interval,
     work or not, and building it cost ~1.5 ms of CPU, more than Postgres takes to run it on an idle
-    queue (bench/tinker_claim_loads.py --runs 0). A statement is immutable, so threads share it.
+    queue (bench/tinker_claim_loads.py --runs 0). A statement is immutable, so threads share it;
+    execute it as it is, never derive one from it (`.where()`, `.options()`, `.params()`): a derived
+    copy may carry the cached one's memoized cache key.
 
     Fair across runs: each run's claimable futures up to and including its first step boundary,
     dealt round-robin (every run's first, then every run's second, ...) into the ``max_items``;
@@ -558,7 +578,7 @@ def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerF
         select(ranked.c.id, func.row_number().over(order_by=deal).label("position"))
         .where(ranked.c.boundaries_before == 0)
         .order_by(*deal)
-        .limit(max_items)
+        .limit(bindparam(MAX_ITEMS, 64))
         .subquery()
     )
     return (
@@ -568,7 +588,7 @@ def claim_query(pool_id: str, base_model: str, max_items: int) -> Select[TinkerF
         .where(*claimable_now)
         .order_by(TinkerFuture.run_id, TinkerFuture.seq_id)
         .with_for_update(of=TinkerFuture, skip_locked=True)
-        .options(defer(TinkerFuture.request))
+        .options(defer(TinkerFuture.request), defer(TinkerFuture.result))
     )
 
 
@@ -581,7 +601,7 @@ def claim(session: Session, *, pool_id: str, max_items: int, max_tokens: int) ->
     # The deal reads each row's stored token count; only the requests it keeps are read
     # (`kept_requests`): the rows past the budget stay queued and are fetched again by every claim,
     # so their (up to megabytes of) data is left in the database.
-    rows = session.execute(claim_query(pool_id, pool.base_model, max_items)).tuples().all()
+    rows = session.execute(claim_query(pool_id, pool.base_model), {MAX_ITEMS: max_items}).tuples().all()
     kept = within_tokens(rows, max_tokens)
     requests = kept_requests(session, kept)
     taken: list[ManualWorkItem] = []

@@ -46,7 +46,7 @@ def plan(engine: Engine, query: Select) -> str:
 
 
 def test_the_run_work_claim_reads_the_partial_index(retained_futures):
-    got = plan(retained_futures, claim_query("pool-1", "base", 64))
+    got = plan(retained_futures, claim_query("pool-1", "base"))
     assert INDEX in got, got
     assert "Seq Scan on tinker_futures" not in got, got
 
@@ -54,7 +54,7 @@ def test_the_run_work_claim_reads_the_partial_index(retained_futures):
 def test_the_base_sample_claim_reads_an_index(retained_futures):
     """Through the partial index or the base model's own futures (model_id), whichever the planner
     costs lower; never the whole table."""
-    got = plan(retained_futures, base_samples_query("base", 64))
+    got = plan(retained_futures, base_samples_query("base"))
     assert "Index" in got and "Seq Scan on tinker_futures" not in got, got
 
 
@@ -62,7 +62,7 @@ def test_the_claim_reads_the_partial_index_in_a_generic_plan_too(retained_future
     """psycopg prepares a statement run often enough, and Postgres may then plan it once for any
     parameters (a generic plan), which cannot look into the bound values of the claim's filter: the
     literal `CLAIMABLE` terms keep the index usable there."""
-    compiled = claim_query("pool-1", "base", 64).compile(
+    compiled = claim_query("pool-1", "base").compile(
         dialect=asyncpg.dialect(), compile_kwargs={"render_postcompile": True}
     )  # $1, $2, … placeholders, as a prepared statement has them
     values = ", ".join(_literal(compiled.params[name]) for name in compiled.positiontup or ())

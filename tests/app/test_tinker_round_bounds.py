@@ -368,16 +368,19 @@ def test_a_sample_larger_than_a_round_is_refused_and_nothing_is_stored(client, o
 def test_the_claim_reads_only_the_kept_requests_and_in_one_query(client, tenant, db):
     """The deal cuts by the token count stored with each request (`TinkerFuture.tokens`): the
     requests it keeps are read in one query, the one it stops at is not read at all (before, one
-    deferred load per dealt row, on every poll)."""
+    deferred load per dealt row, on every poll), and they are marked running in one statement."""
     pool_id = register(client)
     model_id, headers = _model(client, tenant)
     _queue(client, model_id, headers, sizes=[300, 300, 300, 300])  # three fit a round of 1,024
     selected: list[str] = []
+    updates: list[tuple[str, bool]] = []
 
     def record(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001, ARG001
         head = re.split(r"\sFROM\s", statement.upper(), maxsplit=1)[0]  # the select list
         if head.lstrip().startswith("SELECT") and "TINKER_FUTURES.REQUEST" in head:
             selected.append(statement)
+        if statement.upper().lstrip().startswith("UPDATE TINKER_FUTURES"):
+            updates.append((statement, executemany))
 
     engine = db.get_bind()
     event.listen(engine, "before_cursor_execute", record)
@@ -389,3 +392,5 @@ def test_the_claim_reads_only_the_kept_requests_and_in_one_query(client, tenant,
     assert [item.seq_id for item in items] == [1, 2, 3]
     assert [len(item.data[0].tokens) for item in items] == [300, 300, 300]
     assert len(selected) == 1, selected
+    # ... and marked running by one UPDATE (one per future before, sent as an executemany).
+    assert [many for _, many in updates] == [False], updates

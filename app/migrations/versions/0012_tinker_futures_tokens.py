@@ -3,15 +3,14 @@ cuts its rounds without loading each dealt request's JSON (one deferred load per
 
 Requests already stored get their count here: a forward_backward's tokens over its data, a sample's
 num_samples × (prompt + max_tokens), 0 for the rest (as app.tinker.work.work_tokens; spelt out here
-because a migration must not change when the app's code does).
+because a migration must not change when the app's code does). Upgrade every process before it
+serves again: a row an old process inserts afterwards counts 0 tokens (taken as free by the claim).
 
 Revision ID: 0012
 Revises: 0011
 """
 
-import json
 from collections.abc import Sequence
-from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -21,50 +20,36 @@ down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-BACKFILL_BATCH = 500
-
-
-def _tokens(request: dict[str, Any]) -> int:
-    sampling = request.get("sampling")
-    if sampling:
-        return int(sampling["num_samples"]) * (len(sampling["prompt"]) + int(sampling["max_tokens"]))
-    return sum(len(datum["tokens"]) for datum in request.get("data") or ())
+# The count is taken in SQL: a stored request can carry a round's tokens (megabytes of JSON), and
+# reading the queue into Python to count it could take gigabytes while the service starts. Being
+# SQL, it is also written out by `alembic upgrade --sql`.
+POSTGRES_COUNT = """
+UPDATE tinker_futures SET tokens =
+    COALESCE((SELECT sum(json_array_length(d -> 'tokens'))
+              FROM json_array_elements(request -> 'data') AS d), 0)
+  + COALESCE((request -> 'sampling' ->> 'num_samples')::int
+             * (json_array_length(request -> 'sampling' -> 'prompt')
+                + (request -> 'sampling' ->> 'max_tokens')::int), 0)
+WHERE request IS NOT NULL AND json_typeof(request) = 'object'
+  AND json_typeof(COALESCE(request -> 'data', '[]')) = 'array'
+  AND json_typeof(COALESCE(request -> 'sampling', 'null')) IN ('object', 'null')
+"""
+SQLITE_COUNT = """
+UPDATE tinker_futures SET tokens =
+    COALESCE((SELECT sum(json_array_length(value, '$.tokens'))
+              FROM json_each(tinker_futures.request, '$.data')), 0)
+  + COALESCE(json_extract(request, '$.sampling.num_samples')
+             * (json_array_length(request, '$.sampling.prompt')
+                + json_extract(request, '$.sampling.max_tokens')), 0)
+WHERE request IS NOT NULL AND json_type(request) = 'object'
+"""
 
 
 def upgrade() -> None:
     op.add_column(
         "tinker_futures", sa.Column("tokens", sa.Integer(), server_default=sa.text("0"), nullable=False)
     )
-    futures = sa.table(
-        "tinker_futures",
-        sa.column("id", sa.String),
-        sa.column("request", sa.JSON),
-        sa.column("tokens", sa.Integer),
-    )
-    conn = op.get_bind()
-    last = ""
-    while True:  # in batches by id: a day of retained requests need not fit in memory at once
-        rows = conn.execute(
-            sa.select(futures.c.id, futures.c.request)
-            .where(futures.c.id > last, futures.c.request.is_not(None))
-            .order_by(futures.c.id)
-            .limit(BACKFILL_BATCH)
-        ).all()
-        if not rows:
-            break
-        counted = []
-        for row in rows:
-            request = json.loads(row.request) if isinstance(row.request, str) else row.request
-            if isinstance(request, dict) and (tokens := _tokens(request)):
-                counted.append({"key": row.id, "tokens": tokens})
-        if counted:
-            conn.execute(
-                futures.update()
-                .where(futures.c.id == sa.bindparam("key"))
-                .values(tokens=sa.bindparam("tokens")),
-                counted,
-            )
-        last = rows[-1].id
+    op.execute(POSTGRES_COUNT if op.get_context().dialect.name == "postgresql" else SQLITE_COUNT)
 
 
 def downgrade() -> None:
