@@ -21,7 +21,6 @@ import argparse
 import json
 import statistics
 import time
-import uuid
 from typing import Any
 
 from sqlalchemy import Connection, create_engine, event, inspect, text
@@ -30,6 +29,7 @@ from sqlalchemy.orm import Session
 from app import migrate
 from app.config import Settings
 from app.tinker.pool_router import claim_manual_work
+from bench.ingest import create_database, drop_database
 from contracts.tinker_work import ManualClaimIn
 
 
@@ -132,11 +132,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--pg-admin-url", default="postgresql+psycopg://root@127.0.0.1:5432/postgres")
     args = p.parse_args()
-    name = f"loraloom_bench_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(args.pg_admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = args.pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
+    url = create_database(args.pg_admin_url)
     try:
         migrate.upgrade(url)
         engine = create_engine(url)
@@ -162,9 +158,7 @@ def main() -> None:
         )
         engine.dispose()
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        drop_database(args.pg_admin_url, url)
 
 
 if __name__ == "__main__":
