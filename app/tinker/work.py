@@ -662,6 +662,20 @@ def work_tokens(item: ManualWorkItem) -> int:
     return sum(len(datum.tokens) for datum in item.data)
 
 
+DATA_KINDS = ("forward", "forward_backward", "sample")
+"""Kinds whose requests always cost tokens (a datum or a prompt has at least one)."""
+
+
+def _round_tokens(future: TinkerFuture) -> int:
+    """`future.tokens`, or, for a request that has data but counts 0, the count of its request: a
+    process still running the code from before migration 0012 writes rows without the column (its
+    default 0), which the cut would take as free. Rare and only until every process is upgraded, so
+    the lazy load of its request is acceptable."""
+    if future.tokens or future.kind not in DATA_KINDS or future.request is None:
+        return future.tokens
+    return work_tokens(ManualWorkItem.model_validate(future.request))
+
+
 def within_tokens(
     rows: Sequence[tuple[TinkerFuture, int]],
     max_tokens: int,
@@ -686,7 +700,7 @@ def within_tokens(
     for future, _ in sorted(rows, key=lambda row: row[1]):
         if turn_of(future) in left:
             continue
-        cost = future.tokens
+        cost = _round_tokens(future)
         if kept and tokens + cost > max_tokens:
             left.add(turn_of(future))
             continue

@@ -9,7 +9,7 @@ import time
 import pytest
 import tinker
 from fastapi.testclient import TestClient
-from sqlalchemy import event, func, inspect, select
+from sqlalchemy import event, func, inspect, select, update
 from tinker import types
 
 from app.config import Settings
@@ -394,3 +394,15 @@ def test_the_claim_reads_only_the_kept_requests_and_in_one_query(client, tenant,
     assert len(selected) == 1, selected
     # ... and marked running by one UPDATE (one per future before, sent as an executemany).
     assert [many for _, many in updates] == [False], updates
+
+
+def test_a_request_written_without_its_token_count_is_counted_from_its_data(client, tenant, db):
+    """A process still running the code from before migration 0012 inserts futures without `tokens`
+    (its default, 0): the cut counts their data instead of taking them as free (both 600-token
+    requests in one round of 1,024 otherwise)."""
+    pool_id = register(client)
+    model_id, headers = _model(client, tenant)
+    _queue(client, model_id, headers, sizes=[600, 600])
+    db.execute(update(TinkerFuture).where(TinkerFuture.model_id == model_id).values(tokens=0))
+    db.commit()
+    assert [i["seq_id"] for i in _claim(client, pool_id)] == [1]

@@ -3,8 +3,8 @@ cuts its rounds without loading each dealt request's JSON (one deferred load per
 
 Requests already stored get their count here: a forward_backward's tokens over its data, a sample's
 num_samples × (prompt + max_tokens), 0 for the rest (as app.tinker.work.work_tokens; spelt out here
-because a migration must not change when the app's code does). Upgrade every process before it
-serves again: a row an old process inserts afterwards counts 0 tokens (taken as free by the claim).
+because a migration must not change when the app's code does). A row an old process inserts
+afterwards counts 0 tokens; the claim counts such a row's request itself (`work._round_tokens`).
 
 Revision ID: 0012
 Revises: 0011
