@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from app.config import Settings
 from app.db import SessionDep
 from app.errors import Forbidden, RateLimited, Unauthorized, raises
-from app.key_cache import key_cache
+from app.key_cache import CachedKey, key_cache
 from app.limits import InFlight
 from app.tenants.models import ApiKey
 
@@ -111,7 +111,7 @@ def require_tenant(
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
     if key is None or key.revoked_at is not None:
         raise Unauthorized("invalid or revoked API key")
-    cache.put(digest, tenant_id=key.tenant_id, api_key_id=key.id)
+    cache.put(digest, CachedKey(tenant_id=key.tenant_id, api_key_id=key.id))
     yield from counted(request, TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id))
 
 

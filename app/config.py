@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     """How long a process trusts an API key it looked up (0: look up on every request). A key revoked
     in another process (or replica) stops working within this bound; in the revoking process, at once."""
 
+    ingest_run_cache_seconds: float = Field(default=2.0, ge=0, le=60)
+    """How long the batch route trusts an active run's config and its pool's vocabulary as it read
+    them (0: read them with every batch). The run's state and step are checked again under its row
+    lock with every batch, so an evicted or finished run takes no batch either way; within this bound
+    a batch for a run that just left may be checked (422) before it is refused (409), and a pool that
+    re-registers its base model with another vocabulary is seen by this process this much later."""
+
     @property
     def runs_dir(self) -> Path:
         return self.data_dir / "runs"

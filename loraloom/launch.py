@@ -58,11 +58,14 @@ def start_service_process(
     log_path: Path | None = None,
     workers: int = 1,
     timeout_s: float = 60.0,
+    app_dir: Path = _ROOT,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start uvicorn on 127.0.0.1:`port` in its own process group; return once /readyz answers.
 
     `env` is the child's whole environment (LORALOOM_* settings included). Raises RuntimeError,
     with the end of the log when there is one, if the service exits or is not ready in time.
+    `app_dir`: the source tree the service's `app` package is imported from (benchmarks start
+    another checkout's service beside this one's).
     """
     # The protocol and limits `loraloom serve` uses (app/serving.py), so the demo, the end-to-end
     # tests and the benchmarks run what production runs.
@@ -73,7 +76,7 @@ def start_service_process(
         process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app", "--host", "127.0.0.1"]
             + ["--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log"]
-            + [*uvicorn_cli_args(env), "--app-dir", str(_ROOT)],
+            + [*uvicorn_cli_args(env), "--app-dir", str(app_dir)],
             env=absolute_env(env),
             stdout=log,
             stderr=subprocess.STDOUT if log else None,

@@ -2,7 +2,11 @@
 
 The run's state, its config and the vocabulary size of its base model's pool come back in a single
 row (the vocabulary as a scalar subquery), so the hot path spends one round trip before the
-payload is written. The ORM `Run` of the documented route converts with `IngestRun.of`.
+payload is written, and none for an active run read in the last `ingest_run_cache_seconds`
+(`cached_ingest_run`): what the read gives the route before the payload is written (the config,
+the vocabulary, an early refusal) need not be current, because the insert statement reads the
+run's state again under its row lock (app/batches/one_statement.py) and refuses a run that left.
+The ORM `Run` of the documented route converts with `IngestRun.of`.
 """
 
 from dataclasses import dataclass
@@ -10,13 +14,15 @@ from typing import Any
 
 from sqlalchemy import ScalarSelect, Select, bindparam, select
 from sqlalchemy.orm import Session
+from starlette.datastructures import State
 
 from app.db import pg_execute
 from app.errors import NotFound
 from app.pools.models import Pool
 from app.runs.models import Run
+from app.ttl_cache import TtlCache, state_cache
 from contracts.ids import is_run_id
-from contracts.status import PoolStatus
+from contracts.status import PoolStatus, RunStatus
 
 
 @dataclass(frozen=True)
@@ -88,3 +94,26 @@ def load_ingest_run(session: Session, *, tenant_id: str, run_id: str) -> IngestR
     if row is None:
         raise NotFound(f"run {run_id} not found")
     return IngestRun(*row)
+
+
+IngestRunCache = TtlCache[tuple[str, str], IngestRun]
+"""(tenant id, run id) → the run as read, active runs only."""
+
+
+def ingest_run_cache(state: State, ttl_s: float) -> IngestRunCache:
+    """The app's cache of runs read by the batch route."""
+    cache: IngestRunCache = state_cache(state, "ingest_run_cache", ttl_s)
+    return cache
+
+
+def cached_ingest_run(session: Session, cache: IngestRunCache, *, tenant_id: str, run_id: str) -> IngestRun:
+    """`load_ingest_run`, or the same run as read within the cache's bound. Only active runs are
+    kept (a refusal is read fresh every time); the caller drops an entry whose run turned out to
+    have left (`cache.pop`)."""
+    key = (tenant_id, run_id)
+    run = cache.get(key)
+    if run is None:
+        run = load_ingest_run(session, tenant_id=tenant_id, run_id=run_id)
+        if run.status == RunStatus.ACTIVE:
+            cache.put(key, run)
+    return run

@@ -33,9 +33,10 @@ from starlette.responses import Response
 
 from app.auth import hash_key
 from app.batches import service
-from app.batches.ingest_run import load_ingest_run
+from app.batches.ingest_run import cached_ingest_run, ingest_run_cache
 from app.batches.schemas import JSON_CONTENT_TYPES, MSGPACK_CONTENT_TYPES, BatchOut
 from app.config import Settings
+from app.errors import Conflict, NotFound
 from app.front import HotRoute
 from app.key_cache import key_cache
 from app.limits import InFlight
@@ -135,18 +136,25 @@ async def _submit(request: Request, lean: _Lean, body: bytes) -> Response:
 
 def _submit_in_thread(request: Request, lean: _Lean, body: bytes) -> service.SubmitResult:
     state = request.app.state
+    settings: Settings = state.settings
+    runs = ingest_run_cache(state, settings.ingest_run_cache_seconds)
     with state.session_factory() as session:
         try:
-            run = load_ingest_run(session, tenant_id=lean.tenant_id, run_id=lean.run_id)
+            run = cached_ingest_run(session, runs, tenant_id=lean.tenant_id, run_id=lean.run_id)
             result = service.submit_batch(
                 session,
-                settings=state.settings,
+                settings=settings,
                 run=run,
                 body=body,
                 msgpack=lean.msgpack,
                 idempotency_key=lean.idempotency_key,
             )
             session.commit()
+        except (NotFound, Conflict) as refusal:
+            session.rollback()
+            if isinstance(refusal, NotFound) or refusal.code in service.RUN_MOVED:
+                runs.pop((lean.tenant_id, lean.run_id))  # read it again next time (an early refusal)
+            raise
         except BaseException:
             session.rollback()
             raise

@@ -25,9 +25,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import JSON, Connection, text
-from sqlalchemy.exc import NoResultFound
 
 from app.db import pg_execute
+from app.errors import NotFound
 from app.rollouts.service import StepStats
 from contracts.status import BatchState, RunStatus
 
@@ -117,8 +117,8 @@ def reserve_and_insert(
             "max_pending_bytes": max_pending_bytes,
         },
     )
-    if row is None:  # pragma: no cover - run rows are never deleted (as `.one()` raised before)
-        raise NoResultFound("No row was found when one was required")
+    if row is None:  # the run was deleted with its tenant since it was read
+        raise NotFound(f"run {values['run_id']} not found")
     created_at = values["created_at"]
     assert isinstance(created_at, datetime)
     (submitted, status, step, eviction_reason, evicted_by, pending_batches, pending_bytes, batch_id) = row[:8]

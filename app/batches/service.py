@@ -27,7 +27,7 @@ from app.batches.one_statement import reserve_and_insert
 from app.batches.storage import StoredPayload, discard_payload, write_payload
 from app.config import Settings
 from app.db import conflict_insert, utcnow
-from app.errors import Conflict, RateLimited
+from app.errors import Conflict, NotFound, RateLimited
 from app.limits import PENDING_RETRY_AFTER_SECONDS
 from app.rollouts.service import add_batch as add_rollout_batch
 from app.runs.models import Run
@@ -92,6 +92,10 @@ class _RunState:
     @classmethod
     def of(cls, run: IngestRun) -> "_RunState":
         return cls(run.id, run.status, run.step, run.eviction_reason, run.evicted_by)
+
+
+RUN_MOVED = frozenset({"run_evicted", "run_not_active", "stale_batch"})
+"""The refusals that say the run left or trained past the batch since it was read."""
 
 
 def _check_status(run: _RunState) -> None:
@@ -222,6 +226,17 @@ def submit_batch(
             stored=stored,
             idempotency_key=idempotency_key,
         )
+    except Conflict as refusal:
+        discard_payload(settings, stored.relative_path)
+        # The run moved after `run` was read (a cached read may be seconds old:
+        # app/batches/ingest_run.py): a retry of a request it accepted before still gets its batch.
+        if idempotency_key is None or refusal.code not in RUN_MOVED:
+            raise
+        session.rollback()  # the statement's reservation
+        existing = _replay(session, run_id=run.id, idempotency_key=idempotency_key, request_hash=digest)
+        if existing is None:
+            raise
+        return SubmitResult(existing, created=False)
     except BaseException:
         discard_payload(settings, stored.relative_path)
         raise
@@ -379,7 +394,9 @@ def _reserve_then_insert(
         .values(submitted_samples=Run.submitted_samples + num_samples)
         .returning(Run.submitted_samples, Run.status, Run.step, Run.eviction_reason, Run.evicted_by)
         .execution_options(synchronize_session=False)
-    ).one()
+    ).one_or_none()
+    if locked is None:  # deleted with its tenant since it was read
+        raise NotFound(f"run {run_id} not found")
     state = _RunState(run_id, locked.status, locked.step, locked.eviction_reason, locked.evicted_by)
     _check_status(state)  # the run may have moved while the file was written
     _check_fresh(state, batch, config)

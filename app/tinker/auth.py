@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from app.auth import TenantPrincipal, counted, hash_key
 from app.db import SessionDep
 from app.errors import RateLimited, Unauthorized, raises
-from app.key_cache import key_cache
+from app.key_cache import CachedKey, key_cache
 from app.tenants.models import ApiKey
 
 TINKER_KEY_PREFIX = "tml-"
@@ -43,7 +43,7 @@ def tinker_tenant(session: Session, request: Request) -> TenantPrincipal:
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
     if key is None or key.revoked_at is not None:
         raise Unauthorized("invalid or revoked API key")
-    cache.put(digest, tenant_id=key.tenant_id, api_key_id=key.id)
+    cache.put(digest, CachedKey(tenant_id=key.tenant_id, api_key_id=key.id))
     return TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
 
 
