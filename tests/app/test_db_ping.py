@@ -3,6 +3,7 @@ socket has something to read, and a connection the server dropped is replaced be
 meets it, even one used a moment before."""
 
 import time
+from typing import Any
 
 import psycopg
 import pytest
@@ -25,11 +26,11 @@ def _engine(settings: Settings, idle_seconds: float) -> tuple[Engine, list[objec
     pings: list[object] = []
     real_ping = engine.dialect.do_ping
 
-    def counting_ping(dbapi_conn: object) -> bool:
+    def counting_ping(dbapi_conn: Any) -> bool:
         pings.append(dbapi_conn)
         return real_ping(dbapi_conn)
 
-    engine.dialect.do_ping = counting_ping  # type: ignore[method-assign]
+    engine.dialect.do_ping = counting_ping  # type: ignore[method-assign,assignment]
     return engine, pings
 
 
@@ -39,7 +40,9 @@ def _backend_pid(engine: Engine) -> int:
 
 
 def _admin(settings: Settings) -> psycopg.Connection:
-    return psycopg.connect(settings.database_url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True)
+    return psycopg.connect(
+        settings.database_url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True
+    )
 
 
 def _terminate(settings: Settings, pids: list[int] | None = None) -> None:
@@ -56,7 +59,9 @@ def _terminate(settings: Settings, pids: list[int] | None = None) -> None:
         for pid in pids:
             admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
         deadline = time.monotonic() + 10
-        while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)).fetchone() != (0,):
+        while admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)
+        ).fetchone() != (0,):
             assert time.monotonic() < deadline, "the backends did not exit"
             time.sleep(0.01)
 
