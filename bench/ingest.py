@@ -213,6 +213,16 @@ def start_service(
     return start_service_process(env=env, port=free_port(), log_path=log_path, workers=workers)
 
 
+def stop_service(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (uvicorn's clean shutdown), then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def tree_cpu_seconds(pid: int) -> tuple[float, float]:
     """(user + system, system) CPU seconds of a process and its live descendants (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -415,12 +425,8 @@ def main(argv: list[str] | None = None) -> None:
         assert count == len(configs) * (len(batches) + len(warm)), count
         assert hashlib.sha256((workdir / "data" / path).read_bytes()).hexdigest() == digest
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if proc is not None:
+            stop_service(proc)
         drop_database(args.pg_admin_url, database_url)
         shutil.rmtree(workdir, ignore_errors=True)
 

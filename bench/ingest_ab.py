@@ -19,7 +19,6 @@ import argparse
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from bench.ingest import (
     post_all,
     raw_write,
     seed,
+    stop_service,
     tree_cpu_seconds,
 )
 from loraloom.launch import free_port, start_service_process
@@ -112,12 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {r + 1}: raw {raw_rate:,.0f} samples/s; " + "; ".join(line), file=sys.stderr)
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_service(proc)
         drop_database(args.pg_admin_url, url)
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from bench.ingest import (
     measure_rounds,
     parse_args,
     post_all,
+    stop_service,
     table,
 )
 from contracts.durable import atomic_write_bytes
@@ -159,12 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         targets = [(result, "-", f"run_{result.clients}") for result in floors]
         measure_rounds(batches, args.rounds, raw_dir, raw, targets, url=url, pid=proc.pid)
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        if proc is not None:
+            stop_service(proc)
         drop_database(args.pg_admin_url, database_url)
         shutil.rmtree(workdir, ignore_errors=True)
     print(table([raw, *floors]).replace("| service |", "| floor app |"))
