@@ -150,6 +150,10 @@ def _submit_in_thread(request: Request, lean: _Lean, body: bytes) -> service.Sub
                 idempotency_key=lean.idempotency_key,
             )
             session.commit()
+            if not result.created:
+                # A replay may answer for a run that has left since (service.submit_batch): read the
+                # run again next time rather than write one more payload that its lock refuses.
+                runs.pop((lean.tenant_id, lean.run_id))
         except (NotFound, Conflict) as refusal:
             session.rollback()
             if isinstance(refusal, NotFound) or refusal.code in service.RUN_MOVED:
