@@ -52,6 +52,10 @@ class WorkerSettings(BaseSettings):
     """Weights' dtype: auto = bf16 on CUDA, fp32 on the CPU."""
     attention: Literal["auto", "packed", "flash_attention_2", "sdpa", "eager"] = "auto"
     """Attention kernel: auto = flash-attention 2 on CUDA when installed, else packed SDPA."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them
+    (`MultiLoRA.enable_gradient_checkpointing`): activation memory per layer drops to its input, at
+    about one more forward per step; every run's gradients are unchanged. For long rows on a GPU."""
 
     # -- pool -----------------------------------------------------------------------------------
     slots: int = Field(

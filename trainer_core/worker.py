@@ -108,6 +108,7 @@ class WorkerArgs:
     device: str = "auto"
     dtype: str = "auto"
     attention: str = "auto"
+    gradient_checkpointing: bool = False
     exit_when_idle_s: float | None = None
     """Stop after this long with no active run and nothing buffered (tests, benchmarks)."""
     heartbeat_file: Path | None = None
@@ -134,6 +135,7 @@ class WorkerArgs:
             device=s.device,
             dtype=s.dtype,
             attention=s.attention,
+            gradient_checkpointing=s.gradient_checkpointing,
             exit_when_idle_s=s.exit_when_idle,
             heartbeat_file=s.heartbeat_file,
             sampler_url=s.sampler_url,
@@ -262,6 +264,9 @@ class PoolTrainer:
         self.model = cast(nn.Module, base)
         self.model.to(device)
         self.lora = apply_multi_lora(self.model, args.target_modules, args.slots, args.max_rank)
+        if args.gradient_checkpointing:
+            self.lora.enable_gradient_checkpointing()
+            log.info("rank %d: gradient checkpointing on (layers recomputed in the backward)", world.rank)
         self.model.train()
         self.optimizer = MultiRunOptimizer(args.slots)
         # One linear critic per slot, used by runs with GAE advantages (trainer_core.critic).

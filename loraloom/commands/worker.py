@@ -27,8 +27,8 @@ LOOP = "Loop"
 LAUNCH = "Launcher"
 
 
-def _opt(panel: str, help: str, **kw: Any) -> Any:
-    return typer.Option(help=help, rich_help_panel=panel, show_default=False, **kw)
+def _opt(panel: str, help: str, *decls: str, **kw: Any) -> Any:
+    return typer.Option(*decls, help=help, rich_help_panel=panel, show_default=False, **kw)
 
 
 def worker(
@@ -66,6 +66,15 @@ def worker(
     dtype: Annotated[str | None, _opt(MODEL, "auto, fp32 or bf16 [LORALOOM_DTYPE].")] = None,
     attention: Annotated[
         str | None, _opt(MODEL, "auto, packed, flash_attention_2, sdpa or eager [LORALOOM_ATTENTION].")
+    ] = None,
+    gradient_checkpointing: Annotated[
+        bool | None,
+        _opt(
+            MODEL,
+            "Recompute layers in the backward instead of keeping their activations: less memory, about "
+            "one more forward per step [LORALOOM_GRADIENT_CHECKPOINTING] (off).",
+            "--gradient-checkpointing",  # on only: a --no- twin would squeeze the help's columns
+        ),
     ] = None,
     slots: Annotated[
         int | None, _opt(POOL, "Concurrent runs (LoRA slots) [LORALOOM_MAX_CONCURRENT_RUNS] (4).")

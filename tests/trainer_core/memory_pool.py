@@ -2,6 +2,7 @@
 it is idle. The service is tested end to end in tests/e2e; these tests need only the pool's side."""
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -12,9 +13,9 @@ from trainer_core.memory_client import MemoryPoolClient
 from trainer_core.worker import PoolTrainer, WorkerArgs
 
 
-def train_in_memory(client: MemoryPoolClient, tmp_path: Path) -> PoolTrainer:
+def train_in_memory(client: MemoryPoolClient, tmp_path: Path, **settings: Any) -> PoolTrainer:
     """Train every run of `client` on a 2-slot pool until nothing is left (exits after 0.3 s idle).
-    An exception from `run()` is the pool dying: it propagates."""
+    An exception from `run()` is the pool dying: it propagates. `settings`: further `WorkerArgs`."""
     args = WorkerArgs(
         url="memory",
         token="memory",
@@ -26,6 +27,7 @@ def train_in_memory(client: MemoryPoolClient, tmp_path: Path) -> PoolTrainer:
         pack_timeout_s=0.05,
         poll_interval_s=0.01,
         exit_when_idle_s=0.3,
+        **settings,
     )
     trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
     try:

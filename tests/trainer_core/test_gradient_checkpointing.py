@@ -1,12 +1,20 @@
 """Gradient checkpointing (`MultiLoRA.enable_gradient_checkpointing`): the recomputed forward routes
-tokens to the same slots as the original, so every run's LoRA gradients are those without it."""
+tokens to the same slots as the original, so every run's LoRA gradients are those without it; and the
+pool's setting (`WorkerSettings.gradient_checkpointing`) turns it on in the real PoolTrainer."""
+
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load as load_safetensors
 from torch.utils.checkpoint import CheckpointError
 
+from contracts.run_config import RunConfig
 from contracts.wire import TrainingBatch, TrainingSample
-from trainer_core.lora import MultiLoRA, apply_multi_lora
+from tests.e2e.helpers import run_config, synthetic_batch
+from tests.trainer_core.memory_pool import train_in_memory
+from trainer_core.lora import MultiLoRA, MultiLoRALinear, apply_multi_lora
+from trainer_core.memory_client import MemoryPoolClient
 from trainer_core.modeling import forward_packed
 from trainer_core.models.tiny import build_model
 from trainer_core.packing import MicroBatch, Packer
@@ -136,3 +144,40 @@ def test_checkpointing_is_off_in_eval_mode():
     with handle.segments(row.slot_token_counts):
         loss_of(forward_packed(model, row)).backward()
     assert calls[0] == 1
+
+
+def _pool_layer_calls(tmp_path: Path, *, gradient_checkpointing: bool) -> tuple[MemoryPoolClient, int]:
+    """Two runs trained by the real PoolTrainer with the setting as given; the multi-LoRA layers'
+    forward calls over the whole training (a recomputation in the backward is a call more)."""
+    config = RunConfig.model_validate(run_config(max_steps=2, seed=5)).model_dump(mode="json")
+    payloads = [[synthetic_batch(run * 10 + step, n_samples=4) for step in range(2)] for run in range(2)]
+    client = MemoryPoolClient(payloads, config)
+    calls = [0]
+
+    def count(module: torch.nn.Module, *_: object) -> None:
+        calls[0] += isinstance(module, MultiLoRALinear)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        train_in_memory(client, tmp_path, gradient_checkpointing=gradient_checkpointing)
+    finally:
+        handle.remove()
+    return client, calls[0]
+
+
+def test_the_pool_setting_recomputes_layers_and_trains_the_same_adapters(tmp_path: Path) -> None:
+    """`gradient_checkpointing` (LORALOOM_GRADIENT_CHECKPOINTING, `loraloom worker
+    --gradient-checkpointing`) reaches the pool's model: the layers run again in the backward, and
+    every run's published adapter is the one trained without it."""
+    plain, plain_calls = _pool_layer_calls(tmp_path / "plain", gradient_checkpointing=False)
+    recomputed, recomputed_calls = _pool_layer_calls(tmp_path / "recomputed", gradient_checkpointing=True)
+
+    assert plain_calls > 0
+    assert recomputed_calls > plain_calls, "no layer was recomputed: the setting did not reach the model"
+    assert sorted(recomputed.adapters) == sorted(plain.adapters) == ["run_000000000000", "run_000000000001"]
+    assert not recomputed.evictions
+    for run_id, data in plain.adapters.items():
+        want, got = load_safetensors(data), load_safetensors(recomputed.adapters[run_id])
+        assert any(v.abs().max() > 0 for k, v in want.items() if "lora_B" in k)  # it trained
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6, msg=f"{run_id} {key}")

@@ -29,6 +29,7 @@ CASES: dict[str, tuple[str, str, str, object]] = {
     "device": ("LORALOOM_DEVICE", "cuda", "cpu", "cpu"),
     "dtype": ("LORALOOM_DTYPE", "bf16", "fp32", "fp32"),
     "attention": ("LORALOOM_ATTENTION", "eager", "sdpa", "sdpa"),
+    "gradient_checkpointing": ("LORALOOM_GRADIENT_CHECKPOINTING", "true", "false", False),
     "slots": ("LORALOOM_MAX_CONCURRENT_RUNS", "7", "3", 3),
     "max_rank": ("LORALOOM_MAX_RANK", "32", "8", 8),
     "target_modules": ("LORALOOM_TARGET_MODULES", "q_proj,v_proj", "up_proj", ("up_proj",)),
