@@ -39,3 +39,13 @@ def drop_postgres_database(url: str) -> None:
     with admin.connect() as conn:
         conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+class FakeClock:
+    """A clock for code that takes one (`clock=`): it reads `now`, which the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now

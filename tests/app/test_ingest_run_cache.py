@@ -17,7 +17,7 @@ from app.runs.models import Run
 from app.tenants.models import Tenant
 from tests.app.api import batch_body, post_batch
 from tests.app.factories import Seeded, add_pool, batch_count, committed, rollout_files, seed_run
-from tests.app.test_key_cache import FakeClock
+from tests.common import FakeClock
 
 
 @pytest.fixture

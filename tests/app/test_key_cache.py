@@ -9,14 +9,7 @@ from app.key_cache import ApiKeyCache, key_cache
 from app.tenants.models import ApiKey
 from tests.app.api import ADMIN_HEADERS, new_tenant
 from tests.app.factories import committed
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.common import FakeClock
 
 
 def _use_clock(app, ttl: float) -> FakeClock:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from contracts.wire import TrainingBatch, TrainingSample
+from tests.common import FakeClock
 from trainer_core.packing import (
     InvalidSampleError,
     MicroBatch,
@@ -16,14 +17,6 @@ from trainer_core.packing import (
 )
 
 torch.set_num_threads(1)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def sample(
