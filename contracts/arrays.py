@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from contracts.wire import (
+    MAX_ABS_SCALAR,
     MAX_EXAMPLES_PER_BATCH,
     MAX_LABEL_CHARS,
     MAX_SAMPLE_METRICS,
@@ -285,7 +286,7 @@ def _all_finite(values: npt.NDArray[np.generic]) -> bool:
 class _Parts:
     """A batch's per-token bytes gathered by the kind of check they get (see `_trainable`)."""
 
-    __slots__ = ("floats", "ids", "logprobs", "masks", "scalars", "weights")
+    __slots__ = ("bounded", "floats", "ids", "logprobs", "masks", "scalars", "weights")
 
     def __init__(self) -> None:
         self.ids: list[bytes] = []  # in [0, limit)
@@ -294,6 +295,7 @@ class _Parts:
         self.weights: list[bytes] = []  # finite and >= 0
         self.logprobs: list[bytes] = []  # finite and <= 0 (full checks only)
         self.scalars: list[float] = []  # finite
+        self.bounded: list[float] = []  # rewards, metric values: finite, |x| <= MAX_ABS_SCALAR
 
 
 def _gather(s: ArraySample, parts: _Parts, *, seq_len: int, full: bool) -> bool:
@@ -331,11 +333,11 @@ def _gather(s: ArraySample, parts: _Parts, *, seq_len: int, full: bool) -> bool:
                 return False
             into.append(extra)
     if s.reward is not None:
-        parts.scalars.append(s.reward)
+        parts.bounded.append(s.reward)
     if s.metrics:
         if not _metrics_fit(s.metrics):
             return False
-        parts.scalars += s.metrics.values()
+        parts.bounded += s.metrics.values()
     parts.ids += (prompt, completion)
     parts.masks += (s.prompt_mask, s.completion_mask)
     parts.logprobs.append(s.completion_logprobs)
@@ -344,7 +346,7 @@ def _gather(s: ArraySample, parts: _Parts, *, seq_len: int, full: bool) -> bool:
 
 def _metrics_fit(metrics: dict[str, float]) -> bool:
     return len(metrics) <= MAX_SAMPLE_METRICS and all(
-        name and len(name) <= MAX_LABEL_CHARS for name in metrics
+        name and len(name) <= MAX_LABEL_CHARS and "\x00" not in name for name in metrics
     )
 
 
@@ -358,6 +360,12 @@ def _within(
     if dtype.kind == "f" and not _all_finite(values):
         return False
     return (low is None or float(values.min()) >= low) and (high is None or float(values.max()) <= high)
+
+
+def _bounded(values: list[float]) -> bool:
+    """Every value finite and within ±MAX_ABS_SCALAR (NaN fails the comparison)."""
+    magnitudes = np.abs(np.asarray(values, dtype=np.float64))
+    return bool((magnitudes <= MAX_ABS_SCALAR).all())
 
 
 def _trainable(batch: ArrayBatch, *, seq_len: int, vocab_size: int | None, full: bool) -> bool:
@@ -375,6 +383,7 @@ def _trainable(batch: ArrayBatch, *, seq_len: int, vocab_size: int | None, full:
         and _within(parts.floats, FLOAT_DTYPE)
         and _within(parts.weights, FLOAT_DTYPE, low=0.0)
         and (not parts.scalars or _all_finite(np.asarray(parts.scalars, dtype=np.float64)))
+        and (not parts.bounded or _bounded(parts.bounded))
         and (not full or _within(parts.logprobs, FLOAT_DTYPE, high=0.0))
     )
 

@@ -66,6 +66,30 @@ MAX_LABEL_CHARS = 256
 MAX_SAMPLE_METRICS = 16
 """Most names in one sample's `metrics`."""
 
+MAX_BATCH_STEP = 2**31 - 1
+"""Largest rollout `step` (the service stores it in a 32-bit column)."""
+
+MAX_ABS_SCALAR = 3.4028234663852886e38
+"""Largest magnitude of a `reward` or a metric value: float32's largest finite value. The trainer
+reads rewards as float32, and the service's per-step statistics of rewards and metrics (sums of
+squared deviations, in float64) cannot overflow for values within it."""
+
+
+def _label_problem(label: str) -> str | None:
+    if len(label) > MAX_LABEL_CHARS:
+        return f"is longer than {MAX_LABEL_CHARS} characters"
+    if "\x00" in label:  # Postgres text cannot hold one
+        return "must not contain a NUL character"
+    return None
+
+
+def _scalar_problem(value: float) -> str | None:
+    if not math.isfinite(value):
+        return "is not finite"
+    if abs(value) > MAX_ABS_SCALAR:
+        return f"is beyond float32's range (|value| <= {MAX_ABS_SCALAR:.7g})"
+    return None
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -212,16 +236,18 @@ def _optional_value_problems(sample: TrainingSample) -> list[tuple[str, str]]:
     if sample.weights and not out and min(sample.weights) < 0.0:
         pos = next(i for i, w in enumerate(sample.weights) if w < 0.0)
         out.append(("weights", f"weights value {sample.weights[pos]!r} at position {pos} is negative"))
-    if sample.reward is not None and not math.isfinite(sample.reward):
-        out.append(("reward", f"reward is {sample.reward!r}"))
+    if sample.reward is not None and (problem := _scalar_problem(sample.reward)) is not None:
+        out.append(("reward", f"reward {sample.reward!r} {problem}"))
     metrics = sample.metrics or {}
     if len(metrics) > MAX_SAMPLE_METRICS:
         out.append(("metrics", f"metrics has {len(metrics)} names; at most {MAX_SAMPLE_METRICS}"))
     for name, value in metrics.items():
         if not name or len(name) > MAX_LABEL_CHARS:
             out.append(("metrics", f"metric name {name[:40]!r} must have 1 to {MAX_LABEL_CHARS} characters"))
-        elif not math.isfinite(value):
-            out.append(("metrics", f"metric {name!r} is {value!r}"))
+        elif "\x00" in name:
+            out.append(("metrics", f"metric name {name[:40]!r} must not contain a NUL character"))
+        elif (problem := _scalar_problem(value)) is not None:
+            out.append(("metrics", f"metric {name!r} value {value!r} {problem}"))
     return out
 
 
@@ -249,12 +275,12 @@ def batch_field_problems(batch: TrainingBatch) -> list[Problem]:
         )
     if not (math.isfinite(batch.temperature) and batch.temperature > 0.0):
         out.append(Problem(None, "temperature", f"must be a finite number > 0, not {batch.temperature!r}"))
-    if batch.step < 0:
-        out.append(Problem(None, "step", f"must be >= 0, not {batch.step}"))
+    if not 0 <= batch.step <= MAX_BATCH_STEP:
+        out.append(Problem(None, "step", f"must be in [0, {MAX_BATCH_STEP}], not {batch.step}"))
     for name in ("env", "agent"):
         label = getattr(batch, name)
-        if label is not None and len(label) > MAX_LABEL_CHARS:
-            out.append(Problem(None, name, f"is longer than {MAX_LABEL_CHARS} characters"))
+        if label is not None and (problem := _label_problem(label)) is not None:
+            out.append(Problem(None, name, problem))
     return out
 
 

@@ -12,9 +12,13 @@ the same batch sent as JSON and as binary stores the same bytes under the same d
 import hashlib
 from dataclasses import dataclass
 
-import msgspec
-
-from app.batches.validation import _problem_from_msgspec, decode_and_validate, decode_batch, reject
+from app.batches.validation import (
+    DECODE_ERRORS,
+    _problem_from_msgspec,
+    decode_and_validate,
+    decode_batch,
+    reject,
+)
 from app.errors import ValidationFailed
 from contracts.arrays import (
     MAX_TOKEN_ID,
@@ -35,10 +39,10 @@ class Ingested:
     sha256: str
 
 
-def _decode_binary(body: bytes) -> tuple[ArrayBatch | None, msgspec.MsgspecError | None]:
+def _decode_binary(body: bytes) -> tuple[ArrayBatch | None, Exception | None]:
     try:
         return array_batch_decoder.decode(body), None
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         return None, exc
 
 

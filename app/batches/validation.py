@@ -25,6 +25,7 @@ import msgspec
 from app.errors import ValidationFailed
 from contracts.pool_api import INT32_MAX
 from contracts.wire import (
+    MAX_ABS_SCALAR,
     MAX_EXAMPLES_PER_BATCH,
     MAX_LABEL_CHARS,
     MAX_SAMPLE_METRICS,
@@ -57,8 +58,15 @@ def reject(problems: Sequence[Problem]) -> ValidationFailed:
     )
 
 
-def _problem_from_msgspec(exc: msgspec.MsgspecError) -> Problem:
+DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError)
+"""What decoding a body may raise on bad input: msgspec's own errors, and (msgpack) a string that is
+not UTF-8, which msgspec raises as Python's UnicodeDecodeError."""
+
+
+def _problem_from_msgspec(exc: Exception) -> Problem:
     """Turn msgspec's `... - at `$.examples[3].prompt_ids[2]`` into (sample 3, field prompt_ids)."""
+    if isinstance(exc, UnicodeDecodeError):  # no path: msgspec raises it from inside the string
+        return Problem(None, "body", f"a string is not valid UTF-8 ({exc.reason})")
     text = str(exc)
     match = _AT_RE.match(text)
     message = match.group("msg") if match else text
@@ -82,7 +90,7 @@ def decode_batch(body: bytes, *, msgpack: bool) -> TrainingBatch:
         raise reject([Problem(None, "body", "request body is empty; expected a TrainingBatch")])
     try:
         return batch_msgpack_decoder.decode(body) if msgpack else batch_json_decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise reject([_problem_from_msgspec(exc)]) from None
 
 
@@ -93,10 +101,12 @@ _MAX_FLOAT = sys.float_info.max
 _Finite = Annotated[float, msgspec.Meta(ge=-_MAX_FLOAT, le=_MAX_FLOAT)]
 _LogProb = Annotated[float, msgspec.Meta(ge=-_MAX_FLOAT, le=0.0)]
 _Temperature = Annotated[float, msgspec.Meta(gt=0.0, le=_MAX_FLOAT)]
-_Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS)]
+_NO_NUL = "^[^\x00]*$"  # Postgres text cannot hold a NUL (JSON bodies are also checked before the route)
+_Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS, pattern=_NO_NUL)]
 _Weight = Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_FLOAT)]
-_MetricName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LABEL_CHARS)]
-_SampleMetrics = Annotated[dict[_MetricName, _Finite], msgspec.Meta(max_length=MAX_SAMPLE_METRICS)]
+_Scalar = Annotated[float, msgspec.Meta(ge=-MAX_ABS_SCALAR, le=MAX_ABS_SCALAR)]  # rewards, metric values
+_MetricName = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_LABEL_CHARS, pattern=_NO_NUL)]
+_SampleMetrics = Annotated[dict[_MetricName, _Scalar], msgspec.Meta(max_length=MAX_SAMPLE_METRICS)]
 
 
 @lru_cache(maxsize=64)
@@ -121,7 +131,7 @@ def _constrained_decoders(
             ("completion_logprobs", list[_LogProb]),
             ("advantage", _Finite | list[_Finite] | None, None),
             ("teacher_logprobs", list[_LogProb] | None, None),
-            ("reward", _Finite | None, None),
+            ("reward", _Scalar | None, None),
             ("token_rewards", list[_Finite] | None, None),
             ("weights", list[_Weight] | None, None),
             ("metrics", _SampleMetrics | None, None),
@@ -155,7 +165,7 @@ def decode_and_validate(body: bytes, *, msgpack: bool, seq_len: int, vocab_size:
     json_decoder, msgpack_decoder = _constrained_decoders(vocab_size)
     try:
         batch: TrainingBatch = msgpack_decoder.decode(body) if msgpack else json_decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         # Slow path, bad input only: decode without constraints and check every rule in Python.
         problems = batch_problems(decode_batch(body, msgpack=msgpack), seq_len=seq_len, vocab_size=vocab_size)
         raise reject(problems or [_problem_from_msgspec(exc)]) from None

@@ -197,6 +197,8 @@ BAD_INPUTS = [
     Bad("temperature_nan", _set_batch(temperature=NAN), None, "temperature", msgpack=True),
     Bad("temperature_inf", _set_batch(temperature=INF), None, "temperature", msgpack=True),
     Bad("step_negative", _set_batch(step=-1), None, "step"),
+    Bad("step_beyond_int32", _set_batch(step=2**31), None, "step"),  # a 32-bit column
+    Bad("env_nul", _set_batch(env="e\x00"), None, "env", msgpack=True),  # JSON: the request guard's 422
     Bad("env_too_long", _set_batch(env="e" * 1000), None, "env"),
     Bad("empty_prompt", _set_sample(1, prompt_ids=[], prompt_mask=[]), 1, "prompt_ids"),
     Bad(
@@ -246,6 +248,8 @@ BAD_INPUTS = [
     Bad("token_wrong_type", _set_sample(1, prompt_ids=[1, "a", 2, 3]), 1, "prompt_ids"),
     Bad("mask_wrong_type", _set_sample(1, prompt_mask=[0, 0, 0, 0]), 1, "prompt_mask"),
     Bad("reward_nan", _set_sample(1, reward=NAN), 1, "reward", msgpack=True),
+    # Finite, but the per-step statistics' squared deviations would overflow (a 500 and a poisoned step).
+    Bad("reward_beyond_float32", _set_sample(1, reward=1e200), 1, "reward"),
     Bad("token_rewards_length", _set_sample(1, token_rewards=[1.0]), 1, "token_rewards"),
     Bad("token_rewards_inf", _set_sample(1, token_rewards=[0.0, INF, 0.0]), 1, "token_rewards", msgpack=True),
     Bad("weights_length", _set_sample(1, weights=[1.0, 1.0]), 1, "weights"),
@@ -253,6 +257,8 @@ BAD_INPUTS = [
     Bad("metrics_too_many", _set_sample(1, metrics={f"m{i}": 1.0 for i in range(17)}), 1, "metrics"),
     Bad("metric_name_empty", _set_sample(1, metrics={"": 1.0}), 1, "metrics"),
     Bad("metric_nan", _set_sample(1, metrics={"ok": NAN}), 1, "metrics", msgpack=True),
+    Bad("metric_beyond_float32", _set_sample(1, metrics={"ok": -1e300}), 1, "metrics"),
+    Bad("metric_name_nul", _set_sample(1, metrics={"a\x00b": 1.0}), 1, "metrics", msgpack=True),
     Bad("unknown_sample_field", _set_sample(1, score=1.0), 1, "score"),
     Bad("missing_sample_field", _del_sample(1, "completion_mask"), 1, "completion_mask"),
     Bad("unknown_batch_field", _set_batch(rewards=[1]), None, "rewards"),
@@ -298,6 +304,7 @@ def test_bad_input_rejected_whole_and_nothing_stored(settings, client, validatin
     [
         ("malformed_json", b'{"examples": [', "application/json", 422),
         ("malformed_msgpack", b"\xc1\xc1", MSGPACK, 422),
+        ("msgpack_string_not_utf8", b"\x81\xa2\xff\xfe\x00", MSGPACK, 422),
         ("empty_body", b"", "application/json", 422),
         ("json_array", b"[1, 2]", "application/json", 422),
         ("unsupported_type", b"examples=1", "application/x-www-form-urlencoded", 415),
