@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.errors import UnsupportedMediaType, ValidationFailed
-from app.request_guard import nul_path, too_deep
+from app.request_guard import nested_deeper, nul_path, too_deep
 from app.runs.models import Run
 from app.timestamps import UtcDatetime
 from contracts.pool_api import InitFrom
@@ -181,6 +181,8 @@ def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
         raise UnsupportedMediaType(
             f"unsupported Content-Type {media_type!r}; send application/json or application/toml"
         )
+    if nested_deeper(data):  # TOML's dotted headers nest without brackets the byte scan would count
+        raise _malformed("TOML" if media_type in TOML_CONTENT_TYPES else "JSON", "nested too deeply")
     if not isinstance(data, dict):
         raise ValidationFailed(
             "the body must be an object with `name` and `config`",
