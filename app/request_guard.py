@@ -13,6 +13,9 @@ and so before any database session opens.
   2 GB of memory); bodies over 1 MiB are checked in a worker thread, so the event loop serves the
   others meanwhile (numpy releases the GIL).
 - The query string and path may not hold a NUL either (422 naming the parameter).
+- A body with a Content-Encoding other than identity is refused (415): no route decodes one, and
+  a compressed body read as it is would be misreported (a gzip batch as "not UTF-8"), a body
+  labelled gzip but sent plain accepted.
 
 Every refusal is the uniform error body of app/errors.py.
 """
@@ -66,6 +69,10 @@ class BodyGuard:
             await _refuse(send, 422, problem)
             return None
         headers = dict(scope.get("headers") or [])
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"identity", b""):
+            await _refuse(send, 415, _encoded(encoding))
+            return None
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _refuse(send, 413, _too_large(self.max_body_bytes))
@@ -140,6 +147,13 @@ def _head_bytes(scope: Scope) -> int:
 def _headers_too_large() -> dict[str, Any]:
     return error_body(
         "request_header_fields_too_large", f"request line and headers exceed {MAX_HEADER_BYTES} bytes"
+    )
+
+
+def _encoded(encoding: bytes) -> dict[str, Any]:
+    return error_body(
+        "unsupported_media_type",
+        f"Content-Encoding {encoding.decode('latin-1')[:40]!r} is not supported: send the body uncompressed",
     )
 
 

@@ -4,6 +4,7 @@ check's regular expression, and a 16 MB body holding one `\\u0000` 2 GB of memor
 parse (every other tenant waited meanwhile). The checks are now linear scans; these tests pin what
 they answer, not how fast (docs/benchmarks.md is for speed)."""
 
+import gzip
 import json
 import random
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 
 from app import request_guard
 from app.request_guard import MAX_JSON_DEPTH, nested_deeper, too_deep
-from tests.app.api import new_tenant
+from tests.app.api import batch_body, create_run, new_tenant
 
 JSON = {"Content-Type": "application/json"}
 
@@ -100,3 +101,28 @@ def test_toml_dotted_headers_nested_too_deeply_are_a_422(client) -> None:
         assert r.status_code == 422, r.text
         assert "nested too deeply" in r.json()["error"]["message"]
     assert client.get("/v1/runs", headers=tenant.headers).json()["items"] == []
+
+
+@pytest.mark.parametrize(("encoding", "compress"), [("gzip", True), ("br", False), ("deflate, gzip", False)])
+def test_an_encoded_body_is_a_415_and_nothing_is_stored(client, encoding: str, compress: bool) -> None:
+    """No route decodes a Content-Encoding: a gzip batch was read as it is (a 422 "not UTF-8"), and a
+    plain body labelled gzip was stored."""
+    tenant = new_tenant(client)
+    run = create_run(client, tenant)
+    body = json.dumps(batch_body(2)).encode()
+    r = client.post(
+        f"/v1/runs/{run['id']}/batches",
+        content=gzip.compress(body) if compress else body,
+        headers={**tenant.headers, **JSON, "Content-Encoding": encoding},
+    )
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+    assert encoding.split(",")[0] in r.json()["error"]["message"]
+    listed = client.get(f"/v1/runs/{run['id']}/batches", headers=tenant.headers).json()
+    assert listed["items"] == []
+    plain = client.post(
+        f"/v1/runs/{run['id']}/batches",
+        content=body,
+        headers={**tenant.headers, **JSON, "Content-Encoding": "identity"},
+    )
+    assert plain.status_code == 201, plain.text
