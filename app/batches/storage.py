@@ -90,9 +90,8 @@ def write_payload(
         / step_dir_name(rollout_step)
         / f"batch_{uuid.uuid4().hex}{PAYLOAD_SUFFIX}"
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = _create(tmp)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)  # held across the rename, until the transaction ends
         view = memoryview(data)
@@ -113,12 +112,30 @@ def write_payload(
     )
 
 
+def _create(tmp: Path) -> int:
+    """A new file's descriptor, its directory made if need be. A refused batch's `discard_payload`
+    removes the step's directory when it is left empty, which may happen between this request's
+    mkdir and its open: then the directory is made again."""
+    for _ in range(3):
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:
+            continue
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # the error, if it persists
+
+
 def discard_payload(settings: Settings, relative_path: str) -> None:
-    """Best-effort removal of a payload whose row was never committed."""
+    """Best-effort removal of a payload whose row was never committed, and of its step directory
+    when that is left empty (refused batches for ever new steps left one empty directory each)."""
+    path = settings.data_dir / relative_path
     try:
-        (settings.data_dir / relative_path).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
     except OSError as exc:  # an orphan is harmless; the start-up clean-up gets it later
         log.warning("could not remove orphan payload %s: %s", relative_path, exc)
+        return
+    with contextlib.suppress(OSError):  # not empty (other batches of the step), or gone already
+        path.parent.rmdir()
 
 
 def read_payload_bytes(settings: Settings, batch: Batch) -> bytes:

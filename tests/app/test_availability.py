@@ -10,6 +10,7 @@ as `loraloom serve` configures it, on real Postgres:
 """
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from app.batches import storage
 from app.batches.models import Batch
 from app.config import Settings
 from app.main import create_app
@@ -220,6 +222,12 @@ def test_pending_batches_per_run_get_429(settings):
         assert r.json()["error"]["details"]["pending_batches"] == 2
         assert int(r.headers["retry-after"]) >= 1
         assert row_counts(settings, Batch) == before
+        # Refused batches of later steps leave no (empty) step directory behind: one was left per step.
+        rollouts = settings.data_dir / "runs" / run["id"] / "rollouts"
+        steps_before = sorted(p.name for p in rollouts.iterdir())
+        for step in range(1, 4):
+            assert client.post(url, json=batch_body(step=step), headers=tenant.headers).status_code == 429
+        assert sorted(p.name for p in rollouts.iterdir()) == steps_before
         # Once the pool has taken one, there is room again.
         with committed(settings) as session:
             first = session.query(Batch).order_by(Batch.id).first()
@@ -227,3 +235,22 @@ def test_pending_batches_per_run_get_429(settings):
             first.state = "leased"
             session.commit()
         assert client.post(url, json=batch_body(seed=9), headers=tenant.headers).status_code == 201
+
+
+def test_a_payload_write_survives_its_step_directory_removed_under_it(settings, monkeypatch):
+    """A refused batch removes its step's directory when it leaves it empty; a concurrent request may
+    have just made that directory and not yet opened its file in it: the write makes it again."""
+    real_open = os.open
+    removed: list[str] = []
+
+    def open_after_a_discard(path, flags, mode=0o777):
+        if not removed:  # the window: after this request's mkdir, before its open
+            removed.append(os.path.dirname(path))
+            os.rmdir(os.path.dirname(path))
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(storage.os, "open", open_after_a_discard)
+    stored = storage.write_payload(settings, run_id="run_0123456789ab", rollout_step=7, data=b"payload")
+    os.close(stored.lock_fd)
+    assert removed  # the directory really was removed once
+    assert (settings.data_dir / stored.relative_path).read_bytes() == b"payload"
