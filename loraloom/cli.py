@@ -125,7 +125,7 @@ def version() -> None:
 @cli.command()
 def serve(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
     workers: Annotated[
         int,
         typer.Option(
@@ -139,10 +139,9 @@ def serve(
     """Run the API service (settings from LORALOOM_* environment variables)."""
     import uvicorn
 
-    from app.config import Settings
     from app.serving import uvicorn_options
 
-    settings = Settings()
+    settings = _service_settings()
     preflight.check_database(settings.database_url)
     preflight.check_data_dir(str(settings.data_dir))
     preflight.check_port(host, port)
@@ -153,13 +152,32 @@ def serve(
     )
 
 
+def _service_settings() -> Any:
+    """The service's settings from LORALOOM_* variables; a bad value is a usage error naming the
+    variable (not pydantic's report with a traceback hint)."""
+    from pydantic import ValidationError
+
+    from app.config import Settings
+
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"LORALOOM_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+        )
+        raise CliError(
+            f"invalid service settings: {problems}",
+            kind=ExitCode.USAGE,
+            hint="fix the variable (README: Configuration)",
+        ) from None
+
+
 @db_cli.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
     """Migrate the database (LORALOOM_DATABASE_URL) to the newest schema."""
     from app import migrate
-    from app.config import Settings
 
-    url = Settings().database_url
+    url = _service_settings().database_url
     try:
         migrate.upgrade(url, revision)
     except Exception as exc:

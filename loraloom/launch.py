@@ -2,16 +2,19 @@
 (for the CLI, the demo, the end-to-end tests and the benchmarks)."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import httpx
 
-from trainer_core.parent_death import LAUNCHER_PID_ENV
+from trainer_core.parent_death import LAUNCHER_PID_ENV, signal_on_parent_death
 
 _ROOT = Path(__file__).resolve().parent.parent
 """Where the packages are (the repository, or site-packages for a wheel): the service child imports
@@ -119,7 +122,10 @@ def launch_pool(
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start the pool in its own process group; its ranks die with it (see trainer_core.parent_death)."""
+    """Start the pool in its own process group; its ranks die with it (see trainer_core.parent_death),
+    and, when called from the main thread, it stops (SIGTERM: each rank finishes its step) when this
+    process dies — a `loraloom worker` killed or whose terminal closed left its pool training under
+    PID 1. (From another thread it would stop when that thread ends: not asked for then.)"""
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child inherits it
     command = torchrun_command(
         nproc_per_node=nproc_per_node, worker_args=worker_args, master_port=master_port
@@ -131,6 +137,9 @@ def launch_pool(
             ["/bin/sh", "-c", f'export {LAUNCHER_PID_ENV}=$$; exec "$@"', "sh", *command],
             env=absolute_env({**os.environ, **(env or {})}),
             start_new_session=True,
+            preexec_fn=partial(signal_on_parent_death, signal.SIGTERM, parent=os.getpid())
+            if threading.current_thread() is threading.main_thread()
+            else None,
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
         )

@@ -20,11 +20,17 @@ orphaned before it could ask to die with it (killed within the rank's interprete
 
 def die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies; exit now if the parent already has."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
+    signal_on_parent_death(signal.SIGKILL, parent=int(launcher) if launcher.isdigit() else os.getppid())
+
+
+def signal_on_parent_death(signum: int, *, parent: int) -> None:
+    """Linux: have `signum` sent to this process when its parent (the thread that started it) dies;
+    exit now if the parent, which should be `parent`, is gone already. Also safe as a `preexec_fn`
+    (after the fork, before the exec; the request survives the exec)."""
     if not sys.platform.startswith("linux"):
         return
-    launcher = os.environ.get(LAUNCHER_PID_ENV, "")
-    parent = int(launcher) if launcher.isdigit() else os.getppid()
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, int(signum))
     if os.getppid() != parent:
-        os._exit(1)  # the launcher is already gone: nothing would ever kill this rank
+        os._exit(1)  # the parent is already gone: nothing would ever stop this process

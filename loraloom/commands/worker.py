@@ -86,7 +86,8 @@ def worker(
         str | None,
         _opt(
             POOL,
-            "Comma-separated linear layers with LoRA slots [LORALOOM_TARGET_MODULES] (attention and MLP).",
+            "Comma-separated linear layers with LoRA slots [LORALOOM_TARGET_MODULES] "
+            "(q_proj,k_proj,v_proj,o_proj).",
         ),
     ] = None,
     seq_len: Annotated[
@@ -143,6 +144,8 @@ def worker(
         flags["worker_token"] = token
     if token_file is not None:
         flags["worker_token_file"] = token_file
+        if token is None:
+            flags["worker_token"] = None  # a flag wins over LORALOOM_WORKER_TOKEN, as every flag does
     settings = build_settings(flags)
     if dry_run:
         typer.echo(json.dumps(settings.model_dump(mode="json", exclude={"worker_token"}), indent=2))
@@ -150,6 +153,7 @@ def worker(
     require_worker_extra("the worker pool")  # local checks before the network: ours are named first
     _check_base_model(settings.base_model)
     if settings.runs_dir is None:
+        _check_token_file(settings.worker_token, settings.worker_token_file)
         if not settings.token:
             raise CliError(
                 "no worker token",
@@ -171,6 +175,20 @@ def build_settings(flags: dict[str, Any]) -> Any:
         raise CliError(f"invalid worker settings: {problems}", kind=ExitCode.USAGE) from None
 
 
+def _check_token_file(token: Any, path: Path | None) -> None:
+    """A token file that is used must be readable and hold a token (else the error names the file)."""
+    if token or path is None:
+        return
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise CliError(
+            f"cannot read the worker token file {path}: {exc.strerror or exc}", kind=ExitCode.USAGE
+        ) from None
+    if not text.strip():
+        raise CliError(f"the worker token file {path} is empty", kind=ExitCode.USAGE)
+
+
 def check_token(url: str, token: str) -> None:
     """Ask the service whether it accepts `token` (a pool route that needs no registration)."""
     try:
@@ -183,11 +201,28 @@ def check_token(url: str, token: str) -> None:
     except httpx.HTTPError as exc:
         raise CliError(f"cannot reach the service at {url}: {exc}", kind=ExitCode.UNAVAILABLE) from None
     if r.status_code in (401, 403):
+        said = _error_message(r)
         raise CliError(
-            f"the service at {url} refused the worker token (HTTP {r.status_code})",
+            f"the service at {url} refused the worker token (HTTP {r.status_code}"
+            + (f": {said})" if said else ")"),
             kind=ExitCode.AUTH,
             hint="use the service's LORALOOM_WORKER_TOKEN",
         )
+    if r.status_code == 404:
+        raise CliError(
+            f"no loraloom service at {url}: GET /v1/pool/state answered 404",
+            kind=ExitCode.USAGE,
+            hint="give the service's base URL, without a path such as /v1",
+        )
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of the service's uniform error body, or "" for another body."""
+    try:
+        error = response.json().get("error", {})
+    except (ValueError, AttributeError):
+        return ""
+    return str(error.get("message", "")) if isinstance(error, dict) else ""
 
 
 def _check_base_model(name: str) -> None:
@@ -216,18 +251,38 @@ def _launch(settings: Any) -> int:
         env=env,
     )
 
-    signals = 0
+    received: list[int] = []
 
     def forward(signum: int, _frame: FrameType | None) -> None:
-        # The pool runs in its own process group: pass Ctrl-C / SIGTERM on, so torchrun stops its
-        # ranks (each finishes its step, the pool deregisters). A second one kills the group.
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            typer.echo("second signal: killing the worker pool", err=True)
+        # The pool runs in its own process group: pass Ctrl-C, SIGTERM or a closed terminal (SIGHUP)
+        # on. To the ranks themselves when they are up: each finishes its step, the pool
+        # deregisters, and torchrun sees them end well (signalled itself, it prints a traceback per
+        # rank and fails). A second signal kills the group (the ranks die with torchrun).
+        received.append(signum)
         with suppress(ProcessLookupError):
-            os.killpg(pool.pid, signum if signals == 1 else signal.SIGKILL)
+            if len(received) > 1:
+                typer.echo("second signal: killing the worker pool", err=True)
+                os.killpg(pool.pid, signal.SIGKILL)
+                return
+            typer.echo("stopping the worker pool after its current step (again to kill it)", err=True)
+            ranks = _children(pool.pid)
+            for rank in ranks:
+                os.kill(rank, signal.SIGTERM)
+            if not ranks:  # still starting: torchrun stops whatever it started
+                os.killpg(pool.pid, signum)
 
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    return pool.wait()
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, forward)
+    code = pool.wait()
+    if received and code != 0:
+        return 128 + received[0]  # stopped by a signal, as a shell reports it (Ctrl-C: 130)
+    return code
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (torchrun's ranks), from /proc; empty where that cannot be read."""
+    found: list[int] = []
+    with suppress(OSError, ValueError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(child) for child in (task / "children").read_text().split()]
+    return found

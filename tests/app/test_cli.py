@@ -143,6 +143,9 @@ def test_serve_refuses_the_usual_setup_mistakes_in_one_line(tmp_path):
             ({"LORALOOM_DATABASE_URL": f"sqlite:///{unmigrated}"}, [], 6, "schema is at no revision"),
             ({"LORALOOM_DATA_DIR": str(a_file / "data")}, [], 2, "data directory"),
             ({}, ["--port", str(taken.getsockname()[1])], 6, "the port is in use"),
+            # A bad setting names its variable (was pydantic's report, exit 1).
+            ({"LORALOOM_MAX_CONCURRENT_RUNS": "abc"}, [], 2, "LORALOOM_MAX_CONCURRENT_RUNS"),
+            ({"LORALOOM_SWEEP_INTERVAL_SECONDS": "-1"}, [], 2, "LORALOOM_SWEEP_INTERVAL_SECONDS"),
         ]
         for overrides, args, code, words in cases:
             result = runner.invoke(cli, ["serve", *args], env=ok | overrides)
@@ -150,6 +153,9 @@ def test_serve_refuses_the_usual_setup_mistakes_in_one_line(tmp_path):
             assert result.output.startswith("error: ") and words in result.output, result.output
             assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 2
     assert not (tmp_path / "none.db").exists()  # the check created no empty database
+    # A port outside 0-65535 is a usage error (99999 listened on 34463, and said 99999).
+    result = runner.invoke(cli, ["serve", "--port", "99999"], env=ok)
+    assert result.exit_code == 2 and "0<=x<=65535" in result.output, result.output
 
 
 def test_without_torch_the_worker_and_the_demo_say_which_extra_to_install(monkeypatch, tmp_path):

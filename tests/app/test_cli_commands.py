@@ -199,6 +199,11 @@ EXIT_CODES = [
     (["worker", "--token", "wrong"], 5, "refused the worker token"),
     (["worker", "--runs-dir", "runs", "--base-model", "./no/such-model"], 3, "does not exist"),
     (["worker", "--token", "x", "--url", "http://127.0.0.1:9"], 6, "cannot reach"),
+    # A URL with a path is no service (the ranks used to die on a 404 after loading the model);
+    # a token file given as a flag wins over LORALOOM_WORKER_TOKEN, and one that cannot be read is named.
+    (["worker", "--token", "x", "--url", "{url}/v1"], 2, "no loraloom service"),
+    (["worker", "--token-file", "/no/such/token"], 2, "/no/such/token"),
+    (["worker", "--token-file", "{empty_file}"], 2, "is empty"),
 ]
 
 
@@ -212,9 +217,18 @@ def test_exit_codes_by_kind(svc: Service, args: list[str], code: int, words: str
     bad.write_text("lora:\n  rank: 0\n")
     broken = svc.tmp_path / "broken.yaml"
     broken.write_text("lora: [rank\n")
-    values = {"run": completed, "bad_config": str(bad), "broken_yaml": str(broken)}
+    empty = svc.tmp_path / "empty-token"
+    empty.write_text("\n")
+    values = {
+        "run": completed,
+        "bad_config": str(bad),
+        "broken_yaml": str(broken),
+        "url": svc.url,
+        "empty_file": str(empty),
+    }
     argv = [a.format(**values) for a in args]
-    result = runner.invoke(cli, argv, env=svc.env)
+    # A token in the environment: a --token-file flag must win over it.
+    result = runner.invoke(cli, argv, env={**svc.env, "LORALOOM_WORKER_TOKEN": "from-env"})
     assert result.exit_code == code, result.output
     assert words in result.output
     assert "Traceback" not in result.output

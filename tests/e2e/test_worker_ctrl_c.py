@@ -8,6 +8,7 @@ and no batch is claimed any more. Two SIGINTs: the second kills at once. The wor
 process's command line.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -135,10 +136,55 @@ def test_ctrl_c_stops_every_process_and_returns_the_leases(database_url, tmp_pat
         took = _gone_within(pids, worker, 10)
         states = [b["state"] for b in _batches(client, run)]
         assert "claimed" not in states, states  # at once: the pool timeout is 120 s
-        assert "pool deregistered" in (tmp_path / "worker2.log").read_text(errors="replace")
+        log = (tmp_path / "worker2.log").read_text(errors="replace")
+        assert "pool deregistered" in log
+        # The ranks were signalled, not torchrun: no traceback per rank, and a clean exit.
+        assert "Traceback" not in log and worker.returncode == 0, log[-3000:]
         print(f"single Ctrl-C: every pool process gone in {took:.2f} s")
     finally:
         service.stop()
+
+
+def _start_directory_worker(tmp_path: Path, log_path: Path) -> subprocess.Popen:
+    """`loraloom worker` on an empty runs directory (no service), in a session of its own."""
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    command = [
+        str(Path(sys.executable).with_name("loraloom")),
+        "worker",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+    ]
+    command += ["--model-cache-dir", str(MODEL_CACHE), "--poll-interval", "0.1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGHUP], ids=["kill -9", "terminal closed"])
+def test_a_launcher_killed_or_hung_up_takes_its_pool_with_it(tmp_path, sig):
+    """The pool runs in a session of its own, so neither the CLI's death nor its terminal's hang-up
+    reached it: torchrun and its rank trained on under PID 1, and the service still saw the pool
+    alive. Now torchrun is told when the CLI dies (SIGTERM: each rank finishes its step), and a
+    SIGHUP is passed on like Ctrl-C."""
+    log_path = tmp_path / "worker.log"
+    worker = _start_directory_worker(tmp_path, log_path)
+    try:
+        wait_for(
+            lambda: "training the runs" in log_path.read_text(errors="replace"), timeout=180, what="the pool"
+        )
+        pids = {worker.pid, *_descendants(worker.pid)}
+        assert len(pids) >= 3, pids  # the CLI, torchrun, the rank
+        os.kill(worker.pid, sig)
+        took = _gone_within(pids, worker, 30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGKILL)
+    if sig == signal.SIGHUP:
+        log = log_path.read_text(errors="replace")
+        assert worker.returncode == 0 and "Traceback" not in log, log[-3000:]
+    print(f"{sig.name}: every pool process gone in {took:.2f} s")
 
 
 def test_ranks_die_with_a_launcher_killed_while_they_import_torch(tmp_path):
