@@ -289,6 +289,11 @@ def _settings(
     retry: RetryPolicy | None,
     max_attempts: int | None,
 ) -> ClientSettings:
+    if not base_url.lower().startswith(("http://", "https://")):
+        # httpx would fail on the first call with its UnsupportedProtocol, no LoraloomError.
+        raise ValueError(
+            f"base_url {base_url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)"
+        )
     policy = retry or RetryPolicy()
     if max_attempts is not None:
         policy = dataclasses.replace(policy, max_attempts=max_attempts)

@@ -35,6 +35,7 @@ def request(
     if not key:
         raise CliError("no key", kind=ExitCode.AUTH, hint=f"pass --key or set {key_env}")
     headers = {"Authorization": f"Bearer {key}", **(kwargs.pop("headers", None) or {})}
+    check_url(url)
     try:
         with httpx.Client(base_url=url, timeout=timeout) as client:
             r = client.request(method, path, headers=headers, **kwargs)
@@ -92,3 +93,13 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) ->
 
 def _cell(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def check_url(url: str) -> None:
+    """A usage error for a URL without its scheme (httpx's "missing protocol" read as "cannot reach")."""
+    if not url.lower().startswith(("http://", "https://")):
+        raise CliError(
+            f"{url!r} is not an http:// or https:// URL",
+            kind=ExitCode.USAGE,
+            hint="give the service's base URL, e.g. http://127.0.0.1:8000",
+        )

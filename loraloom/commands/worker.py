@@ -19,6 +19,7 @@ import typer
 from pydantic import ValidationError
 
 from loraloom.commands.errors import CliError, ExitCode, require_worker_extra
+from loraloom.commands.http import check_url
 
 SERVICE = "Service"
 MODEL = "Model"
@@ -190,16 +191,28 @@ def _check_token_file(token: Any, path: Path | None) -> None:
 
 
 def check_token(url: str, token: str) -> None:
-    """Ask the service whether it accepts `token` (a pool route that needs no registration)."""
+    """Ask the service whether it accepts `token` (a pool route that needs no registration; an
+    unknown pool's 404 there is the token accepted), after checking that a loraloom service answers
+    at `url` at all (a URL with a path, e.g. /v1, got 404s too, and the ranks died on one after
+    loading the model)."""
+    check_url(url)
+    base = url.rstrip("/")
     try:
+        ready = httpx.get(f"{base}/readyz", timeout=10)
         r = httpx.get(
-            f"{url.rstrip('/')}/v1/pool/state",
+            f"{base}/v1/pool/state",
             params={"pool_id": "pool_tokencheck"},
             headers={"Authorization": f"Bearer {token}"},
             timeout=10,
         )
     except httpx.HTTPError as exc:
         raise CliError(f"cannot reach the service at {url}: {exc}", kind=ExitCode.UNAVAILABLE) from None
+    if ready.status_code == 404:
+        raise CliError(
+            f"no loraloom service at {url}: GET /readyz answered 404",
+            kind=ExitCode.USAGE,
+            hint="give the service's base URL, without a path such as /v1",
+        )
     if r.status_code in (401, 403):
         said = _error_message(r)
         raise CliError(
@@ -207,12 +220,6 @@ def check_token(url: str, token: str) -> None:
             + (f": {said})" if said else ")"),
             kind=ExitCode.AUTH,
             hint="use the service's LORALOOM_WORKER_TOKEN",
-        )
-    if r.status_code == 404:
-        raise CliError(
-            f"no loraloom service at {url}: GET /v1/pool/state answered 404",
-            kind=ExitCode.USAGE,
-            hint="give the service's base URL, without a path such as /v1",
         )
 
 

@@ -22,9 +22,10 @@ from typer.testing import CliRunner
 
 from contracts.wire import TrainingBatch, TrainingSample
 from loraloom.cli import cli
+from loraloom.commands.worker import check_token
 from orchestrator.client import LoraloomClient
 from tests.app.api import POOL_SPEC, WORKER_HEADERS
-from tests.common import ADMIN_KEY
+from tests.common import ADMIN_KEY, WORKER_TOKEN
 from trainer_core.models.tiny import build_model
 
 runner = CliRunner()
@@ -194,6 +195,7 @@ EXIT_CODES = [
     (["runs", "list", "--key", "llk_wrong"], 5, "unauthorized"),
     (["pools", "list", "--key", "wrong"], 5, "unauthorized"),
     (["runs", "list", "--url", "http://127.0.0.1:9"], 6, "cannot reach"),
+    (["runs", "list", "--url", "127.0.0.1:9"], 2, "not an http:// or https:// URL"),  # no scheme: usage
     # The worker: a wrong token is refused before any rank starts (no model is loaded), and a
     # mistyped local model path is a missing directory, not an invalid hub id.
     (["worker", "--token", "wrong"], 5, "refused the worker token"),
@@ -240,6 +242,13 @@ def test_exit_codes_by_kind(svc: Service, args: list[str], code: int, words: str
     assert as_json.exit_code == code and as_json.stdout == ""
     error = json.loads(as_json.stderr)["error"]
     assert error["exit_code"] == code and words in json.dumps(error)
+
+
+def test_the_token_check_passes_the_services_own_token(svc: Service) -> None:
+    """The check's pool route answers 404 for its made-up pool: that is the token accepted (a check
+    that took every 404 for a wrong URL stopped every worker before it started)."""
+    check_token(svc.url, WORKER_TOKEN)
+    check_token(svc.url + "/", WORKER_TOKEN)
 
 
 def test_debug_shows_the_traceback(svc: Service) -> None:

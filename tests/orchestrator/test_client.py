@@ -273,3 +273,11 @@ def test_a_422s_field_errors_are_in_the_sdks_error_text() -> None:
         "422 [validation_error] 2 invalid field(s): body.config.lora.rank: Input should be greater than or "
         "equal to 1; body.config.max_stepz: Extra inputs are not permitted"
     )
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "localhost", "ftp://example.org"])
+def test_a_base_url_without_http_is_refused_at_construction(url: str) -> None:
+    """httpx failed on the first call with its own UnsupportedProtocol, which is no LoraloomError."""
+    for client_class in (LoraloomClient, AsyncLoraloomClient):
+        with pytest.raises(ValueError, match="must start with http:// or https://"):
+            client_class(url, "llk_key")
