@@ -12,6 +12,7 @@ import logging
 import secrets
 import shutil
 import socket
+import sys
 import threading
 import time
 import tomllib
@@ -175,16 +176,32 @@ def _service_settings() -> Any:
 @db_cli.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
     """Migrate the database (LORALOOM_DATABASE_URL) to the newest schema."""
+    from alembic.util import CommandError
+    from sqlalchemy import create_engine
+
     from app import migrate
 
     url = _service_settings().database_url
     try:
         migrate.upgrade(url, revision)
+    except CommandError as exc:  # an unknown revision, or one this version cannot reach
+        raise CliError(f"cannot migrate to {revision!r}: {exc}", kind=ExitCode.USAGE) from None
     except Exception as exc:
         if (problem := preflight.database_problem(exc)) is not None:
             raise problem from None
         raise
-    typer.echo(f"database migrated to {revision}")
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            now = migrate.schema_revision(conn)
+    finally:
+        engine.dispose()
+    # What the schema is at, not the argument echoed: `upgrade` never goes back (e.g. to "base").
+    typer.echo(
+        f"database schema at {now} (asked: {revision})"
+        if revision != "head"
+        else f"database schema at {now} (head)"
+    )
 
 
 # --- tenants and keys (admin) ----------------------------------------------------------
@@ -235,7 +252,11 @@ def tenants_delete(
 ) -> None:
     """Delete a tenant with its API keys and runs (their files too)."""
     if not yes:
-        typer.confirm(f"delete tenant {tenant_id}, its API keys and all its runs?", abort=True)
+        if not sys.stdin.isatty():  # no one to ask: say what to do (typer's "Aborted." said nothing)
+            _fail(f"not deleting {tenant_id} without confirmation: pass --yes (no terminal to ask on)")
+        if not typer.confirm(f"delete tenant {tenant_id}, its API keys and all its runs?"):
+            typer.echo("not deleted")
+            return
     api("DELETE", f"/v1/tenants/{tenant_id}", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
     typer.echo(f"deleted {tenant_id}")
 
@@ -295,7 +316,10 @@ def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
     defaults to the file's stem. --name overrides either."""
     import yaml
 
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(f"{path}: not UTF-8 text (byte {exc.start})")
     suffix = path.suffix.lower()
     fmt = "toml" if suffix == ".toml" else "yaml" if suffix in (".yaml", ".yml") else "json"
     try:
@@ -313,7 +337,12 @@ def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
         _fail(f"{path}: not valid YAML: {getattr(exc, 'problem', None) or 'parse error'}{where}")
     if not isinstance(doc, dict):
         _fail(f"{path}: expected a table/mapping/object at the top level")
-    body = doc if isinstance(doc.get("config"), dict) else {"config": doc}
+    if isinstance(doc.get("config"), dict):
+        body = doc
+    else:  # only the config, perhaps with the run's name beside it
+        body = {"config": {k: v for k, v in doc.items() if k != "name"}}
+        if isinstance(doc.get("name"), str):
+            body["name"] = doc["name"]
     body = {"name": name or body.get("name") or path.stem, **{k: v for k, v in body.items() if k != "name"}}
     return body, fmt
 

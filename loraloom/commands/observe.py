@@ -72,6 +72,10 @@ def adapters_download(
         typer.echo(f"adapter of {run_id} at step {got}: {dest} ({', '.join(files)})")
 
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg")
+"""What --plot writes (matplotlib picks the format by the suffix)."""
+
+
 def metrics(
     run_id: RunArg,
     plot: Annotated[
@@ -82,6 +86,12 @@ def metrics(
     as_json: JsonOpt = False,
 ) -> None:
     """A run's metrics per step: table, --json, or --plot FILE.png."""
+    if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
+        raise CliError(
+            f"--plot {plot}: not an image file name",
+            kind=ExitCode.USAGE,
+            hint=f"end it in {', '.join(PLOT_SUFFIXES)}",
+        )
     items: list[dict[str, Any]] = api("GET", f"/v1/runs/{run_id}/metrics", url=url, key=key)["items"]
     if plot is not None:
         _plot(run_id, items, plot)
@@ -94,7 +104,7 @@ def metrics(
     ]
     table(rows, columns)
     if plot is not None:
-        typer.echo(f"plot: {plot}")
+        typer.echo(f"plot: {plot}" if items else f"plot: {plot} (empty: no step reported yet)")
 
 
 def _reward_mean(item: dict[str, Any]) -> float | None:

@@ -79,6 +79,13 @@ def test_db_upgrade(tmp_path):
     out = _run("db", "upgrade", env={"LORALOOM_DATABASE_URL": url})
     assert "head" in out
     assert (tmp_path / "cli.db").exists()
+    head = out.split()[3]  # "database schema at 0012 (head)"
+    # `upgrade` never goes back: it says where the schema is, not the revision asked for.
+    assert _run("db", "upgrade", "base", env={"LORALOOM_DATABASE_URL": url}).startswith(
+        f"database schema at {head}"
+    )
+    unknown = runner.invoke(cli, ["db", "upgrade", "bogus"], env={"LORALOOM_DATABASE_URL": url})
+    assert unknown.exit_code == 2 and "bogus" in unknown.output, unknown.output
 
 
 def test_db_upgrade_with_the_database_down_is_one_line(tmp_path):
@@ -170,3 +177,22 @@ def test_without_torch_the_worker_and_the_demo_say_which_extra_to_install(monkey
         result = runner.invoke(cli, args, env=env)
         assert result.exit_code == 2, result.output
         assert "needs torch" in result.output and "loraloom[worker]" in result.output
+
+
+def test_a_run_file_holds_the_body_or_the_config_with_its_name_beside_it(tmp_path):
+    from loraloom.cli import load_run_file
+
+    flat = tmp_path / "flat.toml"
+    flat.write_text('name = "gsm8k"\nmax_steps = 5\n[lora]\nrank = 8\n')
+    # `name` beside a bare config is the run's name, not a config field (was a 422 body.config.name).
+    assert load_run_file(flat, None) == (
+        {"name": "gsm8k", "config": {"max_steps": 5, "lora": {"rank": 8}}},
+        "toml",
+    )
+    whole = tmp_path / "whole.yaml"
+    whole.write_text("name: a\nconfig:\n  max_steps: 2\n")
+    assert load_run_file(whole, None) == ({"name": "a", "config": {"max_steps": 2}}, "yaml")
+    bare = tmp_path / "bare.json"
+    bare.write_text('{"max_steps": 3}')
+    assert load_run_file(bare, "override") == ({"name": "override", "config": {"max_steps": 3}}, "json")
+    assert load_run_file(bare, None)[0]["name"] == "bare"

@@ -187,6 +187,9 @@ EXIT_CODES = [
     (["runs", "show"], 2, "Missing argument"),
     (["runs", "create", "{bad_config}"], 2, "greater than or equal to 1"),
     (["runs", "create", "{broken_yaml}"], 2, "not valid YAML"),
+    (["runs", "create", "{not_utf8}"], 2, "not UTF-8"),
+    (["metrics", "{run}", "--plot", "out.txt"], 2, "not an image file name"),
+    (["tenants", "delete", "ten_000000000000"], 2, "pass --yes"),  # no terminal to ask on
     (["runs", "show", "run_000000000000"], 3, "not_found"),
     (["keys", "list", "ten_000000000000"], 3, "not_found"),
     (["adapters", "download", "{run}", "--step", "7"], 3, "not_found"),
@@ -219,6 +222,8 @@ def test_exit_codes_by_kind(svc: Service, args: list[str], code: int, words: str
     bad.write_text("lora:\n  rank: 0\n")
     broken = svc.tmp_path / "broken.yaml"
     broken.write_text("lora: [rank\n")
+    not_utf8 = svc.tmp_path / "latin1.toml"
+    not_utf8.write_bytes(b"name = '\xe9t\xe9'\n")
     empty = svc.tmp_path / "empty-token"
     empty.write_text("\n")
     values = {
@@ -227,6 +232,7 @@ def test_exit_codes_by_kind(svc: Service, args: list[str], code: int, words: str
         "broken_yaml": str(broken),
         "url": svc.url,
         "empty_file": str(empty),
+        "not_utf8": str(not_utf8),
     }
     argv = [a.format(**values) for a in args]
     # A token in the environment: a --token-file flag must win over it.
@@ -234,8 +240,8 @@ def test_exit_codes_by_kind(svc: Service, args: list[str], code: int, words: str
     assert result.exit_code == code, result.output
     assert words in result.output
     assert "Traceback" not in result.output
-    if (code == 2 and args[1] == "show") or args[0] == "worker":
-        return  # click's own usage message; the worker has no --json
+    if (code == 2 and args[1] == "show") or args[0] == "worker" or args[:2] == ["tenants", "delete"]:
+        return  # click's own usage message; the worker and tenants delete have no --json
     # One line and a hint at most; with --json the error is JSON on stderr, stdout stays empty.
     assert len(result.stderr.strip().splitlines()) <= 3 or "body.config" in result.stderr
     as_json = runner.invoke(cli, [*argv, "--json"], env=svc.env)
