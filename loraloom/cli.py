@@ -95,6 +95,7 @@ def _print_run_details(run: dict[str, Any]) -> None:
         ("name", run["name"]),
         ("tenant", run["tenant_id"]),
         ("status", run["status"]),
+        ("waiting", run.get("waiting_reason")),
         ("slot", run["slot"]),
         ("base model", run["base_model"]),
         (

@@ -19,14 +19,16 @@ service: that service calls admission when a pool registers.
 import hashlib
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.pools.capabilities import capability_field_problems, stored_config_problems, untrainable_reason
 from app.pools.models import Pool
+from app.runs.models import Run
+from app.tenants.models import Tenant
 from contracts.run_config import RunConfig
-from contracts.status import PoolStatus
+from contracts.status import PoolStatus, RunStatus
 
 # A fixed 64-bit key for pg_advisory_xact_lock, derived from a readable name.
 ADMISSION_LOCK_KEY = int.from_bytes(hashlib.sha256(b"loraloom.admission").digest()[:8], "big", signed=True)
@@ -87,8 +89,19 @@ def creation_problems(session: Session, *, config: RunConfig) -> list[dict[str, 
     return [] if pool is None else capability_field_problems(config, pool)
 
 
-def waiting_reason(session: Session, *, base_model: str) -> str:
-    """Why a queued run of `base_model` waits."""
-    if live_pool(session, base_model=base_model) is None:
-        return f"waiting for a pool that serves {base_model!r}"
-    return "waiting for a free slot of its base model's pool or of its tenant's quota"
+def waiting_reason(session: Session, *, run: Run, settings: Settings) -> str:
+    """Why a queued run waits: its tenant's quota first (it holds whatever slots are free), then its
+    base model's slots or pool. Reads only (no lock): for GET /v1/runs/{id} and the run.queued event."""
+    active = session.scalar(
+        select(func.count()).where(Run.tenant_id == run.tenant_id, Run.status == RunStatus.ACTIVE)
+    )
+    quota = session.scalar(select(Tenant.max_concurrent_runs).where(Tenant.id == run.tenant_id))
+    if quota is not None and (active or 0) >= quota:
+        return f"the tenant's quota of {quota} concurrent runs is in use"
+    pool = live_pool(session, base_model=run.base_model)
+    slots = slot_count(pool, settings=settings)
+    if pool is None:
+        if not slots:
+            return f"waiting for a pool that serves {run.base_model!r}"
+        return f"all {slots} slots for {run.base_model} are taken (no pool serves it yet)"
+    return f"all {slots} slots of the pool serving {run.base_model} are taken"

@@ -110,11 +110,11 @@ def list_runs(
 
 
 @router.get("/{run_id}", operation_id="getRun")
-def get_run(run: OwnedRunDep, session: SessionDep) -> RunOut:
+def get_run(run: OwnedRunDep, session: SessionDep, settings: SettingsDep) -> RunOut:
     """A run: state, slot, progress, timestamps, why and by whom it was evicted, and why it waits."""
     out = RunOut.from_run(run)
     if run.status == RunStatus.QUEUED:
-        out.waiting_reason = waiting_reason(session, base_model=run.base_model)
+        out.waiting_reason = waiting_reason(session, run=run, settings=settings)
     return out
 
 

@@ -25,7 +25,14 @@ from app.events.service import record_event
 from app.pagination import paginate
 from app.pools.capabilities import untrainable_reason
 from app.projection import project_after_commit, project_run, remove_run_dir
-from app.runs.admission import creation_problems, live_pool, lock_admission, refusal_reason, slot_count
+from app.runs.admission import (
+    creation_problems,
+    live_pool,
+    lock_admission,
+    refusal_reason,
+    slot_count,
+    waiting_reason,
+)
 from app.runs.init_from import resolve_init_from
 from app.runs.models import EVICTED_BY, Run
 from app.runs.schemas import RunCreate
@@ -154,14 +161,7 @@ def create_run(
 
 def _queue_reason(session: Session, *, run: Run, settings: Settings) -> str:
     """Why a new run did not get a slot at once (for its `run.queued` event)."""
-    quotas = _TenantQuotas.read(session)
-    if not quotas.has_room(run.tenant_id):
-        return f"the tenant's quota of {quotas.limits[run.tenant_id]} concurrent runs is in use"
-    pool = live_pool(session, base_model=run.base_model)
-    slots = slot_count(pool, settings=settings)
-    if pool is None:
-        return f"all {slots} slots for {run.base_model} are taken (no pool serves it yet)"
-    return f"all {slots} slots of the pool serving {run.base_model} are taken"
+    return waiting_reason(session, run=run, settings=settings)
 
 
 def _replay(session: Session, *, tenant_id: str, idempotency_key: str, request_hash: str) -> Run | None:

@@ -384,3 +384,19 @@ def test_deregister_returns_the_pools_leases_at_once(
         "/v1/pool/deregister", json={"pool_id": "pool_000000000000"}, headers=WORKER_HEADERS
     )
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "pool_not_found"
+
+
+def test_a_run_queued_on_its_tenants_quota_says_so(client) -> None:
+    """Without a pool, runs are admitted to the configured slots: a third run of a tenant whose
+    quota is 2 waits for that quota, which GET said was a pool (none needed here); a run queued on
+    full slots of another tenant's runs says that."""
+    tenant = new_tenant(client, quota=2)
+    first, second, third = (create_run(client, tenant) for _ in range(3))
+    assert [first["status"], second["status"], third["status"]] == ["active", "active", "queued"]
+    got = client.get(f"/v1/runs/{third['id']}", headers=tenant.headers).json()
+    assert got["waiting_reason"] == "the tenant's quota of 2 concurrent runs is in use"
+    # The same words as the run.queued event (one function for both).
+    events = client.get(f"/v1/runs/{third['id']}/events", headers=tenant.headers).json()["items"]
+    assert got["waiting_reason"] in [
+        e["details"].get("reason") for e in events if e["action"] == "run.queued"
+    ]
