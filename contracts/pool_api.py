@@ -60,6 +60,12 @@ class PoolRegistered(_Answer):
     pool_id: str
     heartbeat_interval_s: float
     lease_seconds: float
+    replaced: list[str] = Field(
+        default_factory=list,
+        description="Live pools of the same base model this registration replaced (they stop; their "
+        "leased work is pending again). A restarted pool replaces its earlier self; anything else "
+        "is a second pool for the base model.",
+    )
 
 
 class PoolRef(_Request):
@@ -279,3 +285,13 @@ class RunAfterPush(_Answer):
     id: str
     status: RunStatus
     progress: Progress
+
+
+POOL_GONE = {
+    "pool_dead": "declared dead: no heartbeat reached the service within its pool timeout",
+    "pool_stopped": "replaced: another pool registered for the same base model (a second worker pool "
+    "for it, or this one restarted)",
+}
+"""The error codes by which the service says it no longer knows a pool, and what each means for
+the pool's operator (the pool stops: its leased work went back to pending for the pool now
+registered)."""

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from contracts.http import ApiError
 from contracts.pool_api import (
+    POOL_GONE,
     AckItem,
     AdapterStored,
     CheckpointReport,
@@ -79,6 +80,15 @@ class HttpRunSource:
             capabilities.slots,
             capabilities.world_size,
         )
+        if registered.replaced:
+            # The service keeps one live pool per base model: a restart replaces its earlier self,
+            # but a second pool started beside a running one stops that one (its runs resume here).
+            log.warning(
+                "this pool replaced the live pool(s) %s of %s: they stop, and their runs continue here "
+                "from their checkpoints (a second worker pool for a base model replaces the first)",
+                ", ".join(registered.replaced),
+                capabilities.base_model,
+            )
         self._heartbeat = _Heartbeat(self.client, registered.heartbeat_interval_s, self._heartbeat_file)
         self._heartbeat.touch()  # registered: healthy from now on
         self._heartbeat.start()
@@ -181,10 +191,10 @@ class _Heartbeat(threading.Thread):
                 self._client.heartbeat()
                 self.touch()
             except ApiError as exc:
-                if exc.code in ("pool_dead", "pool_stopped"):
+                if exc.code in POOL_GONE:
                     # The service gave our leases away (or another pool replaced us): training on
                     # would duplicate work. Stop; a restarted pool resumes from checkpoints.
-                    log.error("pool no longer registered (%s); stopping", exc.code)
+                    log.error("pool no longer registered: %s (%s); stopping", POOL_GONE[exc.code], exc.code)
                     self.lost = True
                     return
                 log.warning("heartbeat failed: %s", exc)

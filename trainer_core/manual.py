@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from contracts.arrays import MAX_TOKEN_ID
 from contracts.http import ApiError
+from contracts.pool_api import POOL_GONE
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer_core.dist import World, all_reduce_grads_, broadcast_from_master, gather_to_master
@@ -74,7 +75,7 @@ from trainer_core.slots import ManualBoundary, RunSlot, StepAccumulator
 log = logging.getLogger("loraloom.worker")
 
 MAX_CLAIM = 64
-POOL_GONE_CODES = ("pool_dead", "pool_stopped")
+POOL_GONE_CODES = tuple(POOL_GONE)
 """The service's answers that are about this pool, not about a request: it no longer knows it."""
 SAMPLING_CACHE_ROWS = 16
 
@@ -268,8 +269,9 @@ class ManualExecutor:
             raise exc
         if not self.lost:
             log.error(
-                "the service no longer knows this pool (%s on its Tinker %s): stopping its Tinker work "
-                "and the pool; its Tinker requests are pending again for the next pool",
+                "the service no longer knows this pool: %s (%s, answering its Tinker %s). Stopping the "
+                "pool; its work is pending again for the pool now registered",
+                POOL_GONE[exc.code],
                 exc.code,
                 what,
             )

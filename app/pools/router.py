@@ -28,11 +28,12 @@ router = APIRouter(prefix="/v1/pool", tags=["pool"])
 def register_pool(
     body: PoolRegister, session: SessionDep, settings: SettingsDep, _: WorkerDep
 ) -> PoolRegistered:
-    pool = service.register_pool(session, spec=body, settings=settings)
+    pool, replaced = service.register_pool(session, spec=body, settings=settings)
     return PoolRegistered(
         pool_id=pool.id,
         heartbeat_interval_s=service.heartbeat_interval_s(settings),
         lease_seconds=settings.lease_seconds,
+        replaced=replaced,
     )
 
 

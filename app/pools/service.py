@@ -104,12 +104,13 @@ def fail_untrainable_runs(
 
 def register_pool(
     session: Session, *, spec: PoolRegister, settings: Settings, now: datetime | None = None
-) -> Pool:
+) -> tuple[Pool, list[str]]:
     """Register a pool for `spec.base_model`, replacing any pool registered before for it.
 
     A pool that registers again is a restarted pool: its earlier incarnation will never ack
     the batches it held, so those return to pending now rather than after the timeout.
-    Runs the new pool cannot train are failed; queued runs are admitted into its slots.
+    Runs the new pool cannot train are failed; queued runs are admitted into its slots. Returns
+    the pool and the ids of the live pools it replaced.
     """
     now = now or utcnow()
     # Serialises registrations (two pools racing for one base model cannot both end up
@@ -124,7 +125,7 @@ def register_pool(
         old.status = PoolStatus.STOPPED
         returned = return_pool_batches(session, pool_id=old.id)
         return_pool_work(session, pool_id=old.id)
-        log.info("pool %s replaced by a new registration; %s batch(es) returned", old.id, returned)
+        log.warning("pool %s replaced by a new registration; %s batch(es) returned", old.id, returned)
 
     pool = Pool(
         id=new_id("pool"),
@@ -146,7 +147,7 @@ def register_pool(
     fail_untrainable_runs(session, pool=pool, settings=settings)
     # The pool's slot count may be larger than the default the queue was admitted against.
     admit_queued_runs(session, base_model=pool.base_model, settings=settings)
-    return pool
+    return pool, [old.id for old in previous]
 
 
 def heartbeat_pool(

@@ -308,6 +308,16 @@ def test_reregistration_replaces_the_previous_pool(
         select(Pool.id).where(Pool.base_model == "loraloom-tiny", Pool.status == "alive")
     ).all()
     assert alive == [new]
+    # The registration says whom it replaced (the pool logs it as a warning); none for a new model.
+    end_read(db)
+    third = client.post("/v1/pool/register", json=POOL_SPEC, headers=WORKER_HEADERS).json()
+    assert third["replaced"] == [new]
+    assert (
+        client.post(
+            "/v1/pool/register", json={**POOL_SPEC, "base_model": "fresh-model"}, headers=WORKER_HEADERS
+        ).json()["replaced"]
+        == []
+    )
 
 
 def test_tenants_see_what_the_live_pools_can_train(client: TestClient, tenant: TenantHandle) -> None:
