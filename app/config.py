@@ -2,8 +2,9 @@
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -17,10 +18,19 @@ class Settings(BaseSettings):
     """Artifact store: run directories (rollouts, adapters, checkpoints) live under data_dir/runs/."""
 
     admin_key: SecretStr | None = None
-    """Key for the admin routes (tenants, keys). Unset: admin routes refuse every request."""
+    """Key for the admin routes (tenants, keys). Unset (or empty): admin routes refuse every request."""
 
     worker_token: SecretStr | None = None
-    """Token the worker pool authenticates with. Unset: pool routes refuse every request."""
+    """Token the worker pool authenticates with. Unset (or empty): pool routes refuse every request."""
+
+    @field_validator("admin_key", "worker_token", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # `LORALOOM_ADMIN_KEY=` (a compose default, a blank line in .env) means no key: the routes
+        # say they are disabled, rather than answering every caller "invalid admin key".
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
 
     max_concurrent_runs: int = Field(default=4, ge=1, le=1024)
     """Pool slots: how many runs are active at once (until a pool registers its own count)."""

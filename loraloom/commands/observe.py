@@ -98,13 +98,18 @@ def metrics(
     if as_json:
         echo_json({"items": items})
         return
+    if not items:
+        typer.echo(f"{run_id}: no step reported yet")
+        if plot is not None:
+            typer.echo(f"plot: {plot} (empty: no step reported yet)")
+        return
     rows = [i | {"reward": _reward_mean(i)} for i in items]
     columns = [("STEP", "step")] + [
         (c.upper(), c) for c in ("reward", *METRIC_COLUMNS) if any(r.get(c) is not None for r in rows)
     ]
     table(rows, columns)
     if plot is not None:
-        typer.echo(f"plot: {plot}" if items else f"plot: {plot} (empty: no step reported yet)")
+        typer.echo(f"plot: {plot}")
 
 
 def _reward_mean(item: dict[str, Any]) -> float | None:

@@ -109,6 +109,7 @@ def test_adapters_list_and_download(svc: Service, tmp_path: Path) -> None:
 
 def test_metrics_table_json_and_plot(svc: Service, tmp_path: Path) -> None:
     run_id = svc.create_run("curve", max_steps=10)
+    assert str(svc.ok("metrics", run_id)).strip() == f"{run_id}: no step reported yet"  # not a bare header
     for step in (1, 2, 3):
         svc.report_step(run_id, step)
     table = str(svc.ok("metrics", run_id))

@@ -3,10 +3,13 @@
 import json
 
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from app.auth import hash_key
+from app.config import Settings
 from app.events.models import Event
+from app.main import create_app
 from app.tenants.models import ApiKey, Tenant
 from tests.app.api import ADMIN_HEADERS, WORKER_HEADERS, new_tenant
 
@@ -112,3 +115,17 @@ def test_audit_log_never_holds_secrets(client, db):
     dumped = json.dumps([e.details for e in events])
     assert t.key not in dumped and t.key[4:] not in dumped
     assert db.scalar(select(Tenant.name).where(Tenant.id == t.id)) == "audited"
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_admin_key_or_worker_token_disables_their_routes(settings, value):
+    """`LORALOOM_ADMIN_KEY=` set empty answered every caller 401 "invalid admin key"; it means no key."""
+    configured = Settings(**{**settings.model_dump(), "admin_key": value, "worker_token": value})
+    assert configured.admin_key is None and configured.worker_token is None
+    with TestClient(create_app(configured)) as client:
+        r = client.get("/v1/tenants", headers={"Authorization": "Bearer anything"})
+        assert r.status_code == 403 and "admin routes are disabled" in r.json()["error"]["message"]
+        r = client.post(
+            "/v1/pool/heartbeat", json={"pool_id": "pool_x"}, headers={"Authorization": "Bearer x"}
+        )
+        assert r.status_code == 403 and "pool routes are disabled" in r.json()["error"]["message"]
