@@ -98,7 +98,9 @@ def check_port(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise CliError(f"cannot listen on {host}: {exc.strerror}", hint="check --host") from None
+        raise CliError(
+            f"cannot listen on {host}: {exc.strerror}", kind=ExitCode.USAGE, hint="check --host"
+        ) from None
     family, kind, proto, _, address = infos[0]
     with contextlib.closing(socket.socket(family, kind, proto)) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds

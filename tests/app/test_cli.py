@@ -150,6 +150,7 @@ def test_serve_refuses_the_usual_setup_mistakes_in_one_line(tmp_path):
             ({"LORALOOM_DATABASE_URL": f"sqlite:///{unmigrated}"}, [], 6, "schema is at no revision"),
             ({"LORALOOM_DATA_DIR": str(a_file / "data")}, [], 2, "data directory"),
             ({}, ["--port", str(taken.getsockname()[1])], 6, "the port is in use"),
+            ({}, ["--host", "bogus.invalid"], 2, "cannot listen on bogus.invalid"),  # .invalid never resolves
             # A bad setting names its variable (was pydantic's report, exit 1).
             ({"LORALOOM_MAX_CONCURRENT_RUNS": "abc"}, [], 2, "LORALOOM_MAX_CONCURRENT_RUNS"),
             ({"LORALOOM_SWEEP_INTERVAL_SECONDS": "-1"}, [], 2, "LORALOOM_SWEEP_INTERVAL_SECONDS"),
