@@ -183,7 +183,8 @@ def test_a_pool_declared_dead_stops_its_tinker_work_cleanly_and_a_new_pool_serve
         pool.thread.join(timeout=60)
         assert not pool.thread.is_alive() and pool.errors == []
         assert client.dead.is_set()
-        assert f"pool_dead on its Tinker {dies_at}" in caplog.text
+        assert f"(pool_dead, answering its Tinker {dies_at})" in caplog.text
+        assert "declared dead: no heartbeat reached the service" in caplog.text  # what it means
         assert pool.trainer.manual is not None and pool.trainer.manual.lost
         # Its Tinker state is dropped: the gradients it held are gone.
         assert all(p.grad is None for p in pool.trainer.lora.slot_parameters(slot))
