@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from functools import partial
 from pathlib import Path
 
 import httpx
@@ -137,7 +136,7 @@ def launch_pool(
             ["/bin/sh", "-c", f'export {LAUNCHER_PID_ENV}=$$; exec "$@"', "sh", *command],
             env=absolute_env({**os.environ, **(env or {})}),
             start_new_session=True,
-            preexec_fn=partial(signal_on_parent_death, signal.SIGTERM, parent=os.getpid())
+            preexec_fn=signal_on_parent_death(signal.SIGTERM, parent=os.getpid())
             if threading.current_thread() is threading.main_thread()
             else None,
             stdout=log,
