@@ -11,6 +11,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine
 from sqlalchemy.engine import Connection
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
@@ -41,3 +42,13 @@ def head_revision() -> str | None:
 def schema_revision(conn: Connection) -> str | None:
     """The revision the database is at (None: never migrated)."""
     return MigrationContext.configure(conn).get_current_revision()
+
+
+def database_revision(database_url: str) -> str | None:
+    """`schema_revision` of the database at `database_url`, on a connection of its own."""
+    engine = create_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            return schema_revision(conn)
+    finally:
+        engine.dispose()

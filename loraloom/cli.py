@@ -178,7 +178,6 @@ def _service_settings() -> Any:
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
     """Migrate the database (LORALOOM_DATABASE_URL) to the newest schema."""
     from alembic.util import CommandError
-    from sqlalchemy import create_engine
 
     from app import migrate
 
@@ -191,12 +190,7 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")]
         if (problem := preflight.database_problem(exc)) is not None:
             raise problem from None
         raise
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            now = migrate.schema_revision(conn)
-    finally:
-        engine.dispose()
+    now = migrate.database_revision(url)
     # What the schema is at, not the argument echoed: `upgrade` never goes back (e.g. to "base").
     typer.echo(
         f"database schema at {now} (asked: {revision})"

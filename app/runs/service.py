@@ -153,15 +153,10 @@ def create_run(
                 actor="system",
                 tenant_id=tenant_id,
                 run_id=run.id,
-                details={"reason": _queue_reason(session, run=run, settings=settings)},
+                details={"reason": waiting_reason(session, run=run, settings=settings)},
             )
     project_after_commit(session, run, settings)
     return run, True
-
-
-def _queue_reason(session: Session, *, run: Run, settings: Settings) -> str:
-    """Why a new run did not get a slot at once (for its `run.queued` event)."""
-    return waiting_reason(session, run=run, settings=settings)
 
 
 def _replay(session: Session, *, tenant_id: str, idempotency_key: str, request_hash: str) -> Run | None:

@@ -43,9 +43,9 @@ def database_problem(exc: Exception) -> CliError | None:
 
 def check_database(url: str) -> None:
     """The database answers and its schema is at the head this code expects (as /readyz checks)."""
-    from sqlalchemy import create_engine, make_url
+    from sqlalchemy import make_url
 
-    from app.migrate import head_revision, schema_revision
+    from app.migrate import database_revision, head_revision
 
     try:
         parsed = make_url(url)
@@ -57,12 +57,7 @@ def check_database(url: str) -> None:
                 kind=ExitCode.UNAVAILABLE,
                 hint="run `loraloom db upgrade` (same LORALOOM_DATABASE_URL) to create it",
             )
-        engine = create_engine(url)
-        try:
-            with engine.connect() as conn:
-                current = schema_revision(conn)
-        finally:
-            engine.dispose()
+        current = database_revision(url)
     except CliError:
         raise
     except Exception as exc:

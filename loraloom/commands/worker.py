@@ -18,6 +18,7 @@ import httpx
 import typer
 from pydantic import ValidationError
 
+from contracts.http import error_from_response
 from loraloom.commands.errors import CliError, ExitCode, require_worker_extra
 from loraloom.commands.http import check_url
 
@@ -214,22 +215,12 @@ def check_token(url: str, token: str) -> None:
             hint="give the service's base URL, without a path such as /v1",
         )
     if r.status_code in (401, 403):
-        said = _error_message(r)
         raise CliError(
-            f"the service at {url} refused the worker token (HTTP {r.status_code}"
-            + (f": {said})" if said else ")"),
+            f"the service at {url} refused the worker token (HTTP {r.status_code}: "
+            f"{error_from_response(r).message})",
             kind=ExitCode.AUTH,
             hint="use the service's LORALOOM_WORKER_TOKEN",
         )
-
-
-def _error_message(response: httpx.Response) -> str:
-    """The message of the service's uniform error body, or "" for another body."""
-    try:
-        error = response.json().get("error", {})
-    except (ValueError, AttributeError):
-        return ""
-    return str(error.get("message", "")) if isinstance(error, dict) else ""
 
 
 def _check_base_model(name: str) -> None:

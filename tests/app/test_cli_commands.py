@@ -202,7 +202,7 @@ EXIT_CODES = [
     (["runs", "list", "--url", "127.0.0.1:9"], 2, "not an http:// or https:// URL"),  # no scheme: usage
     # The worker: a wrong token is refused before any rank starts (no model is loaded), and a
     # mistyped local model path is a missing directory, not an invalid hub id.
-    (["worker", "--token", "wrong"], 5, "refused the worker token"),
+    (["worker", "--token", "wrong"], 5, "refused the worker token (HTTP 401: invalid worker token)"),
     (["worker", "--runs-dir", "runs", "--base-model", "./no/such-model"], 3, "does not exist"),
     (["worker", "--token", "x", "--url", "http://127.0.0.1:9"], 6, "cannot reach"),
     # A URL with a path is no service (the ranks used to die on a 404 after loading the model);
