@@ -6,7 +6,9 @@
 - Pending batches per run: at most `run_max_pending_batches` unclaimed batches and
   `run_max_pending_bytes` of their payloads; a submission over either is a 429 (counted in
   app/batches/service.py, on Postgres in the statement that takes the run row lock but from its
-  snapshot, so concurrent submissions may pass the limit by a batch each: a flood guard).
+  snapshot, so concurrent submissions may pass the limit by a batch each: a flood guard). After such a
+  refusal the run's next batches are counted first, before their decode and payload write
+  (`service._refuse_if_still_full`), until the run has room again.
 """
 
 import threading

@@ -148,6 +148,7 @@ def _submit_in_thread(request: Request, lean: _Lean, body: bytes) -> service.Sub
                 body=body,
                 msgpack=lean.msgpack,
                 idempotency_key=lean.idempotency_key,
+                full=service.full_runs(state),
             )
             session.commit()
             if not result.created:

@@ -52,6 +52,7 @@ def submit_batch(
     session: SessionDep,
     settings: SettingsDep,
     response: Response,
+    request: Request,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -73,6 +74,7 @@ def submit_batch(
         body=body,
         msgpack=msgpack,
         idempotency_key=idempotency_key,
+        full=service.full_runs(request.app.state),
     )
     if not result.created:
         response.status_code = 200

@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlalchemy import Insert, func, select, update
 from sqlalchemy.orm import Session
+from starlette.datastructures import State
 
 from app.batches.ingest import ingest, request_digest
 from app.batches.ingest_run import IngestRun, vocab_size_query
@@ -31,6 +32,7 @@ from app.errors import Conflict, NotFound, RateLimited
 from app.limits import PENDING_RETRY_AFTER_SECONDS
 from app.rollouts.service import add_batch as add_rollout_batch
 from app.runs.models import Run
+from app.ttl_cache import TtlCache, state_cache
 from contracts.arrays import ArrayBatch, num_tokens
 from contracts.run_config import RunConfig
 from contracts.status import BatchState, RunStatus
@@ -142,6 +144,24 @@ def _replay(session: Session, *, run_id: str, idempotency_key: str, request_hash
     return existing
 
 
+def _earlier_if_not_taking(
+    session: Session, run: _RunState, idempotency_key: str | None, body: bytes, msgpack: bool
+) -> Batch | None:
+    """None if the run takes batches; else the batch an earlier request with this key and body stored
+    (a retry of a request accepted before the run stopped gets its batch back), or the run's 409."""
+    try:
+        _check_status(run)
+    except Conflict:
+        if idempotency_key is not None and (
+            existing := _replay_of_body(
+                session, run_id=run.id, idempotency_key=idempotency_key, body=body, msgpack=msgpack
+            )
+        ):
+            return existing
+        raise
+    return None
+
+
 def _replay_of_body(
     session: Session, *, run_id: str, idempotency_key: str, body: bytes, msgpack: bool
 ) -> Batch | None:
@@ -169,6 +189,20 @@ def _insert_new(session: Session, values: dict[str, object]) -> tuple[int, datet
     return None if row is None else (row.id, row.created_at)
 
 
+FullRuns = TtlCache[str, bool]
+"""Run ids whose last batch was refused because their unclaimed batches were at the limits."""
+
+FULL_RUN_MEMORY_SECONDS = 60.0
+"""How long a run refused for its pending limits gets the early check (then one batch again pays for
+its decode and payload write before the statement refuses it, and marks the run again)."""
+
+
+def full_runs(state: State) -> FullRuns:
+    """The app's runs refused at their pending limits (see `_refuse_if_still_full`)."""
+    runs: FullRuns = state_cache(state, "full_runs", FULL_RUN_MEMORY_SECONDS)
+    return runs
+
+
 def submit_batch(
     session: Session,
     *,
@@ -177,6 +211,7 @@ def submit_batch(
     body: bytes,
     msgpack: bool,
     idempotency_key: str | None,
+    full: FullRuns,
 ) -> SubmitResult:
     """Validate and store one rollout batch (a TrainingBatch, JSON or msgpack `body`) of `run`.
 
@@ -187,17 +222,9 @@ def submit_batch(
     """
     state = _RunState.of(run)
     config = run_config(run.config)
-    try:
-        _check_status(state)
-    except Conflict:
-        # A retry of a request that was accepted before the run stopped gets its batch back.
-        if idempotency_key is not None and (
-            existing := _replay_of_body(
-                session, run_id=run.id, idempotency_key=idempotency_key, body=body, msgpack=msgpack
-            )
-        ):
-            return SubmitResult(existing, created=False)
-        raise
+    if (earlier := _earlier_if_not_taking(session, state, idempotency_key, body, msgpack)) is not None:
+        return SubmitResult(earlier, created=False)
+    _refuse_if_still_full(session, settings=settings, run_id=run.id, full=full)
     ingested = ingest(body, msgpack=msgpack, seq_len=config.seq_len, vocab_size=run.vocab_size)
     batch, data, digest = ingested.batch, ingested.data, ingested.sha256
     try:
@@ -239,12 +266,42 @@ def submit_batch(
         if existing is None:
             raise
         return SubmitResult(existing, created=False)
+    except RateLimited:
+        discard_payload(settings, stored.relative_path)
+        full.put(run.id, True)
+        raise
     except BaseException:
         discard_payload(settings, stored.relative_path)
         raise
     if not result.created:  # the earlier request's file holds this batch
         discard_payload(settings, stored.relative_path)
     return result
+
+
+def _pending_of(session: Session, run_id: str) -> tuple[int, int]:
+    """The run's unclaimed batches and the bytes of their payloads."""
+    count, size = session.execute(
+        select(func.count(), func.coalesce(func.sum(Batch.payload_bytes), 0)).where(
+            Batch.run_id == run_id, Batch.state == BatchState.PENDING
+        )
+    ).one()
+    return int(count), int(size)
+
+
+def _refuse_if_still_full(session: Session, *, settings: Settings, run_id: str, full: FullRuns) -> None:
+    """The 429 before the decode and the payload write, for a run whose last batch the pending limits
+    refused and which has no room for any batch still (a client retrying at its limit would otherwise
+    make the service decode, write and fsync every attempt). The limits are checked exactly under the
+    run row lock as ever; this only answers earlier, and costs one read only while the run is marked."""
+    if full.get(run_id) is None:
+        return
+    pending_batches, pending_bytes = _pending_of(session, run_id)
+    if pending_batches < settings.run_max_pending_batches and pending_bytes < settings.run_max_pending_bytes:
+        full.pop(run_id)  # room again (a batch that does not fit still meets the exact check)
+        return
+    _check_pending_room(
+        settings, run_id=run_id, pending_batches=pending_batches, pending_bytes=pending_bytes, adding_bytes=1
+    )
 
 
 def _check_pending_room(
@@ -377,11 +434,7 @@ def _reserve_then_insert(
 ) -> tuple[int, datetime] | None:
     """The statement-by-statement form (SQLite): the pending count, the run-row UPDATE, the
     checks, then the INSERT."""
-    count, size = session.execute(
-        select(func.count(), func.coalesce(func.sum(Batch.payload_bytes), 0)).where(
-            Batch.run_id == run_id, Batch.state == BatchState.PENDING
-        )
-    ).one()
+    count, size = _pending_of(session, run_id)
     adding = values["payload_bytes"]
     assert isinstance(adding, int)
     _check_pending_room(

@@ -19,7 +19,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import update
 
+from app.batches import service as batches_service
 from app.batches import storage
 from app.batches.models import Batch
 from app.config import Settings
@@ -235,6 +237,48 @@ def test_pending_batches_per_run_get_429(settings):
             first.state = "leased"
             session.commit()
         assert client.post(url, json=batch_body(seed=9), headers=tenant.headers).status_code == 201
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["fast-path", "documented-route"])
+def test_a_run_at_its_pending_limit_is_refused_before_its_payload_is_written(settings, monkeypatch, lean):
+    """A client retrying at its run's pending limit made the service decode, write and fsync each
+    attempt before the statement refused it; after one such refusal the run is checked first."""
+    # No key cache: the documented route answers every request (app/batches/lean_route.py).
+    cache_seconds = settings.api_key_cache_seconds if lean else 0.0
+    settings = settings.model_copy(
+        update={"run_max_pending_batches": 1, "api_key_cache_seconds": cache_seconds}
+    )
+    writes: list[str] = []
+    real_write = batches_service.write_payload
+
+    def counted_write(*args, **kwargs):
+        writes.append(kwargs["run_id"])
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(batches_service, "write_payload", counted_write)
+    with TestClient(create_app(settings)) as client:
+        tenant: TenantHandle = new_tenant(client)
+        run = create_run(client, tenant)
+        url = f"/v1/runs/{run['id']}/batches"
+
+        def post(seed: int) -> httpx.Response:
+            return client.post(url, json=batch_body(seed=seed), headers=tenant.headers)
+
+        assert post(0).status_code == 201
+        assert post(1).status_code == 429  # the exact check, after the write: marks the run
+        assert len(writes) == 2
+        for seed in range(2, 6):
+            r = post(seed)
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["details"]["pending_batches"] == 1
+            assert int(r.headers["retry-after"]) >= 1
+        assert len(writes) == 2, "the refused batches were written"
+        # Once the pool has taken the batch there is room again, found by the early check.
+        with committed(settings) as session:
+            session.execute(update(Batch).values(state="leased"))
+            session.commit()
+        assert post(9).status_code == 201
+        assert len(writes) == 3
 
 
 def test_a_payload_write_survives_its_step_directory_removed_under_it(settings, monkeypatch):
