@@ -44,6 +44,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     """Largest request body accepted; larger bodies get a 413."""
 
+    max_small_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    """Largest body of the routes that carry no bulk data (all but rollout batches, adapter uploads,
+    the pool's routes and the Tinker API: tenants, keys, run configs, evictions, the dashboard's
+    forms); larger bodies get a 413. Checked before authentication, like `max_body_bytes`."""
+
     body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     """A request body must arrive whole within this many seconds of the headers, else 408.
     Bodies are read before any database work, so a slow client holds a socket, not a connection."""

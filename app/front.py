@@ -72,13 +72,18 @@ class Front:
         *,
         metrics: HttpMetrics,
         max_body_bytes: int,
+        max_small_body_bytes: int,
         body_timeout_seconds: float,
         hot: HotRoute | None = None,
         dashboard_prefix: str = "/ui",
     ) -> None:
         self.app = app
         self.metrics = metrics
-        self.guard = BodyGuard(max_body_bytes=max_body_bytes, body_timeout_seconds=body_timeout_seconds)
+        self.guard = BodyGuard(
+            max_body_bytes=max_body_bytes,
+            max_small_body_bytes=max_small_body_bytes,
+            body_timeout_seconds=body_timeout_seconds,
+        )
         self.hot = hot
         self.dashboard_prefix = dashboard_prefix
 

@@ -166,6 +166,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         Front,
         metrics=metrics,
         max_body_bytes=settings.max_body_bytes,
+        max_small_body_bytes=settings.max_small_body_bytes,
         body_timeout_seconds=settings.body_timeout_seconds,
         hot=hot_route(batches_router),
     )

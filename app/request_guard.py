@@ -1,7 +1,10 @@
 """The request guard (applied by app/front.py): what is checked before a request reaches a route,
 and so before any database session opens.
 
-- The body is read whole here, with its size limit (413) and a read deadline (408). A client
+- The body is read whole here, with its size limit (413) and a read deadline (408). The limit is
+  `max_body_bytes` for the routes that carry bulk data (`BULK_ROUTES`) and `max_small_body_bytes`
+  for every other one, so an anonymous client cannot make the service read 64 MB into memory and
+  scan it on the way to a route that takes a run's config. A client
   that sends the headers and part of a body (slow or on purpose) therefore holds a socket and
   a coroutine, never a database connection: authentication, which needs the database, runs
   only once the body is in memory.
@@ -48,13 +51,24 @@ _LARGE_BODY_BYTES = 1 << 20
 # depth scan (about a third of the decode's time there) is left out for them.
 _TYPED_BATCH_ROUTE = re.compile(r"^/v1/runs/[^/]+/batches$")
 
+BULK_ROUTES = re.compile(r"^(/v1/runs/[^/]+/batches|/v1/adapters|/v1/pool/.*|/api/v1/.*)$")
+"""The paths whose POST or PUT bodies may be as large as `max_body_bytes`: rollout batches, adapter
+uploads, the pool's routes (adapters, results) and the Tinker API (training data)."""
+
 
 class BodyGuard:
     """The checks above, for app/front.py (which answers what the guard lets through)."""
 
-    def __init__(self, *, max_body_bytes: int, body_timeout_seconds: float) -> None:
+    def __init__(
+        self, *, max_body_bytes: int, max_small_body_bytes: int, body_timeout_seconds: float
+    ) -> None:
         self.max_body_bytes = max_body_bytes
+        self.max_small_body_bytes = min(max_small_body_bytes, max_body_bytes)
         self.body_timeout_seconds = body_timeout_seconds
+
+    def body_limit(self, scope: Scope) -> int:
+        bulk = scope.get("method") in ("POST", "PUT") and BULK_ROUTES.match(scope.get("path", ""))
+        return self.max_body_bytes if bulk else self.max_small_body_bytes
 
     async def check(self, scope: Scope, receive: Receive, send: Send) -> tuple[bytes, Receive] | None:
         """(the body, a `receive` that replays it) for the app; or None: the request was refused
@@ -73,11 +87,12 @@ class BodyGuard:
         if encoding not in (b"identity", b""):
             await _refuse(send, 415, _encoded(encoding))
             return None
+        limit = self.body_limit(scope)
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _refuse(send, 413, _too_large(self.max_body_bytes))
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _refuse(send, 413, _too_large(limit))
             return None
-        body, disconnected, refusal = await self._read_body(receive)
+        body, disconnected, refusal = await self._read_body(receive, limit)
         if refusal is not None:
             await _refuse(send, *refusal)
             return None
@@ -104,7 +119,9 @@ class BodyGuard:
 
         return body, replay
 
-    async def _read_body(self, receive: Receive) -> tuple[bytes, bool, tuple[int, dict[str, Any]] | None]:
+    async def _read_body(
+        self, receive: Receive, limit: int
+    ) -> tuple[bytes, bool, tuple[int, dict[str, Any]] | None]:
         """(body, client disconnected, refusal or None)."""
         chunks: list[bytes] = []
         size = 0
@@ -118,8 +135,8 @@ class BodyGuard:
                         return b"".join(chunks), True, None
                     chunk = message.get("body", b"")
                     size += len(chunk)
-                    if size > self.max_body_bytes:
-                        return b"", False, (413, _too_large(self.max_body_bytes))
+                    if size > limit:
+                        return b"", False, (413, _too_large(limit))
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), False, None

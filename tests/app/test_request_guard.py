@@ -7,11 +7,15 @@ they answer, not how fast (docs/benchmarks.md is for speed)."""
 import gzip
 import json
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 from app import request_guard
+from app.config import Settings
+from app.main import create_app
 from app.request_guard import MAX_JSON_DEPTH, nested_deeper, too_deep
 from tests.app.api import batch_body, create_run, new_tenant
 
@@ -76,8 +80,14 @@ def test_hostile_bodies_get_their_answer_without_a_parse() -> None:
     assert request_guard._json_problem(b"application/json", escaped) is None
 
 
-def test_large_bodies_are_refused_through_the_app(client) -> None:
+def test_large_bodies_are_refused_through_the_app(settings) -> None:
     """Over 1 MiB the checks run in a worker thread; their answers are the same uniform 422s."""
+    roomy = settings.model_copy(update={"max_small_body_bytes": 4 << 20})  # run configs up to 4 MiB
+    with TestClient(create_app(roomy)) as client:
+        _refused_in_a_thread(client)
+
+
+def _refused_in_a_thread(client: TestClient) -> None:
     tenant = new_tenant(client)
     padding = b"x" * (1 << 20)
     deep = b'{"name": "x", "pad": "' + padding + b'", "config": ' + b"[" * 40 + b"]" * 40 + b"}"
@@ -87,6 +97,34 @@ def test_large_bodies_are_refused_through_the_app(client) -> None:
         assert r.status_code == 422, r.text
         assert r.json()["error"]["details"][0]["type"] == kind
         assert client.get("/v1/runs", headers=tenant.headers).json()["items"] == []
+
+
+def test_routes_without_bulk_data_take_small_bodies_only(client) -> None:
+    """An anonymous client could send 64 MB to any route, to be read and scanned before the 401:
+    routes that take no bulk data stop at `max_small_body_bytes` (1 MiB), declared or streamed."""
+    small = Settings.model_fields["max_small_body_bytes"].default
+    big = b'{"name": "' + b"x" * small + b'"}'
+
+    def streamed() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
+        yield big[: len(big) // 2]
+        yield big[len(big) // 2 :]
+
+    tenant = new_tenant(client)
+    for method, path in (
+        ("POST", "/v1/runs"),
+        ("POST", "/v1/tenants"),
+        ("GET", "/v1/runs"),
+        ("POST", "/ui/login"),
+    ):
+        for content in (big, streamed()):
+            r = client.request(method, path, content=content, headers=JSON)
+            assert r.status_code == 413, (method, path, r.text)
+            assert r.json()["error"]["message"] == f"request body exceeds {small} bytes"
+    assert client.get("/v1/runs", headers=tenant.headers).json()["items"] == []
+    # The bulk routes take it, to their own checks (here: who is asking).
+    for path in ("/v1/runs/run_x/batches", "/v1/adapters", "/v1/pool/heartbeat", "/api/v1/forward_backward"):
+        r = client.post(path, content=big, headers=JSON)
+        assert r.status_code == 401, (path, r.text)
 
 
 def test_toml_dotted_headers_nested_too_deeply_are_a_422(client) -> None:
