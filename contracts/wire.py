@@ -69,6 +69,12 @@ MAX_SAMPLE_METRICS = 16
 MAX_BATCH_STEP = 2**31 - 1
 """Largest rollout `step` (the service stores it in a 32-bit column)."""
 
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+"""The sampling temperatures a batch may state. The trainer divides float32 logits by it: 5e-324 is
+0 in float32 and 1e308 infinite (that run's loss was then non-finite); below 1e-5 samplers sample
+greedily (vLLM's epsilon), and the Tinker API's sampling takes at most 100."""
+
 MAX_ABS_SCALAR = 3.4028234663852886e38
 """Largest magnitude of a `reward` or a metric value: float32's largest finite value. The trainer
 reads rewards as float32, and the service's per-step statistics of rewards and metrics (sums of
@@ -273,8 +279,14 @@ def batch_field_problems(batch: TrainingBatch) -> list[Problem]:
                 None, "examples", f"has {n} samples; at most {MAX_EXAMPLES_PER_BATCH} per batch (split it)"
             )
         )
-    if not (math.isfinite(batch.temperature) and batch.temperature > 0.0):
-        out.append(Problem(None, "temperature", f"must be a finite number > 0, not {batch.temperature!r}"))
+    if not MIN_TEMPERATURE <= batch.temperature <= MAX_TEMPERATURE:  # NaN fails too
+        out.append(
+            Problem(
+                None,
+                "temperature",
+                f"must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], not {batch.temperature!r}",
+            )
+        )
     if not 0 <= batch.step <= MAX_BATCH_STEP:
         out.append(Problem(None, "step", f"must be in [0, {MAX_BATCH_STEP}], not {batch.step}"))
     for name in ("env", "agent"):

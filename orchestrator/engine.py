@@ -35,7 +35,7 @@ from enum import StrEnum
 from typing import Literal
 
 from contracts.tokenizer import Tokenizer, encode_prompt
-from contracts.wire import TrainingBatch, TrainingSample
+from contracts.wire import MAX_TEMPERATURE, MIN_TEMPERATURE, TrainingBatch, TrainingSample
 from orchestrator.advantages import (
     AdvantageMethod,
     GroupKey,
@@ -110,8 +110,11 @@ class EngineConfig:
         object.__setattr__(self, "reward_placement", RewardPlacement(self.reward_placement))
         if self.advantage not in ("grpo", "rloo", "gae"):
             raise ValueError(f"advantage must be 'grpo', 'rloo' or 'gae', not {self.advantage!r}")
-        if self.temperature <= 0:
-            raise ValueError("training temperature must be > 0 (the trainer divides logits by it)")
+        if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (the trainer divides "
+                f"logits by it), not {self.temperature!r}"
+            )
         for name in ("max_turns", "problems_per_step", "samples_per_problem", "max_concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

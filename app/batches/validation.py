@@ -29,6 +29,8 @@ from contracts.wire import (
     MAX_EXAMPLES_PER_BATCH,
     MAX_LABEL_CHARS,
     MAX_SAMPLE_METRICS,
+    MAX_TEMPERATURE,
+    MIN_TEMPERATURE,
     Problem,
     TrainingBatch,
     TrainingSample,
@@ -100,7 +102,7 @@ _MAX_FLOAT = sys.float_info.max
 # ge/le with the largest finite double: NaN and ±inf fail the comparison, so the decoder rejects them.
 _Finite = Annotated[float, msgspec.Meta(ge=-_MAX_FLOAT, le=_MAX_FLOAT)]
 _LogProb = Annotated[float, msgspec.Meta(ge=-_MAX_FLOAT, le=0.0)]
-_Temperature = Annotated[float, msgspec.Meta(gt=0.0, le=_MAX_FLOAT)]
+_Temperature = Annotated[float, msgspec.Meta(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE)]
 _NO_NUL = "^[^\x00]*$"  # Postgres text cannot hold a NUL (JSON bodies are also checked before the route)
 _Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL_CHARS, pattern=_NO_NUL)]
 _Weight = Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_FLOAT)]

@@ -196,6 +196,9 @@ BAD_INPUTS = [
     Bad("temperature_negative", _set_batch(temperature=-1.0), None, "temperature"),
     Bad("temperature_nan", _set_batch(temperature=NAN), None, "temperature", msgpack=True),
     Bad("temperature_inf", _set_batch(temperature=INF), None, "temperature", msgpack=True),
+    # 0 and inf in the trainer's float32 (that run's loss went non-finite).
+    Bad("temperature_subnormal", _set_batch(temperature=5e-324), None, "temperature"),
+    Bad("temperature_huge", _set_batch(temperature=1e308), None, "temperature"),
     Bad("step_negative", _set_batch(step=-1), None, "step"),
     Bad("step_beyond_int32", _set_batch(step=2**31), None, "step"),  # a 32-bit column
     Bad("env_nul", _set_batch(env="e\x00"), None, "env", msgpack=True),  # JSON: the request guard's 422
