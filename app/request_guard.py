@@ -16,6 +16,8 @@ and so before any database session opens.
   2 GB of memory); bodies over 1 MiB are checked in a worker thread, so the event loop serves the
   others meanwhile (numpy releases the GIL).
 - The query string and path may not hold a NUL either (422 naming the parameter).
+- `Authorization`, `Content-Type` and `Idempotency-Key` may be sent once (422 naming the header): the
+  routes read one of the copies, so a second one could mean another key or body type than the one used.
 - A body with a Content-Encoding other than identity is refused (415): no route decodes one, and
   a compressed body read as it is would be misreported (a gzip batch as "not UTF-8"), a body
   labelled gzip but sent plain accepted.
@@ -78,7 +80,7 @@ class BodyGuard:
             # one that arrived whole in a single read is caught here, so the limit is exact.
             await _refuse(send, 431, _headers_too_large())
             return None
-        problem = _query_problem(scope)
+        problem = _query_problem(scope) or _repeated_header(scope)
         if problem is not None:
             await _refuse(send, 422, problem)
             return None
@@ -199,6 +201,19 @@ def _query_problem(scope: Scope) -> dict[str, Any] | None:
             return _invalid(
                 ["query", name.replace("\x00", "")], "must not contain a NUL character", "nul_character"
             )
+    return None
+
+
+_SINGLE_HEADERS = frozenset({b"authorization", b"content-type", b"idempotency-key"})
+
+
+def _repeated_header(scope: Scope) -> dict[str, Any] | None:
+    seen: set[bytes] = set()
+    for name, _ in scope.get("headers") or []:
+        if name in _SINGLE_HEADERS:
+            if name in seen:
+                return _invalid(["header", name.decode()], "must be sent once", "repeated_header")
+            seen.add(name)
     return None
 
 

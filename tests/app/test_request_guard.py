@@ -127,6 +127,27 @@ def test_routes_without_bulk_data_take_small_bodies_only(client) -> None:
         assert r.status_code == 401, (path, r.text)
 
 
+@pytest.mark.parametrize("header", ["Idempotency-Key", "Authorization", "Content-Type"])
+def test_a_header_the_routes_read_once_may_be_sent_once(client, header: str) -> None:
+    """Two Idempotency-Keys were stored under the first silently (a retry sending the other one made
+    a second batch); two keys or body types could mean another tenant or format than the one used."""
+    tenant = new_tenant(client)
+    run = create_run(client, tenant)
+    values = {
+        "Idempotency-Key": ["k1", "k2"],
+        "Authorization": [tenant.headers["Authorization"]] * 2,
+        "Content-Type": ["application/json", "application/msgpack"],
+    }[header]
+    headers = [*((k, v) for k, v in {**tenant.headers, **JSON}.items() if k != header)]
+    headers += [(header, v) for v in values]
+    r = client.post(f"/v1/runs/{run['id']}/batches", content=json.dumps(batch_body()), headers=headers)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["details"] == [
+        {"loc": ["header", header.lower()], "msg": "must be sent once", "type": "repeated_header"}
+    ]
+    assert client.get(f"/v1/runs/{run['id']}/batches", headers=tenant.headers).json()["items"] == []
+
+
 def test_toml_dotted_headers_nested_too_deeply_are_a_422(client) -> None:
     """`[config.metadata.a.a....]` nests a level per dot, without a bracket the byte scan counts: at 500
     levels the run's digest failed with a 500, at 40 a run was stored deeper than JSON may nest."""
