@@ -9,7 +9,8 @@ httptools (llhttp, in C) rather than h11 (pure Python): h11 spent about a fifth 
 CPU on a 0.4 MB rollout batch (docs/benchmarks.md). But httptools has no limit on the size of
 request headers (one 100 MB header stalled /healthz for every client for 21 s), so this protocol
 counts the bytes of a request head as they arrive and answers a head that outgrows
-MAX_HEADER_BYTES with a 431 in the uniform error body, closing the connection. The count is per
+MAX_HEADER_BYTES with a 431 in the uniform error body, closing the connection (malformed framing,
+which uvicorn answers with a text/plain 400, gets the uniform body too). The count is per
 read, so a head is refused at most one read (64 KiB) past the limit; a head that arrives whole in
 one read is held to the exact limit by app/request_guard.py. `LimitedH11Protocol` (h11's own
 limit, answered with a 431) stays available: `--http app.serving:LimitedH11Protocol
@@ -52,22 +53,28 @@ def proxy_headers_configured(env: Mapping[str, str] | None = None) -> bool:
     return bool((os.environ if env is None else env).get(PROXY_ALLOW_ENV, "").strip())
 
 
-def _write_431(transport: asyncio.Transport, limit: int) -> None:
-    """A 431 in the uniform error body, written raw (the parser is mid-request), then close."""
-    error = {
-        "code": "request_header_fields_too_large",
-        "message": f"request line and headers exceed {limit} bytes",
-        "details": None,
-    }
-    body = json.dumps({"error": error}).encode()
+def _write_error(transport: asyncio.Transport, status: str, code: str, message: str) -> None:
+    """An error in the uniform body, written raw (the parser is mid-request), then close."""
+    body = json.dumps({"error": {"code": code, "message": message, "details": None}}).encode()
     head = (
-        "HTTP/1.1 431 Request Header Fields Too Large\r\n"
+        f"HTTP/1.1 {status}\r\n"
         "content-type: application/json\r\n"
         f"content-length: {len(body)}\r\n"
         "connection: close\r\n\r\n"
     )
     transport.write(head.encode() + body)
     transport.close()
+
+
+def _write_431(transport: asyncio.Transport, limit: int) -> None:
+    message = f"request line and headers exceed {limit} bytes"
+    _write_error(transport, "431 Request Header Fields Too Large", "request_header_fields_too_large", message)
+
+
+def _write_400(transport: asyncio.Transport, parser_message: str) -> None:
+    # uvicorn's own answer is text/plain; clients parse every error as the uniform body.
+    message = f"malformed HTTP request: {parser_message}"
+    _write_error(transport, "400 Bad Request", "bad_request", message)
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -105,6 +112,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_head, self._head_bytes = True, 0  # what follows is the next request's head
 
+    def send_400_response(self, msg: str) -> None:
+        _write_400(self.transport, msg)
+
 
 class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, answering a request whose headers are too large with a 431."""
@@ -115,7 +125,7 @@ class LimitedH11Protocol(H11Protocol):
         limit = self.config.h11_max_incomplete_event_size or MAX_HEADER_BYTES
         buffered, _closed = self.conn.trailing_data
         if len(buffered) <= limit:
-            super().send_400_response(msg)
+            _write_400(self.transport, msg)
             return
         self.logger.warning("request headers over %d bytes: 431", limit)
         _write_431(self.transport, limit)

@@ -2,6 +2,7 @@
 does not cover: a head that outgrows the limit in many small reads, and request bodies, which are
 never counted as head bytes (a keep-alive connection carries large bodies and later requests)."""
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import pytest
 
 from app.config import Settings
 from app.main import create_app
-from app.serving import MAX_HEADER_BYTES, LimitedHttpToolsProtocol, uvicorn_options
+from app.serving import MAX_HEADER_BYTES, LimitedH11Protocol, LimitedHttpToolsProtocol, uvicorn_options
 from tests.app.api import MSGPACK, LiveServer, batch_body, create_run, new_tenant
 
 
@@ -53,6 +54,29 @@ def test_a_head_growing_past_the_limit_in_small_reads_is_431(server):
     sock.close()
     assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
     assert b'"request_header_fields_too_large"' in answer
+
+
+@pytest.mark.parametrize("protocol", [LimitedHttpToolsProtocol, LimitedH11Protocol], ids=["httptools", "h11"])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost x\r\n\r\n",
+        b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Length: z\r\n\r\n",
+    ],
+    ids=["header-without-colon", "bad-content-length"],
+)
+def test_malformed_http_gets_the_uniform_error_body(settings, protocol, request_bytes):
+    """uvicorn answered malformed framing with a text/plain 400: every other error is the JSON body."""
+    with LiveServer(create_app(settings), **{**uvicorn_options(), "http": protocol}) as live:
+        sock = _connect(live)
+        sock.sendall(request_bytes)
+        answer = _read_all(sock)
+        sock.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "bad_request" and error["message"].startswith("malformed HTTP request: ")
 
 
 def test_bodies_are_not_head_bytes_on_a_kept_alive_connection(server):
