@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -116,7 +117,8 @@ class RunEvicted(Conflict):
 
 
 class RunFailed(Conflict):
-    """The run ended without being evicted and cannot take batches (`failed`, `deleted`)."""
+    """The run ended without being evicted and cannot take batches (`failed`, `deleted`; also
+    `completed`, for a caller waiting for the run to become active)."""
 
     def __init__(self, message: str, *, run_id: str | None = None, run_status: str | None = None) -> None:
         super().__init__(message, code="run_not_active")
@@ -212,6 +214,17 @@ def error_from_response(response: httpx.Response) -> ApiError:
     else:
         cls = _BY_STATUS.get(status, BadRequest)
     return cls(message, status=status, code=code, details=details)
+
+
+def api_prefix_problem(base_url: str) -> str | None:
+    """Why `base_url` is no base URL of the service when it ends in /v1 (every route already starts
+    with /v1: each call answered 404), else None. The SDK and the CLI refuse it in these words."""
+    parts = urlsplit(base_url)
+    path = parts.path.rstrip("/")
+    if not path.lower().endswith("/v1"):
+        return None
+    fixed = parts._replace(path=path[:-3]).geturl()
+    return f"{base_url!r} ends with /v1: give the base URL without /v1, e.g. {fixed!r}"
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,7 +183,12 @@ def run_demo(
         say=say,
     )
     try:
-        with stack_cm as stack:
+        with stack_cm as stack, warnings.catch_warnings():
+            # PEFT reads transformers' deprecated `is_gradient_checkpointing` when a sampler loads its
+            # first adapter (no argument of ours): its FutureWarning landed between the progress bars.
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
             url, state_dir = stack.url, stack.state_dir
             say("[demo] building/loading the built-in base model loraloom-tiny (cached after the first run)")
             base = load_base_model("loraloom-tiny", cache_dir=model_cache)

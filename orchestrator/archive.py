@@ -136,13 +136,16 @@ PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def adapter_dir_tar(adapter_dir: Path) -> bytes:
-    """An uncompressed tar of a PEFT directory's two files (the body of POST /v1/adapters)."""
+    """An uncompressed tar of a PEFT directory's two files (the body of POST /v1/adapters);
+    FileNotFoundError, naming the path, when the directory or one of its files is missing."""
+    if not Path(adapter_dir).is_dir():
+        raise FileNotFoundError(f"adapter directory {adapter_dir} does not exist (or is not a directory)")
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name in PEFT_FILES:
             path = Path(adapter_dir) / name
             if not path.is_file():
-                raise LoraloomError(f"{adapter_dir} has no {name}: not a PEFT adapter directory")
+                raise FileNotFoundError(f"{adapter_dir} has no {name}: not a PEFT adapter directory")
             data = path.read_bytes()
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(data), 0o644, 0

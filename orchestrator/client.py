@@ -18,8 +18,10 @@ keeps the operation a single piece of code.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
@@ -31,12 +33,19 @@ from pydantic import TypeAdapter
 
 from contracts.arrays import NoBinaryForm, to_arrays
 from contracts.arrays import encode as encode_arrays
-from contracts.http import RetryPolicy, ValidationError, send_with_retries, send_with_retries_async
+from contracts.http import (
+    RetryPolicy,
+    ValidationError,
+    api_prefix_problem,
+    send_with_retries,
+    send_with_retries_async,
+)
 from contracts.ids import is_run_id
 from contracts.run_config import RunConfig
+from contracts.status import RunStatus
 from contracts.wire import Problem, TrainingBatch, json_encoder
 from orchestrator.archive import adapter_dir_tar, extract_adapter, read_marker
-from orchestrator.errors import ApiError, error_from_response
+from orchestrator.errors import ApiError, RunFailed, error_from_response
 from orchestrator.models import (
     AdapterDownload,
     AdapterInfo,
@@ -294,10 +303,40 @@ def _settings(
         raise ValueError(
             f"base_url {base_url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)"
         )
+    if problem := api_prefix_problem(base_url):
+        raise ValueError(f"base_url {problem}")  # every route already starts with /v1: each call was a 404
+    if not api_key:
+        # No route of the SDK answers without one: every call was a 401.
+        raise ValueError(
+            "api_key is required: every route of the service needs a tenant API key "
+            "(an admin creates one with `loraloom keys create <tenant_id>`)"
+        )
     policy = retry or RetryPolicy()
     if max_attempts is not None:
         policy = dataclasses.replace(policy, max_attempts=max_attempts)
     return ClientSettings(base_url=base_url.rstrip("/"), api_key=api_key, timeout=timeout, retry=policy)
+
+
+def _wait_deadline(timeout: float, poll: float) -> float:
+    if poll <= 0 or timeout < 0:
+        raise ValueError(f"poll must be > 0 and timeout >= 0, not poll={poll!r}, timeout={timeout!r}")
+    return time.monotonic() + timeout
+
+
+def _still_queued(run: Run, *, deadline: float, timeout: float) -> bool:
+    """Whether `wait_until_active` polls `run` again: False once it is active; raises once it has
+    ended (it never will be) or the `deadline` (time.monotonic) has passed."""
+    if run.status == RunStatus.ACTIVE:
+        return False
+    run.raise_if_stopped()  # evicted: RunEvicted with the reason; failed, deleted: RunFailed
+    if run.is_terminal:
+        raise RunFailed(
+            f"run {run.id} is {run.status}: it takes no more batches", run_id=run.id, run_status=run.status
+        )
+    if time.monotonic() >= deadline:
+        why = run.waiting_reason or "the service gave no reason"
+        raise TimeoutError(f"run {run.id} is still {run.status} after {timeout:g}s: {why}")
+    return True
 
 
 def _check(request: _Request, response: httpx.Response) -> httpx.Response:
@@ -309,13 +348,15 @@ def _check(request: _Request, response: httpx.Response) -> httpx.Response:
 class LoraloomClient:
     """Synchronous client. Use as a context manager, or call `close()`.
 
+    `base_url`: the service's, without /v1 (e.g. http://127.0.0.1:8000); `api_key`: a tenant API key
+    (every route needs one). Both are checked here (ValueError), before any request.
     `transport` lets tests (or users) plug in an httpx transport; everything else
-    is the public API of the service, one method per route."""
+    is the public API of the service, one method per route (and `wait_until_active`)."""
 
     def __init__(
         self,
         base_url: str,
-        api_key: str | None = None,
+        api_key: str,
         *,
         timeout: float | httpx.Timeout = 30.0,
         retry: RetryPolicy | None = None,
@@ -369,6 +410,18 @@ class LoraloomClient:
 
     def get_run(self, run_id: str) -> Run:
         return self._run(_Ops.get_run(run_id))
+
+    def wait_until_active(self, run_id: str, *, timeout: float = 600.0, poll: float = 2.0) -> Run:
+        """Poll `get_run` until the run is active and return it: a new run waits `queued` for a slot
+        (the service refuses its batches with a 409 until then). Heartbeats while it waits, as the
+        rollout loop does, so a run with a heartbeat_timeout is not evicted for waiting. Raises
+        `RunEvicted` or `RunFailed` if the run ends first, TimeoutError (with the run's
+        waiting_reason) after `timeout` seconds."""
+        deadline = _wait_deadline(timeout, poll)
+        while _still_queued(run := self.get_run(run_id), deadline=deadline, timeout=timeout):
+            self.heartbeat(run_id)
+            time.sleep(poll)
+        return run
 
     def list_runs(
         self, *, status: str | None = None, limit: int | None = None, cursor: str | None = None
@@ -426,7 +479,7 @@ class AsyncLoraloomClient:
     def __init__(
         self,
         base_url: str,
-        api_key: str | None = None,
+        api_key: str,
         *,
         timeout: float | httpx.Timeout = 30.0,
         retry: RetryPolicy | None = None,
@@ -479,6 +532,14 @@ class AsyncLoraloomClient:
 
     async def get_run(self, run_id: str) -> Run:
         return await self._run(_Ops.get_run(run_id))
+
+    async def wait_until_active(self, run_id: str, *, timeout: float = 600.0, poll: float = 2.0) -> Run:
+        """As `LoraloomClient.wait_until_active`."""
+        deadline = _wait_deadline(timeout, poll)
+        while _still_queued(run := await self.get_run(run_id), deadline=deadline, timeout=timeout):
+            await self.heartbeat(run_id)
+            await asyncio.sleep(poll)
+        return run
 
     async def list_runs(
         self, *, status: str | None = None, limit: int | None = None, cursor: str | None = None

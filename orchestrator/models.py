@@ -41,6 +41,8 @@ class Run(_Model):
     eviction_reason: str | None = None
     evicted_by: str | None = None
     failure_reason: str | None = None
+    waiting_reason: str | None = None
+    """Why a queued run waits (its tenant's quota, its base model's slots or pool); `get_run` only."""
     created_at: datetime | None = None
     updated_at: datetime | None = None
     started_at: datetime | None = None

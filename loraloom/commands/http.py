@@ -7,11 +7,14 @@ from typing import Annotated, Any
 import httpx
 import typer
 
+from contracts.http import api_prefix_problem
 from loraloom.commands.errors import CliError, ExitCode, http_error
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
-UrlOpt = Annotated[str, typer.Option("--url", envvar="LORALOOM_URL", help="Base URL of the service.")]
+UrlOpt = Annotated[
+    str, typer.Option("--url", envvar="LORALOOM_URL", help="Base URL of the service, without /v1.")
+]
 KeyOpt = Annotated[
     str | None, typer.Option("--key", envvar="LORALOOM_API_KEY", help="Tenant API key.", show_default=False)
 ]
@@ -96,10 +99,13 @@ def _cell(value: Any) -> str:
 
 
 def check_url(url: str) -> None:
-    """A usage error for a URL without its scheme (httpx's "missing protocol" read as "cannot reach")."""
+    """A usage error for a URL without its scheme (httpx's "missing protocol" read as "cannot reach"),
+    or one that ends with /v1 (every route already starts with /v1: each command got a 404)."""
     if not url.lower().startswith(("http://", "https://")):
         raise CliError(
             f"{url!r} is not an http:// or https:// URL",
             kind=ExitCode.USAGE,
             hint="give the service's base URL, e.g. http://127.0.0.1:8000",
         )
+    if problem := api_prefix_problem(url):
+        raise CliError(problem, kind=ExitCode.USAGE, hint="every route already starts with /v1")

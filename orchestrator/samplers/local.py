@@ -19,6 +19,7 @@ to keep the event loop free.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -56,6 +57,16 @@ def sample_tokens(
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def kv_cache_name() -> str:
+    """What transformers calls the KV cache, as a forward argument and an output field: `cache` in
+    recent versions, where `past_key_values` is deprecated (a FutureWarning on every forward and a
+    logged warning for the output's field), `past_key_values` before."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    fields = {f.name for f in dataclasses.fields(CausalLMOutputWithPast)}
+    return "cache" if "cache" in fields else "past_key_values"
+
+
 class LocalSampler:
     """Transformers causal LM + (optionally) one PEFT LoRA adapter, swapped when a new step appears.
 
@@ -87,6 +98,7 @@ class LocalSampler:
         else:
             self._generator.seed()
         self._lock = threading.Lock()
+        self._cache_name = kv_cache_name()
         self._adapters_loaded = 0
         self.adapter_name: str | None = None
         self.adapter_step: int | None = None
@@ -202,7 +214,7 @@ class LocalSampler:
         out = self._model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True
         )
-        past, logits = out.past_key_values, out.logits[:, -1, :]  # (B, V)
+        past, logits = getattr(out, self._cache_name), out.logits[:, -1, :]  # (B, V)
         next_pos = positions[:, -1:] + 1  # (B, 1)
 
         tokens: list[list[int]] = [[] for _ in rows]
@@ -228,10 +240,10 @@ class LocalSampler:
                 input_ids=feed[:, None],
                 attention_mask=attention,
                 position_ids=next_pos,
-                past_key_values=past,
                 use_cache=True,
+                **{self._cache_name: past},
             )
-            past, logits = out.past_key_values, out.logits[:, -1, :]
+            past, logits = getattr(out, self._cache_name), out.logits[:, -1, :]
             next_pos = next_pos + 1
 
         completions = []

@@ -200,14 +200,19 @@ EXIT_CODES = [
     (["pools", "list", "--key", "wrong"], 5, "unauthorized"),
     (["runs", "list", "--url", "http://127.0.0.1:9"], 6, "cannot reach"),
     (["runs", "list", "--url", "127.0.0.1:9"], 2, "not an http:// or https:// URL"),  # no scheme: usage
+    # Copied from the routes: every command got a 404 (exit 3), as if the run did not exist.
+    (["runs", "list", "--url", "{url}/v1"], 2, "give the base URL without /v1, e.g. '{url}'"),
+    (["tenants", "list", "--url", "{url}/v1/"], 2, "give the base URL without /v1, e.g. '{url}'"),
     # The worker: a wrong token is refused before any rank starts (no model is loaded), and a
     # mistyped local model path is a missing directory, not an invalid hub id.
     (["worker", "--token", "wrong"], 5, "refused the worker token (HTTP 401: invalid worker token)"),
     (["worker", "--runs-dir", "runs", "--base-model", "./no/such-model"], 3, "does not exist"),
     (["worker", "--token", "x", "--url", "http://127.0.0.1:9"], 6, "cannot reach"),
-    # A URL with a path is no service (the ranks used to die on a 404 after loading the model);
-    # a token file given as a flag wins over LORALOOM_WORKER_TOKEN, and one that cannot be read is named.
-    (["worker", "--token", "x", "--url", "{url}/v1"], 2, "no loraloom service"),
+    # A URL with a path is no service (the ranks used to die on a 404 after loading the model): /v1 is
+    # named as the API commands name it; a token file given as a flag wins over LORALOOM_WORKER_TOKEN,
+    # and one that cannot be read is named.
+    (["worker", "--token", "x", "--url", "{url}/v1"], 2, "give the base URL without /v1"),
+    (["worker", "--token", "x", "--url", "{url}/api"], 2, "no loraloom service"),
     (["worker", "--token-file", "/no/such/token"], 2, "/no/such/token"),
     (["worker", "--token-file", "{empty_file}"], 2, "is empty"),
 ]
@@ -236,6 +241,7 @@ def test_exit_codes_by_kind(svc: Service, args: list[str], code: int, words: str
         "not_utf8": str(not_utf8),
     }
     argv = [a.format(**values) for a in args]
+    words = words.format(**values)
     # A token in the environment: a --token-file flag must win over it.
     result = runner.invoke(cli, argv, env={**svc.env, "LORALOOM_WORKER_TOKEN": "from-env"})
     assert result.exit_code == code, result.output

@@ -29,7 +29,7 @@ STEPS = 30
 MIN_RISE = 0.04
 
 
-def test_demo_rewards_rise(tmp_path: Path) -> None:
+def test_demo_rewards_rise(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
     out = tmp_path / "out"
     results = run_demo(
         steps=STEPS,
@@ -49,3 +49,6 @@ def test_demo_rewards_rise(tmp_path: Path) -> None:
     assert (out / "results.json").is_file()
     for run in results:
         assert (out / "adapters" / run / "adapter_config.json").is_file(), run
+    # transformers' FutureWarnings (the samplers' old KV-cache argument, PEFT's use of a deprecated
+    # property) were printed between the progress bars.
+    assert [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)] == []

@@ -1,18 +1,20 @@
 """The SDK against the real service (uvicorn on Postgres): idempotent submits, typed errors,
-eviction surfacing as RunEvicted with its reason, heartbeat-timeout eviction."""
+eviction surfacing as RunEvicted with its reason, heartbeat-timeout eviction, waiting for a slot."""
+
+import threading
 
 import msgspec
 import pytest
 
 from contracts.wire import TrainingBatch
-from orchestrator import LoraloomClient, RunEvicted, ValidationError
+from orchestrator import Conflict, LoraloomClient, RunEvicted, ValidationError
 from tests.e2e.helpers import run_config, synthetic_batch, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
 
 
-def _sdk(live_service, name: str) -> LoraloomClient:
-    with live_service.tenant_client(name) as http:
+def _sdk(live_service, name: str, quota: int = 4) -> LoraloomClient:
+    with live_service.tenant_client(name, quota=quota) as http:
         key = http.headers["Authorization"].removeprefix("Bearer ")
     return LoraloomClient(live_service.url, key)
 
@@ -50,3 +52,23 @@ def test_silent_orchestrator_is_evicted_by_heartbeat_timeout(live_service):
         )
         assert stopped.evicted_by == "heartbeat"
         assert "heartbeat" in stopped.eviction_reason
+
+
+def test_wait_until_active_then_submit(live_service):
+    """The README's snippet: a run created beyond the tenant's quota is queued, and its batch a 409,
+    until a slot frees up; `wait_until_active` says why it waits and returns once it may submit."""
+    with _sdk(live_service, "queue", quota=1) as client:
+        first = client.create_run("first", run_config())
+        run = client.create_run("second", run_config())
+        assert run.status == "queued"
+        batch = msgspec.convert(synthetic_batch(0, n_samples=2), TrainingBatch)
+        with pytest.raises(Conflict):
+            client.submit_batch(run.id, batch)
+        with pytest.raises(TimeoutError, match="quota of 1 concurrent runs is in use"):
+            client.wait_until_active(run.id, timeout=0.5, poll=0.1)
+
+        threading.Timer(0.5, client.evict_run, (first.id, "make room")).start()
+        assert client.wait_until_active(run.id, timeout=20, poll=0.1).status == "active"
+        client.submit_batch(run.id, batch)
+        with pytest.raises(RunEvicted, match="make room"):
+            client.wait_until_active(first.id)

@@ -63,9 +63,10 @@ class FakeService:
         with self.lock:
             self.runs[run_id]["progress"]["step"] = step
 
-    def set_status(self, run_id: str, status: str) -> None:
+    def set_status(self, run_id: str, status: str, **fields: Any) -> None:
+        """`fields`: other fields of the run to set with it (e.g. `waiting_reason` of a queued run)."""
         with self.lock:
-            self.runs[run_id]["status"] = status
+            self.runs[run_id].update(status=status, **fields)
 
     def evict(self, run_id: str, reason: str, by: str = "trainer") -> None:
         with self.lock:

@@ -4,6 +4,7 @@ injects 5xx, 429 with Retry-After, stalls and dropped connections."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -281,3 +282,76 @@ def test_a_base_url_without_http_is_refused_at_construction(url: str) -> None:
     for client_class in (LoraloomClient, AsyncLoraloomClient):
         with pytest.raises(ValueError, match="must start with http:// or https://"):
             client_class(url, "llk_key")
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/", "https://h/loraloom/v1"]
+)
+def test_a_base_url_ending_with_v1_is_refused_at_construction(url: str) -> None:
+    """Every route already starts with /v1: a base URL copied with it got a 404 on every call."""
+    for client_class in (LoraloomClient, AsyncLoraloomClient):
+        with pytest.raises(ValueError, match="give the base URL without /v1") as info:
+            client_class(url, "llk_key")
+        assert repr(url.rstrip("/").removesuffix("/v1")) in str(info.value)  # the URL to give instead
+    # A path of its own (a reverse proxy's prefix) stays allowed.
+    LoraloomClient("https://h/loraloom", "llk_key").close()
+
+
+@pytest.mark.parametrize("key", [None, ""])
+def test_a_missing_api_key_is_refused_at_construction(key: str | None) -> None:
+    """No route of the SDK answers without a key: every call was a 401."""
+    for client_class in (LoraloomClient, AsyncLoraloomClient):
+        with pytest.raises(ValueError, match="api_key is required"):
+            client_class("http://127.0.0.1:8000", key)  # type: ignore[arg-type]
+
+
+def test_upload_adapter_names_a_missing_directory_before_any_request(
+    client: LoraloomClient, faults: FaultInjector, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such-adapter"
+    with pytest.raises(FileNotFoundError, match=f"adapter directory {missing} does not exist"):
+        client.upload_adapter(missing, name="mine")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no adapter_config.json"):
+        client.upload_adapter(tmp_path / "empty", name="mine")
+    assert faults.requests_to("POST", "/v1/adapters") == []
+
+
+def test_wait_until_active_waits_out_the_queue(client: LoraloomClient, service: FakeService) -> None:
+    """The README's create-then-submit got a 409 while the run was still queued."""
+    run = client.create_run("queued", {})
+    service.set_status(run.id, "queued", slot=None, waiting_reason="all 1 slots are taken")
+    threading.Timer(0.3, lambda: service.set_status(run.id, "active", slot=0, waiting_reason=None)).start()
+    started = time.monotonic()
+    active = client.wait_until_active(run.id, timeout=10, poll=0.05)
+    assert active.status == "active" and time.monotonic() - started >= 0.3
+    assert service.heartbeats[run.id] >= 2  # alive while it waited (heartbeat_timeout)
+    client.submit_batch(run.id, _batch())
+    assert client.wait_until_active(run.id, timeout=0) == client.get_run(run.id)  # already active
+
+
+def test_wait_until_active_reports_why_it_gave_up(client: LoraloomClient, service: FakeService) -> None:
+    run = client.create_run("waits", {})
+    service.set_status(run.id, "queued", waiting_reason="the tenant's quota of 1 concurrent runs is in use")
+    with pytest.raises(TimeoutError, match=r"still queued after 0.2s: the tenant's quota of 1 concurrent"):
+        client.wait_until_active(run.id, timeout=0.2, poll=0.05)
+
+    service.evict(run.id, "no slot in time", by="user")
+    with pytest.raises(errors.RunEvicted) as evicted:
+        client.wait_until_active(run.id, timeout=10, poll=0.05)
+    assert evicted.value.reason == "no slot in time"
+    for status in ("failed", "completed"):
+        service.set_status(run.id, status)
+        with pytest.raises(errors.RunFailed, match=f"is {status}"):
+            client.wait_until_active(run.id, timeout=10, poll=0.05)
+
+
+async def test_async_wait_until_active(base_url: str, service: FakeService) -> None:
+    async with AsyncLoraloomClient(base_url, service.api_key, retry=FAST, timeout=5.0) as client:
+        run = await client.create_run("async-queued", {})
+        service.set_status(run.id, "queued")
+        threading.Timer(0.2, lambda: service.set_status(run.id, "active")).start()
+        assert (await client.wait_until_active(run.id, timeout=10, poll=0.05)).status == "active"
+        service.evict(run.id, "gone")
+        with pytest.raises(errors.RunEvicted):
+            await client.wait_until_active(run.id, timeout=10, poll=0.05)

@@ -80,6 +80,17 @@ def test_logprobs_match_the_trainers_recomputation(base: LlamaForCausalLM) -> No
         )
 
 
+def test_generation_uses_the_kv_cache_argument_transformers_expects(
+    base: LlamaForCausalLM, recwarn: pytest.WarningsRecorder
+) -> None:
+    """transformers 5 renamed `past_key_values` to `cache`: passing the old name cost a FutureWarning
+    per forward pass, printed between the demo's progress bars."""
+    sampler = LocalSampler(copy.deepcopy(base), eos_token_id=TOK.eos_token_id, seed=0)
+    out = sampler.generate_sync(PROMPTS, n=2, max_tokens=4, temperature=1.0, stop_token_ids=[])
+    assert all(len(c.token_ids) == 4 for c in out)
+    assert [str(w.message) for w in recwarn if issubclass(w.category, FutureWarning)] == []
+
+
 def test_stop_tokens_end_a_completion(base: LlamaForCausalLM) -> None:
     sampler = LocalSampler(copy.deepcopy(base), seed=1)
     every_token = list(range(TOK.vocab_size))
