@@ -323,7 +323,7 @@ def _wait_deadline(timeout: float, poll: float) -> float:
     return time.monotonic() + timeout
 
 
-def _still_queued(run: Run, *, deadline: float, timeout: float) -> bool:
+def still_queued(run: Run, *, deadline: float, timeout: float) -> bool:
     """Whether `wait_until_active` polls `run` again: False once it is active; raises once it has
     ended (it never will be) or the `deadline` (time.monotonic) has passed."""
     if run.status == RunStatus.ACTIVE:
@@ -418,7 +418,7 @@ class LoraloomClient:
         `RunEvicted` or `RunFailed` if the run ends first, TimeoutError (with the run's
         waiting_reason) after `timeout` seconds."""
         deadline = _wait_deadline(timeout, poll)
-        while _still_queued(run := self.get_run(run_id), deadline=deadline, timeout=timeout):
+        while still_queued(run := self.get_run(run_id), deadline=deadline, timeout=timeout):
             self.heartbeat(run_id)
             time.sleep(poll)
         return run
@@ -536,7 +536,7 @@ class AsyncLoraloomClient:
     async def wait_until_active(self, run_id: str, *, timeout: float = 600.0, poll: float = 2.0) -> Run:
         """As `LoraloomClient.wait_until_active`."""
         deadline = _wait_deadline(timeout, poll)
-        while _still_queued(run := await self.get_run(run_id), deadline=deadline, timeout=timeout):
+        while still_queued(run := await self.get_run(run_id), deadline=deadline, timeout=timeout):
             await self.heartbeat(run_id)
             await asyncio.sleep(poll)
         return run

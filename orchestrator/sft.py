@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from contracts.status import RunStatus
 from contracts.tokenizer import Tokenizer, encode_prompt
 from contracts.wire import TrainingBatch, TrainingSample
+from orchestrator.client import still_queued
 from orchestrator.models import BatchInfo, Run, StepMetrics
 
 __all__ = ["SFTExample", "SFTLoop", "SFTStep"]
@@ -107,6 +109,8 @@ class SFTLoop:
         """Train on `examples` (one pass, in order) until they or the run's max_steps run out; returns
         every step trained, in order (the last partial batch is not sent)."""
         run = self.client.get_run(self.run_id)
+        if run.status == RunStatus.QUEUED:  # its batches are refused (409) until it has a slot
+            run = self._active_run()
         config = run.run_config
         if config.loss.kind != "cross_entropy":
             raise ValueError(
@@ -127,6 +131,14 @@ class SFTLoop:
             sent += len(batch)
         self._wait_for_step(start + min(steps_left, -(-sent // config.batch_size)), reports, sent)
         return reports
+
+    def _active_run(self) -> Run:
+        deadline = time.monotonic() + self.timeout_s
+        while still_queued(
+            run := self.client.get_run(self.run_id), deadline=deadline, timeout=self.timeout_s
+        ):
+            time.sleep(self.poll_interval_s)
+        return run
 
     @staticmethod
     def _batches(examples: Iterable[ExampleLike], size: int) -> Iterator[list[ExampleLike]]:

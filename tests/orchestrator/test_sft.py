@@ -15,13 +15,17 @@ TOKENIZER = CharTokenizer()
 
 
 class TrainerClient:
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, queued_polls: int = 0) -> None:
         self.config = config
+        self.queued_polls = queued_polls  # polls answered "queued" (waiting for a slot) first
         self.step = 0
         self.batches: list[TrainingBatch] = []
         self.max_lead = 0
 
     def get_run(self, run_id: str) -> Run:
+        if self.queued_polls > 0:
+            self.queued_polls -= 1
+            return Run(id=run_id, name="sft", status="queued", config=self.config.model_dump(mode="json"))
         # Each poll lets the "trainer" finish one pending batch.
         if self.step < len(self.batches):
             self.step += 1
@@ -35,6 +39,7 @@ class TrainerClient:
         )
 
     def submit_batch(self, run_id: str, batch: TrainingBatch) -> BatchInfo:
+        assert self.queued_polls == 0, "a batch for a queued run (the service's 409)"
         assert batch.step == self.step  # sampled "at" the trained step: never stale
         self.batches.append(batch)
         self.max_lead = max(self.max_lead, len(self.batches) - self.step)
@@ -77,3 +82,21 @@ def test_sft_loop_refuses_a_run_that_is_not_cross_entropy_and_bad_weights():
         SFTLoop(client, RUN, TOKENIZER).run([("a", "b")])
     with pytest.raises(ValueError, match="weights has 1 entries"):
         SFTLoop(client, RUN, TOKENIZER).encode(SFTExample("a", "bc", weights=[1.0]))
+
+
+def test_sft_loop_waits_for_a_queued_run_to_become_active():
+    """A run beyond its tenant's quota starts queued; its batches were refused with a 409."""
+    client = TrainerClient(
+        RunConfig(batch_size=1, max_steps=2, loss={"kind": "cross_entropy"}), queued_polls=3
+    )
+    reports = SFTLoop(client, RUN, TOKENIZER, poll_interval_s=0.0).run([("1+1=", "2")] * 2)
+    assert [r.step for r in reports] == [1, 2] and client.queued_polls == 0
+
+
+def test_sft_loop_names_why_a_queued_run_waited_too_long():
+    client = TrainerClient(
+        RunConfig(batch_size=1, max_steps=2, loss={"kind": "cross_entropy"}), queued_polls=10**6
+    )
+    with pytest.raises(TimeoutError, match="still queued"):
+        SFTLoop(client, RUN, TOKENIZER, poll_interval_s=0.0, timeout_s=0.05).run([("1+1=", "2")])
+    assert client.batches == []
