@@ -103,13 +103,25 @@ def start_service_process(
     raise RuntimeError(f"the service did not become ready in {timeout_s:.0f} s")
 
 
+DEFAULT_MASTER_PORT = 29517
+
+
+def rendezvous_port(nproc_per_node: int, master_port: int | None) -> int | None:
+    """The loopback port the ranks meet on: fixed with several ranks (one pool per machine unless a
+    port is given); None for one rank without a port (torchrun then picks a free one)."""
+    if nproc_per_node > 1 or master_port is not None:
+        return master_port or DEFAULT_MASTER_PORT
+    return None
+
+
 def torchrun_command(
     *, nproc_per_node: int, worker_args: Sequence[str], master_port: int | None = None
 ) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc_per_node)]
-    if nproc_per_node > 1 or master_port is not None:
-        # A fixed rendezvous on loopback: one pool per machine unless a port is given.
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(master_port or 29517)]
+    # torchrun, less its traceback when a rank fails (loraloom.torchrun).
+    cmd = [sys.executable, "-m", "loraloom.torchrun", "--nproc-per-node", str(nproc_per_node)]
+    port = rendezvous_port(nproc_per_node, master_port)
+    if port is not None:
+        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     return [*cmd, "-m", "trainer_core.worker", *worker_args]
 
 

@@ -8,6 +8,7 @@ reads them (`resolved()`), so that the ranks torchrun starts never depend on the
 directory.
 """
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +19,15 @@ from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES
 
 DEFAULT_DATA_DIR = Path("./.loraloom/data")
 DEFAULT_MODEL_CACHE = Path("./.loraloom/models")
+
+SETTING_ERROR_EXIT = 2
+"""A rank's exit code for a `SettingError` (`loraloom worker` exits with it: its usage code)."""
+
+
+class SettingError(ValueError):
+    """A setting the pool cannot run with that only a rank finds out (a base model that does not
+    load, target modules the model lacks): the rank logs the message, one line, and exits with
+    `SETTING_ERROR_EXIT` instead of a traceback."""
 
 
 class WorkerSettings(BaseSettings):
@@ -67,7 +77,7 @@ class WorkerSettings(BaseSettings):
     """Concurrent runs (LoRA slots) this pool trains."""
     max_rank: int = Field(default=16, ge=1, le=256)
     """Largest LoRA rank a run may ask for."""
-    target_modules: Annotated[tuple[str, ...], NoDecode] = DEFAULT_TARGET_MODULES
+    target_modules: Annotated[tuple[str, ...], NoDecode, Field(min_length=1)] = DEFAULT_TARGET_MODULES
     """Linear layers that get LoRA slots (comma-separated); runs may pick a subset."""
     seq_len: int = Field(default=1024, ge=8)
     """Tokens per packed micro-batch; also the longest sample the pool accepts. Each micro-batch is one
@@ -168,3 +178,18 @@ class WorkerSettings(BaseSettings):
 
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
+
+
+def setting_variable(name: str, environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """The field that a validation error's location `name` points at, and the variable of it that
+    is set in `environ` (None if none is). pydantic names an aliased field by its first variable
+    whichever was set (LORALOOM_SLOTS for a bad LORALOOM_MAX_CONCURRENT_RUNS): the error must name
+    the one the user wrote."""
+    for field, info in WorkerSettings.model_fields.items():
+        alias = info.validation_alias
+        names = alias.choices if isinstance(alias, AliasChoices) else [f"LORALOOM_{field.upper()}"]
+        variables = [n for n in names if isinstance(n, str)]
+        if name == field or name in variables:
+            by_upper = {key.upper(): key for key in environ}  # pydantic-settings ignores the case
+            return field, next((by_upper[v] for v in variables if v in by_upper), None)
+    return name, None

@@ -41,6 +41,7 @@ from typing import Literal, cast
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from contracts.http import ApiError
 from contracts.pool_api import ClaimedBatchStruct, PoolRegister
@@ -62,7 +63,7 @@ from trainer_core.init_from import load_initial_weights, module_shapes
 from trainer_core.ledger import RunLedger
 from trainer_core.lora import apply_multi_lora
 from trainer_core.manual import ManualExecutor, ManualWorkClient
-from trainer_core.models.registry import load_base_model
+from trainer_core.models.registry import BaseModelError, load_base_model
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch, Packer
 from trainer_core.pause_point import pause_before_publish
@@ -71,7 +72,7 @@ from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
 from trainer_core.sample_server import load_text_decoder, remove_sampler_weights
 from trainer_core.service_client import PoolServiceClient
-from trainer_core.settings import WorkerSettings, flag_name
+from trainer_core.settings import SETTING_ERROR_EXIT, SettingError, WorkerSettings, flag_name
 from trainer_core.slots import RunSlot
 from trainer_core.step import StepResult, train_step
 
@@ -254,14 +255,15 @@ class PoolTrainer:
         )
         if world.is_master:
             log.info("loading the base model %s (cache %s)", args.base_model, args.model_cache_dir)
-            base = load()
+            base = _load_or_explain(load)
         barrier(world)
         if not world.is_master:
-            base = load()
+            base = _load_or_explain(load)
         log.info("rank %d: base model %s loaded", world.rank, args.base_model)
         self.vocab_size = int(base.config.vocab_size)
         # A plain Module from here on (transformers types `PreTrainedModel.to` in a way mypy cannot call).
         self.model = cast(nn.Module, base)
+        check_target_modules(self.model, args)
         self.model.to(device)
         self.lora = apply_multi_lora(self.model, args.target_modules, args.slots, args.max_rank)
         if args.gradient_checkpointing:
@@ -622,6 +624,30 @@ class PoolTrainer:
             self.manual.external_sampler.close()
 
 
+def _load_or_explain(load: Callable[[], PreTrainedModel]) -> PreTrainedModel:
+    try:
+        return load()
+    except (BaseModelError, FileNotFoundError) as exc:
+        raise SettingError(
+            f"{str(exc).rstrip('.')}. Give --base-model (LORALOOM_BASE_MODEL) a local model directory, "
+            "a hub id that can be downloaded or is in the Hugging Face cache, or loraloom-tiny"
+        ) from exc
+
+
+def check_target_modules(model: nn.Module, args: WorkerArgs) -> None:
+    """Every --target-modules name is the last name component of a linear layer of the model (else
+    `apply_multi_lora` raises, and the rank printed a traceback that did not list the names)."""
+    linear = sorted(
+        {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    )
+    missing = [name for name in args.target_modules if name not in linear]
+    if missing:
+        raise SettingError(
+            f"--target-modules (LORALOOM_TARGET_MODULES): the base model {args.base_model} has no linear "
+            f"layer named {', '.join(missing)}; its linear layers are {', '.join(linear)}"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     die_with_parent()  # again, for callers of main() other than `-m trainer_core.worker`
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -634,7 +660,15 @@ def main(argv: list[str] | None = None) -> None:
     # Split the cores between ranks unless the launcher said otherwise (OMP_NUM_THREADS).
     threads = os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // world.world_size))
-    trainer = PoolTrainer(args, world=world, device=device)
+    try:
+        trainer = PoolTrainer(args, world=world, device=device)
+    except SettingError as exc:
+        # One line that says what to change, not a traceback per rank. The master's: it meets the
+        # error first (the other ranks load the model only after it), and every rank alike.
+        if world.is_master:
+            log.error("cannot start the worker pool: %s", exc)
+        destroy_world()
+        raise SystemExit(SETTING_ERROR_EXIT) from None
 
     def _request_stop(signum: int, _frame: FrameType | None) -> None:
         # First SIGINT/SIGTERM (torchrun passes the launcher's on to every rank): the master ends

@@ -88,8 +88,9 @@ def check_data_dir(path: str) -> None:
         ) from None
 
 
-def check_port(host: str, port: int) -> None:
-    """Nothing listens on (host, port) yet: uvicorn would find out only after the whole startup."""
+def check_port(host: str, port: int, *, flag: str = "--port") -> None:
+    """Nothing listens on (host, port) yet: uvicorn (or torchrun's rendezvous) would find out only
+    after the whole startup. `flag`: the option that chose the port, for the hint."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
@@ -106,7 +107,7 @@ def check_port(host: str, port: int) -> None:
             raise CliError(
                 f"cannot listen on {host}:{port}: {'the port is in use' if taken else exc.strerror}",
                 kind=ExitCode.UNAVAILABLE if taken else ExitCode.USAGE,
-                hint="choose another --port, or stop what listens there"
+                hint=f"choose another {flag}, or stop what listens there"
                 if taken
-                else "check --host and --port",
+                else f"check --host and {flag}",
             ) from None

@@ -19,8 +19,10 @@ import typer
 from pydantic import ValidationError
 
 from contracts.http import error_from_response
+from contracts.run_config import DEFAULT_BASE_MODEL
 from loraloom.commands.errors import CliError, ExitCode, require_worker_extra
 from loraloom.commands.http import check_url
+from loraloom.commands.preflight import check_port
 
 SERVICE = "Service"
 MODEL = "Model"
@@ -150,10 +152,15 @@ def worker(
             flags["worker_token"] = None  # a flag wins over LORALOOM_WORKER_TOKEN, as every flag does
     settings = build_settings(flags)
     if dry_run:
-        typer.echo(json.dumps(settings.model_dump(mode="json", exclude={"worker_token"}), indent=2))
+        shown = settings.model_dump(mode="json", exclude={"worker_token"})
+        shown["token"] = _token_source(
+            settings, token_flag=token is not None, file_flag=token_file is not None
+        )
+        typer.echo(json.dumps(shown, indent=2))
         return
     require_worker_extra("the worker pool")  # local checks before the network: ours are named first
     _check_base_model(settings.base_model)
+    _check_master_port(settings.nproc_per_node, settings.master_port)
     if settings.runs_dir is None:
         _check_token_file(settings.worker_token, settings.worker_token_file)
         if not settings.token:
@@ -173,8 +180,41 @@ def build_settings(flags: dict[str, Any]) -> Any:
     try:
         return WorkerSettings(**flags).resolved()
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise CliError(f"invalid worker settings: {problems}", kind=ExitCode.USAGE) from None
+        problems = "; ".join(f"{_setting_named(e['loc'], flags)}: {e['msg']}" for e in exc.errors())
+        raise CliError(
+            f"invalid worker settings: {problems}",
+            kind=ExitCode.USAGE,
+            hint="fix the flag or variable named (`loraloom worker --help` lists them)",
+        ) from None
+
+
+def _setting_named(loc: tuple[int | str, ...], flags: dict[str, Any]) -> str:
+    """An error's setting as the user gave it: its flag, else the LORALOOM_* variable they set."""
+    from trainer_core.settings import flag_name, setting_variable
+
+    field, variable = setting_variable(str(loc[0]), os.environ)
+    if field in flags or variable is None:
+        name = {"worker_token": "--token", "worker_token_file": "--token-file"}.get(field, flag_name(field))
+    else:
+        name = variable
+    return ".".join([name, *map(str, loc[1:])])
+
+
+def _token_source(settings: Any, *, token_flag: bool, file_flag: bool) -> str:
+    """Where the worker token comes from, for --dry-run: the flag, file or variable, never the token."""
+    if settings.worker_token:
+        return "from --token" if token_flag else "from LORALOOM_WORKER_TOKEN"
+    path = settings.worker_token_file
+    if path is None:
+        if settings.runs_dir is not None:
+            return "none (not needed with --runs-dir)"
+        return "none: pass --token or --token-file, or set LORALOOM_WORKER_TOKEN"
+    where = f"{'--token-file' if file_flag else 'LORALOOM_WORKER_TOKEN_FILE'} {path}"
+    try:
+        found = bool(path.read_text().strip())
+    except OSError as exc:
+        return f"none: cannot read {where}: {exc.strerror or exc}"
+    return f"from {where}" if found else f"none: {where} is empty"
 
 
 def _check_token_file(token: Any, path: Path | None) -> None:
@@ -224,15 +264,68 @@ def check_token(url: str, token: str) -> None:
 
 
 def _check_base_model(name: str) -> None:
-    """A path-like name that is not a directory: say so, instead of the hub's "invalid repo id"."""
+    """What can be told without loading the model or the network: a path-like name that is not a
+    directory (not the hub's "invalid repo id"), a directory without config.json (not transformers'
+    "Unrecognized model"), a hub id that is not in the cache while the hub is offline (not a traceback
+    per rank after the ranks started). Anything else is the ranks' to find out."""
+    if name == DEFAULT_BASE_MODEL:
+        return
+    local = Path(name).expanduser()
     # The rule of trainer_core.models.registry.looks_local (not imported: it would load torch here).
     looks_local = name.startswith((".", "/", "~")) or name.count("/") > 1
-    if looks_local and not Path(name).expanduser().is_dir():
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise CliError(
+                f"base model {name}: the directory has no config.json, so it is not a Hugging Face "
+                "model directory",
+                kind=ExitCode.USAGE,
+                hint="give the directory save_pretrained() wrote (config.json beside the weights), "
+                "a hub id (org/name) or loraloom-tiny",
+            )
+    elif looks_local:
         raise CliError(
             f"base model {name}: the directory does not exist",
             kind=ExitCode.NOT_FOUND,
             hint="give a local Hugging Face model directory, a hub id (org/name) or loraloom-tiny",
         )
+    else:
+        _check_hub_model(name)
+
+
+def _check_hub_model(repo_id: str) -> None:
+    """Offline (HF_HUB_OFFLINE=1), a hub id must be in the local cache; online the ranks download it."""
+    import importlib.util
+
+    if importlib.util.find_spec("huggingface_hub") is None:
+        return  # no transformers either: the ranks say so
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except HFValidationError as exc:
+        raise CliError(
+            f"base model {repo_id} is neither a local directory nor a valid hub id: {exc}",
+            kind=ExitCode.USAGE,
+            hint="give a local Hugging Face model directory, a hub id (org/name) or loraloom-tiny",
+        ) from None
+    if constants.HF_HUB_OFFLINE and not isinstance(cached, str):
+        raise CliError(
+            f"base model {repo_id} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
+            "and the hub is offline (HF_HUB_OFFLINE)",
+            kind=ExitCode.NOT_FOUND,
+            hint=f"download it first (`hf download {repo_id}` with the same HF_HOME), unset "
+            "HF_HUB_OFFLINE, or give a local model directory",
+        )
+
+
+def _check_master_port(nproc_per_node: int, master_port: int | None) -> None:
+    """The port the ranks meet on is free: torchrun would fail with a traceback of its own."""
+    from loraloom.launch import rendezvous_port
+
+    port = rendezvous_port(nproc_per_node, master_port)
+    if port is not None:
+        check_port("127.0.0.1", port, flag="--master-port")
 
 
 def _launch(settings: Any) -> int:

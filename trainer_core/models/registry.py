@@ -14,6 +14,11 @@ from trainer_core.models.rms_norm import use_functional_rms_norm
 DEFAULT_CACHE_DIR = Path(os.environ.get("LORALOOM_MODEL_CACHE", "./.loraloom/models"))
 
 
+class BaseModelError(OSError):
+    """The base model does not load: a hub id neither cached nor downloadable, a directory that is no
+    model transformers knows. The message is one line, transformers' reason included."""
+
+
 def looks_local(name: str) -> bool:
     """A path, not a hub id (`org/name`): it starts with `.`, `/` or `~`, or has more than one `/`."""
     return name.startswith((".", "/", "~")) or name.count("/") > 1
@@ -49,9 +54,12 @@ def load_base_model(
             # Not "an invalid hub repo id": the user meant a directory, and it is not there.
             raise FileNotFoundError(f"base model {name_or_path}: the directory {local} does not exist")
         source = str(local) if local.is_dir() else name_or_path
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, attn_implementation=attn_implementation
+            )
+        except (OSError, ValueError) as exc:  # not found, unreachable, not a model transformers knows
+            raise BaseModelError(f"base model {name_or_path}: {' '.join(str(exc).split())}") from exc
     # Also casts what a checkpoint keeps in fp32 (transformers' `_keep_in_fp32_modules`): one dtype.
     nn.Module.to(model, dtype)
     for p in model.parameters():
