@@ -22,6 +22,7 @@ ratios of a later `forward_backward` start at 1.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -231,11 +232,24 @@ def _forward(
             input_ids=input_ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=0 if every_position else 1,
+            **{_cache_argument(type(model)): cache},
         )
     return out.logits
+
+
+_CACHE_ARGUMENTS: dict[type[nn.Module], str] = {}
+
+
+def _cache_argument(model_class: type[nn.Module]) -> str:
+    """The keyword the model's forward takes its KV cache by: `cache` in recent transformers (where
+    `past_key_values` still works, with a FutureWarning on every call), `past_key_values` before."""
+    name = _CACHE_ARGUMENTS.get(model_class)
+    if name is None:
+        takes_cache = "cache" in inspect.signature(model_class.forward).parameters
+        name = _CACHE_ARGUMENTS[model_class] = "cache" if takes_cache else "past_key_values"
+    return name
 
 
 def _prompt_logprobs(logits: Tensor, d: Decoding) -> list[float | None]:

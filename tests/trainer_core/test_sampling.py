@@ -13,6 +13,9 @@ from trainer_core.lora import MultiLoRA, apply_multi_lora
 from trainer_core.models.attention import PACKED_ATTENTION
 from trainer_core.sampling import Decoding, PassLimits, generate
 
+# The cache goes in under the name the model's forward takes: transformers warned on every decode step.
+pytestmark = pytest.mark.filterwarnings("error::FutureWarning")
+
 VOCAB = 96
 EOS = 2
 
