@@ -125,6 +125,16 @@ def torchrun_command(
     return [*cmd, "-m", "trainer_core.worker", *worker_args]
 
 
+def pool_env(env: Mapping[str, str], *, nproc_per_node: int) -> dict[str, str]:
+    """The pool's environment: `env` with absolute paths (`absolute_env`) and, unless it sets one,
+    OMP_NUM_THREADS splitting the cores between the ranks. Left unset, torchrun sets 1 for several
+    ranks (and says so in a banner): a CPU pool of 2 ranks on 16 cores used 2 of them."""
+    out = absolute_env(env)
+    if not out.get("OMP_NUM_THREADS"):
+        out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    return out
+
+
 def launch_pool(
     *,
     nproc_per_node: int,
@@ -146,7 +156,7 @@ def launch_pool(
             # torchrun's own pid, exported to its ranks (the shell execs into torchrun, keeping its
             # pid): a rank orphaned before it could follow its launcher sees it and exits.
             ["/bin/sh", "-c", f'export {LAUNCHER_PID_ENV}=$$; exec "$@"', "sh", *command],
-            env=absolute_env({**os.environ, **(env or {})}),
+            env=pool_env({**os.environ, **(env or {})}, nproc_per_node=nproc_per_node),
             start_new_session=True,
             preexec_fn=signal_on_parent_death(signal.SIGTERM, parent=os.getpid())
             if threading.current_thread() is threading.main_thread()
