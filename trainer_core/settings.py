@@ -8,11 +8,11 @@ reads them (`resolved()`), so that the ranks torchrun starts never depend on the
 directory.
 """
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES
@@ -180,7 +180,7 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def setting_variable(name: str, environ: Mapping[str, str]) -> tuple[str, str | None]:
+def _setting_variable(name: str, environ: Mapping[str, str]) -> tuple[str, str | None]:
     """The field that a validation error's location `name` points at, and the variable of it that
     is set in `environ` (None if none is). pydantic names an aliased field by its first variable
     whichever was set (LORALOOM_SLOTS for a bad LORALOOM_MAX_CONCURRENT_RUNS): the error must name
@@ -193,3 +193,25 @@ def setting_variable(name: str, environ: Mapping[str, str]) -> tuple[str, str | 
             by_upper = {key.upper(): key for key in environ}  # pydantic-settings ignores the case
             return field, next((by_upper[v] for v in variables if v in by_upper), None)
     return name, None
+
+
+def settings_problems(
+    exc: ValidationError,
+    *,
+    given: Collection[str],
+    environ: Mapping[str, str],
+    flags: Mapping[str, str] | None = None,
+) -> str:
+    """Every problem of `exc` (from building `WorkerSettings`), each setting named as the user gave it:
+    its flag when `given` (the fields passed as flags) holds it, spelt as `flags` says when not as
+    `flag_name` does; else the LORALOOM_* variable set in `environ`. For both entry points: a
+    traceback naming pydantic's alias was what `python -m trainer_core.worker` printed."""
+    named = []
+    for error in exc.errors():
+        field, variable = _setting_variable(str(error["loc"][0]), environ)
+        if variable is not None and field not in given:
+            name = variable  # the LORALOOM_* variable set
+        else:
+            name = (flags or {}).get(field, flag_name(field))
+        named.append(f"{'.'.join([name, *map(str, error['loc'][1:])])}: {error['msg']}")
+    return "; ".join(named)

@@ -40,6 +40,7 @@ from types import FrameType
 from typing import Literal, cast
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -72,7 +73,13 @@ from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
 from trainer_core.sample_server import load_text_decoder, remove_sampler_weights
 from trainer_core.service_client import PoolServiceClient
-from trainer_core.settings import SETTING_ERROR_EXIT, SettingError, WorkerSettings, flag_name
+from trainer_core.settings import (
+    SETTING_ERROR_EXIT,
+    SettingError,
+    WorkerSettings,
+    flag_name,
+    settings_problems,
+)
 from trainer_core.slots import RunSlot
 from trainer_core.step import StepResult, train_step
 
@@ -166,7 +173,11 @@ def parse_settings(argv: list[str] | None = None) -> WorkerSettings:
         p.add_argument(flag_name(name), dest=name, default=None, help=info.description)
     p.add_argument("--token", dest="worker_token", default=None, help="alias of --worker-token")
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    return WorkerSettings(**given)
+    try:
+        return WorkerSettings(**given)
+    except ValidationError as exc:  # a usage error (exit 2) naming what the user set, as argparse's are
+        problems = settings_problems(exc, given=given, environ=os.environ)
+        p.exit(2, f"{p.prog}: error: invalid worker settings: {problems}\n")
 
 
 def make_source(args: WorkerArgs) -> RunSource:

@@ -175,12 +175,12 @@ def worker(
 
 def build_settings(flags: dict[str, Any]) -> Any:
     """`WorkerSettings` from the environment and `flags`, relative paths resolved against the cwd."""
-    from trainer_core.settings import WorkerSettings
+    from trainer_core.settings import WorkerSettings, settings_problems
 
     try:
         return WorkerSettings(**flags).resolved()
     except ValidationError as exc:
-        problems = "; ".join(f"{_setting_named(e['loc'], flags)}: {e['msg']}" for e in exc.errors())
+        problems = settings_problems(exc, given=flags, environ=os.environ, flags=_SPELT_OTHERWISE)
         raise CliError(
             f"invalid worker settings: {problems}",
             kind=ExitCode.USAGE,
@@ -188,16 +188,8 @@ def build_settings(flags: dict[str, Any]) -> Any:
         ) from None
 
 
-def _setting_named(loc: tuple[int | str, ...], flags: dict[str, Any]) -> str:
-    """An error's setting as the user gave it: its flag, else the LORALOOM_* variable they set."""
-    from trainer_core.settings import flag_name, setting_variable
-
-    field, variable = setting_variable(str(loc[0]), os.environ)
-    if field in flags or variable is None:
-        name = {"worker_token": "--token", "worker_token_file": "--token-file"}.get(field, flag_name(field))
-    else:
-        name = variable
-    return ".".join([name, *map(str, loc[1:])])
+_SPELT_OTHERWISE = {"worker_token": "--token", "worker_token_file": "--token-file"}
+"""This command's flags whose names are not their settings' (`--worker-token`...)."""
 
 
 def _token_source(settings: Any, *, token_flag: bool, file_flag: bool) -> str:

@@ -143,3 +143,27 @@ def test_a_worker_in_a_read_only_directory_uses_loraloom_model_cache(tmp_path: P
     assert done.returncode == 0, done.stderr[-3000:]
     assert "base model loraloom-tiny loaded" in done.stderr
     assert "Read-only" not in done.stderr and "not permitted" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "named"),
+    [
+        ({"LORALOOM_MAX_CONCURRENT_RUNS": "abc"}, [], "LORALOOM_MAX_CONCURRENT_RUNS: "),  # not LORALOOM_SLOTS
+        ({"LORALOOM_SLOTS": "abc"}, [], "LORALOOM_SLOTS: "),
+        ({"LORALOOM_SEQ_LEN": "2"}, [], "LORALOOM_SEQ_LEN: "),
+        ({"LORALOOM_SEQ_LEN": "2"}, ["--seq-len", "4"], "--seq-len: "),  # the flag won, and is named
+    ],
+)
+def test_the_torchrun_entry_names_a_bad_setting_as_it_was_given(
+    env: dict[str, str], argv: list[str], named: str, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """`python -m trainer_core.worker` (what torchrun runs) printed pydantic's traceback, naming an
+    aliased setting by its first variable whichever was set."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_:
+        parse_settings(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trainer_core.worker: error: invalid worker settings: " + named), err
+    assert "Traceback" not in err
