@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 from trainer_core.parent_death import LAUNCHER_PID_ENV, signal_on_parent_death
+from trainer_core.settings import threads_per_rank
 
 _ROOT = Path(__file__).resolve().parent.parent
 """Where the packages are (the repository, or site-packages for a wheel): the service child imports
@@ -127,11 +128,11 @@ def torchrun_command(
 
 def pool_env(env: Mapping[str, str], *, nproc_per_node: int) -> dict[str, str]:
     """The pool's environment: `env` with absolute paths (`absolute_env`) and, unless it sets one,
-    OMP_NUM_THREADS splitting the cores between the ranks. Left unset, torchrun sets 1 for several
+    OMP_NUM_THREADS splitting the cores it may use between the ranks. Left unset, torchrun sets 1 for several
     ranks (and says so in a banner): a CPU pool of 2 ranks on 16 cores used 2 of them."""
     out = absolute_env(env)
     if not out.get("OMP_NUM_THREADS"):
-        out["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+        out["OMP_NUM_THREADS"] = str(threads_per_rank(nproc_per_node))
     return out
 
 

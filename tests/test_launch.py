@@ -7,11 +7,14 @@ from pathlib import Path
 import pytest
 
 from loraloom import launch
+from trainer_core import settings
 
 
 @pytest.mark.parametrize(("cores", "ranks", "threads"), [(16, 2, "8"), (16, 1, "16"), (2, 4, "1")])
 def test_the_pool_splits_the_cores_between_its_ranks(monkeypatch, cores: int, ranks: int, threads: str):
-    monkeypatch.setattr(launch.os, "cpu_count", lambda: cores)
+    # The cores it may run on (a container pinned to 2 of 64 CPUs has 2), not the host's.
+    monkeypatch.setattr(settings.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(settings.os, "sched_getaffinity", lambda _pid: set(range(cores)))
     env = launch.pool_env({"PATH": "/bin", "OMP_NUM_THREADS": ""}, nproc_per_node=ranks)
     assert env["OMP_NUM_THREADS"] == threads
     assert env["PATH"] == "/bin"

@@ -8,6 +8,7 @@ reads them (`resolved()`), so that the ranks torchrun starts never depend on the
 directory.
 """
 
+import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,6 +29,19 @@ class SettingError(ValueError):
     """A setting the pool cannot run with that only a rank finds out (a base model that does not
     load, target modules the model lacks): the rank logs the message, one line, and exits with
     `SETTING_ERROR_EXIT` instead of a traceback."""
+
+    def __init__(self, message: str, *, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
+        """Every rank raises it at the same point (the master's, or one every rank finds alike): only
+        the master logs it. Otherwise the rank that found it does."""
+
+
+def threads_per_rank(nproc_per_node: int) -> int:
+    """The CPU threads each of `nproc_per_node` ranks gets by default: the cores this process may run
+    on (its affinity: a container pinned to 2 of 64 CPUs has 2), split between the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // nproc_per_node)
 
 
 class WorkerSettings(BaseSettings):

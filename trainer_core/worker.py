@@ -51,7 +51,6 @@ from trainer_core.critic import ValueHeads, uses_critic
 from trainer_core.directory_source import DirectoryRunSource
 from trainer_core.dist import (
     World,
-    barrier,
     broadcast_from_master,
     destroy_world,
     init_world,
@@ -79,6 +78,7 @@ from trainer_core.settings import (
     WorkerSettings,
     flag_name,
     settings_problems,
+    threads_per_rank,
 )
 from trainer_core.slots import RunSlot
 from trainer_core.step import StepResult, train_step
@@ -264,10 +264,16 @@ class PoolTrainer:
             attn_implementation=args.attention,
             device=device,
         )
+        failure = ""  # the master's: the other ranks, waiting for its cache, stop with it
         if world.is_master:
             log.info("loading the base model %s (cache %s)", args.base_model, args.model_cache_dir)
-            base = _load_or_explain(load)
-        barrier(world)
+            try:
+                base = _load_or_explain(load)
+            except SettingError as exc:
+                failure = str(exc)
+        failure = broadcast_from_master(failure, world)
+        if failure:
+            raise SettingError(failure, every_rank=True)
         if not world.is_master:
             base = _load_or_explain(load)
         log.info("rank %d: base model %s loaded", world.rank, args.base_model)
@@ -655,7 +661,8 @@ def check_target_modules(model: nn.Module, args: WorkerArgs) -> None:
     if missing:
         raise SettingError(
             f"--target-modules (LORALOOM_TARGET_MODULES): the base model {args.base_model} has no linear "
-            f"layer named {', '.join(missing)}; its linear layers are {', '.join(linear)}"
+            f"layer named {', '.join(missing)}; its linear layers are {', '.join(linear)}",
+            every_rank=True,  # the same model on every rank
         )
 
 
@@ -670,13 +677,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)  # every rank must build identical LoRA initialisations
     # Split the cores between ranks unless the launcher said otherwise (OMP_NUM_THREADS).
     threads = os.environ.get("OMP_NUM_THREADS")
-    torch.set_num_threads(int(threads) if threads else max(1, (os.cpu_count() or 1) // world.world_size))
+    torch.set_num_threads(int(threads) if threads else threads_per_rank(world.world_size))
     try:
         trainer = PoolTrainer(args, world=world, device=device)
     except SettingError as exc:
-        # One line that says what to change, not a traceback per rank. The master's: it meets the
-        # error first (the other ranks load the model only after it), and every rank alike.
-        if world.is_master:
+        # One line that says what to change, not a traceback per rank: the master's for an error
+        # every rank raised alike, else the rank's that found it.
+        if world.is_master or not exc.every_rank:
             log.error("cannot start the worker pool: %s", exc)
         destroy_world()
         raise SystemExit(SETTING_ERROR_EXIT) from None

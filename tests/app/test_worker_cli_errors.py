@@ -193,15 +193,22 @@ def test_target_modules_the_model_lacks_are_one_line_naming_those_it_has(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_model_directory_transformers_cannot_load_is_one_line_from_the_rank(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_model_directory_transformers_cannot_load_is_one_line_from_the_rank(tmp_path, ranks: int):
     """config.json is there (the CLI's check passes) but names no model type: transformers' reason,
-    on one line with what --base-model takes, and exit 2."""
+    on one line with what --base-model takes, and exit 2. With two ranks the second, waiting for the
+    master's cache, stops with it (it died in that wait with a gloo traceback, and the pool then
+    exited 1 or 2 by which rank torchrun saw end first)."""
     (tmp_path / "runs").mkdir()
     (tmp_path / "bogus").mkdir()
     (tmp_path / "bogus" / "config.json").write_text("{}")
     args = ["--runs-dir", "runs", "--base-model", "./bogus"]
+    if ranks > 1:
+        args += ["--nproc-per-node", str(ranks), "--master-port", str(free_port())]
     done = _loraloom_worker(args, {"OMP_NUM_THREADS": "1", "LORALOOM_EXIT_WHEN_IDLE": "0"}, tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert f"cannot start the worker pool: base model {tmp_path / 'bogus'}: Unrecognized model" in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "ERROR cannot start the worker pool" in line]
+    assert len(errors) == 1, done.stderr[-3000:]
+    assert f"cannot start the worker pool: base model {tmp_path / 'bogus'}: Unrecognized model" in errors[0]
     assert "Give --base-model (LORALOOM_BASE_MODEL)" in done.stderr
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr[-3000:]
