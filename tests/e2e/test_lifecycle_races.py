@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from tests.e2e.helpers import (
+    assert_trained_alike,
     download_adapter_tensors,
     kill_pool,
     run_config,
@@ -169,7 +169,17 @@ def test_evict_delete_revoke_mid_step_leave_the_pool_and_the_other_run_untouched
     assert pool_log().count("has left the pool") == 3, pool_log()[-6000:]
     raced = download_adapter_tensors(alice, other)
     reference = download_adapter_tensors(alice, alone)
-    assert raced.keys() == reference.keys()
-    for key in reference:
-        torch.testing.assert_close(raced[key], reference[key], rtol=0, atol=1e-5)
+    # Trained on its own samples only, step by step: a leak of a victim's samples into a step would
+    # change its loss and gradient norm by tens of percent (other samples in the mean). What differs
+    # is rounding, grown by Adam over the steps (`assert_trained_alike`; measured on an AMD EPYC
+    # instance: loss and gradient norm within 2.1e-3 at every step). tests/e2e/test_pool_e2e.py
+    # compares the same way.
+    raced_steps = alice.get(f"/v1/runs/{other}/metrics").json()["items"]
+    alone_steps = alice.get(f"/v1/runs/{alone}/metrics").json()["items"]
+    assert [m["step"] for m in raced_steps] == [m["step"] for m in alone_steps] == list(range(1, 7))
+    for got, want in zip(raced_steps, alone_steps, strict=True):
+        assert got["samples"] == want["samples"] == 4
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-2), got["step"]
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-2), got["step"]
+    assert_trained_alike(raced, reference)
     assert any(v.abs().max() > 0 for k, v in reference.items() if "lora_B" in k)  # it trained

@@ -89,14 +89,18 @@ def test_sdk_trains_on_the_pool_and_the_run_shows_in_the_api(live_service, tmp_p
             ).result()
             assert len(sampled.sequences) == 2
             for seq in sampled.sequences:
-                assert len(seq.tokens) == 5 and seq.stop_reason == "length"
+                # Five tokens, or fewer ending with the end of sequence: which one the trained adapter
+                # samples depends on rounding that differs between CPUs (an AMD EPYC instance drew it
+                # as the third token with this seed).
+                n = len(seq.tokens)
+                assert (n == 5 and seq.stop_reason == "length") or (1 <= n <= 5 and seq.stop_reason == "stop")
                 full = prompt + list(seq.tokens)
                 check = types.Datum(
                     model_input=types.ModelInput.from_ints(full[:-1]),
                     loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
                 )
                 scored = training.forward([check], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
-                assert np.allclose(scored.tolist()[-5:], seq.logprobs, atol=1e-4)
+                assert np.allclose(scored.tolist()[-n:], seq.logprobs, atol=1e-4)
             now = training.forward(data, "cross_entropy").result()
             adapter_dir = extract_adapter(http, resolved["run_id"], resolved["step"], tmp_path / "adapter")
             peft_model = PeftModel.from_pretrained(

@@ -14,7 +14,7 @@ from safetensors.torch import load as load_safetensors
 from contracts.http import ApiError, Conflict, NotFound, ServerError
 from contracts.pool_api import AdapterStored, RunAfterPush, StepReport
 from contracts.run_config import RunConfig
-from tests.e2e.helpers import run_config, synthetic_batch
+from tests.e2e.helpers import assert_trained_alike, run_config, synthetic_batch
 from tests.trainer_core.memory_pool import train_in_memory
 from trainer_core.memory_client import MemoryPoolClient
 from trainer_core.run_left import run_has_left
@@ -94,9 +94,7 @@ def test_a_run_leaving_mid_step_is_released_and_the_other_trains_on(tmp_path, al
     first = client.calls.index((at, VICTIM))
     assert [c for c in client.calls[first + 1 :] if c[1] == VICTIM] == []
     assert client.runs[OTHER].step == 3
-    mixed = load_safetensors(client.adapters[OTHER])
-    for key in alone:
-        torch.testing.assert_close(mixed[key], alone[key], rtol=0, atol=5e-5)
+    assert_trained_alike(load_safetensors(client.adapters[OTHER]), alone)
 
 
 def test_an_error_that_is_not_about_the_run_still_stops_the_pool(tmp_path) -> None:
