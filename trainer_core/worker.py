@@ -646,8 +646,9 @@ def _load_or_explain(load: Callable[[], PreTrainedModel]) -> PreTrainedModel:
         return load()
     except (BaseModelError, FileNotFoundError) as exc:
         raise SettingError(
-            f"{str(exc).rstrip('.')}. Give --base-model (LORALOOM_BASE_MODEL) a local model directory, "
-            "a hub id that can be downloaded or is in the Hugging Face cache, or loraloom-tiny"
+            f"{str(exc).rstrip('.')}. Check --base-model (LORALOOM_BASE_MODEL: a local model directory, "
+            "a hub id that can be downloaded or is in the Hugging Face cache, or loraloom-tiny), and "
+            "--attention and --dtype if the reason is about them"
         ) from exc
 
 

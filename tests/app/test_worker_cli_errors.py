@@ -210,5 +210,5 @@ def test_a_model_directory_transformers_cannot_load_is_one_line_from_the_rank(tm
     errors = [line for line in done.stderr.splitlines() if "ERROR cannot start the worker pool" in line]
     assert len(errors) == 1, done.stderr[-3000:]
     assert f"cannot start the worker pool: base model {tmp_path / 'bogus'}: Unrecognized model" in errors[0]
-    assert "Give --base-model (LORALOOM_BASE_MODEL)" in done.stderr
+    assert "Check --base-model (LORALOOM_BASE_MODEL: a local model directory" in done.stderr
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr, done.stderr[-3000:]
