@@ -255,6 +255,9 @@ def check_token(url: str, token: str) -> None:
         )
 
 
+_MODEL_HINT = "give a local Hugging Face model directory, a hub id (org/name) or loraloom-tiny"
+
+
 def _check_base_model(name: str) -> None:
     """What can be told without loading the model or the network: a path-like name that is not a
     directory (not the hub's "invalid repo id"), a directory without config.json (not transformers'
@@ -278,7 +281,7 @@ def _check_base_model(name: str) -> None:
         raise CliError(
             f"base model {name}: the directory does not exist",
             kind=ExitCode.NOT_FOUND,
-            hint="give a local Hugging Face model directory, a hub id (org/name) or loraloom-tiny",
+            hint=_MODEL_HINT,
         )
     else:
         _check_hub_model(name)
@@ -299,7 +302,7 @@ def _check_hub_model(repo_id: str) -> None:
         raise CliError(
             f"base model {repo_id} is neither a local directory nor a valid hub id: {exc}",
             kind=ExitCode.USAGE,
-            hint="give a local Hugging Face model directory, a hub id (org/name) or loraloom-tiny",
+            hint=_MODEL_HINT,
         ) from None
     if constants.HF_HUB_OFFLINE and not isinstance(cached, str):
         raise CliError(
