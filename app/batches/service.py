@@ -100,6 +100,20 @@ RUN_MOVED = frozenset({"run_evicted", "run_not_active", "stale_batch"})
 """The refusals that say the run left or trained past the batch since it was read."""
 
 
+FullRuns = TtlCache[str, bool]
+"""Run ids whose last batch was refused because their unclaimed batches were at the limits."""
+
+FULL_RUN_MEMORY_SECONDS = 60.0
+"""How long a run refused for its pending limits gets the early check (then one batch again pays for
+its decode and payload write before the statement refuses it, and marks the run again)."""
+
+
+def full_runs(state: State) -> FullRuns:
+    """The app's runs refused at their pending limits (see `_refuse_if_still_full`)."""
+    runs: FullRuns = state_cache(state, "full_runs", FULL_RUN_MEMORY_SECONDS)
+    return runs
+
+
 def _check_status(run: _RunState) -> None:
     if run.status == RunStatus.EVICTED:
         raise Conflict(
@@ -144,14 +158,23 @@ def _replay(session: Session, *, run_id: str, idempotency_key: str, request_hash
     return existing
 
 
-def _earlier_if_not_taking(
-    session: Session, run: _RunState, idempotency_key: str | None, body: bytes, msgpack: bool
+def _earlier_if_refused_early(
+    session: Session,
+    settings: Settings,
+    run: _RunState,
+    *,
+    full: FullRuns,
+    idempotency_key: str | None,
+    body: bytes,
+    msgpack: bool,
 ) -> Batch | None:
-    """None if the run takes batches; else the batch an earlier request with this key and body stored
-    (a retry of a request accepted before the run stopped gets its batch back), or the run's 409."""
+    """None if the run may take the batch; else the batch an earlier request with this key and body
+    stored (a retry of a request accepted before the run stopped or filled up gets its batch back), or
+    the refusal: the run's 409, or the 429 of a run still at its pending limits (`_refuse_if_still_full`)."""
     try:
         _check_status(run)
-    except Conflict:
+        _refuse_if_still_full(session, settings=settings, run_id=run.id, full=full)
+    except (Conflict, RateLimited):
         if idempotency_key is not None and (
             existing := _replay_of_body(
                 session, run_id=run.id, idempotency_key=idempotency_key, body=body, msgpack=msgpack
@@ -189,20 +212,6 @@ def _insert_new(session: Session, values: dict[str, object]) -> tuple[int, datet
     return None if row is None else (row.id, row.created_at)
 
 
-FullRuns = TtlCache[str, bool]
-"""Run ids whose last batch was refused because their unclaimed batches were at the limits."""
-
-FULL_RUN_MEMORY_SECONDS = 60.0
-"""How long a run refused for its pending limits gets the early check (then one batch again pays for
-its decode and payload write before the statement refuses it, and marks the run again)."""
-
-
-def full_runs(state: State) -> FullRuns:
-    """The app's runs refused at their pending limits (see `_refuse_if_still_full`)."""
-    runs: FullRuns = state_cache(state, "full_runs", FULL_RUN_MEMORY_SECONDS)
-    return runs
-
-
 def submit_batch(
     session: Session,
     *,
@@ -222,9 +231,11 @@ def submit_batch(
     """
     state = _RunState.of(run)
     config = run_config(run.config)
-    if (earlier := _earlier_if_not_taking(session, state, idempotency_key, body, msgpack)) is not None:
+    earlier = _earlier_if_refused_early(
+        session, settings, state, full=full, idempotency_key=idempotency_key, body=body, msgpack=msgpack
+    )
+    if earlier is not None:
         return SubmitResult(earlier, created=False)
-    _refuse_if_still_full(session, settings=settings, run_id=run.id, full=full)
     ingested = ingest(body, msgpack=msgpack, seq_len=config.seq_len, vocab_size=run.vocab_size)
     batch, data, digest = ingested.batch, ingested.data, ingested.sha256
     try:
@@ -255,21 +266,19 @@ def submit_batch(
             stored=stored,
             idempotency_key=idempotency_key,
         )
-    except Conflict as refusal:
+    except (Conflict, RateLimited) as refusal:
         discard_payload(settings, stored.relative_path)
-        # The run moved after `run` was read (a cached read may be seconds old:
+        if isinstance(refusal, RateLimited):
+            full.put(run.id, True)  # its next batches are counted before they are written
+        # The run moved or filled up after `run` was read (a cached read may be seconds old:
         # app/batches/ingest_run.py): a retry of a request it accepted before still gets its batch.
-        if idempotency_key is None or refusal.code not in RUN_MOVED:
+        if idempotency_key is None or refusal.code not in RUN_MOVED | {RateLimited.code}:
             raise
         session.rollback()  # the statement's reservation
         existing = _replay(session, run_id=run.id, idempotency_key=idempotency_key, request_hash=digest)
         if existing is None:
             raise
         return SubmitResult(existing, created=False)
-    except RateLimited:
-        discard_payload(settings, stored.relative_path)
-        full.put(run.id, True)
-        raise
     except BaseException:
         discard_payload(settings, stored.relative_path)
         raise

@@ -281,6 +281,27 @@ def test_a_run_at_its_pending_limit_is_refused_before_its_payload_is_written(set
         assert len(writes) == 3
 
 
+def test_a_retry_of_an_accepted_batch_gets_it_back_when_the_run_is_at_its_pending_limit(settings):
+    """A client whose 201 was lost retries with the same Idempotency-Key; a run at its pending limit
+    answered 429 until the pool claimed a batch (the SDK gave up, calling a stored batch refused)."""
+    settings = settings.model_copy(update={"run_max_pending_batches": 1})
+    with TestClient(create_app(settings)) as client:
+        tenant: TenantHandle = new_tenant(client)
+        run = create_run(client, tenant)
+        url = f"/v1/runs/{run['id']}/batches"
+        key = {**tenant.headers, "Idempotency-Key": "k1"}
+        first = client.post(url, json=batch_body(seed=0), headers=key)
+        assert first.status_code == 201, first.text
+        replay = client.post(url, json=batch_body(seed=0), headers=key)  # the exact check refuses it
+        assert (replay.status_code, replay.json()["id"]) == (200, first.json()["id"]), replay.text
+        assert client.post(url, json=batch_body(seed=1), headers=tenant.headers).status_code == 429
+        replay = client.post(url, json=batch_body(seed=0), headers=key)  # the early check refuses it
+        assert (replay.status_code, replay.json()["id"]) == (200, first.json()["id"]), replay.text
+        other = client.post(url, json=batch_body(seed=2), headers={**key, "Idempotency-Key": "k2"})
+        assert other.status_code == 429, other.text  # a new key is still refused
+        assert row_counts(settings, Batch) == (1,)
+
+
 def test_a_payload_write_survives_its_step_directory_removed_under_it(settings, monkeypatch):
     """A refused batch removes its step's directory when it leaves it empty; a concurrent request may
     have just made that directory and not yet opened its file in it: the write makes it again."""
