@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Select, func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from app.config import Settings
 from app.db import utcnow
@@ -334,7 +334,9 @@ def complete_future(
 
 
 def get_future(session: Session, *, tenant_id: str, request_id: str) -> TinkerFuture:
-    future = session.get(TinkerFuture, request_id)
+    """The tenant's future, without its request (loaded only if read: retrieve_future checks a
+    pending future many times a second, and a forward_backward's request is up to ~20 MB of JSON)."""
+    future = session.get(TinkerFuture, request_id, options=[defer(TinkerFuture.request)])
     if future is None or future.tenant_id != tenant_id:
         # Done futures are deleted after the retention: say so, the likeliest reason for a known id.
         raise NotFound(

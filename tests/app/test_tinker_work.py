@@ -7,11 +7,12 @@ from typing import Any
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
+from sqlalchemy import func, inspect, select
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
+from app.tinker import service as tinker_service
 from app.tinker.models import TinkerFuture
 from app.tinker.proto import decode_forward_backward_request, encode_forward_backward_output
 from tests.app.api import WORKER_HEADERS, TenantHandle, register
@@ -165,6 +166,30 @@ def test_work_is_stored_once_answered_try_again_and_claimed_up_to_the_step(clien
 
     next_claim = client.post("/v1/pool/manual/claim", json={"pool_id": pool_id}, headers=WORKER_HEADERS)
     assert [i["request_id"] for i in next_claim.json()["items"]] == [after.json()["request_id"]]
+
+
+def test_a_long_poll_checks_a_pending_future_a_few_times_without_its_request(client, tenant, monkeypatch):
+    """retrieve_future on a pending forward_backward read the whole stored request (up to ~20 MB of
+    JSON) 40 times per 2 s long poll: a hostile tenant's hundred pollers held every tenant's requests
+    for seconds. Checks now back off (8 per long poll) and leave the request unloaded."""
+    register(client)
+    model_id, headers = _model(client, tenant)
+    data = [_datum(list(range(1, 200)), weights=[1.0] * 198)]
+    fb = client.post(
+        "/api/v1/forward_backward", content=_fwdbwd_body(model_id, 1, data), headers=headers | PROTOBUF
+    )
+    unloaded: list[bool] = []
+    real_get = tinker_service.get_future
+
+    def get_future(session, **kwargs):
+        future = real_get(session, **kwargs)
+        unloaded.append("request" in inspect(future).unloaded)
+        return future
+
+    monkeypatch.setattr(tinker_service, "get_future", get_future)
+    assert _retrieve(client, fb.json()["request_id"], headers).json()["type"] == "try_again"
+    assert 4 <= len(unloaded) <= 9, len(unloaded)  # 40 before
+    assert all(unloaded)
 
 
 def test_bad_input_stores_nothing_and_other_tenants_get_404(client, tenant, other_tenant, db):
