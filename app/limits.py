@@ -3,6 +3,8 @@
 - Requests in flight: at most `tenant_max_in_flight` authenticated requests of one tenant are
   being handled at once; the next gets a 429 with Retry-After (the SDK backs off and retries).
   Counted in the process: with several uvicorn workers the limit is per worker.
+- Queued runs per tenant: at most `tenant_max_queued_runs` runs waiting for a slot; creating
+  another is a 429 (app/runs/service.py).
 - Pending batches per run: at most `run_max_pending_batches` unclaimed batches and
   `run_max_pending_bytes` of their payloads; a submission over either is a 429 (counted in
   app/batches/service.py, on Postgres in the statement that takes the run row lock but from its
@@ -18,6 +20,7 @@ from app.errors import RateLimited
 
 IN_FLIGHT_RETRY_AFTER_SECONDS = 1
 PENDING_RETRY_AFTER_SECONDS = 2
+QUEUED_RUNS_RETRY_AFTER_SECONDS = 10
 
 
 class InFlight:

@@ -19,9 +19,10 @@ from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.db import utcnow
-from app.errors import Conflict, NotFound, ValidationFailed
+from app.errors import Conflict, NotFound, RateLimited, ValidationFailed
 from app.events.after_commit import call_after_commit
 from app.events.service import record_event
+from app.limits import QUEUED_RUNS_RETRY_AFTER_SECONDS
 from app.pagination import paginate
 from app.pools.capabilities import untrainable_reason
 from app.projection import project_after_commit, project_run, remove_run_dir
@@ -101,6 +102,7 @@ def create_run(
         )
         if existing is not None:
             return existing, False
+    _check_queue_room(session, tenant_id=tenant_id, settings=settings)
     # A run the live pool cannot train is refused outright (nothing stored): the 422 names each
     # field and the pool's limit. (With no live pool the run waits; a pool registering later
     # fails the runs it cannot train, with the reason.)
@@ -208,6 +210,21 @@ def _free_slots(session: Session, *, base_model: str, slots: int) -> list[int]:
     return [i for i in range(slots) if i not in used]
 
 
+def _check_queue_room(session: Session, *, tenant_id: str, settings: Settings) -> None:
+    """429 when the tenant already has `tenant_max_queued_runs` runs waiting for a slot."""
+    queued = session.scalar(
+        select(func.count()).where(Run.tenant_id == tenant_id, Run.status == RunStatus.QUEUED)
+    )
+    limit = settings.tenant_max_queued_runs
+    if queued is not None and queued >= limit:
+        raise RateLimited(
+            f"this tenant has {queued} runs queued for a slot (limit {limit}); retry once some have "
+            "started or been evicted",
+            details={"kind": "queued_runs", "queued_runs": queued, "limit": limit},
+            retry_after=QUEUED_RUNS_RETRY_AFTER_SECONDS,
+        )
+
+
 def admit_queued_runs(session: Session, *, base_model: str, settings: Settings) -> list[Run]:
     """Give free slots of `base_model` to queued runs, oldest first, within their tenants' quotas.
 
@@ -220,17 +237,20 @@ def admit_queued_runs(session: Session, *, base_model: str, settings: Settings) 
     admitted: list[Run] = []
     if not free:
         return admitted
-    queued = session.scalars(
-        select(Run)
+    # Ids and tenants only: the whole row (its config) is read for the runs that may be admitted,
+    # not for every run of a tenant at its quota (this runs under the service-wide lock).
+    queued = session.execute(
+        select(Run.id, Run.tenant_id)
         .where(Run.base_model == base_model, Run.status == RunStatus.QUEUED)
         .order_by(Run.created_at, Run.id)
     ).all()
     quotas = _TenantQuotas.read(session)
-    for run in queued:
+    for run_id, tenant_id in queued:
         if not free:
             break
-        if not quotas.has_room(run.tenant_id):
+        if not quotas.has_room(tenant_id):
             continue
+        run = session.get_one(Run, run_id)
         reason = None if pool is None else untrainable_reason(run.config, pool)
         if reason is not None:
             fail_run(session, run=run, reason=reason, settings=settings)

@@ -5,11 +5,13 @@ from datetime import timedelta
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from app.db import utcnow
 from app.errors import Conflict
 from app.events.models import Event
+from app.main import create_app
 from app.runs import service
 from app.runs.models import Run
 from tests.app.api import TenantHandle, create_run, new_tenant, register
@@ -84,6 +86,26 @@ def test_quota_queues_runs_beyond_it(client, settings):
     # A free slot is not enough: the quota holds the run back, and another tenant may take the slot.
     third = create_run(client, other)
     assert third["status"] == "active"
+
+
+def test_a_tenant_may_queue_only_so_many_runs(settings):
+    """Queued runs were unbounded, and every admission read them all (configs included) under the
+    service-wide lock: one tenant's 250 queued runs made every tenant's run creation take 2 s."""
+    settings = settings.model_copy(update={"tenant_max_queued_runs": 2})
+    with TestClient(create_app(settings)) as client:
+        t = new_tenant(client, quota=1)
+        create_run(client, t)  # active: the quota is full from here on
+        queued = [create_run(client, t)["id"] for _ in range(2)]
+        refused = client.post("/v1/runs", json={"name": "one-too-many", "config": {}}, headers=t.headers)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["details"] == {"kind": "queued_runs", "queued_runs": 2, "limit": 2}
+        assert int(refused.headers["retry-after"]) >= 1
+        names = [r["name"] for r in client.get("/v1/runs", headers=t.headers).json()["items"]]
+        assert "one-too-many" not in names
+        # Another tenant is not affected; a queued run that leaves makes room.
+        assert create_run(client, new_tenant(client, quota=1))["status"] == "active"
+        client.post(f"/v1/runs/{queued[0]}/evict", json={"reason": "x"}, headers=t.headers)
+        assert create_run(client, t)["status"] == "queued"
 
 
 def test_freed_quota_admits_the_tenants_run_on_another_base_model(client):
