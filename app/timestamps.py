@@ -11,5 +11,15 @@ def as_utc(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
-UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
-"""A datetime field that always serialises with its UTC offset."""
+def _as_utc_in_range(value: datetime) -> datetime:
+    """as_utc, refusing as a validation error (a 422 for a client's time) a time whose offset moves
+    it past year 1 or 9999 (`9999-12-31T23:59:59-23:59`): datetime raises OverflowError there."""
+    try:
+        return as_utc(value)
+    except OverflowError as exc:
+        raise ValueError("is out of range once converted to UTC") from exc
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_as_utc_in_range)]
+"""A datetime field that always serialises with its UTC offset; as a request's field or parameter,
+one that cannot be UTC is a 422."""

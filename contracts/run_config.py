@@ -262,23 +262,43 @@ class RunConfig(_Strict):
 _INT64 = 2**63
 
 
+def _not_unicode(text: str) -> bool:
+    """Whether `text` holds a lone surrogate (JSON's `"\\ud800"` parses to one): no UTF-8, so no TOML,
+    no Postgres text, and no JSON response can hold it."""
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _scalar_problem(item: Any, path: str) -> str | None:
+    """Why a value that is no table or array cannot be written as TOML, or None."""
+    if item is None:
+        return f"{path} is null; TOML has no null (leave the key out)"
+    if isinstance(item, str) and _not_unicode(item):
+        return f"{path} holds a lone surrogate (not Unicode text)"
+    if isinstance(item, int) and not -_INT64 <= item < _INT64:
+        return f"{path} is outside the 64-bit integer range"
+    if isinstance(item, float) and (item != item or item in (float("inf"), float("-inf"))):
+        return f"{path} is not a finite number"
+    return None
+
+
 def _toml_problem(value: Any, where: str) -> str | None:
     """Why `value` cannot be written as TOML (the run's orch.toml), or None. Iterative: any depth."""
     stack: list[tuple[Any, str]] = [(value, where)]
     while stack:
         item, path = stack.pop()
-        if item is None:
-            return f"{path} is null; TOML has no null (leave the key out)"
-        if isinstance(item, bool | str):
-            continue
-        if isinstance(item, int):
-            if not -_INT64 <= item < _INT64:
-                return f"{path} is outside the 64-bit integer range"
-        elif isinstance(item, float):
-            if item != item or item in (float("inf"), float("-inf")):
-                return f"{path} is not a finite number"
-        elif isinstance(item, dict):
+        if isinstance(item, dict):
+            bad_key = next((k for k in item if _not_unicode(k)), None)
+            if bad_key is not None:  # named by ascii(): the message must be Unicode itself
+                return f"{path} has a key holding a lone surrogate (not Unicode text): {ascii(bad_key)}"
             stack.extend((v, f"{path}.{k}") for k, v in item.items())
         elif isinstance(item, list):
             stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+        elif (problem := _scalar_problem(item, path)) is not None:
+            return problem
     return None

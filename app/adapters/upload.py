@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any, TypeGuard
 
 from app.errors import PayloadTooLarge, ValidationFailed
+from app.request_guard import MAX_JSON_DEPTH, too_deep
 from contracts.durable import fsync_path
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 
@@ -64,10 +65,19 @@ def _copy_member(src: IO[bytes], dest: Path, *, limit: int, name: str) -> tuple[
     return size, digest.hexdigest()
 
 
+def _parse_json(raw: bytes) -> Any:
+    """`raw` parsed, or a ValueError saying why not. The depth is checked before the (recursive) parser
+    sees it: `[` nested 100000 deep would raise RecursionError there. Malformed JSON, bytes that are not
+    UTF-8 and an integer over Python's digit limit are all ValueErrors."""
+    if too_deep(raw):
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return json.loads(raw)
+
+
 def _check_adapter_config(path: Path) -> None:
     try:
-        config = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        config = _parse_json(path.read_bytes())
+    except ValueError as exc:
         raise _invalid(f"{ADAPTER_CONFIG} is not valid JSON: {exc}", field=ADAPTER_CONFIG) from exc
     if not isinstance(config, dict):
         raise _invalid(f"{ADAPTER_CONFIG} must be a JSON object", field=ADAPTER_CONFIG)
@@ -92,8 +102,8 @@ def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             )
         raw = f.read(header_len)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = _parse_json(raw)
+    except ValueError as exc:
         raise _bad_safetensors(f"header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
         raise _bad_safetensors("header is not a JSON object")
@@ -167,6 +177,10 @@ def extract_adapter_tar(body: IO[bytes], staging: Path, *, max_bytes: int) -> tu
                     weights_sha = digest
     except (tarfile.TarError, EOFError) as exc:
         raise _invalid(f"the body is not a valid uncompressed tar archive: {exc}") from exc
+    except RecursionError as exc:
+        # tarfile reads a GNU longname or pax header by recursing into the member after it: a chain
+        # of thousands of them in a row (no tool writes more than one per member) recurses too deep.
+        raise _invalid("the tar chains too many extended (GNU longname or pax) headers") from exc
     missing = [n for n in ADAPTER_FILES if n not in sizes]
     if missing:
         raise _invalid(f"the tar lacks {', '.join(missing)}")

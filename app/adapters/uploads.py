@@ -4,11 +4,12 @@ their base model (rank limit, target modules, every tensor's shape), stored once
 is a 422 naming what is wrong, and nothing of it is kept."""
 
 import json
+import math
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeGuard
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -18,12 +19,15 @@ from app.adapters.service import _write_archive
 from app.adapters.upload import _read_safetensors_header, extract_adapter_tar
 from app.config import Settings
 from app.errors import NotFound, ValidationFailed
+from app.pools.models import Pool
 from app.runs.admission import live_pool
 from contracts.ids import new_id
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 ARCHIVE = "adapter.tar.gz"
-_TENSOR = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:[a-z_]+\.)?([a-z_]+)\.lora_([AB])(?:\.weight)?$")
+# A layer index of at most 9 ASCII digits: int() of thousands of digits raises, and `\d` takes any
+# script's digits.
+_TENSOR = re.compile(r"^(?:.*\.)?layers\.([0-9]{1,9})\.(?:[a-z_]+\.)?([a-z_]+)\.lora_([AB])(?:\.weight)?$")
 
 
 def uploads_dir(settings: Settings) -> Path:
@@ -34,29 +38,45 @@ def _problem(field: str, message: str) -> dict[str, Any]:
     return {"loc": ["body", field], "msg": message}
 
 
-def _check(
-    staging: Path, *, base_model: str, session: Session
-) -> tuple[int, float, list[str], list[dict[str, Any]]]:
-    """(rank, alpha, target modules, problems) of the adapter in `staging`."""
-    pool = live_pool(session, base_model=base_model)
-    if pool is None or pool.module_shapes is None or pool.num_layers is None:
-        raise ValidationFailed(
-            f"no live pool serves {base_model!r} to check the adapter against; start one and upload again",
-            code="no_pool",
-        )
-    config = json.loads((staging / ADAPTER_CONFIG).read_text())
+def _whole_number(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON `true` is no rank
+
+
+def _finite_positive(value: object) -> TypeGuard[int | float]:
+    """A JSON number > 0 that is a finite float (`Infinity` and `NaN` parse; 1e999 is Infinity; an int
+    too large for a float cannot be stored as the adapter's alpha)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return 0 < float(value) < math.inf
+    except OverflowError:
+        return False
+
+
+def _module_names(declared: object) -> list[str] | None:
+    """`target_modules` sorted; None unless it is a list of strings (a number or a list among them
+    cannot be sorted with the names, nor put in a set)."""
+    if not isinstance(declared, list) or not all(isinstance(m, str) for m in declared):
+        return None
+    return sorted(declared)
+
+
+def _config_problems(config: dict[str, Any], pool: Pool, base_model: str) -> list[dict[str, Any]]:
+    """What is wrong with adapter_config.json's peft_type, r, lora_alpha and target_modules."""
     problems: list[dict[str, Any]] = []
-    rank, alpha = config.get("r"), config.get("lora_alpha")
+    rank, alpha, declared = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
     if config.get("peft_type") != "LORA":
         problems.append(_problem("peft_type", f"peft_type is {config.get('peft_type')!r}, not 'LORA'"))
-    if not isinstance(rank, int) or not 1 <= rank <= pool.max_rank:
+    if not _whole_number(rank) or not 1 <= rank <= pool.max_rank:
         problems.append(
             _problem("r", f"rank r={rank!r} is outside [1, {pool.max_rank}] (the pool's max_rank)")
         )
-    if not isinstance(alpha, (int, float)) or not alpha > 0:
-        problems.append(_problem("lora_alpha", f"lora_alpha={alpha!r} must be a number > 0"))
-    declared = config.get("target_modules")
-    modules = sorted(declared) if isinstance(declared, list) else []
+    if not _finite_positive(alpha):
+        problems.append(_problem("lora_alpha", f"lora_alpha={alpha!r} must be a finite number > 0"))
+    modules = _module_names(declared)
+    if modules is None:
+        problems.append(_problem("target_modules", f"target_modules {declared!r} is not a list of names"))
+        return problems
     unknown = sorted(set(modules) - set(pool.target_modules))
     if not modules or unknown:
         problems.append(
@@ -66,7 +86,16 @@ def _check(
                 f"{base_model!r} ({pool.target_modules})",
             )
         )
-    header, _ = _read_safetensors_header(staging / ADAPTER_WEIGHTS)
+    return problems
+
+
+def _weights_problems(
+    header: dict[str, Any], pool: Pool, *, rank: object, modules: list[str]
+) -> list[dict[str, Any]]:
+    """What is wrong with the tensors: each a LoRA factor of an adaptable module, in a layer the model
+    has, of the shape the rank and the module give; together adapting exactly `modules`."""
+    assert pool.module_shapes is not None and pool.num_layers is not None  # checked by _check
+    problems: list[dict[str, Any]] = []
     seen: set[str] = set()
     for name, info in header.items():
         if name == "__metadata__":
@@ -96,7 +125,32 @@ def _check(
         problems.append(
             _problem("target_modules", f"target_modules {modules} but the weights adapt {sorted(seen)}")
         )
-    return int(rank) if isinstance(rank, int) else 0, float(alpha or 0.0), modules, problems
+    return problems
+
+
+def _check(
+    staging: Path, *, base_model: str, session: Session
+) -> tuple[int, float, list[str], list[dict[str, Any]]]:
+    """(rank, alpha, target modules, problems) of the adapter in `staging`."""
+    pool = live_pool(session, base_model=base_model)
+    if pool is None or pool.module_shapes is None or pool.num_layers is None:
+        raise ValidationFailed(
+            f"no live pool serves {base_model!r} to check the adapter against; start one and upload again",
+            code="no_pool",
+        )
+    config = json.loads((staging / ADAPTER_CONFIG).read_text())  # checked by extract_adapter_tar
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    modules = _module_names(config.get("target_modules")) or []
+    header, _ = _read_safetensors_header(staging / ADAPTER_WEIGHTS)
+    problems = _config_problems(config, pool, base_model) + _weights_problems(
+        header, pool, rank=rank, modules=modules
+    )
+    return (
+        rank if _whole_number(rank) else 0,
+        float(alpha) if _finite_positive(alpha) else 0.0,
+        modules,
+        problems,
+    )
 
 
 def upload_adapter(

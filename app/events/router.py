@@ -16,7 +16,7 @@ from app.events.feed import FeedPosition, read_feed
 from app.events.schemas import EventList, EventOut
 from app.pagination import DEFAULT_LIMIT, LimitQuery
 from app.runs.deps import OwnedRunDep
-from app.timestamps import as_utc
+from app.timestamps import UtcDatetime
 
 router = APIRouter(tags=["events"])
 
@@ -61,7 +61,7 @@ def list_events(
     session: SessionDep,
     request: Request,
     cursor: FeedCursor = None,
-    since: Annotated[datetime | None, Query(description="Only events at or after this time.")] = None,
+    since: Annotated[UtcDatetime | None, Query(description="Only events at or after this time.")] = None,
     limit: LimitQuery = DEFAULT_LIMIT,
     accept: Annotated[str | None, Header()] = None,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=128)] = None,
@@ -69,17 +69,16 @@ def list_events(
     """The run's lifecycle, oldest first: created, queued (why), admitted, every batch received
     (with the rollout step's reward so far), every trained step (with its metrics), adapters
     published, checkpoints, and how it ended (who and why). Every event exactly once across pages."""
-    since_utc = as_utc(since) if since is not None else None
     start = last_event_id or cursor
     after = FeedPosition.decode(start, field="cursor") if start else None
     if accept is not None and "text/event-stream" in accept:
         factory: sessionmaker[Session] = request.app.state.session_factory
         return StreamingResponse(
-            stream_events(request, factory, run.id, after, since_utc),
+            stream_events(request, factory, run.id, after, since),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    return _page(session, run.id, after, since_utc, limit)
+    return _page(session, run.id, after, since, limit)
 
 
 def _read(

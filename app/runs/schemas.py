@@ -167,15 +167,17 @@ def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
     media_type = (content_type or "").split(";", 1)[0].strip().lower()
     if too_deep(body):  # before a (recursive) parser sees it
         raise _malformed("TOML" if media_type in TOML_CONTENT_TYPES else "JSON", "nested too deeply")
+    # Both parsers' errors are ValueErrors, and so is what Python's int() says of an integer of more
+    # than 4300 digits (sys.get_int_max_str_digits), which neither parser turns into its own error.
     if media_type in TOML_CONTENT_TYPES:
         try:
             data: Any = tomllib.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        except ValueError as exc:  # UnicodeDecodeError and TOMLDecodeError among them
             raise _malformed("TOML", str(exc)) from exc
     elif media_type in JSON_CONTENT_TYPES or media_type.endswith("+json"):
         try:
             data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError among them
             raise _malformed("JSON", str(exc)) from exc
     else:
         raise UnsupportedMediaType(

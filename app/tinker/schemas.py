@@ -25,13 +25,27 @@ MAX_USER_METADATA_BYTES = 16 * 1024
 """A model's or session's user_metadata, as JSON: it is stored and sent back in every listing."""
 
 
-def _bounded_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    if value is not None and len(json.dumps(value, default=str)) > MAX_USER_METADATA_BYTES:
+def _storable_metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """user_metadata is stored in a JSON column and sent back in every listing of the tenant's models:
+    what either cannot hold is refused here, or it would be stored and break those listings. Its values
+    are Any, so pydantic checks none of this: NaN and infinities (Python's json parses them; JSON and
+    Postgres have none) and lone surrogates (`"\\ud800"` parses to one; no UTF-8 response holds it)."""
+    if value is None:
+        return None
+    try:
+        stored = json.dumps(value, allow_nan=False)  # as the JSON column writes it (ASCII, escaped)
+    except ValueError as exc:
+        raise ValueError("user_metadata holds a number that is not finite (NaN or Infinity)") from exc
+    if len(stored) > MAX_USER_METADATA_BYTES:
         raise ValueError(f"user_metadata is over {MAX_USER_METADATA_BYTES} bytes as JSON")
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # as a response sends it back
+    except UnicodeEncodeError as exc:
+        raise ValueError("user_metadata holds a lone surrogate (not Unicode text)") from exc
     return value
 
 
-UserMetadata = Annotated[dict[str, Any] | None, AfterValidator(_bounded_metadata)]
+UserMetadata = Annotated[dict[str, Any] | None, AfterValidator(_storable_metadata)]
 user_metadata_adapter: TypeAdapter[dict[str, Any] | None] = TypeAdapter(UserMetadata)
 
 MAX_TAG_CHARS = 256

@@ -6,6 +6,7 @@ import io
 import json
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from sqlalchemy.orm import Session
 from app.adapters.models import Adapter
 from app.config import Settings
 from app.main import create_app
-from tests.app.api import WORKER_HEADERS, TenantHandle, create_run, new_tenant
+from tests.app.api import POOL_SPEC, WORKER_HEADERS, TenantHandle, create_run, new_tenant, register
 from trainer_core.models.tiny import build_model
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -224,6 +225,17 @@ def test_reupload_replaces_the_step(
     assert [p.name for p in broadcast.iterdir()] == ["step_1"]  # no staging or replaced leftovers
 
 
+def _chained_headers(kind: bytes, count: int = 1000) -> bytes:
+    """A tar of `count` GNU longname (L) or pax (x) headers in a row: tarfile reads each by recursing
+    into the next member, so this many raise RecursionError (about 400 already do)."""
+    payload = (
+        b"adapter_config.json\0" if kind == tarfile.GNUTYPE_LONGNAME else b"28 path=adapter_config.json\n"
+    )
+    info = tarfile.TarInfo("././@LongLink")
+    info.type, info.size = kind, len(payload)
+    return (info.tobuf(tarfile.USTAR_FORMAT) + payload + b"\0" * (-len(payload) % 512)) * count
+
+
 def _bad_bodies(peft_dir: Path) -> dict[str, bytes]:
     config = (peft_dir / FILES[0]).read_bytes()
     weights = (peft_dir / FILES[1]).read_bytes()
@@ -247,6 +259,7 @@ def _bad_bodies(peft_dir: Path) -> dict[str, bytes]:
 
     header_lie = bytearray(weights)
     header_lie[:8] = (10**9).to_bytes(8, "little")
+    deep = b"[" * 100_000  # the JSON parser recurses once per level
     return {
         "traversal": tar_bytes({"../" + FILES[0]: config, FILES[1]: weights}),
         "absolute": tar_bytes({"/tmp/" + FILES[0]: config, FILES[1]: weights}),
@@ -259,6 +272,14 @@ def _bad_bodies(peft_dir: Path) -> dict[str, bytes]:
         "truncated safetensors": tar_bytes({FILES[0]: config, FILES[1]: weights[:-10]}),
         "safetensors header lies": tar_bytes({FILES[0]: config, FILES[1]: bytes(header_lie)}),
         "not safetensors": tar_bytes({FILES[0]: config, FILES[1]: b"hello world, definitely not tensors"}),
+        # Each of these was a 500: RecursionError, or int()'s ValueError past 4300 digits.
+        "json nested 100000 deep": tar_bytes({FILES[0]: deep, FILES[1]: weights}),
+        "json int of 5000 digits": tar_bytes({FILES[0]: b'{"r": ' + b"1" * 5000 + b"}", FILES[1]: weights}),
+        "safetensors header nested 100000 deep": tar_bytes(
+            {FILES[0]: config, FILES[1]: len(deep).to_bytes(8, "little") + deep}
+        ),
+        "chained longname headers": _chained_headers(tarfile.GNUTYPE_LONGNAME),
+        "chained pax headers": _chained_headers(tarfile.XHDTYPE),
         "symlink": symlink.getvalue(),
         "directory": with_dir.getvalue(),
         "gzip": tar_bytes(good, compress=True),
@@ -283,6 +304,58 @@ def test_bad_uploads_are_rejected_and_nothing_is_stored(
     # A "./" prefix, as `tar -C dir .` writes it, is fine.
     ok = tar_bytes({"./" + n: (peft_dir / n).read_bytes() for n in FILES})
     assert upload(client, run["id"], 5, ok).status_code == 201
+
+
+def _tenant_upload(
+    client: TestClient, tenant: TenantHandle, config: dict[str, Any], tensors: dict[str, torch.Tensor]
+):
+    """POST /v1/adapters: an adapter a tenant uploads, checked against the live pool's model."""
+    body = tar_bytes({FILES[0]: json.dumps(config).encode(), FILES[1]: save(tensors)})
+    return client.post(
+        "/v1/adapters",
+        params={"name": "mine"},
+        content=body,
+        headers=tenant.headers | {"Content-Type": "application/x-tar"},
+    )
+
+
+def test_uploaded_adapter_configs_of_the_wrong_types_are_refused_by_field(
+    client: TestClient, tenant: TenantHandle, settings: Settings
+) -> None:
+    register(client, module_shapes={m: [32, 32] for m in POOL_SPEC["target_modules"]}, num_layers=2)
+    config: dict[str, Any] = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    tensors = {
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32),
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(32, 4),
+    }
+    # Some were a 500 (sorting or hashing target_modules, float() of the alpha, int() of the layer),
+    # some stored (an alpha of Infinity, sent back as null, or of `true`).
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"target_modules": ["q_proj", 1]}, "target_modules"),
+        ({"target_modules": [["q_proj"]]}, "target_modules"),
+        ({"target_modules": "q_proj"}, "target_modules"),
+        ({"lora_alpha": float("inf")}, "lora_alpha"),
+        ({"lora_alpha": float("nan")}, "lora_alpha"),
+        ({"lora_alpha": 10**400}, "lora_alpha"),
+        ({"lora_alpha": True}, "lora_alpha"),
+        ({"r": True}, "r"),
+        ({"r": "4"}, "r"),
+        ({"r": 4.0}, "r"),
+    ]
+    for change, field in cases:
+        r = _tenant_upload(client, tenant, config | change, tensors)
+        assert r.status_code == 422, (change, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "invalid_adapter" and [field] in [d["loc"][1:] for d in error["details"]], (
+            error
+        )
+    layer_of_5000_digits = {"x.layers." + "1" * 5000 + ".self_attn.q_proj.lora_A.weight": torch.zeros(4, 32)}
+    r = _tenant_upload(client, tenant, config, layer_of_5000_digits)
+    assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"] == ["body", FILES[1]], r.text
+
+    assert client.get("/v1/adapters", headers=tenant.headers).json()["items"] == []
+    assert [p.name for p in (settings.data_dir / "adapters").iterdir()] == []
+    assert _tenant_upload(client, tenant, config, tensors).status_code == 201
 
 
 def test_oversize_upload(settings: Settings) -> None:

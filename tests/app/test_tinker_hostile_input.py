@@ -3,6 +3,7 @@ names what is wrong, nothing is stored, and nothing reaches a pool that could st
 tenant (a token id outside the vocabulary submitted while no pool is live fails alone on the pool:
 tests/e2e/test_tinker_out_of_vocabulary.py)."""
 
+import json
 import math
 from datetime import timedelta
 from typing import Any
@@ -182,6 +183,49 @@ def test_counters_and_metadata_are_checked_and_listings_survive(client, tenant, 
     db.commit()
     assert client.get("/api/v1/training_runs", headers=headers).status_code == 200
     assert client.get(f"/api/v1/training_runs/{session_id}:train:5", headers=headers).status_code == 200
+
+
+def test_user_metadata_a_listing_could_not_send_back_is_refused(client, tenant, db):
+    """Its values are Any: a lone surrogate (JSON's "\\ud800" parses to one) was stored and made every
+    GET /api/v1/training_runs of the tenant a 500; NaN was stored on SQLite."""
+    pool_id = register(client)
+    model_id, path, headers = _saved_weights(client, tenant, pool_id)
+    session_id = model_id.split(":")[0]
+    sessions = db.scalar(select(func.count()).select_from(TinkerSession))
+
+    def post(route: str, body: dict[str, Any]) -> Any:
+        # json.dumps escapes a lone surrogate as `\ud800` (the client's own encoder cannot send one)
+        content = json.dumps(body)
+        return client.post(route, content=content, headers=headers | {"Content-Type": "application/json"})
+
+    create = {
+        "session_id": session_id,
+        "model_seq_id": 8,
+        "base_model": "loraloom-tiny",
+        "lora_config": {"rank": 4, "train_unembed": False, "train_mlp": False},
+    }
+    load = {"path": path, "session_id": session_id, "model_seq_id": 7}
+    for metadata in ({"k": "\ud800"}, {"\udfff": "v"}, {"k": ["ok", {"deep": "\ud800"}]}, {"k": math.nan}):
+        for route, body in (
+            ("/api/v1/create_model", create),
+            ("/api/v1/load_weights", load),
+            ("/api/v1/create_session", {"tags": [], "sdk_version": "test"}),
+        ):
+            r = post(route, body | {"user_metadata": metadata})
+            assert r.status_code == 422, (route, r.text)
+            error = r.json()["error"]
+            assert error["code"] == "validation_error", (route, error)
+            assert any("user_metadata" in d["loc"] for d in error["details"]), (route, error)
+    db.expire_all()
+    assert db.get(TinkerModel, f"{session_id}:train:8") is None
+    assert db.get(TinkerModel, f"{session_id}:train:7") is None
+    assert db.scalar(select(func.count()).select_from(TinkerSession)) == sessions
+    assert client.get("/api/v1/training_runs", headers=headers).status_code == 200
+    # Text outside the BMP (a surrogate pair in JSON) is Unicode like any other.
+    fine = post("/api/v1/create_model", create | {"user_metadata": {"k": "\U0001f600"}})
+    assert fine.status_code == 200, fine.text
+    listed = client.get("/api/v1/training_runs", headers=headers)
+    assert {"k": "\U0001f600"} in [run["user_metadata"] for run in listed.json()["training_runs"]]
 
 
 def test_deleting_sampler_weights_retires_the_samplers_made_from_them(client, tenant):
