@@ -56,6 +56,10 @@ class Settings(BaseSettings):
     tenant_max_in_flight: int = Field(default=16, ge=1, le=100_000)
     """Requests of one tenant handled at once (per service process); more get a 429 + Retry-After."""
 
+    tenant_max_event_streams: int = Field(default=16, ge=1, le=100_000)
+    """Live event streams (SSE, API and dashboard) one tenant may hold open at once (per service
+    process); the next gets a 429 + Retry-After."""
+
     tenant_max_queued_runs: int = Field(default=64, ge=1, le=100_000)
     """Runs one tenant may have waiting (`queued`) at once; creating another gets a 429 + Retry-After.
     Every admission walks the queue under the service-wide admission lock, so an unbounded one let a

@@ -3,6 +3,9 @@
 - Requests in flight: at most `tenant_max_in_flight` authenticated requests of one tenant are
   being handled at once; the next gets a 429 with Retry-After (the SDK backs off and retries).
   Counted in the process: with several uvicorn workers the limit is per worker.
+- Event streams per tenant: at most `tenant_max_event_streams` open at once (the API's and the
+  dashboard's; a stream lasts up to an hour, long after its request stopped counting as in flight);
+  the next is a 429 (app/events/router.py `counted_stream`).
 - Queued runs per tenant: at most `tenant_max_queued_runs` runs waiting for a slot; creating
   another is a 429 (app/runs/service.py).
 - Pending batches per run: at most `run_max_pending_batches` unclaimed batches and
@@ -20,24 +23,35 @@ from app.errors import RateLimited
 
 IN_FLIGHT_RETRY_AFTER_SECONDS = 1
 PENDING_RETRY_AFTER_SECONDS = 2
+EVENT_STREAMS_RETRY_AFTER_SECONDS = 5
 QUEUED_RUNS_RETRY_AFTER_SECONDS = 10
 
 
 class InFlight:
-    """Counts each tenant's requests in flight (thread-safe: sync dependencies run in a threadpool)."""
+    """Counts each tenant's requests in flight (thread-safe: sync dependencies run in a threadpool);
+    with another `kind`, what else a tenant holds open at once (its event streams)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(
+        self,
+        limit: int,
+        *,
+        kind: str = "requests_in_flight",
+        retry_after: int = IN_FLIGHT_RETRY_AFTER_SECONDS,
+    ) -> None:
         self.limit = limit
+        self.kind = kind
+        self.retry_after = retry_after
         self._lock = threading.Lock()
         self._counts: Counter[str] = Counter()
 
     def acquire(self, tenant_id: str) -> None:
         with self._lock:
             if self._counts[tenant_id] >= self.limit:
+                what = self.kind.replace("_", " ")
                 raise RateLimited(
-                    f"too many requests in flight for this tenant (limit {self.limit}); retry shortly",
-                    details={"limit": self.limit, "kind": "requests_in_flight"},
-                    retry_after=IN_FLIGHT_RETRY_AFTER_SECONDS,
+                    f"too many {what} for this tenant (limit {self.limit}); retry shortly",
+                    details={"limit": self.limit, "kind": self.kind},
+                    retry_after=self.retry_after,
                 )
             self._counts[tenant_id] += 1
 

@@ -23,7 +23,7 @@ from app.errors import AppError, RateLimited, error_body
 from app.events.router import router as events_router
 from app.front import Front
 from app.lifecycle import on_shutdown, on_startup
-from app.limits import InFlight
+from app.limits import EVENT_STREAMS_RETRY_AFTER_SECONDS, InFlight
 from app.migrate import head_revision, schema_revision
 from app.openapi import install_openapi
 from app.pools.admin_router import router as pools_admin_router
@@ -98,6 +98,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
     app.state.in_flight = InFlight(settings.tenant_max_in_flight)
+    app.state.event_streams = InFlight(
+        settings.tenant_max_event_streams, kind="event_streams", retry_after=EVENT_STREAMS_RETRY_AFTER_SECONDS
+    )
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["health"], operation_id="healthz")

@@ -2,7 +2,7 @@
 stream when the client sends `Accept: text/event-stream` (resumable with Last-Event-ID)."""
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime
 from typing import Annotated
 
@@ -10,10 +10,12 @@ import anyio
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import Receive, Scope, Send
 
 from app.db import SessionDep
 from app.events.feed import FeedPosition, read_feed
 from app.events.schemas import EventList, EventOut
+from app.limits import InFlight
 from app.pagination import DEFAULT_LIMIT, LimitQuery
 from app.runs.deps import OwnedRunDep
 from app.timestamps import UtcDatetime
@@ -72,13 +74,36 @@ def list_events(
     start = last_event_id or cursor
     after = FeedPosition.decode(start, field="cursor") if start else None
     if accept is not None and "text/event-stream" in accept:
-        factory: sessionmaker[Session] = request.app.state.session_factory
-        return StreamingResponse(
-            stream_events(request, factory, run.id, after, since),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return event_stream(request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=since)
     return _page(session, run.id, after, since, limit)
+
+
+class _CountedStream(StreamingResponse):
+    """A live stream holding one of its tenant's event-stream places until it ends, however it ends
+    (the request stopped counting as in flight when its handler returned: a stream lasts an hour)."""
+
+    def __init__(self, content: AsyncIterator[str], *, release: Callable[[], None]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def event_stream(
+    request: Request, *, run_id: str, tenant_id: str, after: FeedPosition | None, since: datetime | None
+) -> StreamingResponse:
+    """The run's live stream (the API's and the dashboard's), counted against the tenant's
+    `tenant_max_event_streams`: a 429 past it (app/limits.py)."""
+    streams: InFlight = request.app.state.event_streams
+    streams.acquire(tenant_id)
+    factory: sessionmaker[Session] = request.app.state.session_factory
+    content = stream_events(request, factory, run_id, after, since)
+    return _CountedStream(content, release=lambda: streams.release(tenant_id))
 
 
 def _read(

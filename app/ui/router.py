@@ -14,14 +14,13 @@ from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
-from sqlalchemy.orm import Session, sessionmaker
 
 from app.adapters import service as adapters
 from app.auth import SettingsDep
 from app.db import SessionDep
 from app.errors import Forbidden, NotFound, Unauthorized
 from app.events.feed import FeedPosition
-from app.events.router import stream_events
+from app.events.router import event_stream
 from app.runs import service as runs
 from app.runs.models import Run
 from app.ui import sessions, views
@@ -177,12 +176,7 @@ def run_events(
     """The run's live event stream for the page's EventSource (cookie-authenticated)."""
     start = request.headers.get("last-event-id") or cursor
     after = FeedPosition.decode(start) if start else None
-    factory: sessionmaker[Session] = request.app.state.session_factory
-    return StreamingResponse(
-        stream_events(request, factory, run.id, after, None),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return event_stream(request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=None)
 
 
 @router.get("/runs/{run_id}/adapters/{step}")

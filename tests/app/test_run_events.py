@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, text
 
 from app.config import Settings
 from app.events.service import record_event
+from app.main import create_app
 from tests.app.api import (
     WORKER_HEADERS,
     Client,
@@ -327,6 +328,38 @@ def test_sse_delivers_steps_live_and_resumes(live_server: LiveServer, http: http
     assert [(a, s) for _, a, s in missed] == [("run.step", 2), ("run.step", 3)]
     everything = all_events(http, tenant, run["id"])
     assert [e["cursor"] for e in everything] == [c for c, _ in seen] + [c for c, _, _ in missed]
+
+
+def test_a_tenant_holds_only_so_many_live_streams(settings: Settings) -> None:
+    """A stream stopped counting as a request in flight when its handler returned, then polled the
+    feed for an hour: one tenant held 265 of them with an in-flight limit of 16, and every other
+    tenant's requests slowed. Streams now count against their own limit for as long as they live."""
+    app = create_app(settings.model_copy(update={"tenant_max_event_streams": 2}))
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as http:
+        tenant, other = new_tenant(http), new_tenant(http)
+        run, theirs = create_run(http, tenant), create_run(http, other)
+        sse = {"Accept": "text/event-stream"}
+        url = f"{live.url}/v1/runs/{run['id']}/events"
+        readers = [SseReader(url, tenant.headers | sse) for _ in range(2)]
+        assert _stream_answer(url, tenant.headers | sse) == (429, {"limit": 2, "kind": "event_streams"})
+        http.post("/ui/login", data={"key": tenant.key})  # the dashboard's stream counts too
+        cookie = {"Cookie": "; ".join(f"{k}={v}" for k, v in http.cookies.items())}
+        assert _stream_answer(f"{live.url}/ui/runs/{run['id']}/events", cookie | sse)[0] == 429
+        SseReader(f"{live.url}/v1/runs/{theirs['id']}/events", other.headers | sse).close()  # unaffected
+        readers[0].close()  # hung up: its place is free once the stream notices (within a poll)
+        deadline = time.monotonic() + 10
+        while _stream_answer(url, tenant.headers | sse)[0] == 429:
+            assert time.monotonic() < deadline, "the closed stream's place was never freed"
+            time.sleep(0.2)
+        readers[1].close()
+
+
+def _stream_answer(url: str, headers: dict[str, str]) -> tuple[int, dict[str, Any] | None]:
+    """The status a stream request gets, and a refusal's details (a stream is hung up on at once)."""
+    with httpx.Client(timeout=10) as c, c.stream("GET", url, headers=headers) as r:
+        if r.status_code == 200:
+            return 200, None
+        return r.status_code, json.loads(r.read())["error"]["details"]
 
 
 @pytest.mark.postgres_only
