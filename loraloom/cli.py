@@ -446,12 +446,12 @@ def runs_delete(
 
 
 @contextmanager
-def background_server(app: Any) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free 127.0.0.1 port in a thread; yields its URL."""
+def background_server(app: Any, port: int = 0) -> Iterator[str]:
+    """Serve `app` with uvicorn on 127.0.0.1:`port` (0: a free one) in a thread; yields its URL."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -469,7 +469,7 @@ def background_server(app: Any) -> Iterator[str]:
         sock.close()
 
 
-def interim_demo(root: Path = Path(".loraloom/demo")) -> None:
+def interim_demo(root: Path = Path(".loraloom/demo"), port: int = 0) -> None:
     """Start the service on SQLite under `root` and walk through tenants, keys and runs."""
     from app import migrate
     from app.config import Settings
@@ -495,7 +495,7 @@ def interim_demo(root: Path = Path(".loraloom/demo")) -> None:
     def cmd(line: str) -> None:
         typer.secho(f"$ loraloom {line}", fg=typer.colors.CYAN)
 
-    with background_server(create_app(settings)) as url:
+    with background_server(create_app(settings), port) as url:
         say(f"service on {url}: SQLite in {root}/, 2 slots for the base model loraloom-tiny")
         admin_api = functools.partial(api, url=url, key=admin_key, key_env="LORALOOM_ADMIN_KEY")
 
@@ -593,8 +593,10 @@ def demo(
 
     State goes to ./.loraloom/demo, the built-in model's cache to $LORALOOM_MODEL_CACHE
     (./.loraloom/models), both relative to the directory you run it from."""
+    if port:  # taken: another server would answer the demo's requests (not a traceback later)
+        preflight.check_port("127.0.0.1", port)
     if interim:
-        interim_demo()
+        interim_demo(port=port)
         return
     require_worker_extra("the demo (it trains with the worker pool)")
     from loraloom.demo import run_demo  # imports torch: only for the real demo

@@ -54,6 +54,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listening(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port`."""
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def start_service_process(
     *,
     env: Mapping[str, str],
@@ -73,6 +80,11 @@ def start_service_process(
     # The protocol and limits `loraloom serve` uses (app/serving.py), so the demo, the end-to-end
     # tests and the benchmarks run what production runs.
     from app.serving import uvicorn_cli_args
+
+    # Another server on the port would answer /readyz before our child failed to bind it: the demo
+    # then drove that one (with its own keys).
+    if _listening(port):
+        raise RuntimeError(f"cannot listen on 127.0.0.1:{port}: the port is in use (choose another)")
 
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child inherits it
     try:

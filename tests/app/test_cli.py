@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from loraloom.cli import cli, interim_demo
+from loraloom.launch import free_port
 from tests.common import ADMIN_KEY
 
 runner = CliRunner()
@@ -103,12 +104,27 @@ def test_version():
 
 
 def test_interim_demo(tmp_path, capsys):
-    interim_demo(tmp_path / "demo")
+    port = free_port()
+    interim_demo(tmp_path / "demo", port=port)
     out = capsys.readouterr().out
+    assert f"service on http://127.0.0.1:{port}:" in out  # --port was ignored
     assert "queued" in out and "evicted" in out and "HTTP 404 not_found" in out
     assert "globex-agent  active" in out
     # The command it ends with serves the demo's own database (a bare `loraloom serve` would not).
     assert f"LORALOOM_DATABASE_URL=sqlite:///{(tmp_path / 'demo').resolve()}/loraloom.db" in out
+
+
+@pytest.mark.parametrize("interim", [False, True], ids=["demo", "interim"])
+def test_the_demo_on_a_port_another_server_holds_is_a_usage_error(interim: bool):
+    """Its service failed to bind, and the demo drove the other server (with its own keys)."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        args = ["demo", "--port", str(port), *(["--interim"] if interim else [])]
+        result = runner.invoke(cli, args)
+    assert result.exit_code == 6, result.output
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in result.output
 
 
 def test_readme_gives_the_two_commands_and_the_curl_walkthrough():
