@@ -147,6 +147,14 @@ def serve(
     preflight.check_database(settings.database_url)
     preflight.check_data_dir(str(settings.data_dir))
     preflight.check_port(host, port)
+    # Both unset is a legitimate service (tenants made earlier, no pool yet), but the first admin or
+    # pool call's 403 points at the caller's key: say it here, where the fix is.
+    for variable, value, disabled in (
+        ("LORALOOM_ADMIN_KEY", settings.admin_key, "admin routes (tenants, keys) refuse every request"),
+        ("LORALOOM_WORKER_TOKEN", settings.worker_token, "no worker pool can connect"),
+    ):
+        if not value:
+            typer.echo(f"note: {variable} is not set: {disabled}", err=True)
 
     # httptools with a header-size limit (431) and keep-alive timeout: see app/serving.py.
     uvicorn.run(

@@ -120,3 +120,7 @@ def test_the_wheel_migrates_serves_and_says_its_version(installed: Path, tmp_pat
     finally:
         server.terminate()
         server.wait(timeout=30)
+    # Neither secret is set here: serve says what that disables (the 403s pointed at the caller's key).
+    said = server.stderr.read().decode() if server.stderr else ""
+    assert "note: LORALOOM_ADMIN_KEY is not set: admin routes" in said, said
+    assert "note: LORALOOM_WORKER_TOKEN is not set: no worker pool can connect" in said, said
