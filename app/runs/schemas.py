@@ -130,10 +130,22 @@ class RunList(BaseModel):
     next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last page.")
 
 
+REASON_CHARS = r"[^\x00-\x08\x0b-\x1f\x7f]"
+"""An eviction reason is shown in terminals (`loraloom runs show`), pages and run directories: no
+control character but tab and newline (an ANSI escape or a carriage return could rewrite what a
+terminal shows around it)."""
+
+
 class EvictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reason: str = Field(min_length=1, max_length=4096, examples=["reward plateaued"])
+    reason: str = Field(
+        min_length=1,
+        max_length=4096,
+        pattern=f"^{REASON_CHARS}+$",
+        examples=["reward plateaued"],
+        description="Free text; tabs and newlines allowed, no other control characters.",
+    )
     by: Literal["user", "orchestrator"] = Field(
         default="user",
         description="`orchestrator` when the orchestrator evicts its own run (e.g. no learning signal).",

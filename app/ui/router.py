@@ -23,6 +23,7 @@ from app.events.feed import FeedPosition
 from app.events.router import event_stream
 from app.runs import service as runs
 from app.runs.models import Run
+from app.runs.schemas import REASON_CHARS
 from app.ui import sessions, views
 from app.ui.sessions import COOKIE, Viewer
 from contracts.status import RunStatus
@@ -194,7 +195,7 @@ def evict(
     viewer: PostViewerDep,
     session: SessionDep,
     settings: SettingsDep,
-    reason: Annotated[str, Form(max_length=4096)] = "",
+    reason: Annotated[str, Form(max_length=4096, pattern=f"^{REASON_CHARS}*$")] = "",
     confirm: Annotated[str, Form()] = "",
 ) -> Response:
     run = runs.get_run_for_tenant(session, tenant_id=tenant_of(viewer), run_id=run_id)

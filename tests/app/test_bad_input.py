@@ -276,6 +276,17 @@ HOSTILE_CASES = [
         "validation_error",
         "body.reason",
     ),
+    # An ANSI escape or a carriage return in a reason rewrote what `loraloom runs show` printed.
+    (
+        "evict-reason-ansi",
+        "POST",
+        "/v1/runs/{run}/evict",
+        JSON,
+        b'{"reason": "ok\\u001b[2K\\rdone by admin"}',
+        422,
+        "validation_error",
+        "body.reason",
+    ),
     (
         "base-model-nul",
         "POST",
