@@ -60,6 +60,10 @@ class Settings(BaseSettings):
     """Live event streams (SSE, API and dashboard) one tenant may hold open at once (per service
     process); the next gets a 429 + Retry-After."""
 
+    tenant_max_adapters: int = Field(default=64, ge=1, le=100_000)
+    """Uploaded adapters (POST /v1/adapters) one tenant may keep; another upload is a 409
+    `adapter_quota` until one is deleted. Each is kept on disk twice (its files and a tar.gz)."""
+
     tenant_max_queued_runs: int = Field(default=64, ge=1, le=100_000)
     """Runs one tenant may have waiting (`queued`) at once; creating another gets a 429 + Retry-After.
     Every admission walks the queue under the service-wide admission lock, so an unbounded one let a

@@ -80,6 +80,7 @@ class Conflict(AppError):
         "run_not_trainable",
         "pool_dead",
         "pool_stopped",
+        "adapter_quota",
     )
 
 

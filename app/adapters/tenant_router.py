@@ -11,7 +11,7 @@ from app.adapters.models import TenantAdapter
 from app.adapters.pool_router import UploadBody
 from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
-from app.errors import NotFound, ValidationFailed, raises
+from app.errors import Conflict, NotFound, ValidationFailed, raises
 from app.timestamps import UtcDatetime
 from contracts.run_config import DEFAULT_BASE_MODEL
 
@@ -72,7 +72,7 @@ class TenantAdapterList(BaseModel):
         }
     },
 )
-@raises(ValidationFailed)
+@raises(ValidationFailed, Conflict)
 def upload(
     principal: TenantDep,
     body: UploadBody,

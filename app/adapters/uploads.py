@@ -11,14 +11,14 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, TypeGuard
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.adapters.models import TenantAdapter
 from app.adapters.service import _write_archive
 from app.adapters.upload import _read_safetensors_header, extract_adapter_tar
 from app.config import Settings
-from app.errors import NotFound, ValidationFailed
+from app.errors import Conflict, NotFound, ValidationFailed
 from app.pools.models import Pool
 from app.runs.admission import live_pool
 from contracts.ids import new_id
@@ -157,6 +157,7 @@ def upload_adapter(
     session: Session, *, tenant_id: str, name: str, base_model: str, body: IO[bytes], settings: Settings
 ) -> TenantAdapter:
     """Check and store an uploaded adapter (an uncompressed tar of a PEFT directory)."""
+    _check_quota(session, tenant_id=tenant_id, settings=settings)
     root = uploads_dir(settings)
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".upload_", dir=root))
@@ -188,6 +189,19 @@ def upload_adapter(
         return row
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _check_quota(session: Session, *, tenant_id: str, settings: Settings) -> None:
+    """409 before the body is unpacked when the tenant keeps `tenant_max_adapters` already (a bound:
+    two uploads at once may both pass it)."""
+    kept = session.scalar(select(func.count()).where(TenantAdapter.tenant_id == tenant_id)) or 0
+    if kept >= settings.tenant_max_adapters:
+        raise Conflict(
+            f"this tenant keeps {kept} uploaded adapters (limit {settings.tenant_max_adapters}); "
+            "delete one (DELETE /v1/adapters/{id}) first",
+            code="adapter_quota",
+            details={"adapters": kept, "limit": settings.tenant_max_adapters},
+        )
 
 
 def get_tenant_adapter(session: Session, *, tenant_id: str, adapter_id: str) -> TenantAdapter:

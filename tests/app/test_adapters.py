@@ -358,6 +358,27 @@ def test_uploaded_adapter_configs_of_the_wrong_types_are_refused_by_field(
     assert _tenant_upload(client, tenant, config, tensors).status_code == 201
 
 
+def test_a_tenant_keeps_only_so_many_uploaded_adapters(settings: Settings) -> None:
+    """Uploads had no quota (each is kept twice on disk, up to 64 MB): one tenant could fill the disk."""
+    with TestClient(create_app(settings.model_copy(update={"tenant_max_adapters": 2}))) as client:
+        tenant, other = new_tenant(client), new_tenant(client)
+        register(client, module_shapes={m: [32, 32] for m in POOL_SPEC["target_modules"]}, num_layers=2)
+        config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+        tensors = {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, 32),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(32, 4),
+        }
+        kept = [_tenant_upload(client, tenant, config, tensors).json()["id"] for _ in range(2)]
+        refused = _tenant_upload(client, tenant, config, tensors)
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["code"] == "adapter_quota"
+        assert refused.json()["error"]["details"] == {"adapters": 2, "limit": 2}
+        assert len(client.get("/v1/adapters", headers=tenant.headers).json()["items"]) == 2
+        assert _tenant_upload(client, other, config, tensors).status_code == 201  # per tenant
+        assert client.delete(f"/v1/adapters/{kept[0]}", headers=tenant.headers).status_code == 204
+        assert _tenant_upload(client, tenant, config, tensors).status_code == 201
+
+
 def test_oversize_upload(settings: Settings) -> None:
     small = settings.model_copy(update={"max_body_bytes": 4096})
     with TestClient(create_app(small)) as client:
