@@ -91,6 +91,16 @@ def login_page(request: Request, viewer: Annotated[Viewer | None, Depends(option
     return render(request, "login.html", None, error=None)
 
 
+def _cross_site(request: Request) -> bool:
+    """Whether the request's Origin (when the browser sent one) is another site than this service: its
+    host is neither the Host header nor, behind a proxy that rewrites Host, X-Forwarded-Host."""
+    origin = request.headers.get("origin")
+    if origin is None:
+        return False
+    hosts = {request.headers.get("host", ""), *request.headers.get("x-forwarded-host", "").split(",")}
+    return origin.split("://", 1)[-1].rstrip("/").lower() not in {h.strip().lower() for h in hosts if h}
+
+
 @router.post("/login")
 def login(
     request: Request,
@@ -98,6 +108,10 @@ def login(
     settings: SettingsDep,
     key: Annotated[str, Form(max_length=512)] = "",
 ) -> Response:
+    if _cross_site(request):
+        # Login CSRF: another site's form could sign a visitor in as the attacker's tenant (there is
+        # no session, so no CSRF token, yet). Browsers send Origin with every cross-site POST.
+        raise Forbidden("sign in from this service's own login page", code="csrf_failed")
     try:
         secret = sessions.sign_in(session, key=key, settings=settings)
     except Unauthorized:

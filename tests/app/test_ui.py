@@ -51,6 +51,19 @@ def test_sign_in_cookie_and_sign_out(app: FastAPI, tenant: TenantHandle) -> None
         assert replay.get("/ui/runs", follow_redirects=False).status_code == 303
 
 
+def test_a_sign_in_posted_from_another_site_is_refused(app: FastAPI, tenant: TenantHandle) -> None:
+    """Login CSRF: another site's form could sign a visitor's browser in as the attacker's tenant."""
+    with TestClient(app) as client:
+        for origin in ("https://evil.example", "null"):
+            r = client.post("/ui/login", data={"key": tenant.key}, headers={"Origin": origin})
+            assert r.status_code == 403 and COOKIE not in r.cookies, (origin, r.text)
+        # This service's own page (a browser's Origin), also behind a proxy that rewrites Host.
+        own = client.post("/ui/login", data={"key": tenant.key}, headers={"Origin": "http://testserver"})
+        assert own.status_code == 200 and COOKIE in client.cookies
+        proxied = {"Origin": "https://loraloom.example", "X-Forwarded-Host": "loraloom.example"}
+        assert client.post("/ui/login", data={"key": tenant.key}, headers=proxied).status_code == 200
+
+
 def test_secure_cookie_over_https(app: FastAPI, tenant: TenantHandle) -> None:
     with TestClient(app, base_url="https://testserver") as client:
         r = client.post("/ui/login", data={"key": tenant.key}, follow_redirects=False)
