@@ -217,11 +217,21 @@ def error_from_response(response: httpx.Response) -> ApiError:
 
 
 def api_prefix_problem(base_url: str) -> str | None:
-    """Why `base_url` is no base URL of the service when it ends in /v1 (every route already starts
-    with /v1: each call answered 404), else None. The SDK and the CLI refuse it in these words."""
+    """Why `base_url` is no base URL of the service, else None: ending in /api or /api/v1 it names the
+    Tinker SDK's surface (which wants X-API-Key: each call answered 401, read as a wrong key); ending
+    in /v1 it repeats the prefix every route already starts with (each call answered 404). The SDK and
+    the CLI refuse it in these words. A reverse-proxy prefix of literally /api is refused too."""
     parts = urlsplit(base_url)
     path = parts.path.rstrip("/")
-    if not path.lower().endswith("/v1"):
+    lowered = path.lower()
+    for suffix in ("/api/v1", "/api"):  # before /v1: "/api/v1" must not suggest ".../api"
+        if lowered.endswith(suffix):
+            fixed = parts._replace(path=path[: -len(suffix)]).geturl()
+            return (
+                f"{base_url!r} ends with {suffix}, the Tinker SDK's API: give the service's base URL, "
+                f"e.g. {fixed!r}"
+            )
+    if not lowered.endswith("/v1"):
         return None
     fixed = parts._replace(path=path[:-3]).geturl()
     return f"{base_url!r} ends with /v1: give the base URL without /v1, e.g. {fixed!r}"

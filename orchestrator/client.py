@@ -304,7 +304,7 @@ def _settings(
             f"base_url {base_url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)"
         )
     if problem := api_prefix_problem(base_url):
-        raise ValueError(f"base_url {problem}")  # every route already starts with /v1: each call was a 404
+        raise ValueError(f"base_url {problem}")  # each call was a 401 (/api) or a 404 (/v1)
     if not api_key:
         # No route of the SDK answers without one: every call was a 401.
         raise ValueError(

@@ -6,6 +6,10 @@ with BOS, completion with EOS), sends them as one batch, keeps at most ``ahead``
 trained step (so the service never refuses them as stale), and reports every step the trainer
 completes with its loss (the weighted mean cross-entropy). Examples beyond ``max_steps`` batches are
 not sent. Logprobs and advantages are not used by the cross_entropy loss: they are sent as 0.
+
+While it waits (for a queued run's slot, or for the trainer) it heartbeats the run: batches are no
+sign of life to the service, and a run whose config sets ``heartbeat_timeout`` is evicted after that
+long without a heartbeat, queued or active.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from contracts.status import RunStatus
 from contracts.tokenizer import Tokenizer, encode_prompt
 from contracts.wire import TrainingBatch, TrainingSample
 from orchestrator.client import still_queued
-from orchestrator.models import BatchInfo, Run, StepMetrics
+from orchestrator.models import BatchInfo, Heartbeat, Run, StepMetrics
 
 __all__ = ["SFTExample", "SFTLoop", "SFTStep"]
 
@@ -48,6 +52,7 @@ class SFTClient(Protocol):
     """What the loop needs of `LoraloomClient`."""
 
     def get_run(self, run_id: str) -> Run: ...
+    def heartbeat(self, run_id: str) -> Heartbeat: ...
     def submit_batch(self, run_id: str, batch: TrainingBatch) -> BatchInfo: ...
     def get_metrics(self, run_id: str) -> list[StepMetrics]: ...
 
@@ -73,17 +78,26 @@ class SFTLoop:
         ahead: int = 2,
         poll_interval_s: float = 0.2,
         timeout_s: float = 600.0,
+        heartbeat_interval_s: float = 10.0,
         on_step: Callable[[SFTStep], None] | None = None,
     ) -> None:
         if ahead < 1:
             raise ValueError("ahead must be >= 1")
+        if heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat_interval_s must be > 0")
         self.client = client
         self.run_id = run_id
         self.tokenizer = tokenizer
         self.ahead = ahead
         self.poll_interval_s = poll_interval_s
         self.timeout_s = timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        """At most this long between heartbeats while waiting (shorter for a run whose heartbeat_timeout
+        is less than three times it)."""
         self.on_step = on_step
+        self._beat_every = heartbeat_interval_s
+        self._next_beat = 0.0
+        """time.monotonic() from which the next wait heartbeats again."""
 
     def encode(self, example: ExampleLike) -> TrainingSample:
         """One training sample: BOS + prompt, completion + EOS, weights on the completion tokens."""
@@ -109,6 +123,7 @@ class SFTLoop:
         """Train on `examples` (one pass, in order) until they or the run's max_steps run out; returns
         every step trained, in order (the last partial batch is not sent)."""
         run = self.client.get_run(self.run_id)
+        self._beat_every, self._next_beat = self._heartbeat_interval(run), 0.0
         if run.status == RunStatus.QUEUED:  # its batches are refused (409) until it has a slot
             run = self._active_run()
         config = run.run_config
@@ -137,8 +152,20 @@ class SFTLoop:
         while still_queued(
             run := self.client.get_run(self.run_id), deadline=deadline, timeout=self.timeout_s
         ):
+            self._heartbeat_if_due()
             time.sleep(self.poll_interval_s)
         return run
+
+    def _heartbeat_interval(self, run: Run) -> float:
+        """Three beats per heartbeat_timeout at least: one late or lost beat must not evict the run."""
+        timeout = run.run_config.heartbeat_timeout
+        return self.heartbeat_interval_s if timeout is None else min(self.heartbeat_interval_s, timeout / 3)
+
+    def _heartbeat_if_due(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self.client.heartbeat(self.run_id)
+            self._next_beat = now + self._beat_every
 
     @staticmethod
     def _batches(examples: Iterable[ExampleLike], size: int) -> Iterator[list[ExampleLike]]:
@@ -156,6 +183,8 @@ class SFTLoop:
             run = self.client.get_run(self.run_id)
             run.raise_if_stopped()
             self._report(run.progress.step, reports, sent)
+            if not run.is_terminal:  # each call, not only when it waits: a fast trainer never makes it
+                self._heartbeat_if_due()
             if run.progress.step >= step or run.is_terminal:
                 return run.progress.step
             if time.monotonic() > deadline:

@@ -1,14 +1,15 @@
 """How the CLI fails: one line with a hint, an exit code by kind, JSON on stderr with --json, and a
 traceback only with --debug (or LORALOOM_DEBUG=1).
 
-Commands raise `CliError`; `ErrorHandlingGroup` (the root command group) turns it, and any other
-exception, into that output. The exit codes are part of the interface (the README lists them).
+Commands raise `CliError`; `ErrorHandlingGroup` (the root command group) turns it, click's usage
+errors (unknown option, missing argument, bad value) and any other exception into that output.
+The exit codes are part of the interface (the README lists them).
 """
 
 import json
 import os
 from enum import IntEnum
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from typer.core import TyperGroup
@@ -118,12 +119,52 @@ def report(error: CliError, *, as_json: bool) -> None:
         typer.echo(error.as_text(), err=True)
 
 
+def is_usage_error(exc: BaseException) -> bool:
+    """Whether `exc` is click's usage error (unknown option, missing argument, bad value, no such
+    command), but not the one that prints a group's help. By name, as typer itself tells them apart:
+    newer typer raises its private copy of click's (typer._click), older typer click's own."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return "UsageError" in names and "NoArgsIsHelpError" not in names
+
+
+def usage_error(exc: Any, *, command_path: str) -> CliError:
+    """Click's usage error as the CLI's own: its message, and the command's --help as the hint (in
+    place of typer's boxed panel with the usage line). `command_path` names the command when the
+    error has no context (click's parser raises some, e.g. "requires an argument", without one)."""
+    path = exc.ctx.command_path if exc.ctx is not None else command_path
+    return CliError(exc.format_message(), kind=ExitCode.USAGE, hint=f"try '{path} --help'")
+
+
+def named_command_path(ctx: Any, argv: list[str]) -> str:
+    """The deepest command `argv` names below `ctx`'s group, e.g. "loraloom runs list"."""
+    names, command = [ctx.command_path], ctx.command
+    for token in argv:
+        if token.startswith("-"):  # the root's own flags (--debug) come before the command
+            continue
+        sub = command.get_command(ctx, token) if isinstance(command, TyperGroup) else None
+        if sub is None:
+            break
+        names.append(token)
+        command = sub
+    return " ".join(names)
+
+
+def _exit_on_usage_error(exc: Any, ctx: Any, argv: list[str]) -> NoReturn:
+    report(usage_error(exc, command_path=named_command_path(ctx, argv)), as_json="--json" in argv)
+    raise typer.Exit(int(ExitCode.USAGE)) from None
+
+
 class ErrorHandlingGroup(TyperGroup):
     """The root group: every command's failure becomes one line (or JSON) and its exit code."""
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         ctx.meta["loraloom.argv"] = list(args)  # for --json / --debug, whichever command has them
-        return super().parse_args(ctx, args)
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as exc:  # the root's own options, e.g. `loraloom --frobnicate`
+            if is_usage_error(exc):
+                _exit_on_usage_error(exc, ctx, args)
+            raise
 
     def invoke(self, ctx: Any) -> Any:
         argv: list[str] = ctx.meta.get("loraloom.argv", [])
@@ -134,10 +175,12 @@ class ErrorHandlingGroup(TyperGroup):
                 raise
             report(exc, as_json="--json" in argv)
             raise typer.Exit(int(exc.kind)) from None
-        except (typer.Exit, typer.Abort, TyperException, KeyboardInterrupt):  # click's own handling
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
         except Exception as exc:
-            if _debug(argv):
+            if is_usage_error(exc):  # a subcommand's arguments, or no such command: no traceback to show
+                _exit_on_usage_error(exc, ctx, argv)
+            if isinstance(exc, TyperException) or _debug(argv):  # click's own handling, or --debug
                 raise
             error = CliError(f"{type(exc).__name__}: {exc}", hint="run again with --debug for the traceback")
             report(error, as_json="--json" in argv)

@@ -100,7 +100,8 @@ def _cell(value: Any) -> str:
 
 def check_url(url: str) -> None:
     """A usage error for a URL without its scheme (httpx's "missing protocol" read as "cannot reach"),
-    or one that ends with /v1 (every route already starts with /v1: each command got a 404)."""
+    one that ends with the Tinker surface's /api (each command got a 401, read as a wrong key), or
+    one that ends with /v1 (every route already starts with /v1: each command got a 404)."""
     if not url.lower().startswith(("http://", "https://")):
         raise CliError(
             f"{url!r} is not an http:// or https:// URL",
@@ -108,4 +109,8 @@ def check_url(url: str) -> None:
             hint="give the service's base URL, e.g. http://127.0.0.1:8000",
         )
     if problem := api_prefix_problem(url):
-        raise CliError(problem, kind=ExitCode.USAGE, hint="every route already starts with /v1")
+        raise CliError(
+            problem,
+            kind=ExitCode.USAGE,
+            hint="the base URL is where /v1/... and /api/v1/... start, e.g. http://127.0.0.1:8000",
+        )

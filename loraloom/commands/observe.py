@@ -85,14 +85,17 @@ def metrics(
     key: KeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """A run's metrics per step: table, --json, or --plot FILE.png."""
+    """A run's metrics per step: table, --json, or --plot FILE.png.
+
+    Each row is a trainer step beside the reward of the batches it trained (ROLLOUT: the adapter
+    step they were sampled with, one or more steps before)."""
     if plot is not None and plot.suffix.lower() not in PLOT_SUFFIXES:
         raise CliError(
             f"--plot {plot}: not an image file name",
             kind=ExitCode.USAGE,
             hint=f"end it in {', '.join(PLOT_SUFFIXES)}",
         )
-    items: list[dict[str, Any]] = api("GET", f"/v1/runs/{run_id}/metrics", url=url, key=key)["items"]
+    items = _all_metrics(run_id, url=url, key=key)
     if plot is not None:
         _plot(run_id, items, plot)
     if as_json:
@@ -103,13 +106,93 @@ def metrics(
         if plot is not None:
             typer.echo(f"plot: {plot} (empty: no step reported yet)")
         return
-    rows = [i | {"reward": _reward_mean(i)} for i in items]
+    rewarded = any(_reward_mean(i) is not None for i in items)
+    rows = _aligned_rows(items, _trained_rollouts(run_id, url=url, key=key) if rewarded else {})
     columns = [("STEP", "step")] + [
-        (c.upper(), c) for c in ("reward", *METRIC_COLUMNS) if any(r.get(c) is not None for r in rows)
+        (c.upper(), c)
+        for c in ("rollout", "reward", *METRIC_COLUMNS)
+        if any(r.get(c) is not None for r in rows)
     ]
     table(rows, columns)
+    for note in _table_notes(rows):
+        typer.echo(note)
     if plot is not None:
         typer.echo(f"plot: {plot}")
+
+
+def _all_metrics(run_id: str, *, url: str, key: str | None) -> list[dict[str, Any]]:
+    """Every step's metrics, page after page (the service pages them by step, 200 at most)."""
+    items: list[dict[str, Any]] = []
+    since: int | None = 0
+    while since is not None:
+        page = api("GET", f"/v1/runs/{run_id}/metrics", url=url, key=key, params={"since_step": since})
+        items += page["items"]
+        since = page.get("next_since_step")
+    return items
+
+
+def _trained_rollouts(run_id: str, *, url: str, key: str | None) -> dict[int, list[int]]:
+    """Per trainer step, the rollout steps of the batches it trained, as the pool acknowledged them.
+
+    A batch is sampled with adapter step s and trained in a later step: s + 1 when the orchestrator
+    waits for each step, up to max_async_level steps later when it runs ahead. So the service's rows,
+    which put trainer step N beside the rewards of rollout step N, describe different samples."""
+    by_step: dict[int, set[int]] = {}
+    params: dict[str, Any] = {"state": "trained", "limit": 500}
+    while True:
+        page = api("GET", f"/v1/runs/{run_id}/batches", url=url, key=key, params=params)
+        for batch in page["items"]:
+            by_step.setdefault(batch["trained_step"], set()).add(batch["rollout_step"])
+        if not page["next_cursor"]:
+            return {step: sorted(rollouts) for step, rollouts in by_step.items()}
+        params["cursor"] = page["next_cursor"]
+
+
+FIRST_STEP_MARK = "*"
+
+
+def _aligned_rows(items: list[dict[str, Any]], trained: dict[int, list[int]]) -> list[dict[str, Any]]:
+    """One row per trainer step with the reward of the batches it trained; then the rollout steps
+    with rewards that no step has trained yet (STEP "-")."""
+    rewards = {i["step"]: i["reward"] for i in items if isinstance(i.get("reward"), dict)}
+    rows = [_trainer_row(i, trained.get(i["step"], []), rewards) for i in items if i.get("created_at")]
+    done = {rollout for rollouts in trained.values() for rollout in rollouts}
+    rows += [
+        {"step": None, "rollout": str(step), "reward": reward["mean"]}
+        for step, reward in sorted(rewards.items())
+        if step not in done
+    ]
+    return rows
+
+
+def _trainer_row(
+    item: dict[str, Any], rollouts: list[int], rewards: dict[int, dict[str, Any]]
+) -> dict[str, Any]:
+    row = item | {
+        "rollout": ",".join(map(str, rollouts)) or None,
+        "reward": _pooled_mean([rewards[s] for s in rollouts if s in rewards]),
+    }
+    # The pool times a run's first step from its admission: the wait for its first batch is in it.
+    if item["step"] == 1 and isinstance(item.get("step_time_s"), int | float):
+        row["step_time_s"] = f"{item['step_time_s']:.4g}{FIRST_STEP_MARK}"
+    return row
+
+
+def _pooled_mean(aggregates: list[dict[str, Any]]) -> float | None:
+    """The mean over every sample of several rollout steps' reward aggregates."""
+    count = sum(a["count"] for a in aggregates)
+    return sum(a["mean"] * a["count"] for a in aggregates) / count if count else None
+
+
+def _table_notes(rows: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    if any(r.get("rollout") is not None for r in rows):
+        notes.append(
+            "ROLLOUT: the adapter step its batches were sampled with; REWARD: their mean (STEP -: not trained yet)"
+        )
+    if any(str(r.get("step_time_s", "")).endswith(FIRST_STEP_MARK) for r in rows):
+        notes.append(f"{FIRST_STEP_MARK} step 1's time includes the wait for the run's first batch")
+    return notes
 
 
 def _reward_mean(item: dict[str, Any]) -> float | None:
@@ -135,8 +218,9 @@ def _plot(run_id: str, items: list[dict[str, Any]], path: Path) -> None:
         points = [(i["step"], v) for i in items if (v := values[name](i)) is not None]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker=".")
         ax.set_ylabel(name)
+        # Rewards are per rollout step, the adapter step a batch was sampled with, not the step that trained it.
+        ax.set_xlabel("rollout step (adapter sampled with)" if name.startswith("reward") else "trainer step")
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("step")
     axes[0, 0].set_title(f"{run_id}: metrics per step")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +246,7 @@ def runs_watch(
         while True:
             step = run["progress"]["step"]
             bar.update(step - bar.n)
-            latest = _latest_metrics(run_id, url=url, key=key) if step else {}
+            latest = _latest_metrics(run_id, step, url=url, key=key) if step else {}
             bar.set_postfix({"status": run["status"], **latest}, refresh=True)
             if as_json:
                 typer.echo(json.dumps({"status": run["status"], "step": step, "metrics": latest}))
@@ -178,11 +262,12 @@ def runs_watch(
         raise typer.Exit(int(ExitCode.RUN_NOT_COMPLETED))
 
 
-def _latest_metrics(run_id: str, *, url: str, key: str | None) -> dict[str, str]:
-    items = api("GET", f"/v1/runs/{run_id}/metrics", url=url, key=key)["items"]
-    if not items:
-        return {}
-    last = items[-1]
+def _latest_metrics(run_id: str, step: int, *, url: str, key: str | None) -> dict[str, str]:
+    """The trainer's figures of `step` (asked for by step: the first page of a run's metrics ends at
+    step 200)."""
+    params = {"since_step": step, "limit": 1}
+    items = api("GET", f"/v1/runs/{run_id}/metrics", url=url, key=key, params=params)["items"]
+    last = items[0] if items and items[0]["step"] == step else {}
     return {k: f"{last[k]:.4g}" for k in ("loss", "grad_norm") if isinstance(last.get(k), int | float)}
 
 

@@ -7,7 +7,7 @@ import pytest
 from contracts.run_config import RunConfig
 from contracts.tokenizer import CharTokenizer
 from contracts.wire import TrainingBatch
-from orchestrator.models import BatchInfo, Progress, Run, StepMetrics
+from orchestrator.models import BatchInfo, Heartbeat, Progress, Run, StepMetrics
 from orchestrator.sft import SFTExample, SFTLoop
 
 RUN = "run_aaaaaaaaaaaa"
@@ -21,11 +21,15 @@ class TrainerClient:
         self.step = 0
         self.batches: list[TrainingBatch] = []
         self.max_lead = 0
+        self.heartbeats: list[str] = []
+        """The run's status as the "service" saw it at each heartbeat."""
+        self.status = "queued" if queued_polls else "active"
 
     def get_run(self, run_id: str) -> Run:
         if self.queued_polls > 0:
             self.queued_polls -= 1
             return Run(id=run_id, name="sft", status="queued", config=self.config.model_dump(mode="json"))
+        self.status = "active"
         # Each poll lets the "trainer" finish one pending batch.
         if self.step < len(self.batches):
             self.step += 1
@@ -37,6 +41,10 @@ class TrainerClient:
             config=self.config.model_dump(mode="json"),
             progress=Progress(step=self.step),
         )
+
+    def heartbeat(self, run_id: str) -> Heartbeat:
+        self.heartbeats.append(self.status)
+        return Heartbeat(run_id=run_id, status=self.status)
 
     def submit_batch(self, run_id: str, batch: TrainingBatch) -> BatchInfo:
         assert self.queued_polls == 0, "a batch for a queued run (the service's 409)"
@@ -100,3 +108,31 @@ def test_sft_loop_names_why_a_queued_run_waited_too_long():
     with pytest.raises(TimeoutError, match="still queued"):
         SFTLoop(client, RUN, TOKENIZER, poll_interval_s=0.0, timeout_s=0.05).run([("1+1=", "2")])
     assert client.batches == []
+
+
+def test_sft_loop_heartbeats_a_queued_run_while_it_waits_for_a_slot():
+    """The service evicts a queued run with a heartbeat_timeout that stays silent that long (measured
+    from its creation): waiting for a slot must not look like a dead orchestrator."""
+    config = RunConfig(batch_size=1, max_steps=1, loss={"kind": "cross_entropy"}, heartbeat_timeout=60)
+    client = TrainerClient(config, queued_polls=3)
+    SFTLoop(client, RUN, TOKENIZER, poll_interval_s=0.0, heartbeat_interval_s=1e-9).run([("1+1=", "2")])
+    # The first poll only finds it queued; each of the two polls of the wait beats.
+    assert client.heartbeats.count("queued") == 2
+
+
+def test_sft_loop_heartbeats_an_active_run_while_the_trainer_works():
+    """Batches are no heartbeat: a long SFT run with a heartbeat_timeout was evicted mid-training."""
+    config = RunConfig(batch_size=1, max_steps=3, loss={"kind": "cross_entropy"}, heartbeat_timeout=60)
+    client = TrainerClient(config)
+    SFTLoop(client, RUN, TOKENIZER, poll_interval_s=0.0, heartbeat_interval_s=1e-9).run([("1+1=", "2")] * 3)
+    assert client.heartbeats.count("active") >= 3  # at least one per step waited for
+
+
+def test_sft_loop_heartbeats_three_times_per_heartbeat_timeout():
+    """The default interval (10 s) is longer than a short heartbeat_timeout allows."""
+    config = RunConfig(batch_size=1, max_steps=1, loss={"kind": "cross_entropy"}, heartbeat_timeout=0.3)
+    loop = SFTLoop(TrainerClient(config), RUN, TOKENIZER)
+    run = loop.client.get_run(RUN)
+    assert loop._heartbeat_interval(run) == pytest.approx(0.1)
+    without_timeout = TrainerClient(RunConfig(batch_size=1, max_steps=1)).get_run(RUN)
+    assert loop._heartbeat_interval(without_timeout) == 10.0

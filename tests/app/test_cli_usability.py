@@ -1,0 +1,232 @@
+"""The CLI as a user meets it: click's usage errors in the CLI's own one-line form (the installed
+`loraloom` command, from another directory), a --url that names the Tinker surface, and a
+`metrics` table whose rows put each trainer step beside the batches it trained (a live service, the
+pool's side driven through its routes as the worker pool drives them)."""
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from loraloom.cli import cli
+from tests.app.api import WORKER_HEADERS, ack, claim, create_run, new_tenant, register, rewarded_batch
+
+runner = CliRunner()
+LORALOOM = Path(sys.executable).parent / "loraloom"
+"""The console script `make install` put beside this interpreter."""
+
+
+def loraloom(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    if not LORALOOM.exists():
+        pytest.skip(f"no installed loraloom command at {LORALOOM} (make install)")
+    env = {"PATH": "/usr/bin:/bin", "LORALOOM_URL": "http://127.0.0.1:9"}  # no service: none is needed
+    return subprocess.run(
+        [str(LORALOOM), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+# (arguments, the error's message, the command whose --help the hint names)
+USAGE_ERRORS = [
+    (["runs", "create", "--foo"], "No such option: --foo", "loraloom runs create"),
+    (["runs", "show"], "Missing argument 'run_id'.", "loraloom runs show"),
+    (["runs", "list", "--limit", "many"], "'many' is not a valid int", "loraloom runs list"),
+    (["runs", "list", "--status"], "Option '--status' requires an argument.", "loraloom runs list"),
+    (["serve", "--port", "70000"], "70000 is not in the range", "loraloom serve"),
+    (["--frobnicate"], "No such option: --frobnicate", "loraloom"),
+    (["runz", "list"], "No such command 'runz'.", "loraloom"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "message", "command"), USAGE_ERRORS, ids=[" ".join(a) for a, _, _ in USAGE_ERRORS]
+)
+def test_usage_errors_are_one_line_with_a_hint(
+    tmp_path: Path, args: list[str], message: str, command: str
+) -> None:
+    """Typer printed these as a boxed panel under the usage line; the README promises `error: ...` /
+    `hint: ...` and exit code 2 for every usage error."""
+    result = loraloom(*args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    error, hint = result.stderr.splitlines()
+    assert error.startswith("error: ") and message in error
+    assert hint == f"hint: try '{command} --help'"
+
+
+def test_usage_errors_are_json_with_json(tmp_path: Path) -> None:
+    result = loraloom("runs", "show", "--json", cwd=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    error = json.loads(result.stderr)["error"]
+    assert error["exit_code"] == 2 and error["code"] == "usage"
+    assert "Missing argument" in error["message"] and error["hint"] == "try 'loraloom runs show --help'"
+
+
+def test_help_is_unchanged(tmp_path: Path) -> None:
+    """--help, and a group without its command, still print the help (exit codes 0 and 2 as before)."""
+    shown = loraloom("runs", "create", "--help", cwd=tmp_path)
+    assert (
+        shown.returncode == 0
+        and "Usage: loraloom runs create" in shown.stdout
+        and "--idempotency-key" in shown.stdout
+    )
+    bare = loraloom("runs", cwd=tmp_path)
+    assert bare.returncode == 2 and "Usage: loraloom runs" in bare.stdout + bare.stderr
+    assert "error:" not in bare.stderr
+
+
+# --- a --url that names the Tinker surface -----------------------------------------------
+
+
+@pytest.fixture
+def tenant_env(live_server: Any) -> Iterator[dict[str, str]]:
+    with httpx.Client(base_url=live_server.url, timeout=30) as http:
+        tenant = new_tenant(http)
+    yield {"LORALOOM_URL": live_server.url, "LORALOOM_API_KEY": tenant.key}
+
+
+@pytest.mark.parametrize("suffix", ["/api", "/api/", "/api/v1"])
+def test_a_url_ending_with_api_is_refused_up_front(tenant_env: dict[str, str], suffix: str) -> None:
+    """/api/v1/... is the Tinker SDK's surface: it wants X-API-Key, so every command got a 401 that
+    blamed the key (exit 5); /api/v1 was refused as a /v1 URL, suggesting .../api instead."""
+    url = tenant_env["LORALOOM_URL"]
+    result = runner.invoke(cli, ["runs", "list", "--url", url + suffix], env=tenant_env)
+    assert result.exit_code == 2, result.output
+    assert "the Tinker SDK's API" in result.stderr and f"e.g. '{url}'" in result.stderr
+    assert "401" not in result.stderr
+
+
+# --- metrics: each trainer step beside the batches it trained ------------------------------
+
+
+class PoolSide:
+    """What the worker pool sends for one run: claims, step reports, acknowledgements."""
+
+    def __init__(self, http: httpx.Client, run_id: str) -> None:
+        self.http = http
+        self.run_id = run_id
+        self.pool_id = register(http)
+
+    def train_step(self, step: int, *, step_time_s: float) -> None:
+        """Claim what is pending, report `step` done and acknowledge the claimed batches in it."""
+        claimed = [b["id"] for b in claim(self.http, self.pool_id)["batches"]]
+        metrics = {"loss": 1.0 / step, "grad_norm": 0.5, "lr": 1e-3, "tokens": 10, "samples": 2}
+        body = {"step": step, "total_tokens": 10 * step, "total_samples": 2 * step}
+        r = self.http.post(
+            f"/v1/pool/runs/{self.run_id}/steps",
+            json=body | {"metrics": metrics | {"step_time_s": step_time_s}},
+            headers=WORKER_HEADERS,
+        )
+        assert r.status_code == 200, r.text
+        assert ack(self.http, self.pool_id, [(b, step) for b in claimed]).status_code == 200
+
+
+@pytest.fixture
+def rl_run(live_server: Any) -> Iterator[tuple[dict[str, str], httpx.Client, str]]:
+    with httpx.Client(base_url=live_server.url, timeout=30) as http:
+        tenant = new_tenant(http)
+        run = create_run(http, tenant, name="rl", batch_size=2, max_steps=10, lora={"rank": 4})
+        env = {"LORALOOM_URL": live_server.url, "LORALOOM_API_KEY": tenant.key}
+        yield env, http, run["id"]
+
+
+def submit(http: httpx.Client, env: dict[str, str], run_id: str, rewards: list[float], *, step: int) -> None:
+    r = http.post(
+        f"/v1/runs/{run_id}/batches",
+        json=rewarded_batch(list(rewards), step=step),
+        headers={"Authorization": f"Bearer {env['LORALOOM_API_KEY']}"},
+    )
+    assert r.status_code == 201, r.text
+
+
+def metrics_table(env: dict[str, str], run_id: str) -> tuple[list[str], dict[str, list[str]], list[str]]:
+    """The table's header, its rows by STEP (`-` for rollouts not trained yet) and the notes below it."""
+    result = runner.invoke(cli, ["metrics", run_id], env=env)
+    assert result.exit_code == 0, result.output
+    header, *lines = result.stdout.splitlines()
+    rows = [line for line in lines if line[:1].isdigit() or line.startswith("- ")]
+    notes = [line for line in lines if line not in rows]
+    columns = header.split()
+    return columns, {line.split()[0]: line.split() for line in rows}, notes
+
+
+def test_metrics_put_each_step_beside_the_reward_of_the_batch_it_trained(rl_run: Any) -> None:
+    """The orchestrator samples rollout step s with adapter s; trainer step s + 1 trains it. The table
+    showed rollout step N's reward beside trainer step N, whose loss came from rollout step N - 1."""
+    env, http, run_id = rl_run
+    pool = PoolSide(http, run_id)
+    submit(http, env, run_id, [0.25, 0.75], step=0)
+    pool.train_step(1, step_time_s=9.0)  # the wait for the first batch is in it
+    submit(http, env, run_id, [1.0, 1.0], step=1)
+    pool.train_step(2, step_time_s=0.5)
+    submit(http, env, run_id, [0.0, 0.0], step=2)  # sampled with adapter 2, not trained yet
+
+    columns, rows, notes = metrics_table(env, run_id)
+    assert columns[:4] == ["STEP", "ROLLOUT", "REWARD", "LOSS"] and columns[-1] == "STEP_TIME_S"
+    assert rows["1"][:4] == ["1", "0", "0.5", "1"]
+    assert rows["2"][:4] == ["2", "1", "1", "0.5"]
+    assert rows["-"][:3] == ["-", "2", "0"]
+    assert rows["1"][-1] == "9*" and rows["2"][-1] == "0.5"  # the first step's time is marked
+    assert any("ROLLOUT" in n for n in notes) and any(n.startswith("* step 1") for n in notes)
+
+
+def test_metrics_follow_the_pool_when_batches_trail_their_adapter(rl_run: Any) -> None:
+    """An orchestrator running ahead (max_async_level 2) samples its second batch with adapter 0 too:
+    trainer step 2 trained rollout step 0, not 1. The offset comes from the pool's acknowledgements."""
+    env, http, run_id = rl_run
+    pool = PoolSide(http, run_id)
+    submit(http, env, run_id, [0.0, 1.0], step=0)
+    pool.train_step(1, step_time_s=3.0)
+    submit(http, env, run_id, [0.0, 1.0], step=0)
+    pool.train_step(2, step_time_s=0.5)
+
+    _, rows, _ = metrics_table(env, run_id)
+    assert rows["1"][:3] == ["1", "0", "0.5"] and rows["2"][:3] == ["2", "0", "0.5"]
+    assert "-" not in rows  # nothing left untrained
+
+
+def test_metrics_without_rewards_are_the_trainer_table(rl_run: Any) -> None:
+    """No rewards sent (e.g. SFT): no ROLLOUT or REWARD column, no note about them."""
+    env, http, run_id = rl_run
+    pool = PoolSide(http, run_id)
+    r = http.post(
+        f"/v1/runs/{run_id}/batches",
+        json=rewarded_batch([None, None], step=0),
+        headers={"Authorization": f"Bearer {env['LORALOOM_API_KEY']}"},
+    )
+    assert r.status_code == 201, r.text
+    pool.train_step(1, step_time_s=2.0)
+    columns, rows, notes = metrics_table(env, run_id)
+    assert columns[:2] == ["STEP", "LOSS"] and "REWARD" not in columns and "ROLLOUT" not in columns
+    assert rows["1"][-1] == "2*" and not any("ROLLOUT" in n for n in notes)
+
+
+def test_metrics_and_watch_read_past_the_first_page(live_server: Any) -> None:
+    """The service pages metrics by step (200 at most): the table stopped at step 200, and `runs watch`
+    showed step 200's loss for every later step."""
+    with httpx.Client(base_url=live_server.url, timeout=30) as http:
+        tenant = new_tenant(http)
+        run_id = create_run(http, tenant, name="long", max_steps=205, lora={"rank": 4})["id"]
+        for step in range(1, 206):
+            body = {
+                "step": step,
+                "total_tokens": step,
+                "total_samples": step,
+                "metrics": {"loss": 1.0 / step},
+            }
+            r = http.post(f"/v1/pool/runs/{run_id}/steps", json=body, headers=WORKER_HEADERS)
+            assert r.status_code == 200, r.text
+    env = {"LORALOOM_URL": live_server.url, "LORALOOM_API_KEY": tenant.key}
+
+    items = json.loads(runner.invoke(cli, ["metrics", run_id, "--json"], env=env).stdout)["items"]
+    assert [i["step"] for i in items] == list(range(1, 206))
+    _, rows, _ = metrics_table(env, run_id)
+    assert rows["205"][:2] == ["205", f"{1 / 205:.4g}"]
+    watched = runner.invoke(cli, ["runs", "watch", run_id, "--json"], env=env)
+    assert watched.exit_code == 0, watched.output  # completed at step 205
+    assert json.loads(watched.stdout.splitlines()[0])["metrics"]["loss"] == f"{1 / 205:.4g}"
