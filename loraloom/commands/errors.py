@@ -177,6 +177,8 @@ class ErrorHandlingGroup(TyperGroup):
             raise typer.Exit(int(exc.kind)) from None
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
+        except BrokenPipeError:  # `loraloom runs watch ... | head -1`: the reader left, no error of ours;
+            raise  # click ends it quietly (exit 1), as it does for --help piped the same way
         except Exception as exc:
             if is_usage_error(exc):  # a subcommand's arguments, or no such command: no traceback to show
                 _exit_on_usage_error(exc, ctx, argv)

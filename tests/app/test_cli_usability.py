@@ -4,6 +4,7 @@
 pool's side driven through its routes as the worker pool drives them)."""
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -230,3 +231,27 @@ def test_metrics_and_watch_read_past_the_first_page(live_server: Any) -> None:
     watched = runner.invoke(cli, ["runs", "watch", run_id, "--json"], env=env)
     assert watched.exit_code == 0, watched.output  # completed at step 205
     assert json.loads(watched.stdout.splitlines()[0])["metrics"]["loss"] == f"{1 / 205:.4g}"
+
+
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path: Path) -> None:
+    """`loraloom runs watch ... | head -1`: once the reader has gone, writing raises BrokenPipeError,
+    which the CLI reported as `error: BrokenPipeError: ...`. It now ends as click ends `--help` piped
+    the same way: exit 1, nothing on stderr."""
+    if not LORALOOM.exists():
+        pytest.skip(f"no installed loraloom command at {LORALOOM} (make install)")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left before the command wrote: its first write fails
+    try:
+        result = subprocess.run(
+            [str(LORALOOM), "worker", "--dry-run"],
+            cwd=tmp_path,
+            env={"PATH": "/usr/bin:/bin"},
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1
+    assert result.stderr == ""
