@@ -110,6 +110,14 @@ class Settings(BaseSettings):
     ones silent for 5 minutes do not count): past it `create_session` is a 429, so a tenant cannot
     add session rows as fast as it can send requests."""
 
+    ui_login_max_failures: int = Field(default=10, ge=1, le=1_000)
+    """Failed dashboard sign-ins one client address may make within `ui_login_window_seconds` (per
+    service process); past it the sign-in page answers 429 + Retry-After without checking the key
+    (app/ui/login_limits.py says which address counts behind a proxy)."""
+
+    ui_login_window_seconds: float = Field(default=300.0, gt=0, le=86_400)
+    """The sliding window of `ui_login_max_failures`."""
+
     metrics_token: SecretStr | None = None
     """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""
 

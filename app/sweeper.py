@@ -1,5 +1,5 @@
 """Background sweeper: lease expiry, pool liveness, run heartbeats, Tinker futures that can no
-longer be served (failed), done Tinker futures (purged).
+longer be served (failed), done Tinker futures and expired dashboard sessions (purged).
 
 Each sweep runs in a worker thread (the database calls block) with its own sessions; each
 of its jobs commits on its own, so one failing never holds back the others, and no
@@ -22,6 +22,7 @@ from app.db import utcnow
 from app.pools.service import declare_dead_pools
 from app.runs.service import evict_silent_runs
 from app.tinker.leases import fail_unclaimed_base_samples, fail_work_of_left_runs, purge_done_futures
+from app.ui.sessions import purge_expired_sessions
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class SweepResult:
     claimed them within settings.tinker_base_sample_wait_seconds."""
     purged_futures: int = 0
     """Done Tinker futures older than settings.tinker_future_ttl_seconds, deleted."""
+    purged_ui_sessions: int = 0
+    """Expired dashboard sessions deleted (at most app.ui.sessions.PURGE_BATCH a sweep)."""
     errors: list[str] = field(default_factory=list)
     """The jobs that failed (logged with their traceback)."""
 
@@ -64,7 +67,8 @@ def sweep_once(
 ) -> SweepResult:
     """One pass: expired leases → pending; silent pools → dead (their batches → pending);
     runs whose orchestrator went silent → evicted; Tinker futures that can no longer be served →
-    failed; Tinker futures done before the retention → deleted."""
+    failed; Tinker futures done before the retention → deleted; expired dashboard sessions →
+    deleted."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -91,6 +95,8 @@ def sweep_once(
     ttl = settings.tinker_future_ttl_seconds
     purge = lambda s: purge_done_futures(s, now=now, ttl_seconds=ttl)  # noqa: E731
     result.purged_futures = _job(factory, "purge_tinker_futures", purge, result) or 0
+    sessions = lambda s: purge_expired_sessions(s, now=now)  # noqa: E731
+    result.purged_ui_sessions = _job(factory, "purge_ui_sessions", sessions, result) or 0
     return result
 
 

@@ -21,4 +21,5 @@ class UiSession(Base):
     csrf_token: Mapped[str] = mapped_column(String(64))
     """Sent in every form of this session; a POST without it is refused."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    """Indexed: the sweeper deletes the expired sessions (app/ui/sessions.py purge_expired_sessions)."""

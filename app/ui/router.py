@@ -3,10 +3,11 @@ call the services, render a template.
 
 Authentication: the session cookie (HttpOnly, SameSite=Strict, Secure over HTTPS) names a
 server-side session; every POST also carries the session's CSRF token. Another tenant's run is a
-404, exactly as on the API.
+404, exactly as on the API. Failed sign-ins are bounded per client address (app/ui/login_limits.py).
 """
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -25,6 +26,7 @@ from app.runs import service as runs
 from app.runs.models import Run
 from app.runs.schemas import REASON_CHARS
 from app.ui import sessions, views
+from app.ui.login_limits import LoginFailures, client_address
 from app.ui.sessions import COOKIE, Viewer
 from contracts.status import RunStatus
 
@@ -101,20 +103,43 @@ def _cross_site(request: Request) -> bool:
     return origin.split("://", 1)[-1].rstrip("/").lower() not in {h.strip().lower() for h in hosts if h}
 
 
+def login_failures(request: Request) -> LoginFailures:
+    failures: LoginFailures = request.app.state.ui_login_failures
+    return failures
+
+
+def _too_many_failures(request: Request, retry_after: int) -> Response:
+    """The sign-in page again, saying why nothing was checked and when to try again."""
+    minutes = math.ceil(retry_after / 60)
+    when = f"{retry_after} seconds" if retry_after < 120 else f"{minutes} minutes"
+    error = f"Too many failed sign-ins from your address. Try again in {when}."
+    refused = render(request, "login.html", None, error=error)
+    refused.status_code = 429
+    refused.headers["Retry-After"] = str(retry_after)
+    return refused
+
+
 @router.post("/login")
 def login(
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
+    failures: Annotated[LoginFailures, Depends(login_failures)],
     key: Annotated[str, Form(max_length=512)] = "",
 ) -> Response:
     if _cross_site(request):
         # Login CSRF: another site's form could sign a visitor in as the attacker's tenant (there is
         # no session, so no CSRF token, yet). Browsers send Origin with every cross-site POST.
         raise Forbidden("sign in from this service's own login page", code="csrf_failed")
+    address = client_address(request)
+    # Refused before the key is looked at: a right guess past the bound must not be told apart.
+    retry_after = failures.retry_after(address)
+    if retry_after is not None:
+        return _too_many_failures(request, retry_after)
     try:
         secret = sessions.sign_in(session, key=key, settings=settings)
     except Unauthorized:
+        failures.record_failure(address)
         refused = render(request, "login.html", None, error="That key is not valid (or was revoked).")
         refused.status_code = 401
         return refused

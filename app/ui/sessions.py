@@ -1,24 +1,31 @@
-"""Signing in to the dashboard: an API key (or the admin key) for a server-side session."""
+"""Signing in to the dashboard: an API key (or the admin key) for a server-side session; the
+sweeper deletes the expired ones."""
 
 import hashlib
+import logging
 import secrets
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from app.auth import hash_key, same_secret
 from app.config import Settings
-from app.db import utcnow
+from app.db import rows_changed, utcnow
 from app.errors import Unauthorized
 from app.events.service import record_event
 from app.tenants.models import ApiKey
 from app.timestamps import as_utc
 from app.ui.models import UiSession
 
+log = logging.getLogger(__name__)
+
 COOKIE = "loraloom_session"
 SESSION_LIFETIME = timedelta(hours=12)
+PURGE_BATCH = 1000
+"""Expired sessions one sweep deletes at most: the sweeper runs every few seconds, so a backlog
+(a sign-in flood) goes in many short transactions rather than one long one."""
 
 
 @dataclass(frozen=True)
@@ -91,3 +98,18 @@ def sign_out(session: Session, *, viewer: Viewer) -> None:
 
 def csrf_ok(viewer: Viewer, token: str | None) -> bool:
     return token is not None and same_secret(token, viewer.csrf_token)
+
+
+def purge_expired_sessions(session: Session, *, now: datetime, limit: int = PURGE_BATCH) -> int:
+    """Delete up to `limit` sessions expired by `now` (`resolve` already refuses them; the rows only
+    take space). Returns how many. Walks ix_ui_sessions_expires_at, oldest first."""
+    expired = select(UiSession.id).where(UiSession.expires_at <= now).order_by(UiSession.expires_at)
+    purged = rows_changed(
+        session,
+        delete(UiSession)
+        .where(UiSession.id.in_(expired.limit(limit)))
+        .execution_options(synchronize_session=False),
+    )
+    if purged:
+        log.info("%s expired dashboard session(s) purged", purged)
+    return purged
