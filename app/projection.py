@@ -14,7 +14,9 @@ stale directory is repaired by a restart.
 """
 
 import logging
+import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +100,29 @@ def project_run(run: Run, settings: Settings) -> None:
         _remove_file(control / CONFIG_ERROR_FILE)
 
 
+TRASH_DIR = ".trash"
+"""Under runs_dir: run directories being removed (emptied at start-up if a removal was cut short)."""
+
+
 def remove_run_dir(run_id: str, settings: Settings) -> None:
+    """Remove the run's directory: renamed into runs_dir/.trash first, then deleted there.
+
+    The rename is atomic, so a request still writing into the run (a batch, an adapter archive: they
+    address its files by path) can no longer add an entry to the tree being deleted, which made
+    rmtree fail with "Directory not empty" and leave the directory of a deleted run; such a request
+    now recreates the run's path at worst, and removes it again once its own refusal says the run
+    is deleted. Several removals of one run at once are fine: one rename wins, the others find
+    nothing."""
     root = run_dir(settings, run_id)
-    if root.exists():
-        shutil.rmtree(root)
-        fsync_path(root.parent)
+    trash = settings.runs_dir / TRASH_DIR
+    trash.mkdir(parents=True, exist_ok=True)
+    doomed = trash / f"{run_id}.{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(root, doomed)
+    except FileNotFoundError:
+        return
+    fsync_path(root.parent)
+    shutil.rmtree(doomed)
 
 
 def rebuild_all(session: Session, settings: Settings) -> None:
@@ -113,6 +133,7 @@ def rebuild_all(session: Session, settings: Settings) -> None:
     replica) is projected only after its commit (`project_after_commit`), so its row is visible
     to the read below whenever its directory was in the listing."""
     settings.runs_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(settings.runs_dir / TRASH_DIR, ignore_errors=True)  # removals a crash cut short
     on_disk = {p.name for p in settings.runs_dir.iterdir() if p.is_dir() and is_run_id(p.name)}
     known: set[str] = set()
     for run in session.scalars(select(Run).execution_options(yield_per=500)):

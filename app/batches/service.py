@@ -28,8 +28,9 @@ from app.batches.one_statement import reserve_and_insert
 from app.batches.storage import StoredPayload, discard_payload, write_payload
 from app.config import Settings
 from app.db import conflict_insert, utcnow
-from app.errors import Conflict, NotFound, RateLimited
+from app.errors import AppError, Conflict, NotFound, RateLimited
 from app.limits import PENDING_RETRY_AFTER_SECONDS
+from app.projection import remove_run_dir
 from app.rollouts.service import add_batch as add_rollout_batch
 from app.runs.models import Run
 from app.ttl_cache import TtlCache, state_cache
@@ -266,25 +267,59 @@ def submit_batch(
             stored=stored,
             idempotency_key=idempotency_key,
         )
-    except (Conflict, RateLimited) as refusal:
+    except (Conflict, RateLimited, NotFound) as refusal:
         discard_payload(settings, stored.relative_path)
-        if isinstance(refusal, RateLimited):
-            full.put(run.id, True)  # its next batches are counted before they are written
-        # The run moved or filled up after `run` was read (a cached read may be seconds old:
-        # app/batches/ingest_run.py): a retry of a request it accepted before still gets its batch.
-        if idempotency_key is None or refusal.code not in RUN_MOVED | {RateLimited.code}:
-            raise
-        session.rollback()  # the statement's reservation
-        existing = _replay(session, run_id=run.id, idempotency_key=idempotency_key, request_hash=digest)
-        if existing is None:
-            raise
-        return SubmitResult(existing, created=False)
+        return _earlier_or_raise(
+            session,
+            settings,
+            run_id=run.id,
+            refusal=refusal,
+            idempotency_key=idempotency_key,
+            digest=digest,
+            full=full,
+        )
     except BaseException:
         discard_payload(settings, stored.relative_path)
         raise
     if not result.created:  # the earlier request's file holds this batch
         discard_payload(settings, stored.relative_path)
     return result
+
+
+def _earlier_or_raise(
+    session: Session,
+    settings: Settings,
+    *,
+    run_id: str,
+    refusal: AppError,
+    idempotency_key: str | None,
+    digest: str,
+    full: FullRuns,
+) -> SubmitResult:
+    """After the row's statement refused the batch (its file already discarded): the batch this
+    request's key stored before, or the refusal raised."""
+    if _run_gone(refusal):  # deleted while the file was written: its path may have been made again
+        remove_run_dir(run_id, settings)
+    if isinstance(refusal, RateLimited):
+        full.put(run_id, True)  # its next batches are counted before they are written
+    # The run moved or filled up after it was read (a cached read may be seconds old:
+    # app/batches/ingest_run.py): a retry of a request it accepted before still gets its batch.
+    if idempotency_key is None or refusal.code not in RUN_MOVED | {RateLimited.code}:
+        raise refusal
+    session.rollback()  # the statement's reservation
+    existing = _replay(session, run_id=run_id, idempotency_key=idempotency_key, request_hash=digest)
+    if existing is None:
+        raise refusal
+    return SubmitResult(existing, created=False)
+
+
+def _run_gone(refusal: AppError) -> bool:
+    """Whether the statement refused the batch because the run was deleted (alone, or with its
+    tenant: no row left)."""
+    if isinstance(refusal, NotFound):
+        return True
+    details = refusal.details if isinstance(refusal.details, dict) else {}
+    return refusal.code == "run_not_active" and details.get("status") == RunStatus.DELETED
 
 
 def _pending_of(session: Session, run_id: str) -> tuple[int, int]:

@@ -84,7 +84,25 @@ def write_payload(
     settings: Settings, *, run_id: str, rollout_step: int, data: bytes, sha256: str | None = None
 ) -> StoredPayload:
     """Write `data` durably as a new payload file of the run; returns where and its digest
-    (pass `sha256` when it is known already: hashing a large payload twice is measurable)."""
+    (pass `sha256` when it is known already: hashing a large payload twice is measurable).
+
+    The run's directory may be removed while the file is written (the run deleted meanwhile:
+    `remove_run_dir` moves the whole tree away, temporary file included): then the file is
+    written again under a recreated path, and the row's statement refuses the deleted run, whose
+    refusal removes the path again (`service.submit_batch`)."""
+    try:
+        return _write_new_payload(
+            settings, run_id=run_id, rollout_step=rollout_step, data=data, sha256=sha256
+        )
+    except FileNotFoundError:
+        return _write_new_payload(
+            settings, run_id=run_id, rollout_step=rollout_step, data=data, sha256=sha256
+        )
+
+
+def _write_new_payload(
+    settings: Settings, *, run_id: str, rollout_step: int, data: bytes, sha256: str | None
+) -> StoredPayload:
     path = (
         rollouts_dir(settings, run_id)
         / step_dir_name(rollout_step)
