@@ -52,7 +52,7 @@ def _assert_deleted_cleanly(settings: Settings, seeded: Seeded, response: Any) -
 def test_deleted_before_the_payload_is_written(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """The route read the run active, then the run is deleted: the write made the run's path again."""
     seeded = _projected_run(settings)
-    real = service.write_payload
+    real = storage.write_payload
 
     def deleted_first(settings: Settings, **kwargs: Any) -> storage.StoredPayload:
         _delete_run(settings, seeded.run_id)
