@@ -64,6 +64,11 @@ class Settings(BaseSettings):
     """Uploaded adapters (POST /v1/adapters) one tenant may keep; another upload is a 409
     `adapter_quota` until one is deleted. Each is kept on disk twice (its files and a tar.gz)."""
 
+    tenant_max_adapter_bytes: int = Field(default=4 * 1024**3, ge=1024 * 1024)
+    """Bytes on disk one tenant's uploaded adapters may take together (each adapter's files and its
+    tar.gz, as written); an upload past it is a 409 `adapter_quota` until one is deleted.
+    `tenant_max_adapters` alone let a tenant keep 64 uploads of `max_body_bytes` each, twice."""
+
     tenant_max_queued_runs: int = Field(default=64, ge=1, le=100_000)
     """Runs one tenant may have waiting (`queued`) at once; creating another gets a 429 + Retry-After.
     Every admission walks the queue under the service-wide admission lock, so an unbounded one let a
@@ -104,6 +109,12 @@ class Settings(BaseSettings):
     """Tinker requests (training work and samples) of one tenant waiting for a pool at once; one more
     is a 429 with Retry-After (the SDK retries it). The SDK sends up to 400 samples at once; without a
     bound one tenant could queue hours of work ahead of everyone."""
+
+    tinker_max_pending_bytes_per_tenant: int = Field(default=1024**3, ge=1024 * 1024)
+    """Bytes of stored request JSON of one tenant's Tinker work not yet done (pending or running);
+    a request past it is a 429 with Retry-After, like the count above, and is not stored (a request
+    alone is always taken when nothing of the tenant's waits). The count alone let a tenant queue
+    1,024 requests of up to ~15 MB of JSON each (a round's tokens, as JSON numbers)."""
 
     tinker_max_live_sessions_per_tenant: int = Field(default=256, ge=1, le=1_000_000)
     """Tinker sessions of one tenant live at once (each SDK ServiceClient opens one; finished ones and

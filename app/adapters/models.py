@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
@@ -60,6 +60,10 @@ class TenantAdapter(Base):
     alpha: Mapped[float] = mapped_column(Float)
     target_modules: Mapped[list[str]] = mapped_column(JSON)
     size_bytes: Mapped[int] = mapped_column(BigInteger)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    """What the upload takes on disk: its two files and their tar.gz, as written (`size_bytes` is the
+    files alone, what the API reports). The tenant's uploads are bounded by their sum
+    (`Settings.tenant_max_adapter_bytes`)."""
     sha256: Mapped[str] = mapped_column(String(64))
     """Of the safetensors file."""
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -13,6 +13,8 @@ import tarfile
 from pathlib import Path
 from typing import IO, Any, TypeGuard
 
+import numpy as np
+
 from app.errors import PayloadTooLarge, ValidationFailed
 from app.request_guard import MAX_JSON_DEPTH, too_deep
 from contracts.durable import fsync_path
@@ -146,6 +148,51 @@ def check_safetensors(path: Path) -> int:
     if not header:
         raise _bad_safetensors("it holds no tensors")
     return len(header)
+
+
+_NONFINITE_BITS = {
+    "F16": ("<u2", 0x7C00),
+    "BF16": ("<u2", 0x7F80),
+    "F32": ("<u4", 0x7F80_0000),
+    "F64": ("<u8", 0x7FF0_0000_0000_0000),
+    "F8_E5M2": ("u1", 0x7C),
+    "F8_E4M3": ("u1", 0x7F),  # the fn variant: no infinities; NaN is S.1111.111
+}
+"""Per float dtype, its bits as an unsigned integer and the mask whose bits are all set exactly in
+NaN and ±inf (an exponent of all ones). Read as bits because numpy has no bfloat16 or float8, and
+the control plane never imports torch."""
+
+_SCAN_CHUNK = 8 * 1024 * 1024
+"""Bytes of a tensor read at a time: a multiple of every dtype's size, and memory bounded."""
+
+
+def _has_nonfinite(f: IO[bytes], *, start: int, length: int, dtype: str) -> bool:
+    bits, mask = _NONFINITE_BITS[dtype]
+    f.seek(start)
+    while length > 0:
+        chunk = f.read(min(length, _SCAN_CHUNK))
+        if not chunk:  # pragma: no cover - the header's offsets were checked against the file
+            return False
+        if np.any((np.frombuffer(chunk, dtype=bits) & mask) == mask):
+            return True
+        length -= len(chunk)
+    return False
+
+
+def nonfinite_tensors(path: Path) -> list[str]:
+    """The float tensors of a checked safetensors file (`check_safetensors`) that hold NaN or ±inf:
+    a pool would train from them and every step's loss be NaN."""
+    header, data_len = _read_safetensors_header(path)
+    data_start = path.stat().st_size - data_len
+    found: list[str] = []
+    with open(path, "rb") as f:
+        for name, info in header.items():
+            if name == "__metadata__" or info["dtype"] not in _NONFINITE_BITS:
+                continue
+            first, last = info["data_offsets"]
+            if _has_nonfinite(f, start=data_start + first, length=last - first, dtype=info["dtype"]):
+                found.append(name)
+    return found
 
 
 def extract_adapter_tar(body: IO[bytes], staging: Path, *, max_bytes: int) -> tuple[int, str]:

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from app.adapters.models import TenantAdapter
 from app.adapters.service import _write_archive
-from app.adapters.upload import _read_safetensors_header, extract_adapter_tar
+from app.adapters.upload import _read_safetensors_header, extract_adapter_tar, nonfinite_tensors
 from app.config import Settings
 from app.errors import Conflict, NotFound, ValidationFailed
 from app.pools.models import Pool
@@ -128,6 +128,35 @@ def _weights_problems(
     return problems
 
 
+def _pairing_problems(header: dict[str, Any]) -> list[dict[str, Any]]:
+    """A layer (the tensors' name before `.lora_A` / `.lora_B`) with one factor and not the other, or
+    either twice. The shapes of a pair are checked by `_weights_problems`: each against the config's
+    r and the module's dimensions, so the two agree when both pass. Checked here and not left to the
+    pool, which refuses such an adapter only when a run starts from it."""
+    factors: dict[str, list[str]] = {}
+    for name in header:
+        if _TENSOR.match(name) is not None:  # the others are refused by `_weights_problems`
+            layer, _, rest = name.rpartition(".lora_")
+            factors.setdefault(layer, []).append(f"lora_{rest[0]}")
+    problems: list[dict[str, Any]] = []
+    for layer, found in factors.items():
+        if sorted(found) != ["lora_A", "lora_B"]:
+            problems.append(
+                _problem(
+                    ADAPTER_WEIGHTS,
+                    f"layer {layer!r} has {sorted(found)}: it needs one lora_A and one lora_B",
+                )
+            )
+    return problems
+
+
+def _nonfinite_problems(weights: Path) -> list[dict[str, Any]]:
+    return [
+        _problem(ADAPTER_WEIGHTS, f"tensor {name!r} holds NaN or infinite values")
+        for name in nonfinite_tensors(weights)
+    ]
+
+
 def _check(
     staging: Path, *, base_model: str, session: Session
 ) -> tuple[int, float, list[str], list[dict[str, Any]]]:
@@ -142,8 +171,11 @@ def _check(
     rank, alpha = config.get("r"), config.get("lora_alpha")
     modules = _module_names(config.get("target_modules")) or []
     header, _ = _read_safetensors_header(staging / ADAPTER_WEIGHTS)
-    problems = _config_problems(config, pool, base_model) + _weights_problems(
-        header, pool, rank=rank, modules=modules
+    problems = (
+        _config_problems(config, pool, base_model)
+        + _weights_problems(header, pool, rank=rank, modules=modules)
+        + _pairing_problems(header)
+        + _nonfinite_problems(staging / ADAPTER_WEIGHTS)
     )
     return (
         rank if _whole_number(rank) else 0,
@@ -170,6 +202,10 @@ def upload_adapter(
                 code="invalid_adapter",
                 details=problems,
             )
+        with open(staging / ARCHIVE, "wb") as f:
+            _write_archive(staging, f)
+        stored = sum(p.stat().st_size for p in staging.iterdir())
+        _check_byte_quota(session, tenant_id=tenant_id, adding=stored, settings=settings)
         row = TenantAdapter(
             id=new_id("adp"),
             tenant_id=tenant_id,
@@ -179,10 +215,9 @@ def upload_adapter(
             alpha=alpha,
             target_modules=modules,
             size_bytes=size,
+            stored_bytes=stored,
             sha256=sha,
         )
-        with open(staging / ARCHIVE, "wb") as f:
-            _write_archive(staging, f)
         staging.rename(root / row.id)
         session.add(row)
         session.flush()
@@ -191,10 +226,20 @@ def upload_adapter(
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _kept_of(session: Session, tenant_id: str) -> tuple[int, int]:
+    """The tenant's uploaded adapters and the bytes they take on disk."""
+    count, stored = session.execute(
+        select(func.count(), func.coalesce(func.sum(TenantAdapter.stored_bytes), 0)).where(
+            TenantAdapter.tenant_id == tenant_id
+        )
+    ).one()
+    return int(count), int(stored)
+
+
 def _check_quota(session: Session, *, tenant_id: str, settings: Settings) -> None:
-    """409 before the body is unpacked when the tenant keeps `tenant_max_adapters` already (a bound:
-    two uploads at once may both pass it)."""
-    kept = session.scalar(select(func.count()).where(TenantAdapter.tenant_id == tenant_id)) or 0
+    """409 before the body is unpacked when the tenant keeps `tenant_max_adapters` already, or its
+    uploads take `tenant_max_adapter_bytes` (a bound: two uploads at once may both pass it)."""
+    kept, stored = _kept_of(session, tenant_id)
     if kept >= settings.tenant_max_adapters:
         raise Conflict(
             f"this tenant keeps {kept} uploaded adapters (limit {settings.tenant_max_adapters}); "
@@ -202,6 +247,28 @@ def _check_quota(session: Session, *, tenant_id: str, settings: Settings) -> Non
             code="adapter_quota",
             details={"adapters": kept, "limit": settings.tenant_max_adapters},
         )
+    if stored >= settings.tenant_max_adapter_bytes:
+        raise _bytes_over_quota(stored, settings=settings)
+
+
+def _check_byte_quota(session: Session, *, tenant_id: str, adding: int, settings: Settings) -> None:
+    """409 when an upload that takes `adding` bytes on disk (measured once written, before it is
+    kept) would take the tenant's uploads past `tenant_max_adapter_bytes`."""
+    _, stored = _kept_of(session, tenant_id)
+    if stored + adding > settings.tenant_max_adapter_bytes:
+        raise _bytes_over_quota(stored, settings=settings, adding=adding)
+
+
+def _bytes_over_quota(stored: int, *, settings: Settings, adding: int | None = None) -> Conflict:
+    limit = settings.tenant_max_adapter_bytes
+    this_one = "" if adding is None else f"; this one would add {adding}"
+    details = {"bytes": stored, "limit_bytes": limit} | ({} if adding is None else {"upload_bytes": adding})
+    return Conflict(
+        f"this tenant's uploaded adapters take {stored} bytes on disk (limit {limit}){this_one}; "
+        "delete one (DELETE /v1/adapters/{id}) first",
+        code="adapter_quota",
+        details=details,
+    )
 
 
 def get_tenant_adapter(session: Session, *, tenant_id: str, adapter_id: str) -> TenantAdapter:

@@ -3,7 +3,18 @@
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
@@ -26,6 +37,13 @@ def claimable(table: str = "") -> str:
         f"{t}status = 'pending' OR ({t}status = 'complete' AND {t}kind IN ({kinds}) "
         f"AND {t}request IS NOT NULL AND CAST({t}request AS TEXT) <> 'null')"
     )
+
+
+def unfinished(table: str = "") -> str:
+    """The predicate of the partial index `ix_tinker_futures_unfinished`: work not yet done (its
+    request stored, and counted against the tenant's bounds: app.tinker.work.check_pending_room)."""
+    t = f"{table}." if table else ""
+    return f"{t}status IN ('pending', 'running')"
 
 
 CLAIMABLE = claimable()
@@ -96,6 +114,16 @@ class TinkerFuture(Base):
             postgresql_where=text(CLAIMABLE),
             sqlite_where=text(CLAIMABLE),
         ),
+        # The tenant's pending count and the bytes of its unfinished requests, read from the index
+        # alone (an index-only scan on Postgres): a handful of rows, not the day's history.
+        Index(
+            "ix_tinker_futures_unfinished",
+            "tenant_id",
+            "status",
+            "request_bytes",
+            postgresql_where=text(unfinished()),
+            sqlite_where=text(unfinished()),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -118,6 +146,12 @@ class TinkerFuture(Base):
     tokens: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     """What the request costs a pool's round (app.tinker.work.work_tokens), written with it: the
     claim cuts its rounds by this number without reading the request (up to megabytes of JSON)."""
+    request_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+    """The size of the stored request's JSON (app.tinker.work.request_json_bytes), written with it:
+    the tenant's unfinished requests are bounded by their sum
+    (`Settings.tinker_max_pending_bytes_per_tenant`). A column, not the length of `request` taken in
+    SQL: that reads (detoasts) every unfinished request, up to the bound's gigabyte, at every submit;
+    this sum is read from an index alone (`unfinished`)."""
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     error: Mapped[str | None] = mapped_column(Text, default=None)
     error_category: Mapped[str | None] = mapped_column(String(16), default=None)

@@ -40,6 +40,7 @@ from app.tinker.work import (
     check_pending_room,
     kept_requests,
     mark_running,
+    request_json_bytes,
     resolve_sampler_path,
     sample_tokens,
     within_tokens,
@@ -228,10 +229,11 @@ def submit_sample(
         )
     if pool is not None and any(not 0 <= t < pool.vocab_size for t in spec.prompt + spec.stop_tokens):
         raise ValidationFailed(f"a prompt or stop token id is outside the vocabulary [0, {pool.vocab_size})")
-    check_pending_room(session, tenant_id=tenant_id, most=settings.tinker_max_pending_per_tenant)
     item = ManualWorkItem(
         request_id=new_id("req"), run_id="" if run is None else run.id, seq_id=0, kind="sample", sampling=spec
     )
+    size = request_json_bytes(item)
+    check_pending_room(session, tenant_id=tenant_id, request_bytes=size, settings=settings)
     if run is None:
         model_id = base_model_key(sampler.base_model)
     else:
@@ -247,6 +249,7 @@ def submit_sample(
         run_id=None if run is None else run.id,
         status=PENDING,
         request=item.model_dump(mode="json"),
+        request_bytes=size,
         tokens=cost,
     )
     session.add(future)
@@ -331,7 +334,8 @@ def base_samples_query(base_model: str) -> Select[TinkerFuture, int]:
         .where(*waiting)
         .order_by(TinkerFuture.created_at, TinkerFuture.id)
         .with_for_update(of=TinkerFuture, skip_locked=True)
-        .options(defer(TinkerFuture.request), defer(TinkerFuture.result))
+        # A size is read only by a submission (`check_pending_room`), never by a claim.
+        .options(defer(TinkerFuture.request), defer(TinkerFuture.result), defer(TinkerFuture.request_bytes))
     )
 
 

@@ -45,7 +45,7 @@ from app.runs.models import Run
 from app.runs.schemas import validation_problems
 from app.tinker import leases, proto
 from app.tinker.leases import request_cleared
-from app.tinker.models import REPLAYED_KINDS, TinkerFuture, TinkerModel, claimable
+from app.tinker.models import REPLAYED_KINDS, TinkerFuture, TinkerModel, claimable, unfinished
 from app.tinker.schemas import MAX_MODEL_SEQ_ID, user_metadata_adapter
 from app.tinker.service import NotSupported, get_model, get_session, new_model_run, touch_model
 from contracts.arrays import MAX_TOKEN_ID
@@ -177,23 +177,55 @@ def _existing(session: Session, *, model_id: str, seq_id: int) -> TinkerFuture |
 PENDING_RETRY_AFTER_SECONDS = 2
 
 
-def check_pending_room(session: Session, *, tenant_id: str, most: int) -> None:
-    """429 when the tenant has `most` requests waiting (`Settings.tinker_max_pending_per_tenant`;
-    read through the partial index of claimable futures: a handful of rows, not the day's history)."""
-    pending = session.scalar(
-        select(func.count())
-        .select_from(TinkerFuture)
-        .where(
-            TinkerFuture.tenant_id == tenant_id,
-            TinkerFuture.status == PENDING,
-            text(f"({claimable(TinkerFuture.__tablename__)})"),
-        )
-    )
-    if pending is not None and pending >= most:
+def request_json_bytes(item: ManualWorkItem) -> int:
+    """The size of `item` stored as `TinkerFuture.request`, measured before it is stored, within ~1%.
+
+    The ORM writes the JSON with `json.dumps`, which puts a space after every `,` and `:`; pydantic's
+    compact JSON plus those spaces is that size but for the spelling of some floats (`0.00001` for
+    `1e-05`; at most a few bytes each). Exact would mean serializing with `json.dumps` twice, +0.6 s
+    for a round's worth of tokens; this costs ~0.1 s there. (A comma or colon inside a string counts
+    a space too many: a few bytes high.)"""
+    text = item.model_dump_json()
+    return len(text) + text.count(",") + text.count(":")
+
+
+def unfinished_query(tenant_id: str) -> Select[int, int]:
+    """(the tenant's pending requests, the bytes of its pending and running ones' JSON), read from the
+    partial index `ix_tinker_futures_unfinished` alone. Its predicate is said literally, as the
+    claim's is (`claim_query`): a generic plan cannot see into bound values."""
+    return select(
+        func.coalesce(func.sum(case((TinkerFuture.status == PENDING, 1), else_=0)), 0),
+        func.coalesce(func.sum(TinkerFuture.request_bytes), 0),
+    ).where(TinkerFuture.tenant_id == tenant_id, text(f"({unfinished(TinkerFuture.__tablename__)})"))
+
+
+def check_pending_room(session: Session, *, tenant_id: str, request_bytes: int, settings: Settings) -> None:
+    """429 when the tenant has `Settings.tinker_max_pending_per_tenant` requests waiting, or when a
+    request of `request_bytes` would take its unfinished (pending or running) requests' JSON past
+    `Settings.tinker_max_pending_bytes_per_tenant`. A request fits when nothing of the tenant's is
+    unfinished whatever its size (a request may be larger than the bound, which is at least 1 MiB:
+    refusing it would make the SDK retry it forever)."""
+    # int(): Postgres sums a BIGINT as a NUMERIC (a Decimal here), which the error body cannot carry.
+    pending, stored = map(int, session.execute(unfinished_query(tenant_id)).one())
+    most = settings.tinker_max_pending_per_tenant
+    if pending >= most:
         raise RateLimited(
             f"{pending} Tinker requests of this tenant are waiting for the pool; at most {most}. "
             "Retry once some are done",
             details={"kind": "pending_requests", "pending": pending, "max_pending": most},
+            retry_after=PENDING_RETRY_AFTER_SECONDS,
+        )
+    most_bytes = settings.tinker_max_pending_bytes_per_tenant
+    if stored and stored + request_bytes > most_bytes:
+        raise RateLimited(
+            f"this tenant's unfinished Tinker requests hold {stored} bytes; this one adds {request_bytes}, "
+            f"past the limit of {most_bytes}. Retry once some are done",
+            details={
+                "kind": "pending_bytes",
+                "pending_bytes": stored,
+                "request_bytes": request_bytes,
+                "max_pending_bytes": most_bytes,
+            },
             retry_after=PENDING_RETRY_AFTER_SECONDS,
         )
 
@@ -212,7 +244,8 @@ def _submit(
     requests do not: they are numbered per sampling client, and order among them is free)."""
     if run.status not in MOVABLE_RUN_STATUSES:
         raise RunNotActive(f"model {model_id}: its run {run.id} is {run.status}; it takes no more requests")
-    check_pending_room(session, tenant_id=tenant_id, most=settings.tinker_max_pending_per_tenant)
+    size = request_json_bytes(item)
+    check_pending_room(session, tenant_id=tenant_id, request_bytes=size, settings=settings)
     future = TinkerFuture(
         id=item.request_id,
         tenant_id=tenant_id,
@@ -222,6 +255,7 @@ def _submit(
         run_id=run.id,
         status=PENDING,
         request=item.model_dump(mode="json"),
+        request_bytes=size,
         tokens=work_tokens(item),
     )
     try:
@@ -588,7 +622,8 @@ def claim_query(pool_id: str, base_model: str) -> Select[TinkerFuture, int]:
         .where(*claimable_now)
         .order_by(TinkerFuture.run_id, TinkerFuture.seq_id)
         .with_for_update(of=TinkerFuture, skip_locked=True)
-        .options(defer(TinkerFuture.request), defer(TinkerFuture.result))
+        # A size is read only by a submission (`check_pending_room`), never by a claim.
+        .options(defer(TinkerFuture.request), defer(TinkerFuture.result), defer(TinkerFuture.request_bytes))
     )
 
 

@@ -1,0 +1,253 @@
+"""Uploaded adapters (POST /v1/adapters) a hostile tenant could use to fill the disk or poison a run:
+the bytes a tenant's uploads take on disk are bounded (`Settings.tenant_max_adapter_bytes`), and
+weights holding NaN or ±inf, or a layer with one LoRA factor and not the other, are refused up front
+(the pool refused the latter only when a run started from the adapter). Nothing of a refused upload
+is kept."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+from safetensors.torch import save
+from sqlalchemy import text
+
+from app import migrate
+from app.config import Settings
+from app.db import make_engine
+from app.main import create_app
+from tests import common
+from tests.app.api import POOL_SPEC, TenantHandle, new_tenant, register
+from tests.app.test_adapters import FILES, tar_bytes
+
+MIB = 1024 * 1024
+CONFIG: dict[str, Any] = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+Q_PROJ = "base_model.model.model.layers.{layer}.self_attn.q_proj"
+
+
+def _upload(client: TestClient, tenant: TenantHandle, tensors: dict[str, torch.Tensor], config=CONFIG) -> Any:
+    body = tar_bytes({FILES[0]: json.dumps(config).encode(), FILES[1]: save(tensors)})
+    return client.post(
+        "/v1/adapters",
+        params={"name": "mine"},
+        content=body,
+        headers=tenant.headers | {"Content-Type": "application/x-tar"},
+    )
+
+
+def _pair(layer: int = 0, *, rank: int = 4, dims: int = 32, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """q_proj's lora_A (r x in) and lora_B (out x r) in `layer`, random (so their tar.gz barely shrinks)."""
+    module = Q_PROJ.format(layer=layer)
+    return {
+        f"{module}.lora_A.weight": torch.randn(rank, dims).to(dtype),
+        f"{module}.lora_B.weight": torch.randn(dims, rank).to(dtype),
+    }
+
+
+def _kept_on_disk(settings: Settings) -> dict[str, int]:
+    """Adapter directory → the bytes of its files; staging leftovers included (named `.upload_…`)."""
+    root = settings.data_dir / "adapters"
+    return (
+        {d.name: sum(f.stat().st_size for f in d.iterdir()) for d in root.iterdir()} if root.exists() else {}
+    )
+
+
+@pytest.fixture
+def pool_of_32(client: TestClient) -> None:
+    register(client, module_shapes={m: [32, 32] for m in POOL_SPEC["target_modules"]}, num_layers=2)
+
+
+# --- bytes on disk -----------------------------------------------------------------------------------
+
+
+def test_a_tenants_uploads_are_bounded_in_bytes_on_disk(settings: Settings) -> None:
+    bounded = settings.model_copy(update={"tenant_max_adapter_bytes": MIB})
+    with TestClient(create_app(bounded)) as client:
+        tenant, other = new_tenant(client), new_tenant(client)
+        register(client, module_shapes={m: [768, 768] for m in POOL_SPEC["target_modules"]}, num_layers=2)
+        config = CONFIG | {"r": 16}
+        big = _pair(0, rank=16, dims=768) | _pair(1, rank=16, dims=768)  # ~190 KB of files, ~380 KB kept
+        kept = [_upload(client, tenant, big, config) for _ in range(2)]
+        assert [r.status_code for r in kept] == [201, 201], kept[-1].text
+        on_disk = _kept_on_disk(bounded)
+        assert set(on_disk) == {r.json()["id"] for r in kept}
+
+        refused = _upload(client, tenant, big, config)
+        assert refused.status_code == 409, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "adapter_quota"
+        assert error["details"]["bytes"] == sum(on_disk.values())  # what the kept uploads take, measured
+        assert error["details"]["limit_bytes"] == MIB
+        assert error["details"]["bytes"] + error["details"]["upload_bytes"] > MIB
+        assert str(MIB) in error["message"] and str(sum(on_disk.values())) in error["message"]
+        assert _kept_on_disk(bounded) == on_disk  # nothing of it kept, no staging left behind
+        assert len(client.get("/v1/adapters", headers=tenant.headers).json()["items"]) == 2
+
+        small = _upload(client, tenant, _pair(rank=1, dims=768), CONFIG | {"r": 1})
+        assert small.status_code == 201, small.text  # a small one still fits
+        assert _upload(client, other, big, config).status_code == 201  # per tenant
+        assert (
+            client.delete(f"/v1/adapters/{kept[0].json()['id']}", headers=tenant.headers).status_code == 204
+        )
+        assert _upload(client, tenant, big, config).status_code == 201
+
+
+def test_a_tenant_at_its_byte_bound_is_refused_before_the_body_is_read(settings: Settings) -> None:
+    """Kept bytes at or past the bound (the operator lowered it): 409 before the tar is unpacked, so
+    even a malformed body gets the quota answer, not a 422."""
+    with TestClient(create_app(settings)) as client:
+        tenant = new_tenant(client)
+        register(client, module_shapes={m: [32, 32] for m in POOL_SPEC["target_modules"]}, num_layers=2)
+        stored = _upload(client, tenant, _pair())
+        assert stored.status_code == 201, stored.text
+    used = sum(_kept_on_disk(settings).values())
+    lowered = settings.model_copy(update={"tenant_max_adapter_bytes": used})
+    with TestClient(create_app(lowered)) as client:
+        refused = client.post(
+            "/v1/adapters",
+            content=b"not a tar",
+            headers=tenant.headers | {"Content-Type": "application/x-tar"},
+        )
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["details"] == {"bytes": used, "limit_bytes": used}
+
+
+# --- weights -----------------------------------------------------------------------------------------
+
+
+NONFINITE = [
+    pytest.param(dtype, bad, id=f"{str(dtype).removeprefix('torch.')}-{bad}")
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e5m2)
+    for bad in (float("nan"), float("inf"), float("-inf"))
+] + [pytest.param(torch.float8_e4m3fn, float("nan"), id="float8_e4m3fn-nan")]
+"""Every float dtype's NaN and infinities; e4m3fn has no infinity (torch saturates ±inf to ±448)."""
+
+
+@pytest.mark.parametrize(("dtype", "bad"), NONFINITE)
+def test_weights_holding_nan_or_infinity_are_refused_naming_the_tensor(
+    client: TestClient, tenant: TenantHandle, settings: Settings, pool_of_32: None, dtype, bad: float
+) -> None:
+    tensors = _pair() | _pair(1)
+    poisoned = f"{Q_PROJ.format(layer=1)}.lora_B.weight"
+    tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    tensors[poisoned][17, 2] = bad
+    r = _upload(client, tenant, tensors)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_adapter" and poisoned in error["message"], error
+    assert [d["loc"] for d in error["details"]] == [["body", FILES[1]]], error
+    assert _kept_on_disk(settings) == {}
+
+
+def test_finite_extremes_are_kept(client: TestClient, tenant: TenantHandle, pool_of_32: None) -> None:
+    """The largest finite values and the subnormals of each dtype are weights, not NaN or inf."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float8_e5m2, torch.float8_e4m3fn):
+        info = torch.finfo(dtype)
+        tensors = {name: torch.full(t.shape, info.max).to(dtype) for name, t in _pair().items()}
+        next(iter(tensors.values()))[0, :3] = torch.tensor([-info.max, info.tiny, -info.smallest_normal / 2])
+        r = _upload(client, tenant, tensors)
+        assert r.status_code == 201, (dtype, r.text)
+
+
+# --- LoRA factors ------------------------------------------------------------------------------------
+
+
+def test_a_layer_with_one_factor_is_refused_naming_the_layer(
+    client: TestClient, tenant: TenantHandle, settings: Settings, pool_of_32: None
+) -> None:
+    layer = Q_PROJ.format(layer=1)
+    a_only = _pair() | {f"{layer}.lora_A.weight": torch.randn(4, 32)}
+    b_only = _pair() | {f"{layer}.lora_B.weight": torch.randn(32, 4)}
+    twice = _pair() | {f"{Q_PROJ.format(layer=0)}.lora_A": torch.randn(4, 32)}  # with and without .weight
+    for tensors, named, found in (
+        (a_only, layer, "['lora_A']"),
+        (b_only, layer, "['lora_B']"),
+        (twice, Q_PROJ.format(layer=0), "['lora_A', 'lora_A', 'lora_B']"),
+    ):
+        r = _upload(client, tenant, tensors)
+        assert r.status_code == 422, r.text
+        error = r.json()["error"]
+        assert error["code"] == "invalid_adapter", error
+        assert f"layer {named!r} has {found}" in error["message"], error
+    assert _kept_on_disk(settings) == {}
+    assert _upload(client, tenant, _pair() | _pair(1)).status_code == 201
+
+
+def test_factors_whose_shapes_disagree_are_refused_naming_them(
+    client: TestClient, tenant: TenantHandle, settings: Settings, pool_of_32: None
+) -> None:
+    """A is r x in and B out x r, with the config's r: each is checked against r and the module's
+    dimensions, so a pair that passes agrees with itself."""
+    layer = Q_PROJ.format(layer=0)
+    cases = {
+        "B's rank is not A's": {
+            f"{layer}.lora_A.weight": torch.randn(4, 32),
+            f"{layer}.lora_B.weight": torch.randn(32, 2),
+        },
+        "both of another rank": {
+            f"{layer}.lora_A.weight": torch.randn(2, 32),
+            f"{layer}.lora_B.weight": torch.randn(32, 2),
+        },
+        "A transposed": {
+            f"{layer}.lora_A.weight": torch.randn(32, 4),
+            f"{layer}.lora_B.weight": torch.randn(32, 4),
+        },
+    }
+    for what, tensors in cases.items():
+        r = _upload(client, tenant, tensors)
+        assert r.status_code == 422, (what, r.text)
+        assert layer in r.json()["error"]["message"] and "(r=4)" in r.json()["error"]["message"], (
+            what,
+            r.text,
+        )
+    assert _kept_on_disk(settings) == {}
+
+
+# --- migration ---------------------------------------------------------------------------------------
+
+
+def test_uploads_kept_before_the_upgrade_count_twice_their_files(tmp_path: Path) -> None:
+    """Migration 0014 adds `stored_bytes`: an adapter uploaded before it counts its files twice (the files
+    and their tar.gz, of weights that barely compress), not 0, which would exempt it from the bound."""
+    url = (
+        common.create_postgres_database()
+        if common.backend_under_test() == "postgres"
+        else f"sqlite:///{tmp_path / 'up.db'}"
+    )
+    try:
+        migrate.upgrade(url, "0013")
+        engine = make_engine(url)
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO tenants (id, name, max_concurrent_runs, created_at) "
+                    "VALUES ('t', 't', 4, CURRENT_TIMESTAMP)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO tenant_adapters (id, tenant_id, name, base_model, rank, alpha, target_modules, "
+                    "size_bytes, sha256, created_at) VALUES ('adp_1', 't', 'a', 'b', 4, 8.0, '[]', 1000, 'x', "
+                    "CURRENT_TIMESTAMP)"
+                )
+            )
+        migrate.upgrade(url)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT stored_bytes FROM tenant_adapters")).scalar_one() == 2000
+        engine.dispose()
+    finally:
+        if url.startswith("postgresql"):
+            common.drop_postgres_database(url)
+
+
+def test_the_byte_bound_is_read_from_the_environment_and_checked(monkeypatch, tmp_path) -> None:
+    name = "LORALOOM_TENANT_MAX_ADAPTER_BYTES"
+    assert Settings(data_dir=tmp_path).tenant_max_adapter_bytes == 4 * 1024**3
+    monkeypatch.setenv(name, str(64 * MIB))
+    assert Settings(data_dir=tmp_path).tenant_max_adapter_bytes == 64 * MIB
+    monkeypatch.setenv(name, str(MIB - 1))
+    with pytest.raises(ValidationError, match="tenant_max_adapter_bytes"):
+        Settings(data_dir=tmp_path)
