@@ -5,7 +5,9 @@ worker trains with them, and `orch.toml` in a run directory holds one of them.
 Every field is bounded; unknown fields are errors.
 """
 
+import json
 import types
+from dataclasses import dataclass
 from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
@@ -17,6 +19,17 @@ KNOWN_TARGET_MODULES = frozenset(
 )
 """The attention and MLP projections, and `lm_head` (the unembedding; with tied embeddings its LoRA
 delta is the adapter's own, the shared weight stays frozen)."""
+
+METADATA_MAX_KEYS = 64
+METADATA_MAX_BYTES = 16 * 1024
+"""As canonical JSON (compact, non-ASCII characters escaped, as the request hash has it): metadata is
+stored with the run and sent back in every listing of the tenant's runs (200 to a page), so its size
+bounds theirs. The Tinker API caps a model's user_metadata at the same 16 KiB."""
+METADATA_MAX_VALUES = 1000
+"""Every string, number, boolean, array and table inside metadata counts one: a 1 MB body of 510,000
+zeros once cost 2.6 s of server CPU per create (each check walks every item)."""
+METADATA_MAX_DEPTH = 8
+"""Levels of tables and arrays, metadata's own table the first."""
 
 
 def _numeric(annotation: Any) -> bool:
@@ -234,8 +247,14 @@ class RunConfig(_Strict):
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seeds the adapter's initialisation.")
     metadata: dict[str, Any] = Field(
         default_factory=dict,
-        description="Free-form user labels (≤ 64 keys).",
-        json_schema_extra={"maxProperties": 64},
+        description=(
+            f"Free-form user labels (TOML-writable values): ≤ {METADATA_MAX_KEYS} keys; when a run is "
+            f"created also ≤ {METADATA_MAX_BYTES // 1024} KiB as canonical JSON (compact, non-ASCII "
+            f"characters escaped), ≤ {METADATA_MAX_VALUES:,} values (each string, number, boolean, "
+            f"array and table inside counts one) and ≤ {METADATA_MAX_DEPTH} levels of nesting (this "
+            "table the first)."
+        ),
+        json_schema_extra={"maxProperties": METADATA_MAX_KEYS},
     )
 
     @field_validator("metadata")
@@ -248,8 +267,8 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _metadata_small(self) -> "RunConfig":
-        if len(self.metadata) > 64:
-            raise ValueError("metadata has more than 64 keys")
+        if len(self.metadata) > METADATA_MAX_KEYS:
+            raise ValueError(f"metadata has more than {METADATA_MAX_KEYS} keys")
         return self
 
     @model_validator(mode="after")
@@ -257,6 +276,72 @@ class RunConfig(_Strict):
         if self.advantage.estimator == "gae" and self.loss.kind not in RL_LOSS_KINDS:
             raise ValueError(f"advantage.estimator 'gae' needs an RL loss kind, not {self.loss.kind!r}")
         return self
+
+
+@dataclass(frozen=True)
+class Excess:
+    """A size bound a value exceeds (see `shape_excess`, `metadata_excess`)."""
+
+    bound: Literal["values", "depth", "bytes"]
+    limit: int
+    measured: int
+    """The value's size by that bound; a lower bound when `at_least` (the walk stopped there)."""
+    at_least: bool = False
+
+    def describe(self, what: str) -> str:
+        """E.g. "config.metadata holds at least 510001 values (at most 1000)"."""
+        measured = f"at least {self.measured}" if self.at_least else str(self.measured)
+        if self.bound == "values":
+            return f"{what} holds {measured} values (at most {self.limit})"
+        if self.bound == "depth":
+            return f"{what} is nested too deeply: {measured} levels (at most {self.limit})"
+        return f"{what} is {measured} bytes as canonical JSON (at most {self.limit})"
+
+
+def shape_excess(value: Any, *, max_values: int, max_depth: int | None = None) -> Excess | None:
+    """Whether a parsed JSON/TOML value holds more than `max_values` values or nests deeper than
+    `max_depth` levels (`value` itself, if a table or array, is the first), or None.
+
+    Cheap on hostile input, before anything walks it item by item: a table or array is counted by its
+    length before it is looked into, so the walk stops once `max_values` are counted (at most that
+    many items are visited) and never builds a path. Iterative: any depth. Too many values is
+    reported before too deep (the depth of what was not visited is unknown)."""
+    count, deepest = 0, 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, dict | list):
+            continue
+        deepest = max(deepest, depth)
+        count += len(item)
+        if count > max_values:
+            return Excess("values", max_values, count, at_least=True)
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    if max_depth is not None and deepest > max_depth:
+        return Excess("depth", max_depth, deepest)
+    return None
+
+
+def _json_default(item: Any) -> Any:
+    # TOML's dates and times: stored as their ISO text (pydantic's JSON dump writes them so).
+    isoformat = getattr(item, "isoformat", None)
+    return isoformat() if callable(isoformat) else str(item)
+
+
+def metadata_excess(metadata: Any) -> Excess | None:
+    """The first size bound a run's new `metadata` exceeds (values, depth, then bytes), or None.
+
+    For input only (a run being created): a stored run's config is read back without these bounds,
+    so a run stored before they existed stays readable. The number of keys is RunConfig's own rule.
+    Counting first bounds the byte count's work: with at most METADATA_MAX_VALUES values, the JSON
+    encoder's time is that of the strings' bytes."""
+    excess = shape_excess(metadata, max_values=METADATA_MAX_VALUES, max_depth=METADATA_MAX_DEPTH)
+    if excess is not None:
+        return excess
+    # Compact and ASCII, as the request hash's canonical form; key order does not change the length.
+    size = len(json.dumps(metadata, separators=(",", ":"), default=_json_default))
+    return Excess("bytes", METADATA_MAX_BYTES, size) if size > METADATA_MAX_BYTES else None
 
 
 _INT64 = 2**63

@@ -12,6 +12,7 @@ from app.runs import service
 from app.runs.admission import waiting_reason
 from app.runs.deps import OwnedRunDep
 from app.runs.schemas import (
+    MAX_TOML_BODY_BYTES,
     EvictRequest,
     HeartbeatOut,
     InitFromRun,
@@ -44,7 +45,13 @@ def _create_body_openapi() -> dict[str, Any]:
             "required": True,
             "content": {
                 "application/json": {"schema": schema},
-                "application/toml": {"schema": {"type": "string"}, "example": toml_example},
+                "application/toml": {
+                    "schema": {
+                        "type": "string",
+                        "description": f"At most {MAX_TOML_BODY_BYTES} bytes (else 413).",
+                    },
+                    "example": toml_example,
+                },
             },
         }
     }

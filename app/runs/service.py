@@ -404,13 +404,18 @@ def delete_run(
     session: Session, *, run: Run, actor: str, api_key_id: str | None = None, settings: Settings
 ) -> Run:
     """Delete a run in any state but deleted. The row stays (status `deleted`, for the audit
-    trail); its directory is removed once the deletion is committed."""
+    trail) without its config's metadata; its directory is removed once the deletion is committed."""
     not_deleted = tuple(status for status in RunStatus if status != RunStatus.DELETED)
     _lock_for_transition(session, run=run, action="deleted", allowed=not_deleted)
     previous = run.status
     was_active = previous == RunStatus.ACTIVE
     run.status = RunStatus.DELETED
     run.slot = None
+    if run.config.get("metadata"):
+        # The user's free-form labels (up to 16 KiB) are kept by nothing that needs them: the events
+        # hold name and base model, and the rest of the config (init_from's checks) stays. Without
+        # this, create-and-delete loops grew the database by every run's metadata, for good.
+        run.config = {**run.config, "metadata": {}}
     if run.finished_at is None:
         run.finished_at = utcnow()
     session.flush()
