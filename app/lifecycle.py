@@ -2,6 +2,8 @@
 
 import asyncio
 import contextlib
+import functools
+import gc
 
 from fastapi import FastAPI
 
@@ -22,6 +24,18 @@ async def on_startup(app: FastAPI) -> None:
         remove_orphan_payloads(session, settings=settings)
         session.commit()
     app.state.sweeper_task = asyncio.create_task(run_sweeper(app))
+    freeze_startup_objects()
+
+
+@functools.cache  # once per process: tests start many apps in one, whose later garbage must stay collectable
+def freeze_startup_objects() -> None:
+    """Move what start-up made (modules, the app, its routes and schemas: ~170k objects) out of
+    the garbage collector's view. A request that allocates many containers (a JSON body of a
+    million nested lists) triggers full collections, and each walked that whole heap: a 1 MiB
+    body of empty lists cost 0.32 s of CPU on the run route, 0.06 s with the heap frozen. Frozen
+    objects are never collected, so only what lives for the process's life should be here."""
+    gc.collect()
+    gc.freeze()
 
 
 async def on_shutdown(app: FastAPI) -> None:
