@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -116,14 +117,21 @@ def require_tenant(
 
 
 def counted(request: Request, principal: TenantPrincipal) -> Iterator[TenantPrincipal]:
-    # Counted from here to the end of the response (app/limits.py): one tenant's flood gets 429s
-    # while the others' requests still find threads and database connections.
-    in_flight: InFlight = request.app.state.in_flight
-    in_flight.acquire(principal.tenant_id)
-    try:
+    with in_flight_place(request, principal.tenant_id):
         yield principal
+
+
+@contextmanager
+def in_flight_place(request: Request, tenant_id: str) -> Iterator[None]:
+    """One of the tenant's `tenant_max_in_flight` places, held inside (app/limits.py): one tenant's
+    flood gets 429s (RateLimited) while the others' requests still find threads and database
+    connections. The API's routes (TenantDep) and the dashboard's pages (app/ui/router.py) share it."""
+    in_flight: InFlight = request.app.state.in_flight
+    in_flight.acquire(tenant_id)
+    try:
+        yield
     finally:
-        in_flight.release(principal.tenant_id)
+        in_flight.release(tenant_id)
 
 
 @raises(Unauthorized, Forbidden)

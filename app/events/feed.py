@@ -26,6 +26,15 @@ from app.events.models import Event
 
 _NO_HORIZON = 2**63 - 1
 
+MAX_TXID = 2**63 - 1
+"""The largest txid a cursor may hold: `events.txid` is a BIGINT."""
+MAX_EVENT_ID = 2**31 - 1
+"""The largest event id a cursor may hold: `events.id` is an INTEGER, 32 bits on Postgres, which
+binds the value as the column's type (past it: "out of range"). SQLite keeps the column as its 64-bit
+rowid, but could pass this only after 2**31 events, more than the Postgres column holds at all.
+Past these bounds the drivers cannot bind a value: SQLite raised OverflowError (a 500), Postgres
+"bigint out of range" (a 500, or a live stream that broke after its 200)."""
+
 
 @dataclass(frozen=True)
 class FeedPosition:
@@ -37,17 +46,21 @@ class FeedPosition:
         return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
     @classmethod
-    def decode(cls, cursor: str, *, field: str = "cursor") -> "FeedPosition":
+    def decode(cls, cursor: str, *, field: str = "cursor", where: str = "query") -> "FeedPosition":
+        """The position a cursor of `encode` names; a 422 (ValidationFailed, at `where`/`field`) for
+        anything else, values out of the columns' range included."""
         try:
             raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
             txid, event_id = json.loads(raw)
-            if not all(type(v) is int and v >= 0 for v in (txid, event_id)):
-                raise ValueError("bad position")
+            if not all(type(v) is int for v in (txid, event_id)):
+                raise TypeError("not a position")
+            if not (0 <= txid <= MAX_TXID and 0 <= event_id <= MAX_EVENT_ID):
+                raise ValueError("a position out of the columns' range")
             return cls(txid, event_id)
         except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
             raise ValidationFailed(
                 f"invalid {field}",
-                details=[{"loc": ["query", field], "msg": "not a cursor from this API", "type": "cursor"}],
+                details=[{"loc": [where, field], "msg": "not a cursor from this API", "type": "cursor"}],
             ) from exc
 
 

@@ -39,6 +39,30 @@ FeedCursor = Annotated[
 ]
 
 
+LastEventId = Annotated[
+    str | None,
+    Header(
+        alias="Last-Event-ID",
+        max_length=128,
+        description="An event's `id` (its cursor), sent by an EventSource that reconnects: go on after it.",
+    ),
+]
+
+
+def start_of(cursor: str | None, last_event_id: str | None) -> FeedPosition | None:
+    """Where a page or a stream starts: after the Last-Event-ID when an EventSource resumes, else
+    after `cursor`. Both are checked whenever given, before a stream's 200 is sent: a bad one is a
+    422, never a stream that breaks after its 200 (which an EventSource reopened every few seconds
+    with the same id). A 422 rather than starting over from the beginning or the latest event: this
+    service sends only ids that decode, so a bad Last-Event-ID was written by someone, not replayed
+    by a browser, and an EventSource that gets a non-200 answer stops without retrying (WHATWG
+    HTML, "fail the connection"), so there is no error loop either."""
+    after = FeedPosition.decode(cursor, field="cursor") if cursor else None
+    if last_event_id:
+        return FeedPosition.decode(last_event_id, field="Last-Event-ID", where="header")
+    return after
+
+
 def _page(
     session: Session, run_id: str, after: FeedPosition | None, since: datetime | None, limit: int
 ) -> EventList:
@@ -66,13 +90,12 @@ def list_events(
     since: Annotated[UtcDatetime | None, Query(description="Only events at or after this time.")] = None,
     limit: LimitQuery = DEFAULT_LIMIT,
     accept: Annotated[str | None, Header()] = None,
-    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=128)] = None,
+    last_event_id: LastEventId = None,
 ) -> EventList | StreamingResponse:
     """The run's lifecycle, oldest first: created, queued (why), admitted, every batch received
     (with the rollout step's reward so far), every trained step (with its metrics), adapters
     published, checkpoints, and how it ended (who and why). Every event exactly once across pages."""
-    start = last_event_id or cursor
-    after = FeedPosition.decode(start, field="cursor") if start else None
+    after = start_of(cursor, last_event_id)
     if accept is not None and "text/event-stream" in accept:
         return event_stream(request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=since)
     return _page(session, run.id, after, since, limit)

@@ -4,10 +4,20 @@ call the services, render a template.
 Authentication: the session cookie (HttpOnly, SameSite=Strict, Secure over HTTPS) names a
 server-side session; every POST also carries the session's CSRF token. Another tenant's run is a
 404, exactly as on the API. Failed sign-ins are bounded per client address (app/ui/login_limits.py).
+
+A signed-in tenant's pages and form posts count against the tenant's `tenant_max_in_flight`, the
+same places its API requests take (app/limits.py): a page costs the service what an API call does
+(/ui/runs reads and validates a hundred runs' configs), so a tenant's dashboard flood gets 429s
+instead of the other tenants' threads and connections. The admin's are not counted, as the API's
+admin routes are not: there is one admin key, its holder can do anything the limit protects
+against, and counting it under a tenant's place would let that tenant's flood lock the operator out
+of the view needed to deal with it.
 """
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,11 +27,11 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from app.adapters import service as adapters
-from app.auth import SettingsDep
+from app.adapters.pool_router import StepParam
+from app.auth import SettingsDep, in_flight_place
 from app.db import SessionDep
-from app.errors import Forbidden, NotFound, Unauthorized
-from app.events.feed import FeedPosition
-from app.events.router import event_stream
+from app.errors import Forbidden, NotFound, RateLimited, Unauthorized
+from app.events.router import LastEventId, event_stream, start_of
 from app.runs import service as runs
 from app.runs.models import Run
 from app.runs.schemas import REASON_CHARS
@@ -41,29 +51,60 @@ class SignInRequired(Exception):
     """A page asked for without a valid session: answered with a redirect to the sign-in page."""
 
 
+class TooBusy(Exception):
+    """The viewer's tenant has `tenant_max_in_flight` requests in flight already: a 429 with
+    Retry-After, as a page for a browser's navigation and as the API's error body otherwise (the
+    page's EventSource, scripts), app/ui/setup.py."""
+
+    def __init__(self, refused: RateLimited, viewer: Viewer) -> None:
+        super().__init__(refused.message)
+        self.refused = refused
+        self.viewer = viewer
+
+
 def optional_viewer(request: Request, session: SessionDep) -> Viewer | None:
     return sessions.resolve(session, secret=request.cookies.get(COOKIE))
 
 
-def page_viewer(viewer: Annotated[Viewer | None, Depends(optional_viewer)]) -> Viewer:
+def _counted(request: Request, viewer: Viewer) -> Iterator[Viewer]:
+    """The viewer, holding one of its tenant's in-flight places until the handler has returned
+    (scope="function", as the API's TenantDep: a page is rendered inside its handler, while a live
+    event stream, which outlives its handler by up to an hour, holds an event-stream place instead,
+    so a tenant's open streams never keep its pages from loading)."""
+    if viewer.tenant_id is None:  # the admin: not counted (the module's docstring says why)
+        yield viewer
+        return
+    with ExitStack() as held:
+        try:
+            held.enter_context(in_flight_place(request, viewer.tenant_id))
+        except RateLimited as refused:
+            raise TooBusy(refused, viewer) from refused
+        yield viewer
+
+
+def page_viewer(
+    request: Request, viewer: Annotated[Viewer | None, Depends(optional_viewer)]
+) -> Iterator[Viewer]:
     if viewer is None:
         raise SignInRequired
-    return viewer
+    yield from _counted(request, viewer)
 
 
 def post_viewer(
-    viewer: Annotated[Viewer | None, Depends(optional_viewer)], csrf: Annotated[str, Form()] = ""
-) -> Viewer:
+    request: Request,
+    viewer: Annotated[Viewer | None, Depends(optional_viewer)],
+    csrf: Annotated[str, Form()] = "",
+) -> Iterator[Viewer]:
     """A form post: a valid session and its CSRF token, or nothing happens."""
     if viewer is None:
         raise Unauthorized("not signed in")
     if not sessions.csrf_ok(viewer, csrf):
         raise Forbidden("missing or wrong CSRF token", code="csrf_failed")
-    return viewer
+    yield from _counted(request, viewer)
 
 
-ViewerDep = Annotated[Viewer, Depends(page_viewer)]
-PostViewerDep = Annotated[Viewer, Depends(post_viewer)]
+ViewerDep = Annotated[Viewer, Depends(page_viewer, scope="function")]
+PostViewerDep = Annotated[Viewer, Depends(post_viewer, scope="function")]
 
 
 def tenant_of(viewer: Viewer) -> str:
@@ -211,16 +252,21 @@ def run_page(request: Request, viewer: ViewerDep, run: OwnedRun, session: Sessio
 
 @router.get("/runs/{run_id}/events")
 def run_events(
-    request: Request, run: OwnedRun, cursor: Annotated[str | None, Query(max_length=128)] = None
+    request: Request,
+    run: OwnedRun,
+    cursor: Annotated[str | None, Query(max_length=128)] = None,
+    last_event_id: LastEventId = None,
 ) -> StreamingResponse:
-    """The run's live event stream for the page's EventSource (cookie-authenticated)."""
-    start = request.headers.get("last-event-id") or cursor
-    after = FeedPosition.decode(start) if start else None
+    """The run's live event stream for the page's EventSource (cookie-authenticated); a bad cursor
+    or Last-Event-ID is a 422 before the stream starts, as on the API (app/events/router.py start_of)."""
+    after = start_of(cursor, last_event_id)
     return event_stream(request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=None)
 
 
 @router.get("/runs/{run_id}/adapters/{step}")
-def download_adapter(run: OwnedRun, step: int, session: SessionDep, settings: SettingsDep) -> FileResponse:
+def download_adapter(
+    run: OwnedRun, step: StepParam, session: SessionDep, settings: SettingsDep
+) -> FileResponse:
     adapter = adapters.get_adapter(session, run_id=run.id, step=step)
     archive = adapters.adapter_archive(adapter, settings=settings)
     return FileResponse(

@@ -1,5 +1,12 @@
 """Signing in to the dashboard: an API key (or the admin key) for a server-side session; the
-sweeper deletes the expired ones."""
+sweeper deletes the expired ones.
+
+Each key holds at most MAX_SESSIONS_PER_KEY sessions: a sign-in past it ends the key's oldest
+session rather than being refused. A refusal would let anyone holding the key (a script signing in
+in a loop, a leaked copy) fill the key's places for 12 hours and lock its owner out of the
+dashboard; ending the oldest costs the owner at most one more sign-in, and whoever holds the key can
+sign in anyway. Successful sign-ins are not otherwise limited: failed ones are
+(app/ui/login_limits.py), and a successful one needs the key."""
 
 import hashlib
 import logging
@@ -7,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, select
+from sqlalchemy import ColumnElement, delete, select
 from sqlalchemy.orm import Session
 
 from app.auth import hash_key, same_secret
@@ -23,6 +30,8 @@ log = logging.getLogger(__name__)
 
 COOKIE = "loraloom_session"
 SESSION_LIFETIME = timedelta(hours=12)
+MAX_SESSIONS_PER_KEY = 64
+"""Dashboard sessions one API key (or the admin key) holds at once; a sign-in past it ends the oldest."""
 PURGE_BATCH = 1000
 """Expired sessions one sweep deletes at most: the sweeper runs every few seconds, so a backlog
 (a sign-in flood) goes in many short transactions rather than one long one."""
@@ -55,6 +64,7 @@ def sign_in(session: Session, *, key: str, settings: Settings) -> str:
         if row is None or row.revoked_at is not None:
             raise Unauthorized("invalid or revoked API key")
         is_admin, tenant_id, api_key_id = False, row.tenant_id, row.id
+    ended = _make_room(session, tenant_id=tenant_id, api_key_id=api_key_id)
     secret = secrets.token_urlsafe(32)
     now = utcnow()
     session.add(
@@ -74,8 +84,35 @@ def sign_in(session: Session, *, key: str, settings: Settings) -> str:
         actor="admin" if is_admin else "tenant",
         tenant_id=tenant_id,
         api_key_id=api_key_id,
+        details={"sessions_ended": ended} if ended else None,
     )
     return secret
+
+
+def _make_room(session: Session, *, tenant_id: str | None, api_key_id: str | None) -> int:
+    """End the key's oldest sessions so that, with the one about to be added, it holds at most
+    MAX_SESSIONS_PER_KEY; returns how many ended. Expired ones count until the sweeper deletes them
+    (they are the oldest, so they go first). Concurrent sign-ins with one key may each keep the
+    same newest ones and so pass the bound by a session each, until the key's next sign-in."""
+    mine: ColumnElement[bool] = (
+        # Through ix_ui_sessions_tenant_id: a tenant's sessions are its keys' (each at most the bound).
+        (UiSession.tenant_id == tenant_id) & (UiSession.api_key_id == api_key_id)
+        if api_key_id is not None
+        else UiSession.tenant_id.is_(None) & UiSession.is_admin.is_(True)
+    )
+    kept = (
+        select(UiSession.id)
+        .where(mine)
+        .order_by(UiSession.created_at.desc(), UiSession.id.desc())
+        .limit(MAX_SESSIONS_PER_KEY - 1)
+    )
+    ended = rows_changed(
+        session,
+        delete(UiSession).where(mine, UiSession.id.not_in(kept)).execution_options(synchronize_session=False),
+    )
+    if ended:  # the event says so too; a line per sign-in of a flood is no use at info
+        log.debug("a sign-in ended %s older dashboard session(s) of its key", ended)
+    return ended
 
 
 def resolve(session: Session, *, secret: str | None) -> Viewer | None:
