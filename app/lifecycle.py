@@ -7,6 +7,7 @@ import gc
 
 from fastapi import FastAPI
 
+from app.adapters.uploads import remove_orphan_uploads
 from app.batches.storage import remove_orphan_payloads
 from app.config import Settings
 from app.projection import rebuild_all
@@ -22,6 +23,9 @@ async def on_startup(app: FastAPI) -> None:
         rebuild_all(session, settings)
         # Payload files of requests that crashed between the file and the commit: never served, so drop them.
         remove_orphan_payloads(session, settings=settings)
+        # Uploaded adapters' directories without a row (a crash between the move into place and the
+        # commit), and staging leftovers; never one an upload in another process holds (flock).
+        remove_orphan_uploads(session, settings=settings)
         session.commit()
     app.state.sweeper_task = asyncio.create_task(run_sweeper(app))
     freeze_startup_objects()

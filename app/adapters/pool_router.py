@@ -10,8 +10,9 @@ from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 
 from app.adapters import service
+from app.adapters.file_response import OpenFileResponse
 from app.adapters.schemas import CheckpointOut
-from app.adapters.uploads import archive_path
+from app.adapters.uploads import open_archive
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
@@ -114,19 +115,22 @@ def trainer_evict(
     },
 )
 @raises(NotFound)
-def init_adapter(_: WorkerDep, run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> FileResponse:
+def init_adapter(
+    _: WorkerDep, run_id: RunIdPath, session: SessionDep, settings: SettingsDep
+) -> OpenFileResponse:
     """The adapter a run starts from (its `init_from`), for the pool to load at admission."""
     run = get_run(session, run_id=run_id)
     uploaded = run.init_from.get("adapter_id") if run.init_from else None
     if uploaded is not None:
-        return FileResponse(
-            archive_path(uploaded, settings), media_type="application/gzip", filename=f"{uploaded}.tar.gz"
+        return OpenFileResponse(
+            open_archive(uploaded, settings), media_type="application/gzip", filename=f"{uploaded}.tar.gz"
         )
     if run.init_from is None or run.init_from.get("step") is None:
         raise NotFound(f"run {run_id} does not start from an adapter", code="adapter_not_found")
     adapter = service.get_adapter(session, run_id=run.init_from["run_id"], step=run.init_from["step"])
-    return FileResponse(
-        service.adapter_archive(adapter, settings=settings),
+    session.commit()  # the read ends: the archive may be built now (seconds; SQLite's write lock)
+    return OpenFileResponse(
+        service.open_adapter_archive(adapter, settings=settings),
         media_type="application/gzip",
         filename=f"{adapter.run_id}-step{adapter.step}.tar.gz",
     )

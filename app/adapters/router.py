@@ -7,6 +7,7 @@ from fastapi import APIRouter, Header, Path, Query, Response, status
 from fastapi.responses import FileResponse
 
 from app.adapters import service
+from app.adapters.file_response import OpenFileResponse
 from app.adapters.metrics_view import metrics_page
 from app.adapters.models import Adapter
 from app.adapters.schemas import AdapterList, AdapterOut, MetricsList
@@ -133,9 +134,11 @@ def download_adapter(
     etag = _etag(adapter)
     if _not_modified(if_none_match, etag):
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=_adapter_headers(adapter, etag))
-    archive = service.adapter_archive(adapter, settings=settings)
-    return FileResponse(
-        archive,
+    # The read ends here: a first download builds the archive (seconds for a large adapter), and on
+    # SQLite an open transaction holds the database's write lock.
+    session.commit()
+    return OpenFileResponse(
+        service.open_adapter_archive(adapter, settings=settings),
         media_type="application/gzip",
         filename=f"{run.id}_step_{adapter.step}.tar.gz",
         headers=_adapter_headers(adapter, etag),
@@ -170,13 +173,16 @@ def download_adapter_file(
 ) -> Response:
     """One file of the adapter of a step (or the newest)."""
     adapter = service.get_adapter(session, run_id=run.id, step=_parse_step(step))
-    path = service.adapter_file(adapter, name=name, settings=settings)
-    # The sha256 is of the weights; the config file keeps Starlette's own (mtime, size) ETag.
+    file = service.open_adapter_file(adapter, name=name, settings=settings)
+    # The sha256 is of the weights; the config file keeps an ETag of its (mtime, size).
     etag = _etag(adapter) if name == ADAPTER_WEIGHTS else None
     if etag is not None and _not_modified(if_none_match, etag):
+        file.close()
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=_adapter_headers(adapter, etag))
     media_type = "application/json" if name == ADAPTER_CONFIG else "application/octet-stream"
-    return FileResponse(path, media_type=media_type, filename=name, headers=_adapter_headers(adapter, etag))
+    return OpenFileResponse(
+        file, media_type=media_type, filename=name, headers=_adapter_headers(adapter, etag)
+    )
 
 
 @router.get(

@@ -13,7 +13,7 @@ import shutil
 import tarfile
 import uuid
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, BinaryIO, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -24,6 +24,7 @@ from app.config import Settings
 from app.db import conflict_insert, utcnow
 from app.errors import Conflict, NotFound
 from app.events.service import record_event
+from app.projection import remove_run_dir, run_dir
 from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.runs.service import complete_run, evict_run, get_run
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 # A run that was never admitted has nothing to push; a deleted run keeps nothing new.
 _NO_ARTIFACTS_STATUSES = (RunStatus.QUEUED, RunStatus.DELETED)
+
+ARCHIVE_CACHE_DIR = "cache"
+"""Under a run's directory: its adapters' tar.gz archives, built on the first download."""
 
 
 # ---------------------------------------------------------------- helpers
@@ -95,17 +99,17 @@ def store_adapter(
     # The read ends here: the connection goes back to the pool while the files are extracted and
     # fsynced (no lock was held across them before either).
     session.commit()
-    parent = broadcast_dir(settings, run_id)
-    parent.mkdir(parents=True, exist_ok=True)
-    # Same directory as the target, so the final move is one rename on one filesystem.
-    staging = parent / f".step_{step}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
-    staging.mkdir()
     try:
-        size, sha = extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
-        final = parent / step_dir_name(step)
-        atomic_replace_dir(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful move
+        size, sha, final = _place_adapter(broadcast_dir(settings, run_id), step, body, settings=settings)
+    except FileNotFoundError:  # the run's directory went while the files were written
+        session.refresh(run)
+        _refuse_if_deleted(run, settings)
+        raise
+    # The run's row locked: a deletion from now on waits for this commit, and its after-commit
+    # removal takes these files. One that came first is refused here, and the run's path, which
+    # the files' directory may have made again, removed again.
+    session.refresh(run, with_for_update=True)
+    _refuse_if_deleted(run, settings)
     _upsert(
         session,
         Adapter,
@@ -130,6 +134,28 @@ def store_adapter(
     return _one(session, Adapter, run_id=run.id, step=step)
 
 
+def _place_adapter(parent: Path, step: int, body: IO[bytes], *, settings: Settings) -> tuple[int, str, Path]:
+    """Unpack and check the adapter, then move it to `parent/step_N` in one rename; returns
+    (bytes, sha256 of the weights, its directory)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    # Same directory as the target, so the final move is one rename on one filesystem.
+    staging = parent / f".step_{step}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+    staging.mkdir()
+    try:
+        size, sha = extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
+        final = parent / step_dir_name(step)
+        atomic_replace_dir(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful move
+    return size, sha, final
+
+
+def _refuse_if_deleted(run: Run, settings: Settings) -> None:
+    if run.status == RunStatus.DELETED:
+        remove_run_dir(run.id, settings)
+        _require_artifacts_allowed(run, "adapters")
+
+
 # ---------------------------------------------------------------- adapter download
 
 
@@ -150,10 +176,14 @@ def get_adapter(session: Session, *, run_id: str, step: int | None) -> Adapter:
     return adapter
 
 
+def _files_missing(adapter: Adapter) -> NotFound:
+    return NotFound(f"the files of run {adapter.run_id}'s adapter {adapter.step} are missing")
+
+
 def adapter_dir(adapter: Adapter, *, settings: Settings) -> Path:
     directory = settings.data_dir / adapter.path
     if not directory.is_dir():
-        raise NotFound(f"the files of run {adapter.run_id}'s adapter {adapter.step} are missing")
+        raise _files_missing(adapter)
     return directory
 
 
@@ -163,45 +193,79 @@ def adapter_file(adapter: Adapter, *, name: str, settings: Settings) -> Path:
     return adapter_dir(adapter, settings=settings) / name
 
 
+def open_adapter_file(adapter: Adapter, *, name: str, settings: Settings) -> BinaryIO:
+    """One file of the adapter, open (a 404 if it is gone: its run deleted meanwhile)."""
+    try:
+        return open(adapter_file(adapter, name=name, settings=settings), "rb")
+    except FileNotFoundError:
+        raise _files_missing(adapter) from None
+
+
 def _write_archive(directory: Path, out: IO[bytes]) -> None:
-    # Fixed mtimes and owners: the same adapter always gives the same bytes.
+    # Fixed mtimes and owners, and no file name in the gzip header (GzipFile takes the name of the
+    # file it writes to, a temporary one's): the same adapter always gives the same bytes.
     with (
-        gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=6) as gz,
+        gzip.GzipFile(filename="", fileobj=out, mode="wb", mtime=0, compresslevel=6) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
     ):
         for name in ADAPTER_FILES:
             path = directory / name
-            info = tarfile.TarInfo(name)
-            info.size = path.stat().st_size
-            info.mode = 0o644
-            info.mtime = 0
             with open(path, "rb") as f:
+                info = tarfile.TarInfo(name)
+                info.size = os.fstat(f.fileno()).st_size
+                info.mode = 0o644
+                info.mtime = 0
                 tar.addfile(info, f)
 
 
-def adapter_archive(adapter: Adapter, *, settings: Settings) -> Path:
-    """The adapter as a tar.gz of its PEFT directory, built once and cached beside the run.
+def _archive_path(adapter: Adapter, settings: Settings) -> Path:
+    # The name carries the sha256, so a re-uploaded step gets a new archive and a stale one is never served.
+    return (
+        run_dir(settings, adapter.run_id)
+        / ARCHIVE_CACHE_DIR
+        / f"adapter_step_{adapter.step}_{adapter.sha256[:16]}.tar.gz"
+    )
 
-    The cache name carries the sha256, so a re-uploaded step gets a new archive and a stale
-    one is never served.
+
+def open_adapter_archive(adapter: Adapter, *, settings: Settings) -> BinaryIO:
+    """The adapter as a tar.gz of its PEFT directory, open for reading: built once and cached beside
+    the run (`runs/<id>/cache/`).
+
+    Its run may be deleted meanwhile (its directory moved away and removed: `remove_run_dir`). An
+    archive opened, or built, before that is read whole from its descriptor. A build that finds its
+    run's files gone (the adapter's, or the cache directory it writes into) is the adapter's 404, and
+    never makes the run's directory again: the cache directory is made only inside an existing one.
     """
-    directory = adapter_dir(adapter, settings=settings)
-    cache_dir = settings.runs_dir / adapter.run_id / "cache"
-    archive = cache_dir / f"adapter_step_{adapter.step}_{adapter.sha256[:16]}.tar.gz"
-    if archive.is_file():
-        return archive
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f".{archive.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+    archive = _archive_path(adapter, settings)
     try:
-        with open(tmp, "wb") as f:
-            _write_archive(directory, f)
+        return open(archive, "rb")
+    except FileNotFoundError:
+        pass
+    directory = adapter_dir(adapter, settings=settings)
+    try:
+        return _build_archive(directory, archive, step=adapter.step)
+    except FileNotFoundError:
+        raise _files_missing(adapter) from None
+
+
+def _build_archive(directory: Path, archive: Path, *, step: int) -> BinaryIO:
+    archive.parent.mkdir(exist_ok=True)  # not parents=True: a deleted run's directory stays gone
+    tmp = archive.with_name(f".{archive.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    out = open(tmp, "w+b")  # noqa: SIM115 - returned open, to be read from the start once written
+    try:
+        _write_archive(directory, out)
+        out.flush()
+        os.fsync(out.fileno())  # never a truncated archive under the final name after a crash
         os.replace(tmp, archive)
-    finally:
+    except BaseException:
+        out.close()
         tmp.unlink(missing_ok=True)
-    for old in cache_dir.glob(f"adapter_step_{adapter.step}_*.tar.gz"):
+        raise
+    for old in archive.parent.glob(f"adapter_step_{step}_*.tar.gz"):
         if old != archive:
             old.unlink(missing_ok=True)
-    return archive
+    out.seek(0)
+    return out
 
 
 # ---------------------------------------------------------------- steps, metrics, checkpoints

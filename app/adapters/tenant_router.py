@@ -72,7 +72,7 @@ class TenantAdapterList(BaseModel):
         }
     },
 )
-@raises(ValidationFailed, Conflict)
+@raises(ValidationFailed, Conflict, NotFound)
 def upload(
     principal: TenantDep,
     body: UploadBody,

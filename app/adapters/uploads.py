@@ -3,28 +3,40 @@ their base model (rank limit, target modules, every tensor's shape), stored once
 ``{data_dir}/adapters/{id}/``, tenant-scoped, listable and deletable. An upload that fails any check
 is a 422 naming what is wrong, and nothing of it is kept."""
 
+import contextlib
+import fcntl
 import json
+import logging
 import math
+import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, TypeGuard
+from typing import IO, Any, BinaryIO, TypeGuard
 
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import event, exists, func, select
+from sqlalchemy.orm import Session, SessionTransaction
 
 from app.adapters.models import TenantAdapter
 from app.adapters.service import _write_archive
 from app.adapters.upload import _read_safetensors_header, extract_adapter_tar, nonfinite_tensors
 from app.config import Settings
 from app.errors import Conflict, NotFound, ValidationFailed
+from app.events.after_commit import call_after_commit
 from app.pools.models import Pool
 from app.runs.admission import live_pool
+from app.tenants.service import lock_tenant
 from contracts.ids import new_id
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
+log = logging.getLogger(__name__)
+
 ARCHIVE = "adapter.tar.gz"
+STAGING_PREFIX = ".upload_"
+"""Under `{data_dir}/adapters/`: an upload being unpacked and checked, before it is moved into place."""
+_ADAPTER_ID = re.compile(r"adp_[0-9a-f]{12}")
 # A layer index of at most 9 ASCII digits: int() of thousands of digits raises, and `\d` takes any
 # script's digits.
 _TENSOR = re.compile(r"^(?:.*\.)?layers\.([0-9]{1,9})\.(?:[a-z_]+\.)?([a-z_]+)\.lora_([AB])(?:\.weight)?$")
@@ -188,14 +200,24 @@ def _check(
 def upload_adapter(
     session: Session, *, tenant_id: str, name: str, base_model: str, body: IO[bytes], settings: Settings
 ) -> TenantAdapter:
-    """Check and store an uploaded adapter (an uncompressed tar of a PEFT directory)."""
+    """Check and store an uploaded adapter (an uncompressed tar of a PEFT directory).
+
+    The quotas are checked twice: before the body is unpacked (a tenant at its limit costs nothing
+    more), and exactly under the tenant's row lock just before the row is added, so that uploads
+    at once cannot together take the tenant past them. The files are moved into place before the
+    row is flushed, and removed again if the transaction does not commit."""
     _check_quota(session, tenant_id=tenant_id, settings=settings)
+    # The read ends here: no lock (SQLite's write lock) or connection is held while the body is
+    # unpacked, scanned and compressed.
+    session.commit()
     root = uploads_dir(settings)
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".upload_", dir=root))
+    staging, fd = _locked_staging(root)
+    lock_fd: int | None = fd
     try:
         size, sha = extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
         rank, alpha, modules, problems = _check(staging, base_model=base_model, session=session)
+        session.commit()  # the pool read
         if problems:
             raise ValidationFailed(
                 "the adapter does not fit the base model: " + "; ".join(p["msg"] for p in problems),
@@ -205,7 +227,9 @@ def upload_adapter(
         with open(staging / ARCHIVE, "wb") as f:
             _write_archive(staging, f)
         stored = sum(p.stat().st_size for p in staging.iterdir())
-        _check_byte_quota(session, tenant_id=tenant_id, adding=stored, settings=settings)
+        if not lock_tenant(session, tenant_id=tenant_id):
+            raise NotFound(f"tenant {tenant_id} not found")  # deleted meanwhile (its keys with it)
+        _check_quota(session, tenant_id=tenant_id, settings=settings, adding=stored)
         row = TenantAdapter(
             id=new_id("adp"),
             tenant_id=tenant_id,
@@ -218,12 +242,120 @@ def upload_adapter(
             stored_bytes=stored,
             sha256=sha,
         )
-        staging.rename(root / row.id)
+        final = root / row.id
+        _remove_unless_committed(session, final, fd)
+        lock_fd = None  # released when the transaction ends
+        staging.rename(final)
         session.add(row)
         session.flush()
         return row
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if lock_fd is not None:
+            os.close(lock_fd)
+        shutil.rmtree(staging, ignore_errors=True)  # gone already once moved into place
+
+
+def _locked_staging(root: Path) -> tuple[Path, int]:
+    """A new staging directory under `root`, and a descriptor holding a shared flock on it (moved
+    into place, the directory keeps it): `remove_orphan_uploads` leaves a locked directory alone.
+    Another process's clean-up may remove a staging directory between its creation and the lock;
+    then another one is made."""
+    for _ in range(3):
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=root))
+        try:
+            fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(staging).st_ino == os.fstat(fd).st_ino:
+                return staging, fd
+        os.close(fd)
+    raise OSError(f"could not make a staging directory under {root}")
+
+
+# ---------------------------------------------------------------- files of uncommitted rows
+
+_PLACED = "loraloom.placed_uploads"
+
+
+@dataclass
+class _Placed:
+    directory: Path
+    lock_fd: int
+    committed: bool = False
+
+
+def _remove_unless_committed(session: Session, directory: Path, lock_fd: int) -> None:
+    """Remove `directory` when the session's transaction ends without committing (the row never
+    kept: a failed flush or commit, an error after the upload); release `lock_fd` either way."""
+    placed: list[_Placed] | None = session.info.get(_PLACED)
+    if placed is None:
+        placed = session.info[_PLACED] = []
+        event.listen(session, "after_commit", _mark_committed)
+        event.listen(session, "after_transaction_end", _settle_placed)
+    placed.append(_Placed(directory, lock_fd))
+
+
+def _mark_committed(session: Session) -> None:
+    if session.in_nested_transaction():  # a savepoint released; the real commit is still to come
+        return
+    for p in session.info.get(_PLACED, []):
+        p.committed = True
+
+
+def _settle_placed(session: Session, transaction: SessionTransaction) -> None:
+    if transaction.parent is not None:  # a savepoint's end, not the transaction's
+        return
+    placed: list[_Placed] = session.info.get(_PLACED, [])
+    todo, placed[:] = list(placed), []
+    for p in todo:
+        if not p.committed:
+            shutil.rmtree(p.directory, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.close(p.lock_fd)
+
+
+def remove_upload_dirs(adapter_ids: list[str], settings: Settings) -> None:
+    """Remove the files of uploaded adapters whose rows are gone (after the commit that removed them)."""
+    for adapter_id in adapter_ids:
+        shutil.rmtree(uploads_dir(settings) / adapter_id, ignore_errors=True)
+
+
+def remove_orphan_uploads(session: Session, *, settings: Settings) -> int:
+    """Delete the directories under `{data_dir}/adapters/` no row references (start-up clean-up):
+    staging leftovers, and uploads moved into place whose commit never came (a crash in between),
+    but never one an upload in progress holds, in this process or another (see `_locked_staging`).
+    Returns how many were removed."""
+    root = uploads_dir(settings)
+    if not root.is_dir():
+        return 0
+    kept = set(session.scalars(select(TenantAdapter.id)))
+    removed = 0
+    for path in sorted(root.iterdir()):
+        is_upload = _ADAPTER_ID.fullmatch(path.name) is not None
+        if path.name in kept or not (is_upload or path.name.startswith(STAGING_PREFIX)):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:  # gone meanwhile, or not a directory
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # an upload holds it: its row is being committed
+            # Unlocked: its upload's transaction has ended. Ask again (a fresh statement): it may
+            # have committed since the set above was read.
+            if is_upload and session.scalar(select(exists().where(TenantAdapter.id == path.name))):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d uploaded adapter directories without a row under %s", removed, root)
+    return removed
 
 
 def _kept_of(session: Session, tenant_id: str) -> tuple[int, int]:
@@ -236,9 +368,11 @@ def _kept_of(session: Session, tenant_id: str) -> tuple[int, int]:
     return int(count), int(stored)
 
 
-def _check_quota(session: Session, *, tenant_id: str, settings: Settings) -> None:
-    """409 before the body is unpacked when the tenant keeps `tenant_max_adapters` already, or its
-    uploads take `tenant_max_adapter_bytes` (a bound: two uploads at once may both pass it)."""
+def _check_quota(session: Session, *, tenant_id: str, settings: Settings, adding: int | None = None) -> None:
+    """409 when the tenant keeps `tenant_max_adapters` already, or when an upload that takes `adding`
+    bytes on disk (measured once written) would take its uploads past `tenant_max_adapter_bytes`
+    (`adding` unknown yet: when they reach it already). Exact under the tenant's row lock
+    (`lock_tenant`, until the commit); without it, uploads at once may all pass."""
     kept, stored = _kept_of(session, tenant_id)
     if kept >= settings.tenant_max_adapters:
         raise Conflict(
@@ -247,15 +381,8 @@ def _check_quota(session: Session, *, tenant_id: str, settings: Settings) -> Non
             code="adapter_quota",
             details={"adapters": kept, "limit": settings.tenant_max_adapters},
         )
-    if stored >= settings.tenant_max_adapter_bytes:
-        raise _bytes_over_quota(stored, settings=settings)
-
-
-def _check_byte_quota(session: Session, *, tenant_id: str, adding: int, settings: Settings) -> None:
-    """409 when an upload that takes `adding` bytes on disk (measured once written, before it is
-    kept) would take the tenant's uploads past `tenant_max_adapter_bytes`."""
-    _, stored = _kept_of(session, tenant_id)
-    if stored + adding > settings.tenant_max_adapter_bytes:
+    limit = settings.tenant_max_adapter_bytes
+    if stored >= limit if adding is None else stored + adding > limit:
         raise _bytes_over_quota(stored, settings=settings, adding=adding)
 
 
@@ -290,11 +417,15 @@ def delete_tenant_adapter(session: Session, *, tenant_id: str, adapter_id: str, 
     row = get_tenant_adapter(session, tenant_id=tenant_id, adapter_id=adapter_id)
     session.delete(row)
     session.flush()
-    shutil.rmtree(uploads_dir(settings) / adapter_id, ignore_errors=True)
+    # Not before the commit: a rolled-back deletion keeps its row, which needs its files.
+    call_after_commit(session, lambda: remove_upload_dirs([adapter_id], settings))
 
 
-def archive_path(adapter_id: str, settings: Settings) -> Path:
-    path = uploads_dir(settings) / adapter_id / ARCHIVE
-    if not path.is_file():
+def open_archive(adapter_id: str, settings: Settings) -> BinaryIO:
+    """The uploaded adapter's tar.gz, open for reading: read whole even if it is deleted meanwhile."""
+    if _ADAPTER_ID.fullmatch(adapter_id) is None:  # it becomes a path
         raise NotFound(f"adapter {adapter_id} has no files", code="adapter_not_found")
-    return path
+    try:
+        return open(uploads_dir(settings) / adapter_id / ARCHIVE, "rb")
+    except FileNotFoundError:
+        raise NotFound(f"adapter {adapter_id} has no files", code="adapter_not_found") from None

@@ -1,21 +1,30 @@
 """Deleting a tenant: its runs first (each as the tenant would delete it: slots freed, directories
 removed after the commit), then the tenant, whose API keys, runs, batches and adapters rows go
-with it (ON DELETE CASCADE). The audit trail (events) stays. Keyword-only, never commits."""
+with it (ON DELETE CASCADE), and the files of its uploaded adapters after the commit. The audit
+trail (events) stays. Keyword-only, never commits."""
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from app.adapters.models import TenantAdapter
+from app.adapters.uploads import remove_upload_dirs
 from app.config import Settings
+from app.events.after_commit import call_after_commit
 from app.events.service import record_event
 from app.runs import service as runs_service
+from app.runs.admission import lock_admission
 from app.runs.models import Run
-from app.tenants.service import get_tenant
+from app.tenants.service import get_tenant, lock_tenant
 from contracts.status import RunStatus
 
 
 def delete_tenant(session: Session, *, tenant_id: str, settings: Settings) -> int:
     """Delete the tenant and everything it owns; returns how many runs were deleted with it."""
-    tenant = get_tenant(session, tenant_id=tenant_id)
+    # In lock order (admission, then the tenant's row): no run is created for it, and no adapter
+    # uploaded (app/adapters/uploads.py), between the reads below and the deletion.
+    lock_admission(session)
+    lock_tenant(session, tenant_id=tenant_id)
+    tenant = get_tenant(session, tenant_id=tenant_id)  # a 404 if another deletion came first
     runs = list(
         session.scalars(
             select(Run).where(Run.tenant_id == tenant_id, Run.status != RunStatus.DELETED).order_by(Run.id)
@@ -26,6 +35,7 @@ def delete_tenant(session: Session, *, tenant_id: str, settings: Settings) -> in
     runs.sort(key=lambda r: r.status != RunStatus.QUEUED)
     for run in runs:
         runs_service.delete_run(session, run=run, actor="admin", settings=settings)
+    uploaded = list(session.scalars(select(TenantAdapter.id).where(TenantAdapter.tenant_id == tenant_id)))
     record_event(
         session,
         action="tenant.deleted",
@@ -35,4 +45,6 @@ def delete_tenant(session: Session, *, tenant_id: str, settings: Settings) -> in
     )
     session.delete(tenant)
     session.flush()
+    # Not before the commit: a rolled-back deletion keeps the rows, which need their files.
+    call_after_commit(session, lambda: remove_upload_dirs(uploaded, settings))
     return len(runs)

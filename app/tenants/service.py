@@ -46,6 +46,16 @@ def get_tenant(session: Session, *, tenant_id: str) -> Tenant:
     return tenant
 
 
+def lock_tenant(session: Session, *, tenant_id: str) -> bool:
+    """Lock the tenant's row until the transaction ends, serialising what must see the tenant's
+    rows as they are (its uploaded adapters' quotas; deleting it). False if it is gone.
+
+    FOR UPDATE on Postgres; SQLite ignores it, and needs nothing: every transaction there begins
+    IMMEDIATE and holds the database's write lock (app/db.py). Lock order: after the admission lock
+    and before run rows (app/runs/admission.py)."""
+    return session.scalar(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update()) is not None
+
+
 def create_api_key(session: Session, *, tenant_id: str) -> tuple[ApiKey, str]:
     """A new key for the tenant; returns (row, secret). The secret is never stored or logged."""
     get_tenant(session, tenant_id=tenant_id)

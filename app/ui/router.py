@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Form, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from app.adapters import service as adapters
+from app.adapters.file_response import OpenFileResponse
 from app.adapters.pool_router import StepParam
 from app.auth import SettingsDep, in_flight_place
 from app.db import SessionDep
@@ -266,11 +267,14 @@ def run_events(
 @router.get("/runs/{run_id}/adapters/{step}")
 def download_adapter(
     run: OwnedRun, step: StepParam, session: SessionDep, settings: SettingsDep
-) -> FileResponse:
+) -> OpenFileResponse:
     adapter = adapters.get_adapter(session, run_id=run.id, step=step)
-    archive = adapters.adapter_archive(adapter, settings=settings)
-    return FileResponse(
-        archive, media_type="application/gzip", filename=f"{run.id}_step_{adapter.step}.tar.gz"
+    session.commit()  # the read ends: the archive may be built now (seconds; SQLite's write lock)
+    # From a file opened before the headers go out: a run deleted meanwhile still sends it whole.
+    return OpenFileResponse(
+        adapters.open_adapter_archive(adapter, settings=settings),
+        media_type="application/gzip",
+        filename=f"{run.id}_step_{adapter.step}.tar.gz",
     )
 
 
