@@ -4,7 +4,6 @@ weights holding NaN or ±inf, or a layer with one LoRA factor and not the other,
 (the pool refused the latter only when a run started from the adapter). Nothing of a refused upload
 is kept."""
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
-from safetensors.torch import save
 from sqlalchemy import text
 
 from app import migrate
@@ -21,7 +19,7 @@ from app.db import make_engine
 from app.main import create_app
 from tests import common
 from tests.app.api import POOL_SPEC, TenantHandle, new_tenant, register
-from tests.app.test_adapters import FILES, tar_bytes
+from tests.app.test_adapters import FILES, _tenant_upload
 
 MIB = 1024 * 1024
 CONFIG: dict[str, Any] = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
@@ -29,13 +27,7 @@ Q_PROJ = "base_model.model.model.layers.{layer}.self_attn.q_proj"
 
 
 def _upload(client: TestClient, tenant: TenantHandle, tensors: dict[str, torch.Tensor], config=CONFIG) -> Any:
-    body = tar_bytes({FILES[0]: json.dumps(config).encode(), FILES[1]: save(tensors)})
-    return client.post(
-        "/v1/adapters",
-        params={"name": "mine"},
-        content=body,
-        headers=tenant.headers | {"Content-Type": "application/x-tar"},
-    )
+    return _tenant_upload(client, tenant, config, tensors)
 
 
 def _pair(layer: int = 0, *, rank: int = 4, dims: int = 32, dtype=torch.float32) -> dict[str, torch.Tensor]:
