@@ -50,10 +50,16 @@ def lock_tenant(session: Session, *, tenant_id: str) -> bool:
     """Lock the tenant's row until the transaction ends, serialising what must see the tenant's
     rows as they are (its uploaded adapters' quotas; deleting it). False if it is gone.
 
-    FOR UPDATE on Postgres; SQLite ignores it, and needs nothing: every transaction there begins
-    IMMEDIATE and holds the database's write lock (app/db.py). Lock order: after the admission lock
-    and before run rows (app/runs/admission.py)."""
-    return session.scalar(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update()) is not None
+    FOR NO KEY UPDATE on Postgres: it excludes another holder of this lock, but not the KEY SHARE
+    locks that inserting a row referencing the tenant takes (a batch's event, a Tinker future, a
+    session). FOR UPDATE would block those: a transaction holding a run row and inserting such a
+    row would wait for a tenant deletion that waits for that run row, a deadlock. SQLite ignores
+    it, and needs nothing: every transaction there begins IMMEDIATE and holds the database's write
+    lock (app/db.py). Lock order: after the admission lock and before run rows (app/runs/admission.py)."""
+    locked = (
+        select(Tenant.id).where(Tenant.id == tenant_id).with_for_update(key_share=True)
+    )  # FOR NO KEY UPDATE
+    return session.scalar(locked) is not None
 
 
 def create_api_key(session: Session, *, tenant_id: str) -> tuple[ApiKey, str]:
