@@ -6,12 +6,11 @@ from collections.abc import AsyncIterator
 from typing import IO, Annotated
 
 from fastapi import APIRouter, Depends, Request, status
-from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
 
 from app.adapters import service
 from app.adapters.file_response import OpenFileResponse
-from app.adapters.schemas import CheckpointOut
+from app.adapters.schemas import CheckpointOut, StepParam
 from app.adapters.uploads import open_archive
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
@@ -25,8 +24,6 @@ router = APIRouter(tags=["pool"])
 
 # Uploads up to this size stay in memory; larger ones spill to a temporary file.
 _SPOOL_MEMORY_BYTES = 8 * 1024 * 1024
-
-StepParam = Annotated[int, PathParam(ge=0, le=10_000_000)]
 
 
 async def _upload_body(request: Request) -> AsyncIterator[IO[bytes]]:

@@ -1,9 +1,15 @@
 """Wire shapes of adapters, step metrics and checkpoints (docs/contracts.md)."""
 
+from typing import Annotated
+
+from fastapi import Path as PathParam
 from pydantic import BaseModel, ConfigDict
 
 from app.timestamps import UtcDatetime
 from contracts.pool_api import AdapterStored, StepMetricsIn
+
+StepParam = Annotated[int, PathParam(ge=0, le=10_000_000)]
+"""A step in a route's path (the pool's adapter uploads, the dashboard's downloads)."""
 
 
 class AdapterOut(AdapterStored):

@@ -28,7 +28,7 @@ from fastapi.templating import Jinja2Templates
 
 from app.adapters import service as adapters
 from app.adapters.file_response import OpenFileResponse
-from app.adapters.pool_router import StepParam
+from app.adapters.schemas import StepParam
 from app.auth import SettingsDep, in_flight_place
 from app.db import SessionDep
 from app.errors import Forbidden, NotFound, RateLimited, Unauthorized
