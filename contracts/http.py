@@ -217,24 +217,38 @@ def error_from_response(response: httpx.Response) -> ApiError:
 
 
 def api_prefix_problem(base_url: str) -> str | None:
-    """Why `base_url` is no base URL of the service, else None: ending in /api or /api/v1 it names the
+    """Why `base_url` is no base URL of the service, else None: ending in /api/v1 it names the
     Tinker SDK's surface (which wants X-API-Key: each call answered 401, read as a wrong key); ending
     in /v1 it repeats the prefix every route already starts with (each call answered 404). The SDK and
-    the CLI refuse it in these words. A reverse-proxy prefix of literally /api is refused too."""
+    the CLI refuse it in these words. A URL ending in /api alone is not refused (a reverse proxy may
+    serve the service there): a 401 there says what it likely is (`tinker_surface_hint`)."""
     parts = urlsplit(base_url)
     path = parts.path.rstrip("/")
     lowered = path.lower()
-    for suffix in ("/api/v1", "/api"):  # before /v1: "/api/v1" must not suggest ".../api"
-        if lowered.endswith(suffix):
-            fixed = parts._replace(path=path[: -len(suffix)]).geturl()
-            return (
-                f"{base_url!r} ends with {suffix}, the Tinker SDK's API: give the service's base URL, "
-                f"e.g. {fixed!r}"
-            )
+    if lowered.endswith("/api/v1"):  # before /v1: it must not suggest ".../api"
+        fixed = parts._replace(path=path[: -len("/api/v1")]).geturl()
+        return (
+            f"{base_url!r} ends with /api/v1, the Tinker SDK's API: give the service's base URL, "
+            f"e.g. {fixed!r}"
+        )
     if not lowered.endswith("/v1"):
         return None
     fixed = parts._replace(path=path[:-3]).geturl()
     return f"{base_url!r} ends with /v1: give the base URL without /v1, e.g. {fixed!r}"
+
+
+def tinker_surface_hint(base_url: str) -> str | None:
+    """What a 401 most likely means at a base URL ending in /api, else None: /api/v1 is where the
+    Tinker SDK's API lives, which wants X-API-Key, so every call with a Bearer key is refused."""
+    parts = urlsplit(base_url)
+    path = parts.path.rstrip("/")
+    if not path.lower().endswith("/api"):
+        return None
+    fixed = parts._replace(path=path[: -len("/api")]).geturl()
+    return (
+        f"{base_url!r} ends with /api, where the Tinker SDK's API lives: unless a proxy serves this "
+        f"service there, give its base URL, e.g. {fixed!r}"
+    )
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,12 @@ from contracts.arrays import NoBinaryForm, to_arrays
 from contracts.arrays import encode as encode_arrays
 from contracts.http import (
     RetryPolicy,
+    Unauthorized,
     ValidationError,
     api_prefix_problem,
     send_with_retries,
     send_with_retries_async,
+    tinker_surface_hint,
 )
 from contracts.ids import is_run_id
 from contracts.run_config import RunConfig
@@ -304,7 +306,7 @@ def _settings(
             f"base_url {base_url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)"
         )
     if problem := api_prefix_problem(base_url):
-        raise ValueError(f"base_url {problem}")  # each call was a 401 (/api) or a 404 (/v1)
+        raise ValueError(f"base_url {problem}")  # each call was a 401 (/api/v1) or a 404 (/v1)
     if not api_key:
         # No route of the SDK answers without one: every call was a 401.
         raise ValueError(
@@ -339,10 +341,13 @@ def still_queued(run: Run, *, deadline: float, timeout: float) -> bool:
     return True
 
 
-def _check(request: _Request, response: httpx.Response) -> httpx.Response:
+def _check(request: _Request, response: httpx.Response, base_url: str) -> httpx.Response:
     if response.is_success or response.status_code in request.accept:
         return response
-    raise error_from_response(response)
+    error = error_from_response(response)
+    if isinstance(error, Unauthorized) and (hint := tinker_surface_hint(base_url)):
+        error.message = f"{error.message}; {hint}"  # a 401 there reads as a wrong key otherwise
+    raise error
 
 
 class LoraloomClient:
@@ -386,7 +391,9 @@ class LoraloomClient:
                 headers=request.headers,
             )
 
-        return _check(request, send_with_retries(attempt, self.settings.retry, request.what))
+        return _check(
+            request, send_with_retries(attempt, self.settings.retry, request.what), self.settings.base_url
+        )
 
     def _run(self, op: _Op[T]) -> T:
         try:
@@ -509,7 +516,11 @@ class AsyncLoraloomClient:
                 headers=request.headers,
             )
 
-        return _check(request, await send_with_retries_async(attempt, self.settings.retry, request.what))
+        return _check(
+            request,
+            await send_with_retries_async(attempt, self.settings.retry, request.what),
+            self.settings.base_url,
+        )
 
     async def _run(self, op: _Op[T]) -> T:
         try:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import httpx
 import typer
 
-from contracts.http import api_prefix_problem
+from contracts.http import api_prefix_problem, tinker_surface_hint
 from loraloom.commands.errors import CliError, ExitCode, http_error
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -49,7 +49,10 @@ def request(
             body = r.json()
         except ValueError:
             body = None
-        raise http_error(r.status_code, body, r.text)
+        error = http_error(r.status_code, body, r.text)
+        if r.status_code == 401 and (hint := tinker_surface_hint(url)):
+            error.hint = hint  # not "check --key": the key is likely right, the URL is not
+        raise error
     return r
 
 
@@ -100,7 +103,7 @@ def _cell(value: Any) -> str:
 
 def check_url(url: str) -> None:
     """A usage error for a URL without its scheme (httpx's "missing protocol" read as "cannot reach"),
-    one that ends with the Tinker surface's /api (each command got a 401, read as a wrong key), or
+    one that ends with the Tinker surface's /api/v1 (each command got a 401, read as a wrong key), or
     one that ends with /v1 (every route already starts with /v1: each command got a 404)."""
     if not url.lower().startswith(("http://", "https://")):
         raise CliError(

@@ -213,9 +213,11 @@ EXIT_CODES = [
     # and one that cannot be read is named.
     (["worker", "--token", "x", "--url", "{url}/v1"], 2, "give the base URL without /v1"),
     (["worker", "--token", "x", "--url", "{url}/proxy"], 2, "no loraloom service"),
-    # /api is the Tinker SDK's surface: refused up front, by the API commands too.
-    (["worker", "--token", "x", "--url", "{url}/api"], 2, "the Tinker SDK's API"),
-    (["runs", "list", "--url", "{url}/api"], 2, "the Tinker SDK's API"),
+    # /api/v1 is the Tinker SDK's surface: refused up front, by the API commands too; a 401 at /api
+    # (which a proxy may serve the service at) names it rather than blaming the key.
+    (["worker", "--token", "x", "--url", "{url}/api/v1"], 2, "the Tinker SDK's API"),
+    (["runs", "list", "--url", "{url}/api/v1"], 2, "the Tinker SDK's API"),
+    (["runs", "list", "--url", "{url}/api"], 5, "where the Tinker SDK's API lives"),
     (["worker", "--token-file", "/no/such/token"], 2, "/no/such/token"),
     (["worker", "--token-file", "{empty_file}"], 2, "is empty"),
 ]

@@ -16,6 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from loraloom.cli import cli
+from orchestrator import LoraloomClient
+from orchestrator.errors import Unauthorized
 from tests.app.api import WORKER_HEADERS, ack, claim, create_run, new_tenant, register, rewarded_batch
 
 runner = CliRunner()
@@ -91,15 +93,32 @@ def tenant_env(live_server: Any) -> Iterator[dict[str, str]]:
     yield {"LORALOOM_URL": live_server.url, "LORALOOM_API_KEY": tenant.key}
 
 
-@pytest.mark.parametrize("suffix", ["/api", "/api/", "/api/v1"])
-def test_a_url_ending_with_api_is_refused_up_front(tenant_env: dict[str, str], suffix: str) -> None:
+def test_a_url_ending_with_api_v1_is_refused_up_front(tenant_env: dict[str, str]) -> None:
     """/api/v1/... is the Tinker SDK's surface: it wants X-API-Key, so every command got a 401 that
-    blamed the key (exit 5); /api/v1 was refused as a /v1 URL, suggesting .../api instead."""
+    blamed the key (exit 5); it was refused as a /v1 URL, suggesting .../api instead."""
     url = tenant_env["LORALOOM_URL"]
-    result = runner.invoke(cli, ["runs", "list", "--url", url + suffix], env=tenant_env)
+    result = runner.invoke(cli, ["runs", "list", "--url", url + "/api/v1"], env=tenant_env)
     assert result.exit_code == 2, result.output
     assert "the Tinker SDK's API" in result.stderr and f"e.g. '{url}'" in result.stderr
     assert "401" not in result.stderr
+
+
+@pytest.mark.parametrize("suffix", ["/api", "/api/"])
+def test_a_401_at_a_url_ending_with_api_names_the_tinker_surface(
+    tenant_env: dict[str, str], suffix: str
+) -> None:
+    """A URL ending in /api is not refused (a reverse proxy may serve the service there), but its 401
+    says where the request went instead of "check --key", in the CLI and in the SDK."""
+    url = tenant_env["LORALOOM_URL"]
+    result = runner.invoke(cli, ["runs", "list", "--url", url + suffix], env=tenant_env)
+    assert result.exit_code == 5, result.output
+    error, hint = result.stderr.splitlines()
+    assert error.startswith("error: HTTP 401")
+    assert "where the Tinker SDK's API lives" in hint and f"e.g. '{url}'" in hint
+    client = LoraloomClient(url + suffix, tenant_env["LORALOOM_API_KEY"])
+    with client, pytest.raises(Unauthorized, match="where the Tinker SDK's API lives") as info:
+        client.list_runs()
+    assert f"e.g. '{url}'" in str(info.value)
 
 
 # --- metrics: each trainer step beside the batches it trained ------------------------------
