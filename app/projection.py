@@ -115,14 +115,41 @@ def remove_run_dir(run_id: str, settings: Settings) -> None:
     nothing."""
     root = run_dir(settings, run_id)
     trash = settings.runs_dir / TRASH_DIR
-    trash.mkdir(parents=True, exist_ok=True)
     doomed = trash / f"{run_id}.{uuid.uuid4().hex[:8]}"
-    try:
-        os.rename(root, doomed)
-    except FileNotFoundError:
-        return
+    for _ in range(3):
+        trash.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(root, doomed)
+            break
+        except FileNotFoundError:
+            if not root.exists():
+                return  # removed already (by another removal of the same run)
+            # else the trash itself went between the mkdir and the rename: make it again
+    else:
+        doomed = root  # the trash keeps going (it should not): remove the tree where it is
     fsync_path(root.parent)
-    shutil.rmtree(doomed)
+    _remove_tree(doomed)
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree, where an entry already gone (another process emptying the trash) is no error."""
+
+    def gone_is_fine(
+        _function: object, _path: str, exc_info: tuple[type[BaseException], BaseException, object]
+    ) -> None:
+        if not isinstance(exc_info[1], FileNotFoundError):
+            raise exc_info[1]
+
+    shutil.rmtree(path, onerror=gone_is_fine)
+
+
+def empty_trash(settings: Settings) -> None:
+    """Finish removals a crash cut short. Entries, not the trash itself: another process of the
+    service may be renaming a run's directory into it right now."""
+    trash = settings.runs_dir / TRASH_DIR
+    if trash.is_dir():
+        for entry in trash.iterdir():
+            _remove_tree(entry)
 
 
 def rebuild_all(session: Session, settings: Settings) -> None:
@@ -133,7 +160,7 @@ def rebuild_all(session: Session, settings: Settings) -> None:
     replica) is projected only after its commit (`project_after_commit`), so its row is visible
     to the read below whenever its directory was in the listing."""
     settings.runs_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(settings.runs_dir / TRASH_DIR, ignore_errors=True)  # removals a crash cut short
+    empty_trash(settings)
     on_disk = {p.name for p in settings.runs_dir.iterdir() if p.is_dir() and is_run_id(p.name)}
     known: set[str] = set()
     for run in session.scalars(select(Run).execution_options(yield_per=500)):

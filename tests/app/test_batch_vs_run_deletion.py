@@ -6,6 +6,7 @@ before its payload file is written, and between the file's creation and its rena
 hostile-tenant probe: 500s (the rename's FileNotFoundError) and directories of deleted runs left
 behind (the write recreated them; or rmtree met a file made meanwhile: "Directory not empty")."""
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -92,4 +93,27 @@ def test_a_removal_cut_short_is_finished_at_start_up(settings: Settings) -> None
     (leftover / "batch.msgpack").write_bytes(b"x")
     with TestClient(create_app(settings)):
         pass
-    assert not (settings.runs_dir / TRASH_DIR).exists()
+    assert list((settings.runs_dir / TRASH_DIR).iterdir()) == []
+
+
+def test_a_trash_emptied_by_another_process_mid_removal(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process's start-up empties the trash between this removal's mkdir of it and its
+    rename (review: the removal took the rename's FileNotFoundError for "removed already" and left
+    the deleted run's directory). It makes the trash again and removes the run."""
+    seeded = _projected_run(settings)
+    real_rename = os.rename
+    calls: list[str] = []
+
+    def trash_gone_first(src: Any, dst: Any) -> None:
+        if not calls:
+            (settings.runs_dir / TRASH_DIR).rmdir()  # as if another process had just removed it
+        calls.append(str(dst))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", trash_gone_first)
+    remove_run_dir(seeded.run_id, settings)
+    assert len(calls) == 2
+    assert not run_dir(settings, seeded.run_id).exists()
+    assert list((settings.runs_dir / TRASH_DIR).iterdir()) == []
