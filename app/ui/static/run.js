@@ -63,14 +63,31 @@
 
   draw("reward-chart", series.reward);
   draw("loss-chart", series.loss);
-  const url = "/ui/runs/" + data.run_id + "/events" + (data.cursor ? "?cursor=" + encodeURIComponent(data.cursor) : "");
-  const source = new EventSource(url);
-  source.onmessage = null;
   const actions = ["run.created", "run.queued", "run.admitted", "batch.received", "run.step", "adapter.published",
     "checkpoint.committed", "run.evicted", "run.completed", "run.failed", "run.deleted", "run.restart_from_checkpoint"];
-  for (const name of actions) {
-    source.addEventListener(name, (msg) => onEvent(JSON.parse(msg.data)));
+  // The browser reconnects by itself after a dropped stream (with Last-Event-ID), but gives up for
+  // good on a refusal: a 429 when the tenant has all its requests or streams in flight. So a closed
+  // source is opened again here, after a growing pause, from the last event it delivered.
+  let cursor = data.cursor;
+  let retryMs = 2000;
+  function connect() {
+    const url = "/ui/runs/" + data.run_id + "/events" + (cursor ? "?cursor=" + encodeURIComponent(cursor) : "");
+    const source = new EventSource(url);
+    for (const name of actions) {
+      source.addEventListener(name, (msg) => {
+        if (msg.lastEventId) cursor = msg.lastEventId;
+        retryMs = 2000;
+        onEvent(JSON.parse(msg.data));
+      });
+    }
+    source.onerror = () => {
+      if (source.readyState === EventSource.CLOSED) {
+        setTimeout(connect, retryMs);
+        retryMs = Math.min(retryMs * 2, 60000);
+      }
+    };
   }
+  connect();
 
   const form = document.getElementById("evict-form");
   if (form) {
