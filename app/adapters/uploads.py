@@ -174,6 +174,9 @@ def _check(
 ) -> tuple[int, float, list[str], list[dict[str, Any]]]:
     """(rank, alpha, target modules, problems) of the adapter in `staging`."""
     pool = live_pool(session, base_model=base_model)
+    # The read ends before the weights are scanned (up to max_body_bytes): no lock (SQLite's write
+    # lock) or connection is held meanwhile.
+    session.commit()
     if pool is None or pool.module_shapes is None or pool.num_layers is None:
         raise ValidationFailed(
             f"no live pool serves {base_model!r} to check the adapter against; start one and upload again",
@@ -217,7 +220,6 @@ def upload_adapter(
     try:
         size, sha = extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
         rank, alpha, modules, problems = _check(staging, base_model=base_model, session=session)
-        session.commit()  # the pool read
         if problems:
             raise ValidationFailed(
                 "the adapter does not fit the base model: " + "; ".join(p["msg"] for p in problems),

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from sqlalchemy import text
 
 from app import migrate
+from app.adapters import uploads
 from app.config import Settings
 from app.db import make_engine
 from app.main import create_app
@@ -132,6 +133,28 @@ def test_weights_holding_nan_or_infinity_are_refused_naming_the_tensor(
     assert error["code"] == "invalid_adapter" and poisoned in error["message"], error
     assert [d["loc"] for d in error["details"]] == [["body", FILES[1]]], error
     assert _kept_on_disk(settings) == {}
+
+
+def test_no_transaction_is_held_while_the_weights_are_scanned(
+    client: TestClient,
+    tenant: TenantHandle,
+    settings: Settings,
+    pool_of_32: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scan reads every weight (up to max_body_bytes): the pool's read has ended before it, so
+    no connection, and on SQLite no write lock, is held meanwhile (review: it was)."""
+    real = uploads.nonfinite_tensors
+    in_transaction: list[bool] = []
+
+    def watched(weights: Path) -> list[str]:
+        # The upload's session is the request's: find it through the pool of checked-out connections.
+        in_transaction.append(client.app.state.engine.pool.checkedout() > 0)
+        return real(weights)
+
+    monkeypatch.setattr(uploads, "nonfinite_tensors", watched)
+    assert _upload(client, tenant, _pair()).status_code == 201
+    assert in_transaction == [False]
 
 
 def test_finite_extremes_are_kept(client: TestClient, tenant: TenantHandle, pool_of_32: None) -> None:
