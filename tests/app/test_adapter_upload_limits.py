@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from sqlalchemy import text
 
 from app import migrate
 from app.adapters import uploads
+from app.adapters.upload import nonfinite_tensors
 from app.config import Settings
 from app.db import make_engine
 from app.main import create_app
@@ -136,20 +138,20 @@ def test_weights_holding_nan_or_infinity_are_refused_naming_the_tensor(
 
 
 def test_no_transaction_is_held_while_the_weights_are_scanned(
+    app: FastAPI,
     client: TestClient,
     tenant: TenantHandle,
-    settings: Settings,
     pool_of_32: None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The scan reads every weight (up to max_body_bytes): the pool's read has ended before it, so
     no connection, and on SQLite no write lock, is held meanwhile (review: it was)."""
-    real = uploads.nonfinite_tensors
+    real = nonfinite_tensors
     in_transaction: list[bool] = []
 
     def watched(weights: Path) -> list[str]:
         # The upload's session is the request's: find it through the pool of checked-out connections.
-        in_transaction.append(client.app.state.engine.pool.checkedout() > 0)
+        in_transaction.append(app.state.engine.pool.checkedout() > 0)
         return real(weights)
 
     monkeypatch.setattr(uploads, "nonfinite_tensors", watched)
