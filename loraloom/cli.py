@@ -365,19 +365,14 @@ def runs_create(
     as_json: JsonOpt = False,
 ) -> None:
     """Create a run from a config file; it is active if it got a slot, else queued."""
-    body, fmt = load_run_file(config_file, name)
+    from pydantic_core import to_jsonable_python
+
+    body, _ = load_run_file(config_file, name)
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
-    if fmt == "toml":
-        run = api(
-            "POST",
-            "/v1/runs",
-            url=url,
-            key=key,
-            content=tomli_w.dumps(body).encode(),
-            headers={**headers, "Content-Type": "application/toml"},
-        )
-    else:
-        run = api("POST", "/v1/runs", url=url, key=key, json_body=body, headers=headers)
+    # Sent as JSON whatever the file's format: TOML re-written repeats every nested table's dotted
+    # header (a config within the metadata bounds could pass the 64 KiB TOML body bound), and JSON
+    # has no dates, which YAML and TOML files may hold: they go as the service writes them (ISO 8601).
+    run = api("POST", "/v1/runs", url=url, key=key, json_body=to_jsonable_python(body), headers=headers)
     _echo_json(run) if as_json else _print_run(run)
 
 

@@ -274,3 +274,39 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path: Path) -> None:
         os.close(write_end)
     assert result.returncode == 1
     assert result.stderr == ""
+
+
+def _nested_metadata(levels: int = 5, width: int = 150, key_length: int = 80) -> dict[str, Any]:
+    """Within the metadata bounds (~3.8 KB as JSON, 900 values), but ~66 KB re-written as TOML: each
+    leaf table's header repeats the whole dotted path of long keys."""
+    tree: dict[str, Any] = {f"leaf{i:03d}": {"v": i} for i in range(width)}
+    for level in range(levels):
+        tree = {f"k{level}" * (key_length // 2): tree}
+    return tree
+
+
+def test_runs_create_sends_json_whatever_the_files_format(tenant_env: dict[str, str], tmp_path: Path) -> None:
+    """The CLI re-wrote a TOML file as TOML, whose repeated dotted headers took a config within the
+    metadata bounds past the 64 KiB TOML body bound (a 413; review); and a YAML date could not be
+    sent as JSON at all (a TypeError). Both go as JSON now, dates as the service writes them."""
+    import tomli_w
+
+    metadata = _nested_metadata()
+    nested = tmp_path / "nested.toml"
+    nested.write_text(tomli_w.dumps({"name": "nested", "config": {"metadata": metadata}}))
+    assert nested.stat().st_size > 64 * 1024
+    dated = tmp_path / "dated.yaml"
+    dated.write_text("name: dated\nconfig:\n  metadata:\n    day: 2026-11-27\n    at: 2026-11-27T10:00:00Z\n")
+    with httpx.Client(
+        base_url=tenant_env["LORALOOM_URL"],
+        headers={"Authorization": f"Bearer {tenant_env['LORALOOM_API_KEY']}"},
+        timeout=30,
+    ) as http:
+        for path, expected in (
+            (nested, metadata),
+            (dated, {"day": "2026-11-27", "at": "2026-11-27T10:00:00Z"}),
+        ):
+            result = runner.invoke(cli, ["runs", "create", str(path), "--json"], env=tenant_env)
+            assert result.exit_code == 0, result.output
+            run_id = json.loads(result.stdout)["id"]
+            assert http.get(f"/v1/runs/{run_id}").json()["config"]["metadata"] == expected
