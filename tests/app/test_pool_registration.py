@@ -234,7 +234,9 @@ def test_heartbeat_extends_the_pools_leases(
 ) -> None:
     pool_id = register(client)
     run = create_run(client, tenant)
-    soon = datetime.now(UTC) + timedelta(seconds=1)
+    # Well short of lease_seconds (120), so the extension shows, and far enough that the app's own
+    # sweeper cannot expire it first on a slow machine (1 s did, in CI under load: lease None).
+    soon = datetime.now(UTC) + timedelta(seconds=30)
     batch_id = claimed_batch(db, run_id=run["id"], pool_id=pool_id, lease_expires_at=soon)
     before = datetime.now(UTC)
     assert (
