@@ -6,10 +6,17 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+from app.config import Settings
+from app.errors import RateLimited
+from app.events.router import event_stream
+from app.main import create_app
+from app.ui import router as ui_router
+from tests.app.api import ADMIN_HEADERS, LiveServer
 from tests.e2e.conftest import LiveService
 from tests.e2e.helpers import MODEL_CACHE, kill_pool, run_config, run_status, start_pool, synthetic_batch
 
@@ -163,3 +170,41 @@ def test_dashboard_in_chromium(live_service: LiveService, browser: webdriver.Chr
     assert replay.status_code == 303 and replay.headers["location"] == "/ui/login"
     alice.close()
     bob.close()
+
+
+# The run page's live updates survive a refused event stream: the stream route answers 429 when the
+# tenant has all its requests or streams in flight, and a browser's EventSource gives up for good on
+# any non-200 answer, so the page stopped updating until reloaded (review). app/ui/static/run.js opens
+# it again after a pause. The refusal is made deterministic: the route refuses its first call.
+def test_the_run_page_reconnects_after_a_refused_stream(
+    settings: Settings, browser: webdriver.Chrome, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = event_stream
+
+    def busy_first(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RateLimited("this tenant has 16 live event streams open", retry_after=1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ui_router, "event_stream", busy_first)
+    with LiveServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        tenant = http.post("/v1/tenants", json={"name": "alice"}, headers=ADMIN_HEADERS).json()
+        key = http.post(f"/v1/tenants/{tenant['id']}/keys", headers=ADMIN_HEADERS).json()["key"]
+        auth = {"Authorization": f"Bearer {key}"}
+        run_id = http.post("/v1/runs", json={"name": "r"}, headers=auth).json()["id"]
+
+        browser.get(f"{server.url}/ui/login")
+        browser.find_element(By.ID, "key").send_keys(key)
+        browser.find_element(By.ID, "sign-in").click()
+        wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+        wait.until(lambda d: d.current_url.endswith("/ui/runs"))
+        browser.get(f"{server.url}/ui/runs/{run_id}")
+        wait.until(lambda _: len(calls) >= 1)  # the page's first stream: refused
+        assert browser.find_element(By.ID, "status").text == "active"
+
+        wait.until(lambda _: len(calls) >= 2)  # opened again by the page, without a reload
+        evicted = http.post(f"/v1/runs/{run_id}/evict", json={"reason": "seen live"}, headers=auth)
+        assert evicted.status_code == 200, evicted.text
+        wait.until(lambda d: d.find_element(By.ID, "status").text == "evicted")
