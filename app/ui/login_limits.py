@@ -69,17 +69,42 @@ class LoginFailures:
                 return None
             return max(1, math.ceil(times[0] + self.window_seconds - now))
 
+    def admit(self, address: str) -> float | None:
+        """A try for `address`, or None when it must wait (`retry_after` says how long). The try
+        counts as a failure from now on, until `succeeded` takes it back: checking and recording in
+        two steps let concurrent guesses all pass the check before any was recorded."""
+        with self._lock:
+            now = self._clock()
+            times = self._recent(address, now=now)
+            if times is not None and len(times) >= self.max_failures:
+                return None
+            self._add(address, times, now=now)
+            return now
+
+    def succeeded(self, address: str, attempt: float) -> None:
+        """The try `admit` gave at `attempt` signed in: it is no failure (the others stay)."""
+        with self._lock:
+            times = self._failures.get(address)
+            if times is not None and attempt in times:
+                times.remove(attempt)
+                if not times:
+                    del self._failures[address]
+
     def record_failure(self, address: str) -> None:
         with self._lock:
             now = self._clock()
-            times = self._recent(address, now=now) or deque(maxlen=self.max_failures)
-            times.append(now)
-            self._failures[address] = times
-            self._failures.move_to_end(address)
-            while len(self._failures) > self.max_addresses:
-                self._failures.popitem(last=False)
-            if len(times) == self.max_failures:
-                log.warning("dashboard sign-in: %s failed %s times; refusing it for now", address, len(times))
+            self._add(address, self._recent(address, now=now), now=now)
+
+    def _add(self, address: str, times: deque[float] | None, *, now: float) -> None:
+        """One more failure of `address` at `now` (the lock is held)."""
+        times = times if times is not None else deque(maxlen=self.max_failures)
+        times.append(now)
+        self._failures[address] = times
+        self._failures.move_to_end(address)
+        while len(self._failures) > self.max_addresses:
+            self._failures.popitem(last=False)
+        if len(times) == self.max_failures:
+            log.warning("dashboard sign-in: %s reached %s tries; refusing it for now", address, len(times))
 
     def addresses(self) -> int:
         """How many addresses are remembered (for tests of the bound)."""

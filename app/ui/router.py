@@ -175,16 +175,16 @@ def login(
         raise Forbidden("sign in from this service's own login page", code="csrf_failed")
     address = client_address(request)
     # Refused before the key is looked at: a right guess past the bound must not be told apart.
-    retry_after = failures.retry_after(address)
-    if retry_after is not None:
-        return _too_many_failures(request, retry_after)
+    attempt = failures.admit(address)
+    if attempt is None:
+        return _too_many_failures(request, failures.retry_after(address) or 1)
     try:
         secret = sessions.sign_in(session, key=key, settings=settings)
-    except Unauthorized:
-        failures.record_failure(address)
+    except Unauthorized:  # counted as a failure by `admit` already
         refused = render(request, "login.html", None, error="That key is not valid (or was revoked).")
         refused.status_code = 401
         return refused
+    failures.succeeded(address, attempt)
     viewer = sessions.resolve(session, secret=secret)
     target = "/ui/admin" if viewer is not None and viewer.is_admin else "/ui/runs"
     response = RedirectResponse(target, status_code=303)

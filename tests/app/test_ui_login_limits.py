@@ -117,6 +117,20 @@ def test_an_ipv6_client_counts_by_its_64_network(app: FastAPI, tenant: TenantHan
         assert post_key(next_network, tenant.key).status_code == 303
 
 
+def test_tries_in_flight_count_so_concurrent_guesses_cannot_pass_the_bound() -> None:
+    """Five guesses at once, none answered yet: checking then recording let all five past a bound
+    of three (review). Each admitted try counts until it signs in; a success takes back its own."""
+    clock = FakeClock()
+    failures = LoginFailures(max_failures=3, window_seconds=60, clock=clock)
+    tries = [failures.admit("a") for _ in range(5)]
+    assert tries[:3] == [0.0, 0.0, 0.0] and tries[3:] == [None, None]
+    assert failures.retry_after("a") == 60
+    failures.succeeded("a", 0.0)  # one of them had the right key
+    clock.now = 1.0
+    assert failures.admit("a") == 1.0
+    assert failures.admit("a") is None
+
+
 def test_the_window_slides() -> None:
     clock = FakeClock()
     failures = LoginFailures(max_failures=3, window_seconds=60, clock=clock)
