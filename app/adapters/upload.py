@@ -162,6 +162,9 @@ _NONFINITE_BITS = {
 NaN and ±inf (an exponent of all ones). Read as bits because numpy has no bfloat16 or float8, and
 the control plane never imports torch."""
 
+FLOAT_DTYPES = frozenset(_NONFINITE_BITS)
+"""The safetensors dtypes a LoRA weight may have (the pool loads floats only)."""
+
 _SCAN_CHUNK = 8 * 1024 * 1024
 """Bytes of a tensor read at a time: a multiple of every dtype's size, and memory bounded."""
 

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, SessionTransaction
 
 from app.adapters.models import TenantAdapter
 from app.adapters.service import _write_archive
-from app.adapters.upload import _read_safetensors_header, extract_adapter_tar, nonfinite_tensors
+from app.adapters.upload import FLOAT_DTYPES, _read_safetensors_header, extract_adapter_tar, nonfinite_tensors
 from app.config import Settings
 from app.errors import Conflict, NotFound, ValidationFailed
 from app.events.after_commit import call_after_commit
@@ -125,6 +125,14 @@ def _weights_problems(
         if layer >= pool.num_layers:
             problems.append(
                 _problem(ADAPTER_WEIGHTS, f"tensor {name!r}: layer {layer} >= the model's {pool.num_layers}")
+            )
+        elif info.get("dtype") not in FLOAT_DTYPES:
+            problems.append(
+                _problem(
+                    ADAPTER_WEIGHTS,
+                    f"tensor {name!r} has dtype {info.get('dtype')}, not floating point "
+                    f"({', '.join(sorted(FLOAT_DTYPES))})",
+                )
             )
         elif info.get("shape") != want:
             problems.append(

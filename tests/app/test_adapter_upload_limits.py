@@ -159,6 +159,25 @@ def test_no_transaction_is_held_while_the_weights_are_scanned(
     assert in_transaction == [False]
 
 
+def test_weights_that_are_not_floats_are_refused_naming_the_tensor(
+    client: TestClient, tenant: TenantHandle, settings: Settings, pool_of_32: None
+) -> None:
+    """Integer and boolean factors were kept (the pool loads floats only, and refused them later)."""
+    for dtype in (torch.int32, torch.int8, torch.bool):
+        tensors = _pair()
+        cast = f"{Q_PROJ.format(layer=0)}.lora_A.weight"
+        tensors[cast] = tensors[cast].to(dtype)
+        r = _upload(client, tenant, tensors)
+        assert r.status_code == 422, (dtype, r.text)
+        error = r.json()["error"]
+        assert (
+            error["code"] == "invalid_adapter"
+            and cast in error["message"]
+            and "floating point" in error["message"]
+        )
+        assert _kept_on_disk(settings) == {}
+
+
 def test_finite_extremes_are_kept(client: TestClient, tenant: TenantHandle, pool_of_32: None) -> None:
     """The largest finite values and the subnormals of each dtype are weights, not NaN or inf."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float8_e5m2, torch.float8_e4m3fn):
