@@ -90,11 +90,6 @@ class LoginFailures:
                 if not times:
                     del self._failures[address]
 
-    def record_failure(self, address: str) -> None:
-        with self._lock:
-            now = self._clock()
-            self._add(address, self._recent(address, now=now), now=now)
-
     def _add(self, address: str, times: deque[float] | None, *, now: float) -> None:
         """One more failure of `address` at `now` (the lock is held)."""
         times = times if times is not None else deque(maxlen=self.max_failures)

@@ -137,11 +137,11 @@ def test_the_window_slides() -> None:
     for at in (0.0, 30.0, 50.0):
         clock.now = at
         assert failures.retry_after("a") is None
-        failures.record_failure("a")
+        assert failures.admit("a") is not None  # a try that fails: admitted, never succeeded
     assert failures.retry_after("a") == 10
     clock.now = 60.0  # one try more, as the first failure leaves the window...
     assert failures.retry_after("a") is None
-    failures.record_failure("a")
+    assert failures.admit("a") is not None
     assert failures.retry_after("a") == 30  # ...and the next when the second does
     clock.now = 111.0
     assert failures.retry_after("a") is None
@@ -151,8 +151,8 @@ def test_rotating_addresses_does_not_grow_the_table() -> None:
     clock = FakeClock()
     failures = LoginFailures(max_failures=2, window_seconds=60, max_addresses=3, clock=clock)
     for n in range(100):
-        failures.record_failure(f"10.0.0.{n}")
-        failures.record_failure(f"10.0.0.{n}")
+        assert failures.admit(f"10.0.0.{n}") is not None
+        assert failures.admit(f"10.0.0.{n}") is not None
     assert failures.addresses() == 3
     assert failures.retry_after("10.0.0.99") == 60  # the latest are the ones kept
     assert failures.retry_after("10.0.0.0") is None
