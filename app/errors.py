@@ -90,6 +90,15 @@ class PayloadTooLarge(AppError):
     codes = ()
 
 
+class RangeNotSatisfiable(AppError):
+    """416: a download's `Range` starts past the end of the file (app/adapters/file_response.py
+    answers it while sending; the class lists it in the document)."""
+
+    status = 416
+    code = "range_not_satisfiable"
+    codes = ()
+
+
 class UnsupportedMediaType(AppError):
     status = 415
     code = "unsupported_media_type"

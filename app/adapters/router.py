@@ -13,7 +13,7 @@ from app.adapters.models import Adapter
 from app.adapters.schemas import AdapterList, AdapterOut, MetricsList
 from app.auth import SettingsDep
 from app.db import SessionDep
-from app.errors import ValidationFailed
+from app.errors import RangeNotSatisfiable, ValidationFailed, raises
 from app.pagination import MAX_LIMIT, LimitQuery
 from app.runs.deps import OwnedRunDep
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
@@ -53,6 +53,13 @@ def _header(description: str) -> dict[str, Any]:
 _ETAG = _header("The adapter's sha256 of its weights, quoted.")
 _STEP = _header("The step of the adapter sent (resolves `latest`).")
 _BINARY = {"schema": {"type": "string", "format": "binary"}}
+_PARTIAL = {
+    "content": {"application/octet-stream": _BINARY},
+    "description": "The one byte range a `Range: bytes=first-last` header asked for (`first-`, `-length` too), "
+    "to resume a download; `If-Range` with another tag than the current ETag sends the whole file (200). "
+    "Several ranges are answered whole; a range past the end is a 416.",
+    "headers": {"Content-Range": _header("`bytes first-last/size`.")},
+}
 # A component of its own (app/openapi.py names titled schemas): PEFT's adapter_config.json, as PEFT wrote it.
 _ADAPTER_CONFIG = {
     "title": "AdapterConfig",
@@ -116,12 +123,14 @@ def list_adapters(run: OwnedRunDep, session: SessionDep) -> AdapterList:
             "description": "tar.gz of the PEFT adapter directory.",
             "headers": {"ETag": _ETAG, "X-Adapter-Step": _STEP},
         },
+        206: _PARTIAL,
         304: {
             "description": "If-None-Match matched the adapter's ETag; no body.",
             "headers": {"ETag": _ETAG, "X-Adapter-Step": _STEP},
         },
     },
 )
+@raises(RangeNotSatisfiable)
 def download_adapter(
     run: OwnedRunDep,
     step: StepPath,
@@ -160,9 +169,11 @@ def download_adapter(
                 "X-Adapter-Step": _STEP,
             },
         },
+        206: _PARTIAL,
         304: {"description": "If-None-Match matched the file's ETag; no body."},
     },
 )
+@raises(RangeNotSatisfiable)
 def download_adapter_file(
     run: OwnedRunDep,
     step: StepPath,
