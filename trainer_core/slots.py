@@ -23,7 +23,13 @@ from trainer_core.packing import RunPackStats
 class StepAccumulator:
     """A run's loss statistics and sizes summed over the packs of its current step (master only)."""
 
-    started: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=lambda: time.monotonic())  # looked up per call (tests)
+    """When the previous step ended, or the run was admitted (or its manual state dropped)."""
+    started: float | None = None
+    """When the step's first pack was made: its data was there, and the previous step had ended (a
+    pack that completes a step takes nothing of the next). Not `created`: after an admission (a pool
+    (re)start) that is the wait for the run's first batch, which is no part of the step. None
+    before its first pack."""
     loss_sum: float = 0.0
     loss_tokens: int = 0
     """Tokens that carried loss."""
@@ -43,6 +49,8 @@ class StepAccumulator:
     """Row capacity of those packs (real tokens + padding)."""
 
     def add_pack(self, pack: RunPackStats, *, fill: tuple[int, int] = (0, 0)) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
         self.tokens += pack.tokens
         self.samples += pack.samples
         self.pack_tokens += fill[0]
@@ -60,7 +68,8 @@ class StepAccumulator:
         """The step's metrics: the loss is a mean over the tokens that carried loss; entropy and
         mismatch KL are means over every scored token (they are summed over masked tokens too)."""
         scored = self.loss_tokens + self.masked_tokens
-        elapsed = time.monotonic() - self.started
+        # Manual runs (trainer_core.manual) make no packs: theirs is timed from `created`.
+        elapsed = time.monotonic() - (self.created if self.started is None else self.started)
         return StepMetricsIn(
             loss=self.loss_sum / self.normaliser if self.normaliser > 0 else 0.0,
             entropy=self.entropy_sum / max(scored, 1),

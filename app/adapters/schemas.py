@@ -3,7 +3,7 @@
 from typing import Annotated
 
 from fastapi import Path as PathParam
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.timestamps import UtcDatetime
 from contracts.pool_api import AdapterStored, StepMetricsIn
@@ -21,7 +21,8 @@ class AdapterList(BaseModel):
 
 
 class Aggregate(BaseModel):
-    """Over the samples of one rollout step; std is the population std (ddof=0)."""
+    """Over a set of samples (one rollout step's, or those of several pooled); std is the population
+    std (ddof=0)."""
 
     mean: float
     std: float
@@ -31,18 +32,54 @@ class Aggregate(BaseModel):
 
 
 class MetricsItem(StepMetricsIn):
-    """One step: the trainer's figures for the run step `step` (null while not trained), and the
-    rewards and per-sample metrics of the rollout batches sampled at step `step` (null if none)."""
+    """One step number, two joins. The trainer's figures (loss ... mfu, created_at) are those of run
+    step `step`, and `trained_rollout_steps` / `trained_reward` say which samples that step trained.
+    `samples_received`, `reward` and `sample_metrics` are keyed by rollout step: the batches sampled
+    with adapter step `step`, which a later step trains (`step` + 1 or later), so they do not describe
+    the samples behind this item's loss."""
 
     model_config = ConfigDict(extra="ignore")
 
     step: int
-    created_at: UtcDatetime | None = None
-    """When the trainer reported the step."""
-    samples_received: int | None = None
-    """Rollout samples received for this step."""
-    reward: Aggregate | None = None
-    sample_metrics: dict[str, Aggregate] | None = None
+    created_at: UtcDatetime | None = Field(
+        default=None, description="When the trainer reported step `step`; null while it is not trained."
+    )
+    trained_rollout_steps: list[int] | None = Field(
+        default=None,
+        description=(
+            "Trainer step `step`: the rollout steps (adapter steps they were sampled with) of the"
+            " batches the pool acknowledged as trained in it, ascending. Null while no batch is"
+            " acknowledged as trained in this step (not trained yet, its acknowledgement on its"
+            " way, or a run trained through the Tinker API, which has no rollout batches)."
+        ),
+    )
+    trained_reward: Aggregate | None = Field(
+        default=None,
+        description=(
+            "Trainer step `step`: the rewards of the rollout steps in `trained_rollout_steps`,"
+            " pooled. Rewards are aggregated per rollout step, not per batch: a rollout step whose"
+            " batches were trained in two steps counts whole in both. Null without rewards."
+        ),
+    )
+    samples_received: int | None = Field(
+        default=None,
+        description=(
+            "Rollout step `step`: the samples received that were sampled with adapter step `step`,"
+            " with or without a reward."
+        ),
+    )
+    reward: Aggregate | None = Field(
+        default=None,
+        description=(
+            "Rollout step `step`: the rewards of the batches sampled with adapter step `step`"
+            " (trained in a later step; see `trained_reward` for the step that trained them)."
+            " Null if none came with a reward."
+        ),
+    )
+    sample_metrics: dict[str, Aggregate] | None = Field(
+        default=None,
+        description="Rollout step `step`: the per-sample metrics of those batches, by name.",
+    )
 
 
 class MetricsList(BaseModel):

@@ -106,16 +106,17 @@ def metrics(
         if plot is not None:
             typer.echo(f"plot: {plot} (empty: no step reported yet)")
         return
-    rewarded = any(_reward_mean(i) is not None for i in items)
-    rows = _aligned_rows(items, _trained_rollouts(run_id, url=url, key=key) if rewarded else {})
+    rows = _aligned_rows(items)
     columns = [("STEP", "step")] + [
         (c.upper(), c)
         for c in ("rollout", "reward", *METRIC_COLUMNS)
         if any(r.get(c) is not None for r in rows)
     ]
     table(rows, columns)
-    for note in _table_notes(rows):
-        typer.echo(note)
+    if any(r.get("rollout") is not None for r in rows):
+        typer.echo(
+            "ROLLOUT: the adapter step its batches were sampled with; REWARD: their mean (STEP -: not trained yet)"
+        )
     if plot is not None:
         typer.echo(f"plot: {plot}")
 
@@ -131,74 +132,36 @@ def _all_metrics(run_id: str, *, url: str, key: str | None) -> list[dict[str, An
     return items
 
 
-def _trained_rollouts(run_id: str, *, url: str, key: str | None) -> dict[int, list[int]]:
-    """Per trainer step, the rollout steps of the batches it trained, as the pool acknowledged them.
+def _aligned_rows(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per trainer step with the rollout steps it trained and their reward (the service's
+    `trained_*` fields); then the rollout steps with rewards that no step has trained yet (STEP "-").
+    Without rewards (e.g. SFT) the trainer's rows alone.
 
-    A batch is sampled with adapter step s and trained in a later step: s + 1 when the orchestrator
-    waits for each step, up to max_async_level steps later when it runs ahead. So the service's rows,
-    which put trainer step N beside the rewards of rollout step N, describe different samples."""
-    by_step: dict[int, set[int]] = {}
-    params: dict[str, Any] = {"state": "trained", "limit": 500}
-    while True:
-        page = api("GET", f"/v1/runs/{run_id}/batches", url=url, key=key, params=params)
-        for batch in page["items"]:
-            by_step.setdefault(batch["trained_step"], set()).add(batch["rollout_step"])
-        if not page["next_cursor"]:
-            return {step: sorted(rollouts) for step, rollouts in by_step.items()}
-        params["cursor"] = page["next_cursor"]
-
-
-FIRST_STEP_MARK = "*"
-
-
-def _aligned_rows(items: list[dict[str, Any]], trained: dict[int, list[int]]) -> list[dict[str, Any]]:
-    """One row per trainer step with the reward of the batches it trained; then the rollout steps
-    with rewards that no step has trained yet (STEP "-")."""
-    rewards = {i["step"]: i["reward"] for i in items if isinstance(i.get("reward"), dict)}
-    rows = [_trainer_row(i, trained.get(i["step"], []), rewards) for i in items if i.get("created_at")]
-    done = {rollout for rollouts in trained.values() for rollout in rollouts}
+    An item's `reward` is keyed by rollout step (the adapter step its batches were sampled with),
+    trained one or more steps later: never beside the same item's loss."""
+    if not any(_mean(item.get("reward")) is not None for item in items):
+        return [item for item in items if item.get("created_at")]
+    rows = [
+        item
+        | {
+            "rollout": ",".join(map(str, item.get("trained_rollout_steps") or [])) or None,
+            "reward": _mean(item.get("trained_reward")),
+        }
+        for item in items
+        if item.get("created_at")
+    ]
+    done = {rollout for item in items for rollout in item.get("trained_rollout_steps") or []}
     rows += [
-        {"step": None, "rollout": str(step), "reward": reward["mean"]}
-        for step, reward in sorted(rewards.items())
-        if step not in done
+        {"step": None, "rollout": str(item["step"]), "reward": mean}
+        for item in items
+        if item["step"] not in done and (mean := _mean(item.get("reward"))) is not None
     ]
     return rows
 
 
-def _trainer_row(
-    item: dict[str, Any], rollouts: list[int], rewards: dict[int, dict[str, Any]]
-) -> dict[str, Any]:
-    row = item | {
-        "rollout": ",".join(map(str, rollouts)) or None,
-        "reward": _pooled_mean([rewards[s] for s in rollouts if s in rewards]),
-    }
-    # The pool times a run's first step from its admission: the wait for its first batch is in it.
-    if item["step"] == 1 and isinstance(item.get("step_time_s"), int | float):
-        row["step_time_s"] = f"{item['step_time_s']:.4g}{FIRST_STEP_MARK}"
-    return row
-
-
-def _pooled_mean(aggregates: list[dict[str, Any]]) -> float | None:
-    """The mean over every sample of several rollout steps' reward aggregates."""
-    count = sum(a["count"] for a in aggregates)
-    return sum(a["mean"] * a["count"] for a in aggregates) / count if count else None
-
-
-def _table_notes(rows: list[dict[str, Any]]) -> list[str]:
-    notes = []
-    if any(r.get("rollout") is not None for r in rows):
-        notes.append(
-            "ROLLOUT: the adapter step its batches were sampled with; REWARD: their mean (STEP -: not trained yet)"
-        )
-    if any(str(r.get("step_time_s", "")).endswith(FIRST_STEP_MARK) for r in rows):
-        notes.append(f"{FIRST_STEP_MARK} step 1's time includes the wait for the run's first batch")
-    return notes
-
-
-def _reward_mean(item: dict[str, Any]) -> float | None:
-    """The step's mean reward: the service reports rewards as an aggregate (mean, std, count, ...)."""
-    reward = item.get("reward")
-    return reward.get("mean") if isinstance(reward, dict) else reward
+def _mean(aggregate: object) -> float | None:
+    """The mean of a reward aggregate (mean, std, min, max, count); None for a missing one."""
+    return aggregate.get("mean") if isinstance(aggregate, dict) else None
 
 
 def _plot(run_id: str, items: list[dict[str, Any]], path: Path) -> None:
@@ -211,7 +174,7 @@ def _plot(run_id: str, items: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    values = {"loss": lambda i: i.get("loss"), "reward (mean)": _reward_mean}
+    values = {"loss": lambda i: i.get("loss"), "reward (mean)": lambda i: _mean(i.get("reward"))}
     series = [name for name, value in values.items() if any(value(i) is not None for i in items)]
     fig, axes = plt.subplots(len(series) or 1, 1, figsize=(7, 2.5 * max(len(series), 1)), squeeze=False)
     for ax, name in zip(axes[:, 0], series, strict=False):

@@ -177,11 +177,12 @@ def metrics_table(env: dict[str, str], run_id: str) -> tuple[list[str], dict[str
 
 def test_metrics_put_each_step_beside_the_reward_of_the_batch_it_trained(rl_run: Any) -> None:
     """The orchestrator samples rollout step s with adapter s; trainer step s + 1 trains it. The table
-    showed rollout step N's reward beside trainer step N, whose loss came from rollout step N - 1."""
+    showed rollout step N's reward beside trainer step N, whose loss came from rollout step N - 1.
+    The service's items say which rollout steps each step trained; the table and --json show them."""
     env, http, run_id = rl_run
     pool = PoolSide(http, run_id)
     submit(http, env, run_id, [0.25, 0.75], step=0)
-    pool.train_step(1, step_time_s=9.0)  # the wait for the first batch is in it
+    pool.train_step(1, step_time_s=1.5)
     submit(http, env, run_id, [1.0, 1.0], step=1)
     pool.train_step(2, step_time_s=0.5)
     submit(http, env, run_id, [0.0, 0.0], step=2)  # sampled with adapter 2, not trained yet
@@ -191,8 +192,21 @@ def test_metrics_put_each_step_beside_the_reward_of_the_batch_it_trained(rl_run:
     assert rows["1"][:4] == ["1", "0", "0.5", "1"]
     assert rows["2"][:4] == ["2", "1", "1", "0.5"]
     assert rows["-"][:3] == ["-", "2", "0"]
-    assert rows["1"][-1] == "9*" and rows["2"][-1] == "0.5"  # the first step's time is marked
-    assert any("ROLLOUT" in n for n in notes) and any(n.startswith("* step 1") for n in notes)
+    # The pool times a step from its first pack now (trainer_core/slots.py): no step's time is marked.
+    assert rows["1"][-1] == "1.5" and rows["2"][-1] == "0.5"
+    assert any("ROLLOUT" in n for n in notes) and not any(n.startswith("*") for n in notes)
+
+    result = runner.invoke(cli, ["metrics", run_id, "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    items = {i["step"]: i for i in json.loads(result.stdout)["items"]}
+    assert [
+        (i["trained_rollout_steps"], (i["trained_reward"] or {}).get("mean")) for i in items.values()
+    ] == [
+        (None, None),  # rollout step 0: no trainer step 0
+        ([0], 0.5),
+        ([1], 1.0),
+    ]
+    assert [items[s]["reward"]["mean"] for s in (0, 1, 2)] == [0.5, 1.0, 0.0]  # keyed by rollout step
 
 
 def test_metrics_follow_the_pool_when_batches_trail_their_adapter(rl_run: Any) -> None:
@@ -223,7 +237,7 @@ def test_metrics_without_rewards_are_the_trainer_table(rl_run: Any) -> None:
     pool.train_step(1, step_time_s=2.0)
     columns, rows, notes = metrics_table(env, run_id)
     assert columns[:2] == ["STEP", "LOSS"] and "REWARD" not in columns and "ROLLOUT" not in columns
-    assert rows["1"][-1] == "2*" and not any("ROLLOUT" in n for n in notes)
+    assert rows["1"][-1] == "2" and not any("ROLLOUT" in n for n in notes)
 
 
 def test_metrics_and_watch_read_past_the_first_page(live_server: Any) -> None:

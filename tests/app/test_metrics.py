@@ -3,13 +3,24 @@
 import json
 import math
 
+import httpx
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.adapters.models import Checkpoint
 from app.config import Settings
-from tests.app.api import WORKER_HEADERS, TenantHandle, create_run, new_tenant
+from tests.app.api import (
+    WORKER_HEADERS,
+    Client,
+    TenantHandle,
+    ack,
+    claim,
+    create_run,
+    new_tenant,
+    register,
+    rewarded_batch,
+)
 
 
 def metrics(step: int) -> dict:
@@ -26,7 +37,7 @@ def metrics(step: int) -> dict:
     }
 
 
-def report(client: TestClient, run_id: str, step: int, **extra):
+def report(client: Client, run_id: str, step: int, **extra):
     body = {
         "step": step,
         "total_tokens": 100 * step,
@@ -153,3 +164,117 @@ def test_trainer_evicts_a_run(client: TestClient, tenant: TenantHandle, settings
     assert client.post(url, json={"reason": ""}, headers=WORKER_HEADERS).status_code == 422
     # The step in flight when the run was evicted is refused too.
     assert report(client, run["id"], 1).status_code == 409
+
+
+# --------------------------------------------------------------------------- which batches a step trained
+
+
+class Pool:
+    """The worker pool's side over real HTTP: claims, step reports, acknowledgements."""
+
+    def __init__(self, http: httpx.Client) -> None:
+        self.http = http
+        self.pool_id = register(http)
+        self.claimed: list[int] = []
+
+    def claim(self) -> None:
+        self.claimed += [b["id"] for b in claim(self.http, self.pool_id)["batches"]]
+
+    def train_step(self, run_id: str, step: int, batches: int) -> None:
+        """Report `step` (loss 1 / step) and acknowledge the oldest `batches` claimed batches in it:
+        the pool trains a run's batches in id order."""
+        r = report(self.http, run_id, step)
+        assert r.status_code == 200, r.text
+        done, self.claimed = self.claimed[:batches], self.claimed[batches:]
+        assert ack(self.http, self.pool_id, [(b, step) for b in done]).status_code == 200
+
+
+def submit(http: httpx.Client, tenant: TenantHandle, run_id: str, rewards: list[float], *, step: int) -> None:
+    r = http.post(
+        f"/v1/runs/{run_id}/batches", json=rewarded_batch(list(rewards), step=step), headers=tenant.headers
+    )
+    assert r.status_code == 201, r.text
+
+
+def metrics_by_step(http: httpx.Client, tenant: TenantHandle, run_id: str, **params: int) -> dict[int, dict]:
+    r = http.get(f"/v1/runs/{run_id}/metrics", params=params, headers=tenant.headers)
+    assert r.status_code == 200, r.text
+    return {i["step"]: i for i in r.json()["items"]}
+
+
+def agg(mean: float, std: float, lo: float, hi: float, count: int) -> dict:
+    return {"mean": mean, "std": std, "min": lo, "max": hi, "count": count}
+
+
+def test_a_trainer_step_names_the_rollout_steps_it_trained(http: httpx.Client) -> None:
+    """The orchestrator samples rollout step s with adapter s; trainer step s + 1 trains it. Item N
+    joined trainer step N's loss with rollout step N's rewards, which step N + 1 trained: two sets of
+    samples. The trainer's side of an item now names its batches' rollout steps and their reward."""
+    tenant = new_tenant(http)
+    pool = Pool(http)
+    run_id = create_run(http, tenant, batch_size=2, max_steps=10)["id"]
+    submit(http, tenant, run_id, [0.0, 1.0], step=0)
+    pool.claim()
+    pool.train_step(run_id, 1, batches=1)
+    submit(http, tenant, run_id, [1.0, 1.0], step=1)
+    pool.claim()
+    pool.train_step(run_id, 2, batches=1)
+    submit(http, tenant, run_id, [0.0, 0.0], step=2)  # sampled with adapter 2: not trained yet
+
+    items = metrics_by_step(http, tenant, run_id)
+    assert sorted(items) == [0, 1, 2]
+    trained = {s: (i["loss"], i["trained_rollout_steps"], i["trained_reward"]) for s, i in items.items()}
+    assert trained == {
+        0: (None, None, None),
+        1: (1.0, [0], agg(0.5, 0.5, 0.0, 1.0, 2)),
+        2: (0.5, [1], agg(1.0, 0.0, 1.0, 1.0, 2)),
+    }
+    # The rollout side keeps its key: rollout step N's batches, whichever step trains them.
+    assert [items[s]["reward"]["mean"] for s in (0, 1, 2)] == [0.5, 1.0, 0.0]
+    assert [items[s]["samples_received"] for s in (0, 1, 2)] == [2, 2, 2]
+
+
+def test_a_batch_that_waited_is_paired_with_the_step_that_trained_it(http: httpx.Client) -> None:
+    """An orchestrator running ahead (max_async_level 2) samples two batches with adapter 0; the
+    batch it then samples with adapter 1 waits behind them and is trained in step 3, two steps after
+    the adapter it was sampled with."""
+    tenant = new_tenant(http)
+    pool = Pool(http)
+    run_id = create_run(http, tenant, batch_size=2, max_steps=10)["id"]
+    submit(http, tenant, run_id, [0.0, 0.0], step=0)
+    submit(http, tenant, run_id, [1.0, 1.0], step=0)
+    pool.claim()
+    pool.train_step(run_id, 1, batches=1)
+    submit(http, tenant, run_id, [0.25, 0.25], step=1)
+    pool.claim()
+    pool.train_step(run_id, 2, batches=1)
+    pool.train_step(run_id, 3, batches=1)
+
+    items = metrics_by_step(http, tenant, run_id)
+    assert sorted(items) == [0, 1, 2, 3]
+    rollout_0 = agg(0.5, 0.5, 0.0, 1.0, 4)  # rewards are kept per rollout step: both batches of it
+    expected = {
+        0: (None, None),
+        1: ([0], rollout_0),
+        2: ([0], rollout_0),
+        3: ([1], agg(0.25, 0.0, 0.25, 0.25, 2)),
+    }
+    assert {s: (i["trained_rollout_steps"], i["trained_reward"]) for s, i in items.items()} == expected
+    assert [items[s]["reward"] for s in (0, 1, 2, 3)] == [
+        rollout_0,
+        agg(0.25, 0.0, 0.25, 0.25, 2),
+        None,
+        None,
+    ]
+    # A page holds the rewards of the rollout steps its steps trained, wherever its own window starts.
+    assert metrics_by_step(http, tenant, run_id, since_step=3) == {3: items[3]}
+    # Page by page (one item each), the same items.
+    paged: dict[int, dict] = {}
+    since: int | None = 0
+    while since is not None:
+        r = http.get(
+            f"/v1/runs/{run_id}/metrics", params={"since_step": since, "limit": 1}, headers=tenant.headers
+        )
+        paged |= {i["step"]: i for i in r.json()["items"]}
+        since = r.json()["next_since_step"]
+    assert paged == items
