@@ -198,6 +198,11 @@ class ManualExecutor:
             else {}
         )
         work = [(i, it, slot) for i, it, slot in round_.work if slot is not None and it.kind != "sample"]
+        for _, item, slot in work:
+            if item.kind == "forward_backward":
+                # Its step starts with its first forward_backward's pass: the wait for that request
+                # (after a pool start, the whole wait for the client) is no part of the step.
+                slots[slot].step_metrics.begin()
         outputs = self._passes(model, lora, [w for w in work if w[1].kind in ("forward", "forward_backward")])
         states = [
             (item, slots[slot]) for _, item, slot in work if item.kind not in _FIRST_KINDS + ("optim_step",)

@@ -26,7 +26,7 @@ class StepAccumulator:
     created: float = field(default_factory=lambda: time.monotonic())  # looked up per call (tests)
     """When the previous step ended, or the run was admitted (or its manual state dropped)."""
     started: float | None = None
-    """When the step's first pack was made: its data was there, and the previous step had ended (a
+    """When the step's first pack (a manual run: its first forward_backward) was made: its data was there, and the previous step had ended (a
     pack that completes a step takes nothing of the next). Not `created`: after an admission (a pool
     (re)start) that is the wait for the run's first batch, which is no part of the step. None
     before its first pack."""
@@ -48,9 +48,14 @@ class StepAccumulator:
     pack_capacity: int = 0
     """Row capacity of those packs (real tokens + padding)."""
 
-    def add_pack(self, pack: RunPackStats, *, fill: tuple[int, int] = (0, 0)) -> None:
+    def begin(self) -> None:
+        """The step's work starts now, unless it has already: its first pack, or for a manual run
+        (trainer_core.manual) its first forward_backward."""
         if self.started is None:
             self.started = time.monotonic()
+
+    def add_pack(self, pack: RunPackStats, *, fill: tuple[int, int] = (0, 0)) -> None:
+        self.begin()
         self.tokens += pack.tokens
         self.samples += pack.samples
         self.pack_tokens += fill[0]
@@ -68,7 +73,7 @@ class StepAccumulator:
         """The step's metrics: the loss is a mean over the tokens that carried loss; entropy and
         mismatch KL are means over every scored token (they are summed over masked tokens too)."""
         scored = self.loss_tokens + self.masked_tokens
-        # Manual runs (trainer_core.manual) make no packs: theirs is timed from `created`.
+        # A step with no pack and no forward_backward (an optim_step alone) is timed from `created`.
         elapsed = time.monotonic() - (self.created if self.started is None else self.started)
         return StepMetricsIn(
             loss=self.loss_sum / self.normaliser if self.normaliser > 0 else 0.0,

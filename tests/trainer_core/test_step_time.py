@@ -73,9 +73,21 @@ def test_later_steps_run_from_their_first_pack_never_before_the_previous_end(clo
     assert run.finish_step(STATS).step_time_s == pytest.approx(0.75)
 
 
-def test_a_step_without_packs_runs_from_the_previous_end(clock: Clock) -> None:
+def test_a_manual_step_runs_from_its_first_forward_backward(clock: Clock) -> None:
     """A manual run's step (trainer_core.manual: forward_backward requests, then optim_step) makes no
-    packs: it is timed from the previous step's end, as before."""
+    packs: it starts at its first forward_backward (`begin`), not at the pool's admission."""
+    run = admitted()
+    clock.now += 120.0  # the client's first request comes two minutes after the pool started
+    run.step_metrics.begin()
+    clock.now += 1.0
+    run.step_metrics.begin()  # a second forward_backward of the same step
+    clock.now += 0.5
+    assert run.finish_step(STATS).step_time_s == pytest.approx(1.5)  # was 121.5
+
+
+def test_a_step_without_packs_runs_from_the_previous_end(clock: Clock) -> None:
+    """A step with neither a pack nor a forward_backward (an optim_step alone) is timed from the
+    previous step's end."""
     run = admitted()
     clock.now += 3.0
     assert run.finish_step(STATS).step_time_s == pytest.approx(3.0)
