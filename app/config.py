@@ -4,8 +4,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MAX_RETENTION_SECONDS = 100 * 365 * 86_400.0
+"""The longest retention: `now - retention` must stay a date (a larger one raised OverflowError in
+every sweep)."""
+MIN_RETENTION_SECONDS = {"deleted_run_retention_seconds": 86_400.0, "event_retention_seconds": 3_600.0}
+"""The shortest retention other than 0 (never purge), per setting (see each setting for why)."""
 
 
 class Settings(BaseSettings):
@@ -91,7 +97,28 @@ class Settings(BaseSettings):
 
     tinker_future_ttl_seconds: float = Field(default=86_400.0, ge=0)
     """How long the sweeper keeps a done Tinker future (its result, for retrieve_future); after that
-    retrieve_future answers 404. The records of models and saved weights are kept regardless."""
+    retrieve_future answers 404. The records of models and saved weights are kept as long as their
+    run (a deleted run's go with it, deleted_run_retention_seconds after the deletion)."""
+
+    deleted_run_retention_seconds: float = Field(default=604_800.0, ge=0, le=MAX_RETENTION_SECONDS)
+    """How long the row of a deleted run is kept after its deletion (GET answers it `deleted`, an
+    Idempotency-Key sent again replays it); then the sweeper deletes it with every row about the run
+    (batches, adapters, metrics, checkpoints, rollout stats, events, Tinker models and futures).
+    0: never (the runs table then grows by every run ever created). At least a day otherwise: a
+    create retried with its Idempotency-Key after the purge makes a new run (app/retention.py)."""
+
+    event_retention_seconds: float = Field(default=2_592_000.0, ge=0, le=MAX_RETENTION_SECONDS)
+    """How long the sweeper keeps an event (the audit log, the run feeds); older ones are deleted, and
+    a feed cursor or Last-Event-ID naming one goes on from the next event kept. 0: never. At least an
+    hour otherwise: a live stream or a paging client a little behind must not lose events."""
+
+    @field_validator("deleted_run_retention_seconds", "event_retention_seconds")
+    @classmethod
+    def _zero_or_at_least(cls, value: float, info: ValidationInfo) -> float:
+        least = MIN_RETENTION_SECONDS[info.field_name or ""]
+        if 0 < value < least:
+            raise ValueError(f"must be 0 (keep for ever) or at least {least:g} seconds")
+        return value
 
     tinker_base_sample_wait_seconds: float = Field(default=600.0, gt=0)
     """How long a base-model `sample` request waits for a pool of its base model to claim it; the

@@ -1,9 +1,10 @@
 """Background sweeper: lease expiry, pool liveness, run heartbeats, Tinker futures that can no
-longer be served (failed), done Tinker futures and expired dashboard sessions (purged).
+longer be served (failed), done Tinker futures, expired dashboard sessions, and deleted runs and
+events past their retention (purged).
 
 Each sweep runs in a worker thread (the database calls block) with its own sessions; each
 of its jobs commits on its own, so one failing never holds back the others, and no
-failure ever stops the loop.
+failure ever stops the loop. The retention purges commit each chunk on its own (app/retention.py).
 """
 
 import asyncio
@@ -20,6 +21,7 @@ from app.batches.leases import expire_leases
 from app.config import Settings
 from app.db import utcnow
 from app.pools.service import declare_dead_pools
+from app.retention import PURGE_CHUNK, purge_deleted_runs, purge_old_events
 from app.runs.service import evict_silent_runs
 from app.tinker.leases import fail_unclaimed_base_samples, fail_work_of_left_runs, purge_done_futures
 from app.ui.sessions import purge_expired_sessions
@@ -27,6 +29,10 @@ from app.ui.sessions import purge_expired_sessions
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+MAX_PURGE_CHUNKS = 20
+"""Chunks a retention purge runs at most in one sweep: a backlog goes 20 x PURGE_CHUNK rows a sweep,
+without holding the sweep's other jobs (lease expiry...) back for long."""
 
 
 @dataclass
@@ -44,6 +50,12 @@ class SweepResult:
     """Done Tinker futures older than settings.tinker_future_ttl_seconds, deleted."""
     purged_ui_sessions: int = 0
     """Expired dashboard sessions deleted (at most app.ui.sessions.PURGE_BATCH a sweep)."""
+    purged_runs: list[str] = field(default_factory=list)
+    """Runs deleted more than settings.deleted_run_retention_seconds ago, gone with every row about them."""
+    purged_run_rows: int = 0
+    """Rows deleted by the purge of those runs (theirs included, and those of runs it has begun)."""
+    purged_events: int = 0
+    """Events older than settings.event_retention_seconds, deleted."""
     errors: list[str] = field(default_factory=list)
     """The jobs that failed (logged with their traceback)."""
 
@@ -62,13 +74,38 @@ def _job(
         return None
 
 
+def _chunks(
+    factory: sessionmaker[Session],
+    name: str,
+    chunk: Callable[[Session], T],
+    more: Callable[[T], bool],
+    result: SweepResult,
+) -> list[T]:
+    """Run `chunk` as a job, each call its own transaction, while `more` says there may be more, at
+    most MAX_PURGE_CHUNKS times; stops at a failure (logged and named in `result`, as any job's)."""
+    done: list[T] = []
+    for _ in range(MAX_PURGE_CHUNKS):
+        out = _job(factory, name, chunk, result)
+        if out is None:
+            break
+        done.append(out)
+        if not more(out):
+            break
+    return done
+
+
 def sweep_once(
-    factory: sessionmaker[Session], *, settings: Settings, now: datetime | None = None
+    factory: sessionmaker[Session],
+    *,
+    settings: Settings,
+    now: datetime | None = None,
+    purge_chunk: int = PURGE_CHUNK,
 ) -> SweepResult:
     """One pass: expired leases → pending; silent pools → dead (their batches → pending);
     runs whose orchestrator went silent → evicted; Tinker futures that can no longer be served →
     failed; Tinker futures done before the retention → deleted; expired dashboard sessions →
-    deleted."""
+    deleted; runs deleted before their retention → deleted with every row about them; events
+    older than theirs → deleted (`purge_chunk` rows a transaction)."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -97,6 +134,24 @@ def sweep_once(
     result.purged_futures = _job(factory, "purge_tinker_futures", purge, result) or 0
     sessions = lambda s: purge_expired_sessions(s, now=now)  # noqa: E731
     result.purged_ui_sessions = _job(factory, "purge_ui_sessions", sessions, result) or 0
+    keep_runs, keep_events = settings.deleted_run_retention_seconds, settings.event_retention_seconds
+    runs = _chunks(
+        factory,
+        "purge_deleted_runs",
+        lambda s: purge_deleted_runs(s, now=now, retention_seconds=keep_runs, chunk=purge_chunk),
+        lambda out: out.more,
+        result,
+    )
+    result.purged_runs = [run_id for out in runs for run_id in out.runs]
+    result.purged_run_rows = sum(out.rows for out in runs)
+    events = _chunks(
+        factory,
+        "purge_events",
+        lambda s: purge_old_events(s, now=now, retention_seconds=keep_events, chunk=purge_chunk),
+        lambda purged: purged == purge_chunk,
+        result,
+    )
+    result.purged_events = sum(events)
     return result
 
 

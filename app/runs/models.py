@@ -22,6 +22,11 @@ from contracts.status import RunStatus
 
 EVICTED_BY = ("user", "trainer", "orchestrator", "heartbeat")
 
+DELETED_RUNS = "status = 'deleted'"
+"""The predicate of the partial index `ix_runs_deleted_updated_at`: a deleted run's `updated_at` is
+its deletion's time (nothing writes a deleted run's row afterwards). Queries that should use the
+index state it literally: a generic plan cannot see into a bound parameter (app/tinker/models.py)."""
+
 
 class Run(Base):
     __tablename__ = "runs"
@@ -38,6 +43,14 @@ class Run(Base):
         UniqueConstraint("tenant_id", "idempotency_key"),
         Index("ix_runs_tenant_status", "tenant_id", "status"),
         Index("ix_runs_status_created", "status", "created_at"),
+        # The retention purge (app/retention.py) walks the deleted runs oldest deletion first; the
+        # index holds only deleted runs, a retention's worth (the purge removes the older ones).
+        Index(
+            "ix_runs_deleted_updated_at",
+            "updated_at",
+            postgresql_where=text(DELETED_RUNS),
+            sqlite_where=text(DELETED_RUNS),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(16), primary_key=True)

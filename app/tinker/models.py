@@ -187,7 +187,9 @@ class TinkerSamplingSession(Base):
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    """Indexed: deleting a run (the retention purge, app/retention.py) deletes its sampling sessions,
+    which without it read the whole table for every run."""
     step: Mapped[int] = mapped_column(Integer)
     model_path: Mapped[str] = mapped_column(String(256))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
