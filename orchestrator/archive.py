@@ -35,6 +35,31 @@ class UnsafeArchive(LoraloomError):
     """The archive holds something other than plain files inside the destination."""
 
 
+class DestinationInUse(LoraloomError):
+    """The destination exists and holds something other than an adapter: it is not replaced."""
+
+
+def _check_replaceable(dest: Path) -> None:
+    """An adapter replaces its destination whole, so that must be new, empty, an earlier
+    extraction (its marker), or the PEFT files alone: never a directory of the user's other files
+    (`fetch_adapter(run, "latest", "~/project")` would have deleted the project)."""
+    if not dest.exists() and not dest.is_symlink():
+        return
+    if dest.is_symlink() or not dest.is_dir():
+        raise DestinationInUse(
+            f"{dest} exists and is not a directory: choose a new directory for the adapter"
+        )
+    if (dest / MARKER_NAME).is_file():
+        return
+    others = sorted(p.name for p in dest.iterdir() if p.name not in PEFT_FILES)
+    if others:
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        raise DestinationInUse(
+            f"{dest} holds other files ({shown}); an adapter replaces its directory whole, so it is "
+            "not written there: choose a new or empty directory"
+        )
+
+
 def _safe_relpath(name: str) -> PurePosixPath:
     if "\\" in name or "\x00" in name:
         raise UnsafeArchive(f"archive member {name!r} has a forbidden character")
@@ -101,8 +126,10 @@ def extract_adapter(
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_members: int = DEFAULT_MAX_MEMBERS,
 ) -> Path:
-    """Extract a (gzipped) tar of adapter files into `dest`, replacing what was there."""
+    """Extract a (gzipped) tar of adapter files into `dest`, replacing what was there: nothing, an
+    empty directory, an earlier extraction or the PEFT files alone (else `DestinationInUse`)."""
     dest = Path(dest)
+    _check_replaceable(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

@@ -2,15 +2,14 @@
 `runs watch` (a live progress bar until the run ends). Tenant API key; polling only the runs,
 adapters and metrics routes."""
 
-import io
 import json
-import tarfile
 import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from contracts.http import LoraloomError
 from loraloom.commands.errors import CliError, ExitCode
 from loraloom.commands.http import (
     DEFAULT_URL,
@@ -23,6 +22,7 @@ from loraloom.commands.http import (
     request,
     table,
 )
+from orchestrator.archive import MARKER_NAME, DestinationInUse, extract_adapter
 
 adapters_cli = typer.Typer(help="Adapters the trainer published (tenant API key).", no_args_is_help=True)
 pools_cli = typer.Typer(help="Worker pools (admin key).", no_args_is_help=True)
@@ -62,10 +62,16 @@ def adapters_download(
     r = request("GET", f"/v1/runs/{run_id}/adapters/{step}", url=url, key=key, timeout=300.0)
     got = int(r.headers.get("X-Adapter-Step", "0"))
     dest = (output or Path(f"{run_id}-step-{got}")).resolve()
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(r.content), mode="r:gz") as tar:
-        tar.extractall(dest, filter="data")  # "data": no absolute paths, links or devices
-    files = sorted(p.name for p in dest.iterdir())
+    sha = r.headers.get("ETag", "").strip('"') or None
+    try:
+        # The SDK's extraction: only regular files inside dest, the whole capped (a small gzip can
+        # expand to gigabytes), dest replaced in one rename and never a directory of other files.
+        extract_adapter(r.content, dest, sha256=sha, step=got)
+    except LoraloomError as exc:
+        raise CliError(
+            str(exc), kind=ExitCode.USAGE if isinstance(exc, DestinationInUse) else ExitCode.ERROR
+        ) from None
+    files = sorted(p.name for p in dest.iterdir() if p.name != MARKER_NAME)
     if as_json:
         echo_json({"run_id": run_id, "step": got, "path": str(dest), "files": files})
     else:

@@ -104,7 +104,20 @@ def test_adapters_list_and_download(svc: Service, tmp_path: Path) -> None:
     dest = tmp_path / "got"
     out = svc.ok("adapters", "download", run_id, "--output", str(dest), "--json", json_out=True)
     assert isinstance(out, dict) and out["step"] == 1
-    assert sorted(p.name for p in dest.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert sorted(p.name for p in dest.iterdir()) == [
+        ".loraloom-adapter.json",  # the SDK's marker: its sha256 and step
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert out["files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    # A directory of other files is not replaced by the adapter (nor merged into): exit 2, intact.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("mine")
+    r = runner.invoke(cli, ["adapters", "download", run_id, "--output", str(project)], env=svc.env)
+    assert r.exit_code == 2, r.output
+    assert "notes.txt" in r.output and "new or empty directory" in r.output
+    assert sorted(p.name for p in project.iterdir()) == ["notes.txt"]
 
 
 def test_metrics_table_json_and_plot(svc: Service, tmp_path: Path) -> None:

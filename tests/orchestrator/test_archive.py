@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.archive import UnsafeArchive, extract_adapter, read_marker
+from orchestrator.archive import DestinationInUse, UnsafeArchive, extract_adapter, read_marker
 
 
 def _tar(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
@@ -86,3 +86,36 @@ def test_existing_adapter_survives_a_bad_archive(tmp_path: Path) -> None:
 def test_size_cap(tmp_path: Path) -> None:
     with pytest.raises(UnsafeArchive):
         extract_adapter(_tar([_file("big", b"x" * 100)]), tmp_path / "a", max_bytes=10)
+
+
+def test_a_directory_of_other_files_is_never_replaced(tmp_path: Path) -> None:
+    """An adapter replaces its destination whole: a user's project directory given by mistake
+    (`fetch_adapter(run, "latest", "~/project")`) would have been deleted."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("precious")
+    (project / "adapter_config.json").write_text("{}")
+    with pytest.raises(DestinationInUse, match="train.py"):
+        extract_adapter(_tar([_file("adapter_config.json", b"{}")]), project)
+    assert (project / "train.py").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]  # no staging left behind
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(DestinationInUse, match="not a directory"):
+        extract_adapter(_tar([_file("adapter_config.json", b"{}")]), a_file)
+    assert a_file.read_text() == "x"
+
+
+@pytest.mark.parametrize("before", ["missing", "empty", "peft files", "earlier extraction"])
+def test_what_an_adapter_may_replace(tmp_path: Path, before: str) -> None:
+    dest = tmp_path / "a"
+    if before == "empty":
+        dest.mkdir()
+    elif before == "peft files":
+        dest.mkdir()
+        (dest / "adapter_model.safetensors").write_bytes(b"old")
+    elif before == "earlier extraction":
+        extract_adapter(_tar([_file("adapter_config.json", b"v1"), _file("notes.txt", b"n")]), dest)
+    extract_adapter(_tar([_file("adapter_config.json", b"v2")]), dest, step=2)
+    assert (dest / "adapter_config.json").read_bytes() == b"v2"
+    assert sorted(p.name for p in dest.iterdir()) == [".loraloom-adapter.json", "adapter_config.json"]
