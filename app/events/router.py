@@ -9,15 +9,18 @@ from typing import Annotated
 import anyio
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import Receive, Scope, Send
 
+from app.auth import TenantDep
 from app.db import SessionDep
 from app.events.feed import FeedPosition, read_feed
 from app.events.schemas import EventList, EventOut
 from app.limits import InFlight
 from app.pagination import DEFAULT_LIMIT, LimitQuery
 from app.runs.deps import OwnedRunDep
+from app.tenants.models import ApiKey
 from app.timestamps import UtcDatetime
 
 router = APIRouter(tags=["events"])
@@ -28,6 +31,24 @@ SSE_KEEPALIVE_SECONDS = 15.0
 """A comment line this often keeps proxies from closing an idle stream."""
 SSE_MAX_SECONDS = 3600.0
 """A stream ends after this long; EventSource reconnects with Last-Event-ID and loses nothing."""
+SSE_RECHECK_SECONDS = 5.0
+"""How often a live stream checks that its credential still holds: a stream opened before its key
+was revoked (or its dashboard session ended) ends within about this, and the reconnect is a 401
+(an EventSource does not retry that). Before, it went on for up to SSE_MAX_SECONDS."""
+
+StillAllowed = Callable[[Session], bool]
+"""Whether the viewer that opened a stream may still read it (one query, in the stream's session)."""
+
+
+def key_still_valid(api_key_id: str) -> StillAllowed:
+    """An API key's stream: the key exists and is not revoked (its tenant not deleted)."""
+
+    def allowed(session: Session) -> bool:
+        revoked_at = session.execute(select(ApiKey.revoked_at).where(ApiKey.id == api_key_id)).first()
+        return revoked_at is not None and revoked_at[0] is None
+
+    return allowed
+
 
 FeedCursor = Annotated[
     str | None,
@@ -84,6 +105,7 @@ def _page(
 )
 def list_events(
     run: OwnedRunDep,
+    principal: TenantDep,
     session: SessionDep,
     request: Request,
     cursor: FeedCursor = None,
@@ -97,7 +119,10 @@ def list_events(
     published, checkpoints, and how it ended (who and why). Every event exactly once across pages."""
     after = start_of(cursor, last_event_id)
     if accept is not None and "text/event-stream" in accept:
-        return event_stream(request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=since)
+        allowed = key_still_valid(principal.api_key_id)
+        return event_stream(
+            request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=since, allowed=allowed
+        )
     return _page(session, run.id, after, since, limit)
 
 
@@ -118,21 +143,35 @@ class _CountedStream(StreamingResponse):
 
 
 def event_stream(
-    request: Request, *, run_id: str, tenant_id: str, after: FeedPosition | None, since: datetime | None
+    request: Request,
+    *,
+    run_id: str,
+    tenant_id: str,
+    after: FeedPosition | None,
+    since: datetime | None,
+    allowed: StillAllowed,
 ) -> StreamingResponse:
     """The run's live stream (the API's and the dashboard's), counted against the tenant's
-    `tenant_max_event_streams`: a 429 past it (app/limits.py)."""
+    `tenant_max_event_streams`: a 429 past it (app/limits.py). It ends once `allowed` says no
+    (checked every SSE_RECHECK_SECONDS)."""
     streams: InFlight = request.app.state.event_streams
     streams.acquire(tenant_id)
     factory: sessionmaker[Session] = request.app.state.session_factory
-    content = stream_events(request, factory, run_id, after, since)
+    content = stream_events(request, factory, run_id, after, since, allowed)
     return _CountedStream(content, release=lambda: streams.release(tenant_id))
 
 
 def _read(
-    factory: sessionmaker[Session], run_id: str, after: FeedPosition | None, since: datetime | None
-) -> EventList:
+    factory: sessionmaker[Session],
+    run_id: str,
+    after: FeedPosition | None,
+    since: datetime | None,
+    allowed: StillAllowed | None,
+) -> EventList | None:
+    """The next page, or None when `allowed` (if given) says the viewer may no longer read it."""
     with factory() as session:
+        if allowed is not None and not allowed(session):
+            return None
         return _page(session, run_id, after, since, 200)
 
 
@@ -142,13 +181,19 @@ async def stream_events(
     run_id: str,
     after: FeedPosition | None,
     since: datetime | None,
+    allowed: StillAllowed,
 ) -> AsyncIterator[str]:
     # Polling, in a thread (the session is blocking): simple, works across uvicorn workers and
     # replicas alike; each open stream costs one small indexed query per SSE_POLL_SECONDS.
     yield f"retry: {int(SSE_POLL_SECONDS * 4000)}\n\n"
-    started = last_sent = anyio.current_time()
+    started = last_sent = checked = anyio.current_time()
     while anyio.current_time() - started < SSE_MAX_SECONDS:
-        page = await anyio.to_thread.run_sync(_read, factory, run_id, after, since)
+        due = anyio.current_time() - checked >= SSE_RECHECK_SECONDS
+        page = await anyio.to_thread.run_sync(_read, factory, run_id, after, since, allowed if due else None)
+        if page is None:
+            return  # the key was revoked, the session ended: the reconnect gets its 401
+        if due:
+            checked = anyio.current_time()
         for item in page.items:
             data = json.dumps(item.model_dump(mode="json"), separators=(",", ":"))
             yield f"id: {item.cursor}\nevent: {item.action}\ndata: {data}\n\n"

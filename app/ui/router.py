@@ -38,7 +38,7 @@ from app.runs.models import Run
 from app.runs.schemas import REASON_CHARS
 from app.ui import sessions, views
 from app.ui.login_limits import LoginFailures, client_address
-from app.ui.sessions import COOKIE, Viewer
+from app.ui.sessions import COOKIE, Viewer, still_signed_in
 from contracts.status import RunStatus
 
 HERE = Path(__file__).parent
@@ -254,6 +254,7 @@ def run_page(request: Request, viewer: ViewerDep, run: OwnedRun, session: Sessio
 @router.get("/runs/{run_id}/events")
 def run_events(
     request: Request,
+    viewer: ViewerDep,
     run: OwnedRun,
     cursor: Annotated[str | None, Query(max_length=128)] = None,
     last_event_id: LastEventId = None,
@@ -261,7 +262,10 @@ def run_events(
     """The run's live event stream for the page's EventSource (cookie-authenticated); a bad cursor
     or Last-Event-ID is a 422 before the stream starts, as on the API (app/events/router.py start_of)."""
     after = start_of(cursor, last_event_id)
-    return event_stream(request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=None)
+    allowed = still_signed_in(viewer.session_id)
+    return event_stream(
+        request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=None, allowed=allowed
+    )
 
 
 @router.get("/runs/{run_id}/adapters/{step}")

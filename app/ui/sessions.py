@@ -11,6 +11,7 @@ sign in anyway. Successful sign-ins are not otherwise limited: failed ones are
 import hashlib
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -127,6 +128,22 @@ def resolve(session: Session, *, secret: str | None) -> Viewer | None:
         if key is None or key.revoked_at is not None:
             return None
     return Viewer(row.id, row.tenant_id, row.is_admin, row.csrf_token)
+
+
+def still_signed_in(session_id: str) -> Callable[[Session], bool]:
+    """Whether a dashboard session still holds: not signed out, not expired, its key not revoked
+    (what `resolve` checks), for a live event stream opened with it (app/events/router.py)."""
+
+    def allowed(session: Session) -> bool:
+        row = session.get(UiSession, session_id)
+        if row is None or as_utc(row.expires_at) <= utcnow():
+            return False
+        if row.api_key_id is None:
+            return True
+        key = session.get(ApiKey, row.api_key_id)
+        return key is not None and key.revoked_at is None
+
+    return allowed
 
 
 def sign_out(session: Session, *, viewer: Viewer) -> None:
