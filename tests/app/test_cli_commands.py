@@ -114,9 +114,9 @@ def test_adapters_list_and_download(svc: Service, tmp_path: Path) -> None:
     project = tmp_path / "project"
     project.mkdir()
     (project / "notes.txt").write_text("mine")
-    r = runner.invoke(cli, ["adapters", "download", run_id, "--output", str(project)], env=svc.env)
-    assert r.exit_code == 2, r.output
-    assert "notes.txt" in r.output and "new or empty directory" in r.output
+    refused = runner.invoke(cli, ["adapters", "download", run_id, "--output", str(project)], env=svc.env)
+    assert refused.exit_code == 2, refused.output
+    assert "notes.txt" in refused.output and "new or empty directory" in refused.output
     assert sorted(p.name for p in project.iterdir()) == ["notes.txt"]
 
 
