@@ -20,16 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from contracts.durable import fsync_path
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
+from contracts.peft import PEFT_PREFIX, adapter_problems, split_factor
 from trainer_core.lora import MultiLoRA
 from trainer_core.models.precision import parse_dtype
-
-_PREFIX = "base_model.model."
-_SUFFIXES = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B"}
 
 
 def peft_adapter_config(handle: MultiLoRA, slot: int, *, base_model_name_or_path: str) -> dict[str, Any]:
@@ -71,7 +70,7 @@ def peft_state_dict(
     out: dict[str, Tensor] = {}
     for key, tensor in handle.slot_state_dict(slot).items():
         module, _, factor = key.rpartition(".")
-        out[f"{_PREFIX}{module}.{factor}.weight"] = tensor.to(
+        out[f"{PEFT_PREFIX}{module}.{factor}.weight"] = tensor.to(
             device="cpu", dtype=target or tensor.dtype
         ).contiguous()
     return out
@@ -123,18 +122,33 @@ def import_peft_adapter(
 
     Returns {"rank", "alpha", "dropout", "target_modules", "base_model_name_or_path"}. Errors on
     adapter features a slot cannot represent (DoRA, rsLoRA, per-module ranks, bias, extra
-    modules), rank above max_rank, modules the handle does not wrap, wrong shapes, and — when
+    modules), rank above max_rank, tensors named otherwise than PEFT names them, modules the handle
+    does not wrap, dtypes that are not floating point, wrong shapes (the rules of contracts/peft.py,
+    which the service also checks an uploaded adapter by), and — when
     `strict` — on wrapped modules the adapter lacks (with `strict=False` those start as a
     fresh adapter in this slot: A Kaiming-uniform, B = 0, a zero delta that can still learn). Nothing is changed unless every check passes.
     """
     path = Path(adapter_dir)
     config = json.loads((path / ADAPTER_CONFIG).read_text())
-    rank, alpha, dropout = _check_config(config, handle.max_rank, path)
-    tensors = load_file(path / ADAPTER_WEIGHTS)
-    by_module = _group_by_module(tensors, path)
-    unexpected = sorted(by_module.keys() - handle.layers.keys())
-    if unexpected:
-        raise ValueError(f"{path}: adapter has modules this model does not wrap with LoRA: {unexpected[:5]}")
+    # The rules the service also checks an uploaded adapter by (contracts/peft.py), here against the
+    # layers this model wraps; only the wrapped modules the adapter lacks (`strict`) are left.
+    wrapped = {name: (layer.in_features, layer.out_features) for name, layer in handle.layers.items()}
+
+    def dims(module: str) -> tuple[int, int] | str:
+        return wrapped.get(module) or f"this model does not wrap {module!r} with LoRA"
+
+    header = _safetensors_header(path / ADAPTER_WEIGHTS)
+    problems = adapter_problems(config, header, max_rank=handle.max_rank, dims=dims)
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError(f"{path}: " + "; ".join(p.message for p in problems[:5]) + more)
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    dropout = float(config.get("lora_dropout", 0.0))
+    by_module: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in load_file(path / ADAPTER_WEIGHTS).items():
+        split = split_factor(key)
+        assert split is not None  # every name was checked above
+        by_module.setdefault(split[0], {})[split[1]] = tensor
     missing = sorted(handle.layers.keys() - by_module.keys())
     if missing and strict:
         raise ValueError(
@@ -186,42 +200,14 @@ def adapter_files_bytes(adapter_dir: str | os.PathLike[str]) -> int:
     return sum((Path(adapter_dir) / name).stat().st_size for name in ADAPTER_FILES)
 
 
-def _check_config(config: dict[str, Any], max_rank: int, path: Path) -> tuple[int, float, float]:
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"{path}: peft_type is {config.get('peft_type')!r}, not 'LORA'")
-    unsupported = {
-        "use_dora": config.get("use_dora"),
-        "use_rslora": config.get("use_rslora"),
-        "fan_in_fan_out": config.get("fan_in_fan_out"),
-        "rank_pattern": config.get("rank_pattern"),
-        "alpha_pattern": config.get("alpha_pattern"),
-        "modules_to_save": config.get("modules_to_save"),
-    }
-    used = sorted(k for k, v in unsupported.items() if v)
-    if config.get("bias", "none") != "none":
-        used.append(f"bias={config['bias']!r}")
-    if used:
-        raise ValueError(f"{path}: unsupported adapter features: {used}")
-    rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    if not 1 <= rank <= max_rank:
-        raise ValueError(f"{path}: adapter rank r={rank} is outside [1, {max_rank}] (the pool's max_rank)")
-    return rank, alpha, float(config.get("lora_dropout", 0.0))
-
-
-def _group_by_module(tensors: dict[str, Tensor], path: Path) -> dict[str, dict[str, Tensor]]:
-    grouped: dict[str, dict[str, Tensor]] = {}
-    for key, tensor in tensors.items():
-        suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
-        if not key.startswith(_PREFIX) or suffix is None:
-            raise ValueError(
-                f"{path}: unexpected tensor {key!r} (expected {_PREFIX}<module>.lora_A/B.weight)"
-            )
-        module = key[len(_PREFIX) : -len(suffix)]
-        grouped.setdefault(module, {})[_SUFFIXES[suffix]] = tensor
-    incomplete = sorted(m for m, f in grouped.items() if len(f) != 2)
-    if incomplete:
-        raise ValueError(f"{path}: modules with only one of lora_A/lora_B: {incomplete[:5]}")
-    return grouped
+def _safetensors_header(path: Path) -> dict[str, object]:
+    """Each tensor's {"dtype", "shape"}, as the file's header gives them (no data is read)."""
+    with safe_open(path, "pt") as f:
+        names: list[str] = f.keys()  # a safe_open is no mapping: it has keys() but no iteration
+        return {
+            name: {"dtype": f.get_slice(name).get_dtype(), "shape": f.get_slice(name).get_shape()}
+            for name in names
+        }
 
 
 def _replace_dir(src: Path, dst: Path) -> None:

@@ -160,10 +160,8 @@ _NONFINITE_BITS = {
 }
 """Per float dtype, its bits as an unsigned integer and the mask whose bits are all set exactly in
 NaN and ±inf (an exponent of all ones). Read as bits because numpy has no bfloat16 or float8, and
-the control plane never imports torch."""
-
-FLOAT_DTYPES = frozenset(_NONFINITE_BITS)
-"""The safetensors dtypes a LoRA weight may have (the pool loads floats only)."""
+the control plane never imports torch. Its keys are the dtypes a LoRA factor may have
+(contracts/peft.py FLOAT_DTYPES): every one the pool loads is scanned."""
 
 _SCAN_CHUNK = 8 * 1024 * 1024
 """Bytes of a tensor read at a time: a multiple of every dtype's size, and memory bounded."""

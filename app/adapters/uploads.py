@@ -1,5 +1,6 @@
-"""Adapters a tenant uploads (POST /v1/adapters) to start runs from: checked against the live pool of
-their base model (rank limit, target modules, every tensor's shape), stored once under
+"""Adapters a tenant uploads (POST /v1/adapters) to start runs from: checked by the pool's own import
+rules (contracts/peft.py) against the live pool of their base model (rank limit, target modules,
+every tensor's name, dtype and shape), stored once under
 ``{data_dir}/adapters/{id}/``, tenant-scoped, listable and deletable. An upload that fails any check
 is a 422 naming what is wrong, and nothing of it is kept."""
 
@@ -7,21 +8,20 @@ import contextlib
 import fcntl
 import json
 import logging
-import math
 import os
 import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, TypeGuard
+from typing import IO, Any, BinaryIO
 
 from sqlalchemy import event, exists, func, select
 from sqlalchemy.orm import Session, SessionTransaction
 
 from app.adapters.models import TenantAdapter
 from app.adapters.service import _write_archive
-from app.adapters.upload import FLOAT_DTYPES, _read_safetensors_header, extract_adapter_tar, nonfinite_tensors
+from app.adapters.upload import _read_safetensors_header, extract_adapter_tar, nonfinite_tensors
 from app.config import Settings
 from app.errors import Conflict, NotFound, ValidationFailed
 from app.events.after_commit import call_after_commit
@@ -30,6 +30,7 @@ from app.runs.admission import live_pool
 from app.tenants.service import lock_tenant
 from contracts.ids import new_id
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from contracts.peft import ModuleDims, adapter_problems, finite_positive, split_factor, whole_number
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,10 @@ ARCHIVE = "adapter.tar.gz"
 STAGING_PREFIX = ".upload_"
 """Under `{data_dir}/adapters/`: an upload being unpacked and checked, before it is moved into place."""
 _ADAPTER_ID = re.compile(r"adp_[0-9a-f]{12}")
-# A layer index of at most 9 ASCII digits: int() of thousands of digits raises, and `\d` takes any
-# script's digits.
-_TENSOR = re.compile(r"^(?:.*\.)?layers\.([0-9]{1,9})\.(?:[a-z_]+\.)?([a-z_]+)\.lora_([AB])(?:\.weight)?$")
+# A module (a tensor's name between PEFT's prefix and `.lora_A.weight`, contracts/peft.py) in a
+# numbered layer. A layer index of at most 9 ASCII digits: int() of thousands of digits raises, and
+# `\d` takes any script's digits.
+_MODULE = re.compile(r"^(?:.*\.)?layers\.([0-9]{1,9})\.(?:[a-z_]+\.)?([a-z_]+)$")
 
 
 def uploads_dir(settings: Settings) -> Path:
@@ -50,21 +52,6 @@ def _problem(field: str, message: str) -> dict[str, Any]:
     return {"loc": ["body", field], "msg": message}
 
 
-def _whole_number(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)  # JSON `true` is no rank
-
-
-def _finite_positive(value: object) -> TypeGuard[int | float]:
-    """A JSON number > 0 that is a finite float (`Infinity` and `NaN` parse; 1e999 is Infinity; an int
-    too large for a float cannot be stored as the adapter's alpha)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return 0 < float(value) < math.inf
-    except OverflowError:
-        return False
-
-
 def _module_names(declared: object) -> list[str] | None:
     """`target_modules` sorted; None unless it is a list of strings (a number or a list among them
     cannot be sorted with the names, nor put in a set)."""
@@ -73,101 +60,58 @@ def _module_names(declared: object) -> list[str] | None:
     return sorted(declared)
 
 
-def _config_problems(config: dict[str, Any], pool: Pool, base_model: str) -> list[dict[str, Any]]:
-    """What is wrong with adapter_config.json's peft_type, r, lora_alpha and target_modules."""
-    problems: list[dict[str, Any]] = []
-    rank, alpha, declared = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
-    if config.get("peft_type") != "LORA":
-        problems.append(_problem("peft_type", f"peft_type is {config.get('peft_type')!r}, not 'LORA'"))
-    if not _whole_number(rank) or not 1 <= rank <= pool.max_rank:
-        problems.append(
-            _problem("r", f"rank r={rank!r} is outside [1, {pool.max_rank}] (the pool's max_rank)")
-        )
-    if not _finite_positive(alpha):
-        problems.append(_problem("lora_alpha", f"lora_alpha={alpha!r} must be a finite number > 0"))
+def _pool_dims(pool: Pool, base_model: str) -> ModuleDims:
+    """The modules of the pool's model as the service knows them: the adaptable module types with
+    their features, and the number of layers (what the pool registered). A module is a known type in
+    a layer the model has (`...layers.<N>.[<block>.]<type>`). The rest of its path (which parent holds
+    the layers, which block holds the module) the service cannot know: a path the model does not have
+    is refused by the pool, when a run starts from the adapter (trainer_core/export.py)."""
+    assert pool.module_shapes is not None and pool.num_layers is not None  # checked by _check
+    shapes, num_layers = pool.module_shapes, pool.num_layers
+
+    def dims(module: str) -> tuple[int, int] | str:
+        m = _MODULE.match(module)
+        if m is None or m.group(2) not in shapes:
+            return (
+                f"its module {module!r} is not one the pool of {base_model!r} adapts "
+                f"(...layers.<N>.<one of {sorted(shapes)}>)"
+            )
+        layer = int(m.group(1))
+        if layer >= num_layers:
+            return f"layer {layer} >= the model's {num_layers}"
+        fan_in, fan_out = shapes[m.group(2)]
+        return fan_in, fan_out
+
+    return dims
+
+
+def _target_modules_problems(
+    config: dict[str, Any], header: dict[str, Any], pool: Pool, base_model: str
+) -> list[dict[str, Any]]:
+    """`target_modules`: a non-empty list of modules the pool adapts, exactly those the weights adapt
+    (the run that starts from the adapter must declare the same; app/runs/init_from.py)."""
+    declared = config.get("target_modules")
     modules = _module_names(declared)
     if modules is None:
-        problems.append(_problem("target_modules", f"target_modules {declared!r} is not a list of names"))
-        return problems
+        return [_problem("target_modules", f"target_modules {declared!r} is not a list of names")]
     unknown = sorted(set(modules) - set(pool.target_modules))
     if not modules or unknown:
-        problems.append(
+        return [
             _problem(
                 "target_modules",
                 f"target_modules {declared!r}: {unknown or 'none'} not adaptable by the pool of "
                 f"{base_model!r} ({pool.target_modules})",
             )
-        )
-    return problems
-
-
-def _weights_problems(
-    header: dict[str, Any], pool: Pool, *, rank: object, modules: list[str]
-) -> list[dict[str, Any]]:
-    """What is wrong with the tensors: each a LoRA factor of an adaptable module, in a layer the model
-    has, of the shape the rank and the module give; together adapting exactly `modules`."""
-    assert pool.module_shapes is not None and pool.num_layers is not None  # checked by _check
-    problems: list[dict[str, Any]] = []
+        ]
     seen: set[str] = set()
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        m = _TENSOR.match(name)
-        if m is None or m.group(2) not in pool.module_shapes:
-            problems.append(
-                _problem(ADAPTER_WEIGHTS, f"tensor {name!r} is not a LoRA factor of an adaptable module")
-            )
-            continue
-        layer, module, factor = int(m.group(1)), m.group(2), m.group(3)
-        seen.add(module)
-        fan_in, fan_out = pool.module_shapes[module]
-        want = [rank, fan_in] if factor == "A" else [fan_out, rank]
-        if layer >= pool.num_layers:
-            problems.append(
-                _problem(ADAPTER_WEIGHTS, f"tensor {name!r}: layer {layer} >= the model's {pool.num_layers}")
-            )
-        elif info.get("dtype") not in FLOAT_DTYPES:
-            problems.append(
-                _problem(
-                    ADAPTER_WEIGHTS,
-                    f"tensor {name!r} has dtype {info.get('dtype')}, not floating point "
-                    f"({', '.join(sorted(FLOAT_DTYPES))})",
-                )
-            )
-        elif info.get("shape") != want:
-            problems.append(
-                _problem(
-                    ADAPTER_WEIGHTS,
-                    f"tensor {name!r} has shape {info.get('shape')}, expected {want} (r={rank})",
-                )
-            )
-    if modules and seen and seen != set(modules):
-        problems.append(
-            _problem("target_modules", f"target_modules {modules} but the weights adapt {sorted(seen)}")
-        )
-    return problems
-
-
-def _pairing_problems(header: dict[str, Any]) -> list[dict[str, Any]]:
-    """A layer (the tensors' name before `.lora_A` / `.lora_B`) with one factor and not the other, or
-    either twice. The shapes of a pair are checked by `_weights_problems`: each against the config's
-    r and the module's dimensions, so the two agree when both pass. Checked here and not left to the
-    pool, which refuses such an adapter only when a run starts from it."""
-    factors: dict[str, list[str]] = {}
     for name in header:
-        if _TENSOR.match(name) is not None:  # the others are refused by `_weights_problems`
-            layer, _, rest = name.rpartition(".lora_")
-            factors.setdefault(layer, []).append(f"lora_{rest[0]}")
-    problems: list[dict[str, Any]] = []
-    for layer, found in factors.items():
-        if sorted(found) != ["lora_A", "lora_B"]:
-            problems.append(
-                _problem(
-                    ADAPTER_WEIGHTS,
-                    f"layer {layer!r} has {sorted(found)}: it needs one lora_A and one lora_B",
-                )
-            )
-    return problems
+        split = split_factor(name)
+        m = _MODULE.match(split[0]) if split is not None else None
+        if m is not None and m.group(2) in (pool.module_shapes or {}):
+            seen.add(m.group(2))
+    if seen and seen != set(modules):
+        return [_problem("target_modules", f"target_modules {modules} but the weights adapt {sorted(seen)}")]
+    return []
 
 
 def _nonfinite_problems(weights: Path) -> list[dict[str, Any]]:
@@ -194,15 +138,17 @@ def _check(
     rank, alpha = config.get("r"), config.get("lora_alpha")
     modules = _module_names(config.get("target_modules")) or []
     header, _ = _read_safetensors_header(staging / ADAPTER_WEIGHTS)
+    header.pop("__metadata__", None)
+    # The pool's own import rules (contracts/peft.py), with what the service knows of its model.
+    shared = adapter_problems(config, header, max_rank=pool.max_rank, dims=_pool_dims(pool, base_model))
     problems = (
-        _config_problems(config, pool, base_model)
-        + _weights_problems(header, pool, rank=rank, modules=modules)
-        + _pairing_problems(header)
+        [_problem(p.field, p.message) for p in shared]
+        + _target_modules_problems(config, header, pool, base_model)
         + _nonfinite_problems(staging / ADAPTER_WEIGHTS)
     )
     return (
-        rank if _whole_number(rank) else 0,
-        float(alpha) if _finite_positive(alpha) else 0.0,
+        rank if whole_number(rank) else 0,
+        float(alpha) if finite_positive(alpha) else 0.0,
         modules,
         problems,
     )

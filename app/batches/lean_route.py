@@ -121,7 +121,10 @@ def _fast_path_request(request: Request) -> _Lean | None:
 
 async def _submit(request: Request, lean: _Lean, body: bytes) -> Response:
     in_flight: InFlight = request.app.state.in_flight
-    in_flight.acquire(lean.tenant_id)  # 429 before anything else, as require_tenant does
+    # 429 before anything else, as require_tenant does (before the documented route reads the body):
+    # this limit bounds the threads a tenant holds, so it is answered before any work, the body's
+    # check included, and it is brief (its requests end), so a client that retries gets the 422 soon.
+    in_flight.acquire(lean.tenant_id)
     try:
         result = await run_in_threadpool(_submit_in_thread, request, lean, body)
     finally:
@@ -138,6 +141,7 @@ def _submit_in_thread(request: Request, lean: _Lean, body: bytes) -> service.Sub
     state = request.app.state
     settings: Settings = state.settings
     runs = ingest_run_cache(state, settings.ingest_run_cache_seconds)
+    full = service.full_runs(state)
     with state.session_factory() as session:
         try:
             run = cached_ingest_run(session, runs, tenant_id=lean.tenant_id, run_id=lean.run_id)
@@ -148,7 +152,7 @@ def _submit_in_thread(request: Request, lean: _Lean, body: bytes) -> service.Sub
                 body=body,
                 msgpack=lean.msgpack,
                 idempotency_key=lean.idempotency_key,
-                full=service.full_runs(state),
+                full=full,
             )
             session.commit()
             if not result.created:

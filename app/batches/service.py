@@ -232,6 +232,14 @@ def submit_batch(
     """
     state = _RunState.of(run)
     config = run_config(run.config)
+    if state.status == RunStatus.ACTIVE and full.get(run.id) is not None:
+        # A run marked full answers 429 before the body is decoded (`_refuse_if_still_full`), and that
+        # 429 lasts until the pool claims its batches: a client told 429 retries, so a batch that can
+        # never be stored would be retried as long, never told what is wrong with it. Its 422 comes
+        # first. The body is in hand already (both routes read it before calling here): this costs a
+        # decode, not the payload's write and fsync that the early 429 spares a run at its limits. A
+        # run that moved keeps its 409 first (it will not take the batch, whatever it holds).
+        ingest(body, msgpack=msgpack, seq_len=config.seq_len, vocab_size=run.vocab_size)
     earlier = _earlier_if_refused_early(
         session, settings, state, full=full, idempotency_key=idempotency_key, body=body, msgpack=msgpack
     )

@@ -4,6 +4,8 @@ weights holding NaN or ±inf, or a layer with one LoRA factor and not the other,
 (the pool refused the latter only when a run started from the adapter). Nothing of a refused upload
 is kept."""
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +14,24 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
 from sqlalchemy import text
 
 from app import migrate
+from app.adapters import upload as upload_module
 from app.adapters import uploads
 from app.adapters.upload import nonfinite_tensors
 from app.config import Settings
 from app.db import make_engine
 from app.main import create_app
+from contracts.peft import FLOAT_DTYPES
 from tests import common
 from tests.app.api import POOL_SPEC, TenantHandle, new_tenant, register
 from tests.app.test_adapters import FILES, _tenant_upload
+from trainer_core.export import export_peft_adapter, import_peft_adapter
+from trainer_core.init_from import module_shapes
+from trainer_core.lora import apply_multi_lora
+from trainer_core.models.tiny import build_model
 
 MIB = 1024 * 1024
 CONFIG: dict[str, Any] = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
@@ -30,7 +39,7 @@ Q_PROJ = "base_model.model.model.layers.{layer}.self_attn.q_proj"
 
 
 def _upload(client: TestClient, tenant: TenantHandle, tensors: dict[str, torch.Tensor], config=CONFIG) -> Any:
-    return _tenant_upload(client, tenant, config, tensors)
+    return _tenant_upload(client, tenant, config, {name: t.clone() for name, t in tensors.items()})
 
 
 def _pair(layer: int = 0, *, rank: int = 4, dims: int = 32, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -197,11 +206,11 @@ def test_a_layer_with_one_factor_is_refused_naming_the_layer(
     layer = Q_PROJ.format(layer=1)
     a_only = _pair() | {f"{layer}.lora_A.weight": torch.randn(4, 32)}
     b_only = _pair() | {f"{layer}.lora_B.weight": torch.randn(32, 4)}
-    twice = _pair() | {f"{Q_PROJ.format(layer=0)}.lora_A": torch.randn(4, 32)}  # with and without .weight
+    # (A factor with and without `.weight`, counted twice here once, is refused by its name now:
+    # test_tensor_names_the_pool_refuses_are_refused_naming_them.)
     for tensors, named, found in (
         (a_only, layer, "['lora_A']"),
         (b_only, layer, "['lora_B']"),
-        (twice, Q_PROJ.format(layer=0), "['lora_A', 'lora_A', 'lora_B']"),
     ):
         r = _upload(client, tenant, tensors)
         assert r.status_code == 422, r.text
@@ -240,6 +249,165 @@ def test_factors_whose_shapes_disagree_are_refused_naming_them(
             r.text,
         )
     assert _kept_on_disk(settings) == {}
+
+
+# --- the pool's import rules (contracts/peft.py) ----------------------------------------------------
+
+
+def _renamed(tensors: dict[str, torch.Tensor], rename: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    return {rename(name): t for name, t in tensors.items()}
+
+
+@pytest.mark.parametrize(
+    "rename",
+    [
+        pytest.param(lambda n: n.removeprefix("base_model.model."), id="no-peft-prefix"),
+        pytest.param(lambda n: "transformer." + n.removeprefix("base_model."), id="another-prefix"),
+        pytest.param(lambda n: n.removesuffix(".weight"), id="no-weight-suffix"),
+        pytest.param(lambda n: n.replace(".weight", ".default.weight"), id="peft-adapter-name-kept"),
+    ],
+)
+def test_tensor_names_the_pool_refuses_are_refused_naming_them(
+    client: TestClient,
+    tenant: TenantHandle,
+    settings: Settings,
+    pool_of_32: None,
+    rename: Callable[[str], str],
+) -> None:
+    """The upload took any prefix before `layers.N` and factors without `.weight`; the pool's import
+    (trainer_core/export.py) refuses both, so a run started from such an adapter was evicted."""
+    layer_1 = _pair(1)
+    tensors = _pair() | _renamed(layer_1, rename)  # both factors renamed: they still pair
+    r = _upload(client, tenant, tensors)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_adapter", error
+    for name in layer_1:
+        assert f"unexpected tensor {rename(name)!r}" in error["message"], error
+    assert [d["loc"] for d in error["details"]] == [["body", FILES[1]]] * 2, error
+    assert _kept_on_disk(settings) == {}
+    assert client.get("/v1/adapters", headers=tenant.headers).json()["items"] == []
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"use_rslora": True}, "use_rslora"),
+        ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"bias": "lora_only"}, "bias"),
+        ({"lora_dropout": 1.5}, "lora_dropout"),
+        ({"lora_dropout": "0.1"}, "lora_dropout"),
+    ],
+)
+def test_config_features_the_pool_refuses_are_refused_by_field(
+    client: TestClient,
+    tenant: TenantHandle,
+    settings: Settings,
+    pool_of_32: None,
+    change: dict[str, Any],
+    field: str,
+) -> None:
+    """Settings a slot cannot represent (DoRA, per-module ranks, ...) were kept; the pool refused them."""
+    r = _upload(client, tenant, _pair() | _pair(1), config=CONFIG | change)
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_adapter" and [d["loc"] for d in error["details"]] == [["body", field]], (
+        error
+    )
+    assert _kept_on_disk(settings) == {}
+    # PEFT writes the defaults of those settings: they pass.
+    defaults = {
+        "use_dora": False,
+        "rank_pattern": {},
+        "modules_to_save": None,
+        "bias": "none",
+        "lora_dropout": 0.05,
+    }
+    assert _upload(client, tenant, _pair() | _pair(1), config=CONFIG | defaults).status_code == 201
+
+
+def _adapter_dir(path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
+    path.mkdir()
+    (path / FILES[0]).write_text(json.dumps(config))
+    save_file({name: t.clone() for name, t in tensors.items()}, path / FILES[1])  # none share memory
+    return path
+
+
+def test_the_upload_and_the_pools_import_agree(
+    client: TestClient, tenant: TenantHandle, settings: Settings, tmp_path: Path
+) -> None:
+    """Each adapter a real pool's import (trainer_core/export.py) refuses is refused at the upload,
+    and each it loads is kept: the two share their rules (contracts/peft.py). Two kinds the service
+    cannot know are left to the pool, named below."""
+    targets = POOL_SPEC["target_modules"]
+    handle = apply_multi_lora(build_model("llama", seed=0), targets, n_slots=2, max_rank=8)
+    register(client, module_shapes=module_shapes(handle), num_layers=2, max_rank=8)
+    handle.configure_slot(0, rank=4, alpha=8.0)
+    exported = export_peft_adapter(handle, 0, tmp_path / "exported", base_model_name_or_path="tiny")
+    config = json.loads((exported / FILES[0]).read_text())
+    tensors = load_file(exported / FILES[1])
+    q0 = "base_model.model.model.layers.0.self_attn.q_proj"
+
+    def without(name: str) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in tensors.items() if k != name}
+
+    cases: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {
+        "as exported": (config, tensors),
+        "rank above max_rank": (config | {"r": 9}, tensors),
+        "dora": (config | {"use_dora": True}, tensors),
+        "dropout of 1": (config | {"lora_dropout": 1.0}, tensors),
+        "no peft prefix": (config, {k.removeprefix("base_model.model."): v for k, v in tensors.items()}),
+        "no .weight": (config, {k.removesuffix(".weight"): v for k, v in tensors.items()}),
+        "one factor": (config, without(f"{q0}.lora_B.weight")),
+        "a module the model lacks": (
+            config,
+            tensors | {k.replace("q_proj", "qkv_proj"): v for k, v in tensors.items() if "q_proj" in k},
+        ),
+        "a layer the model lacks": (
+            config,
+            tensors
+            | {k.replace("layers.0.", "layers.2."): v for k, v in tensors.items() if "layers.0." in k},
+        ),
+        "integer factors": (config, tensors | {f"{q0}.lora_A.weight": tensors[f"{q0}.lora_A.weight"].int()}),
+        "transposed": (
+            config,
+            tensors | {f"{q0}.lora_A.weight": tensors[f"{q0}.lora_A.weight"].T.contiguous()},
+        ),
+        "rank other than r": (config | {"r": 2}, tensors),
+    }
+    # What only the pool can tell: the full path of a module (the service knows the module types and
+    # the number of layers the pool registered, not the parents of the layers) and, the pool's import
+    # being strict, a wrapped module the adapter lacks.
+    pool_only: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {
+        "layers under another parent": (
+            config,
+            {k.replace(".model.model.", ".model.decoder."): v for k, v in tensors.items()},
+        ),
+        "a wrapped module lacking": (
+            config,
+            {k: v for k, v in tensors.items() if "layers.1.self_attn.k_proj" not in k},
+        ),
+    }
+    for what, (cfg, weights) in (cases | pool_only).items():
+        directory = _adapter_dir(tmp_path / what.replace(" ", "-"), cfg, weights)
+        try:
+            import_peft_adapter(handle, 1, directory)
+            pool_error = None
+        except ValueError as exc:
+            pool_error = str(exc)
+        upload = _upload(client, tenant, weights, config=cfg)
+        if what in pool_only:
+            assert pool_error is not None and upload.status_code == 201, (what, upload.text)
+        elif pool_error is None:
+            assert upload.status_code == 201, (what, upload.text)
+        else:
+            assert upload.status_code == 422, (what, pool_error, upload.text)
+
+
+def test_every_dtype_the_pool_loads_is_scanned_for_nan() -> None:
+    assert frozenset(upload_module._NONFINITE_BITS) == FLOAT_DTYPES
 
 
 # --- migration ---------------------------------------------------------------------------------------

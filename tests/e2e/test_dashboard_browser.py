@@ -4,19 +4,26 @@ worker pool training the run while the page is open."""
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.config import Settings
+from app.db import utcnow
 from app.errors import RateLimited
+from app.events import router as events_router
 from app.events.router import event_stream
 from app.main import create_app
+from app.retention import purge_deleted_runs
 from app.ui import router as ui_router
 from tests.app.api import ADMIN_HEADERS, LiveServer
+from tests.app.factories import committed
 from tests.e2e.conftest import LiveService
 from tests.e2e.helpers import MODEL_CACHE, kill_pool, run_config, run_status, start_pool, synthetic_batch
 
@@ -172,6 +179,22 @@ def test_dashboard_in_chromium(live_service: LiveService, browser: webdriver.Chr
     bob.close()
 
 
+def _sign_in_and_open_a_run(
+    browser: webdriver.Chrome, url: str, http: httpx.Client
+) -> tuple[str, dict[str, str]]:
+    """A new tenant signs in and opens the page of a new run; returns the run's id and the API headers."""
+    tenant = http.post("/v1/tenants", json={"name": "alice"}, headers=ADMIN_HEADERS).json()
+    key = http.post(f"/v1/tenants/{tenant['id']}/keys", headers=ADMIN_HEADERS).json()["key"]
+    auth = {"Authorization": f"Bearer {key}"}
+    run_id = http.post("/v1/runs", json={"name": "r"}, headers=auth).json()["id"]
+    browser.get(f"{url}/ui/login")
+    browser.find_element(By.ID, "key").send_keys(key)
+    browser.find_element(By.ID, "sign-in").click()
+    WebDriverWait(browser, 30, poll_frequency=0.2).until(lambda d: d.current_url.endswith("/ui/runs"))
+    browser.get(f"{url}/ui/runs/{run_id}")
+    return run_id, auth
+
+
 # The run page's live updates survive a refused event stream: the stream route answers 429 when the
 # tenant has all its requests or streams in flight, and a browser's EventSource gives up for good on
 # any non-200 answer, so the page stopped updating until reloaded (review). app/ui/static/run.js opens
@@ -190,17 +213,8 @@ def test_the_run_page_reconnects_after_a_refused_stream(
 
     monkeypatch.setattr(ui_router, "event_stream", busy_first)
     with LiveServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=30) as http:
-        tenant = http.post("/v1/tenants", json={"name": "alice"}, headers=ADMIN_HEADERS).json()
-        key = http.post(f"/v1/tenants/{tenant['id']}/keys", headers=ADMIN_HEADERS).json()["key"]
-        auth = {"Authorization": f"Bearer {key}"}
-        run_id = http.post("/v1/runs", json={"name": "r"}, headers=auth).json()["id"]
-
-        browser.get(f"{server.url}/ui/login")
-        browser.find_element(By.ID, "key").send_keys(key)
-        browser.find_element(By.ID, "sign-in").click()
+        run_id, auth = _sign_in_and_open_a_run(browser, server.url, http)
         wait = WebDriverWait(browser, 30, poll_frequency=0.2)
-        wait.until(lambda d: d.current_url.endswith("/ui/runs"))
-        browser.get(f"{server.url}/ui/runs/{run_id}")
         wait.until(lambda _: len(calls) >= 1)  # the page's first stream: refused
         assert browser.find_element(By.ID, "status").text == "active"
 
@@ -208,3 +222,114 @@ def test_the_run_page_reconnects_after_a_refused_stream(
         evicted = http.post(f"/v1/runs/{run_id}/evict", json={"reason": "seen live"}, headers=auth)
         assert evicted.status_code == 200, evicted.text
         wait.until(lambda d: d.find_element(By.ID, "status").text == "evicted")
+
+
+class _RequestLog:
+    """Records the path of every HTTP request the app is asked (the browser's, the test's own)."""
+
+    def __init__(self, app: ASGIApp, *, paths: list[str]) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            self.paths.append(scope["path"])
+        await self.app(scope, receive, send)
+
+
+STREAM_SECONDS = 2.0
+"""How long the service keeps a stream open here (an hour in production): as it ends each, the
+browser opens it again by itself, so a page that still follows a run asks for its stream every few
+seconds, and one that stopped asks nothing."""
+
+
+@pytest.fixture
+def logged_service(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[LiveServer, list[str]]]:
+    monkeypatch.setattr(events_router, "SSE_MAX_SECONDS", STREAM_SECONDS)
+    paths: list[str] = []
+    app = create_app(settings)
+    app.add_middleware(_RequestLog, paths=paths)
+    with LiveServer(app) as server:
+        yield server, paths
+
+
+def _gone_notice(driver: webdriver.Chrome) -> str | None:
+    notice = driver.find_element(By.ID, "gone")
+    return notice.text if notice.is_displayed() else None
+
+
+def _asks_no_more(paths: list[str], stream: str) -> None:
+    """No request for the stream (or about it) while several streams would have ended and been opened again."""
+    before = paths.count(stream)
+    time.sleep(3 * STREAM_SECONDS + 4)
+    assert paths.count(stream) == before, f"{paths.count(stream) - before} more requests for {stream}"
+
+
+# A deleted run's stream went on being polled, and opened again whenever the service ended it, for as
+# long as the page stayed open, and the page did not say the run was gone (review).
+def test_the_run_page_stops_following_a_run_deleted_while_it_is_open(
+    logged_service: tuple[LiveServer, list[str]], browser: webdriver.Chrome
+) -> None:
+    server, paths = logged_service
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        run_id, auth = _sign_in_and_open_a_run(browser, server.url, http)
+        stream = f"/ui/runs/{run_id}/events"
+        wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+        wait.until(lambda _: paths.count(stream) >= 2)  # following the run: opened again as each ends
+        assert _gone_notice(browser) is None
+
+        assert http.delete(f"/v1/runs/{run_id}", headers=auth).status_code == 200
+        assert wait.until(_gone_notice) == "This run was deleted."
+        assert browser.find_element(By.ID, "status").text == "deleted"
+        _asks_no_more(paths, stream)
+
+        # Opened again later, the page of the deleted run says so and opens no stream.
+        browser.refresh()
+        assert wait.until(_gone_notice) == "This run was deleted."
+        _asks_no_more(paths, stream)
+
+
+# A stream refused with a 404 (the run's row gone) was asked for again every 2 s, 4 s, ... up to every
+# 60 s for as long as the page stayed open: an EventSource cannot see the status, so the page asks with
+# a plain request when its stream is refused, and stops on a 404 saying why (review). A deleted run's
+# row stays until the sweeper purges it (LORALOOM_DELETED_RUN_RETENTION_SECONDS after the deletion);
+# a page that followed the run saw its deletion (above), so here the page's streams are refused (429)
+# from before the deletion until after the purge, which runs as the sweeper would run it then.
+def test_the_run_page_stops_retrying_a_stream_answered_404(
+    logged_service: tuple[LiveServer, list[str]],
+    browser: webdriver.Chrome,
+    settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    refusing: list[bool] = []
+    real = event_stream
+
+    def refused_once_busy(*args: Any, **kwargs: Any) -> Any:
+        if refusing:
+            raise RateLimited("this tenant has 16 live event streams open", retry_after=1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ui_router, "event_stream", refused_once_busy)
+    server, paths = logged_service
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        run_id, auth = _sign_in_and_open_a_run(browser, server.url, http)
+        stream = f"/ui/runs/{run_id}/events"
+        wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+        wait.until(lambda _: paths.count(stream) >= 1)
+        refusing.append(True)
+        asked = paths.count(stream)
+        wait.until(lambda _: paths.count(stream) >= asked + 2)  # the stream ended, refused since
+
+        assert http.delete(f"/v1/runs/{run_id}", headers=auth).status_code == 200
+        retention = settings.deleted_run_retention_seconds
+        with committed(settings) as session:
+            later = utcnow() + timedelta(seconds=retention + 1)
+            assert purge_deleted_runs(session, now=later, retention_seconds=retention).runs == [run_id]
+        assert http.get(f"/v1/runs/{run_id}", headers=auth).status_code == 404
+        assert (
+            wait.until(_gone_notice)
+            == "This run no longer exists: it was deleted. Nothing more will happen here."
+        )
+        _asks_no_more(paths, stream)

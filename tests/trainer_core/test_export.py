@@ -1,6 +1,7 @@
 """PEFT export / import of one slot: peft loads it unchanged and gives the trainer's logits."""
 
 import json
+import re
 import tarfile
 from io import BytesIO
 from pathlib import Path
@@ -164,7 +165,9 @@ def test_import_of_a_subset_adapter_is_strict_unless_asked(tmp_path: Path) -> No
 def test_import_rejects_wrong_shapes(tmp_path: Path) -> None:
     out = export_peft_adapter(trained_handle("llama"), 1, tmp_path / "a", base_model_name_or_path="tiny")
     wider = apply_multi_lora(build_model("llama", seed=0, hidden_size=32), TARGETS, n_slots=2, max_rank=8)
-    with pytest.raises(ValueError, match="expects lora_A"):
+    with pytest.raises(
+        ValueError, match=r"has shape \[4, 64\], expected \[4, 32\] \(r=4\).* \(and 17 more\)"
+    ):
         import_peft_adapter(wider, 0, out)
 
 
@@ -181,3 +184,36 @@ def test_import_rejects_unsupported_features_and_foreign_keys(tmp_path: Path) ->
     save_file(tensors, out / ADAPTER_WEIGHTS)
     with pytest.raises(ValueError, match="unexpected tensor"):
         import_peft_adapter(handle, 0, out)
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"lora_alpha": 0}, "lora_alpha=0 must be a finite number > 0"),
+        ({"lora_dropout": 1.0}, "lora_dropout=1.0 must be a number in [0, 1)"),
+        ({"r": 4.0}, "rank r=4.0 is outside"),
+        ({"bias": "all"}, "unsupported adapter features: bias='all'"),
+    ],
+)
+def test_import_refuses_configs_the_upload_refuses(tmp_path: Path, change: dict, problem: str) -> None:
+    """The pool's import and the service's upload check share their rules and messages
+    (contracts/peft.py). Before, the pool took a rank of 4.0 (and integer factors, below), and refused
+    an alpha of 0 or a dropout of 1 only from configure_slot, in words the upload did not use."""
+    handle = trained_handle("llama")
+    out = export_peft_adapter(handle, 1, tmp_path / "a", base_model_name_or_path="tiny")
+    config = json.loads((out / ADAPTER_CONFIG).read_text())
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config | change))
+    before = handle.slot_state_dict(0)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        import_peft_adapter(handle, 0, out)
+    assert all(torch.equal(v, handle.slot_state_dict(0)[k]) for k, v in before.items())  # untouched
+
+
+def test_import_refuses_factors_that_are_not_floats_naming_them(tmp_path: Path) -> None:
+    out = export_peft_adapter(trained_handle("llama"), 1, tmp_path / "a", base_model_name_or_path="tiny")
+    tensors = load_file(out / ADAPTER_WEIGHTS)
+    name = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, out / ADAPTER_WEIGHTS)
+    with pytest.raises(ValueError, match=re.escape(f"tensor {name!r} has dtype I32, not floating point")):
+        import_peft_adapter(trained_handle("llama"), 0, out)

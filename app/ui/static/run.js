@@ -67,27 +67,69 @@
     "checkpoint.committed", "run.evicted", "run.completed", "run.failed", "run.deleted", "run.restart_from_checkpoint"];
   // The browser reconnects by itself after a dropped stream (with Last-Event-ID), but gives up for
   // good on a refusal: a 429 when the tenant has all its requests or streams in flight. So a closed
-  // source is opened again here, after a growing pause, from the last event it delivered.
+  // source is opened again here, after a growing pause, from the last event it delivered; unless the
+  // run is gone or the session ended, which no retry mends: then the page says so and stops.
+  const streamUrl = "/ui/runs/" + data.run_id + "/events";
   let cursor = data.cursor;
   let retryMs = 2000;
+  let source = null;
+  let stopped = false;
+
+  function stop(message) {
+    stopped = true;
+    if (source) source.close();
+    const notice = document.getElementById("gone");
+    notice.textContent = message;
+    notice.hidden = false;
+  }
+
   function connect() {
-    const url = "/ui/runs/" + data.run_id + "/events" + (cursor ? "?cursor=" + encodeURIComponent(cursor) : "");
-    const source = new EventSource(url);
+    if (stopped) return;
+    source = new EventSource(streamUrl + (cursor ? "?cursor=" + encodeURIComponent(cursor) : ""));
     for (const name of actions) {
       source.addEventListener(name, (msg) => {
         if (msg.lastEventId) cursor = msg.lastEventId;
         retryMs = 2000;
-        onEvent(JSON.parse(msg.data));
+        const ev = JSON.parse(msg.data);
+        onEvent(ev);
+        // Nothing happens to a deleted run any more: its stream would only be polled (and opened
+        // again by the browser whenever the server ends it) for as long as the page stays open.
+        if (ev.action === "run.deleted") stop("This run was deleted.");
       });
     }
     source.onerror = () => {
-      if (source.readyState === EventSource.CLOSED) {
-        setTimeout(connect, retryMs);
-        retryMs = Math.min(retryMs * 2, 60000);
-      }
+      if (source.readyState === EventSource.CLOSED && !stopped) later();
     };
   }
-  connect();
+
+  function later() {
+    setTimeout(reconnect, retryMs);
+    retryMs = Math.min(retryMs * 2, 60000);
+  }
+
+  // An EventSource cannot see why it was refused, so a plain request to its URL asks first. Its
+  // cursor is not one: the route answers as it would answer the stream up to the cursor's check
+  // (a 404 for a run that is gone, a redirect to the sign-in page for a session that ended, a 429
+  // for a busy tenant) and then a 422, never a stream that would hold one of the tenant's stream
+  // places (app/events/router.py start_of checks the cursor before the stream starts).
+  async function reconnect() {
+    let status = 0;
+    try {
+      const answer = await fetch(streamUrl + "?cursor=probe", {
+        redirect: "manual", cache: "no-store", headers: { Accept: "application/json" },
+      });
+      status = answer.type === "opaqueredirect" ? 303 : answer.status;
+    } catch (e) {
+      status = 0;  // no answer (offline, the service restarting): try again later
+    }
+    if (status === 404) stop("This run no longer exists: it was deleted. Nothing more will happen here.");
+    else if (status === 303 || status === 401) stop("You are signed out: sign in again to follow this run.");
+    else if (status === 429 || status === 0 || status >= 500) later();
+    else connect();
+  }
+
+  if (data.status === "deleted") stop("This run was deleted.");
+  else connect();
 
   const form = document.getElementById("evict-form");
   if (form) {

@@ -1,0 +1,178 @@
+"""The PEFT LoRA adapters the pool can import (trainer_core/export.py `import_peft_adapter`), checked
+on their `adapter_config.json` and the header of their `adapter_model.safetensors` alone: names,
+dtypes and shapes, no tensor data, no torch. The service runs the same checks on an uploaded adapter
+(POST /v1/adapters, app/adapters/uploads.py), so that what the pool would refuse is a 422 naming the
+tensor when the adapter is uploaded, not a run evicted when it starts from it.
+
+    adapter_model.safetensors    base_model.model.<module>.lora_A.weight  (r, in_features)
+                                 base_model.model.<module>.lora_B.weight  (out_features, r)
+
+Whether `<module>` exists in the base model, and its features, is for the caller to say
+(`ModuleDims`): the pool knows its wrapped layers by name; the service only what the pool registered
+(the adaptable module types, their features, the number of layers).
+"""
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TypeGuard
+
+from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+PEFT_PREFIX = "base_model.model."
+"""PEFT wraps the causal LM in `base_model.model`: every tensor's name starts so."""
+
+FACTOR_SUFFIXES = {".lora_A.weight": "lora_A", ".lora_B.weight": "lora_B"}
+
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64", "F8_E5M2", "F8_E4M3"})
+"""The safetensors dtypes a LoRA factor may have: the pool trains float weights only."""
+
+UNSUPPORTED_FEATURES = (
+    "use_dora",
+    "use_rslora",
+    "fan_in_fan_out",
+    "rank_pattern",
+    "alpha_pattern",
+    "modules_to_save",
+)
+"""PEFT options a slot cannot represent (one rank and alpha for every module, plain A and B): set to
+anything but false, null or empty, the adapter is refused."""
+
+ModuleDims = Callable[[str], tuple[int, int] | str]
+"""A module's qualified name in the base model ("model.layers.0.self_attn.q_proj") → its
+(in_features, out_features), or why the model has no such module to adapt."""
+
+
+@dataclass(frozen=True)
+class AdapterProblem:
+    field: str
+    """The key of adapter_config.json at fault ("r", "lora_alpha", ...), or ADAPTER_WEIGHTS for a tensor."""
+    message: str
+    """Names the tensor (or the module) and says what is wrong."""
+
+
+def split_factor(name: str) -> tuple[str, str] | None:
+    """(module, "lora_A" | "lora_B") of a tensor named as the pool exports and imports them; None for
+    any other name (another prefix, no `.weight` suffix, not a LoRA factor)."""
+    if not name.startswith(PEFT_PREFIX):
+        return None
+    for suffix, factor in FACTOR_SUFFIXES.items():
+        if name.endswith(suffix) and len(name) > len(PEFT_PREFIX) + len(suffix):
+            return name[len(PEFT_PREFIX) : -len(suffix)], factor
+    return None
+
+
+def whole_number(value: object) -> TypeGuard[int]:
+    """A JSON integer (`true` parses as a bool, which Python counts as an int: no rank)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def finite_positive(value: object) -> TypeGuard[int | float]:
+    """A JSON number > 0 that is a finite float (`Infinity` and `NaN` parse; 1e999 is Infinity; an
+    integer too large for a float is no alpha)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return 0 < float(value) < math.inf
+    except OverflowError:
+        return False
+
+
+def _is_dropout(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 <= value < 1
+
+
+def config_problems(config: object, *, max_rank: int) -> list[AdapterProblem]:
+    """What in adapter_config.json the pool cannot load: not LoRA, a feature a slot cannot represent,
+    a rank outside [1, max_rank], an alpha that is not a finite positive number, a dropout outside [0, 1)."""
+    if not isinstance(config, Mapping):
+        return [AdapterProblem("body", f"{ADAPTER_CONFIG} must be a JSON object")]
+    problems: list[AdapterProblem] = []
+    if config.get("peft_type") != "LORA":
+        problems.append(AdapterProblem("peft_type", f"peft_type is {config.get('peft_type')!r}, not 'LORA'"))
+    used = [key for key in UNSUPPORTED_FEATURES if config.get(key)]
+    if config.get("bias", "none") != "none":
+        used.append("bias")
+    for key in used:
+        problems.append(
+            AdapterProblem(
+                key, f"unsupported adapter features: {key}={config[key]!r} (a slot is a plain LoRA)"
+            )
+        )
+    rank = config.get("r")
+    if not whole_number(rank) or not 1 <= rank <= max_rank:
+        problems.append(
+            AdapterProblem("r", f"rank r={rank!r} is outside [1, {max_rank}] (the pool's max_rank)")
+        )
+    alpha = config.get("lora_alpha")
+    if not finite_positive(alpha):
+        problems.append(AdapterProblem("lora_alpha", f"lora_alpha={alpha!r} must be a finite number > 0"))
+    if "lora_dropout" in config and not _is_dropout(config["lora_dropout"]):
+        problems.append(
+            AdapterProblem(
+                "lora_dropout", f"lora_dropout={config['lora_dropout']!r} must be a number in [0, 1)"
+            )
+        )
+    return problems
+
+
+def weights_problems(header: Mapping[str, object], *, rank: object, dims: ModuleDims) -> list[AdapterProblem]:
+    """What in the safetensors header (name → {"dtype", "shape", ...}; `__metadata__` skipped) the pool
+    cannot load: a name not of a LoRA factor, a module `dims` does not know, a dtype that is not
+    floating point, a shape other than A (r, in) and B (out, r) with the config's `rank` (not checked
+    when the rank is not a whole number: that is the config's problem), a module with one factor and
+    not the other. One problem per tensor, in the header's order, then one per unpaired module."""
+    problems: list[AdapterProblem] = []
+    factors: dict[str, list[str]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        split = split_factor(name)
+        if split is None:
+            problems.append(
+                _weights(
+                    f"unexpected tensor {name!r} (expected {PEFT_PREFIX}<module>.lora_A.weight or "
+                    f"{PEFT_PREFIX}<module>.lora_B.weight)"
+                )
+            )
+            continue
+        module, factor = split
+        factors.setdefault(module, []).append(factor)
+        found = dims(module)
+        dtype = info.get("dtype") if isinstance(info, Mapping) else None
+        shape = info.get("shape") if isinstance(info, Mapping) else None
+        if isinstance(found, str):
+            problems.append(_weights(f"tensor {name!r}: {found}"))
+        elif dtype not in FLOAT_DTYPES:
+            problems.append(
+                _weights(
+                    f"tensor {name!r} has dtype {dtype}, not floating point ({', '.join(sorted(FLOAT_DTYPES))})"
+                )
+            )
+        elif whole_number(rank):
+            fan_in, fan_out = found
+            want = [rank, fan_in] if factor == "lora_A" else [fan_out, rank]
+            if shape != want:
+                problems.append(_weights(f"tensor {name!r} has shape {shape}, expected {want} (r={rank})"))
+    for module, found_factors in factors.items():
+        if sorted(found_factors) != ["lora_A", "lora_B"]:
+            problems.append(
+                _weights(
+                    f"layer {PEFT_PREFIX + module!r} has {sorted(found_factors)}: it needs one lora_A and one lora_B"
+                )
+            )
+    return problems
+
+
+def adapter_problems(
+    config: object, header: Mapping[str, object], *, max_rank: int, dims: ModuleDims
+) -> list[AdapterProblem]:
+    """Every problem `config_problems` and `weights_problems` find (an empty list: the pool can load
+    the adapter into a model whose modules `dims` describes, strictness about the modules it lacks
+    aside)."""
+    rank = config.get("r") if isinstance(config, Mapping) else None
+    return config_problems(config, max_rank=max_rank) + weights_problems(header, rank=rank, dims=dims)
+
+
+def _weights(message: str) -> AdapterProblem:
+    return AdapterProblem(ADAPTER_WEIGHTS, message)
