@@ -16,6 +16,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,16 +117,22 @@ def export_peft_adapter(
 
 
 def import_peft_adapter(
-    handle: MultiLoRA, slot: int, adapter_dir: str | os.PathLike[str], *, strict: bool = True
+    handle: MultiLoRA,
+    slot: int,
+    adapter_dir: str | os.PathLike[str],
+    *,
+    strict: bool = True,
+    target_modules: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Load a PEFT LoRA adapter directory into `slot` (warm start, resume); configures the slot.
+    """Load a PEFT LoRA adapter directory into `slot` (warm start, resume); configures the slot,
+    for `target_modules` (the run's; None: every module the handle wraps).
 
     Returns {"rank", "alpha", "dropout", "target_modules", "base_model_name_or_path"}. Errors on
     adapter features a slot cannot represent (DoRA, rsLoRA, per-module ranks, bias, extra
     modules), rank above max_rank, tensors named otherwise than PEFT names them, modules the handle
     does not wrap, dtypes that are not floating point, wrong shapes (the rules of contracts/peft.py,
     which the service also checks an uploaded adapter by), and — when
-    `strict` — on wrapped modules the adapter lacks (with `strict=False` those start as a
+    `strict` — on modules of the slot the adapter lacks (with `strict=False` those start as a
     fresh adapter in this slot: A Kaiming-uniform, B = 0, a zero delta that can still learn). Nothing is changed unless every check passes.
     """
     path = Path(adapter_dir)
@@ -149,13 +156,18 @@ def import_peft_adapter(
         split = split_factor(key)
         assert split is not None  # every name was checked above
         by_module.setdefault(split[0], {})[split[1]] = tensor
-    missing = sorted(handle.layers.keys() - by_module.keys())
+    # The slot's layers: a run that adapts only some of the wrapped modules imports only those.
+    wanted = handle.target_modules if target_modules is None else tuple(target_modules)
+    layers = {name: layer for name, layer in handle.layers.items() if name.rpartition(".")[2] in wanted}
+    if outside := sorted(by_module.keys() - layers.keys()):
+        raise ValueError(f"{path}: adapter adapts modules outside the run's target_modules: {outside[:5]}")
+    missing = sorted(layers.keys() - by_module.keys())
     if missing and strict:
         raise ValueError(
             f"{path}: adapter lacks wrapped modules {missing[:5]} (pass strict=False to start them fresh)"
         )
     state: dict[str, Tensor] = {}
-    for name, layer in handle.layers.items():
+    for name, layer in layers.items():
         factors = by_module.get(name)
         if factors is None:
             a, b = torch.zeros(rank, layer.in_features), torch.zeros(layer.out_features, rank)
@@ -167,7 +179,7 @@ def import_peft_adapter(
                 f"{(layer.out_features, rank)} (r={rank}), got {tuple(a.shape)} and {tuple(b.shape)}"
             )
         state[f"{name}.lora_A"], state[f"{name}.lora_B"] = a, b
-    handle.configure_slot(slot, rank=rank, alpha=alpha, dropout=dropout)
+    handle.configure_slot(slot, rank=rank, alpha=alpha, dropout=dropout, target_modules=wanted)
     handle.load_slot_state_dict(slot, state)
     # Modules the adapter lacks start as a fresh (identity) adapter rather than A = B = 0, which
     # would never get a gradient; seeded, so that an import is reproducible.

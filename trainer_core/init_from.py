@@ -62,13 +62,21 @@ def load_initial_weights(
             if spec is not None and spec.checkpoint is None:
                 with tempfile.TemporaryDirectory(prefix=f"{run_id}-init-") as tmp:
                     if source.fetch_init_adapter(run_id, Path(tmp)):
-                        import_peft_adapter(lora, slot, tmp)
+                        import_peft_adapter(lora, slot, tmp, target_modules=config.lora.target_modules)
                         shared["state"] = lora.slot_state_dict(slot)
         except (ValueError, KeyError, OSError, ApiError) as exc:
             shared["error"] = f"{type(exc).__name__}: {exc}"
     shared = broadcast_from_master(shared, world)
-    # The run's own dropout (its rank and alpha are the source's: the service checked them).
-    lora.configure_slot(slot, rank=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout)
+    # The run's own dropout (its rank and alpha are the source's: the service checked them), and its
+    # own modules: without them every module the pool wraps was enabled again for every fresh run,
+    # undoing admit_slot's mask (a run asking for q_proj, v_proj trained and exported all of them).
+    lora.configure_slot(
+        slot,
+        rank=config.lora.rank,
+        alpha=config.lora.alpha,
+        dropout=config.lora.dropout,
+        target_modules=config.lora.target_modules,
+    )
     out = InitialWeights(error=shared["error"])
     if shared["state"] is not None and source is None:
         lora.load_slot_state_dict(slot, shared["state"])
