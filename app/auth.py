@@ -17,11 +17,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from starlette.datastructures import State
 
 from app.config import Settings
 from app.db import SessionDep
 from app.errors import Forbidden, RateLimited, Unauthorized, raises
-from app.key_cache import CachedKey, key_cache
+from app.key_cache import CachedKey, key_cache, key_miss_cache
 from app.limits import InFlight
 from app.tenants.models import ApiKey
 
@@ -98,22 +99,42 @@ def _wrong_role(role: str) -> Forbidden:
 # the admin key on a pool route, the worker token on an admin route).
 
 
+INVALID_KEY = "invalid or revoked API key"
+
+
+def cached_key(state: State, digest: str) -> CachedKey | None:
+    """What the key caches say of the key with this hash (app/key_cache.py): its tenant and id (a
+    valid key looked up in the last few seconds: the revocation bound), or None (not known: look it
+    up). A key found unknown or revoked within `api_key_miss_cache_seconds` is refused (Unauthorized)."""
+    settings: Settings = state.settings
+    if (hit := key_cache(state, settings.api_key_cache_seconds).get(digest)) is not None:
+        return hit
+    if key_miss_cache(state, settings.api_key_miss_cache_seconds).get(digest):
+        raise Unauthorized(INVALID_KEY)
+    return None
+
+
+def known_key(state: State, session: Session, digest: str) -> CachedKey:
+    """The tenant and id of the valid key with this hash (401 if there is none), from the caches or
+    the database; what the database says is cached either way."""
+    if (hit := cached_key(state, digest)) is not None:
+        return hit
+    settings: Settings = state.settings
+    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
+    if key is None or key.revoked_at is not None:
+        key_miss_cache(state, settings.api_key_miss_cache_seconds).put(digest, True)
+        raise Unauthorized(INVALID_KEY)
+    found = CachedKey(tenant_id=key.tenant_id, api_key_id=key.id)
+    key_cache(state, settings.api_key_cache_seconds).put(digest, found)
+    return found
+
+
 @raises(Unauthorized, RateLimited)
 def require_tenant(
     request: Request, session: SessionDep, _: Annotated[_Credentials, Security(TENANT_SCHEME)]
 ) -> Iterator[TenantPrincipal]:
-    token = bearer_token(request)
-    digest = hash_key(token)
-    # A valid key looked up in the last few seconds is trusted (app/key_cache.py: the revocation bound).
-    cache = key_cache(request.app.state, request.app.state.settings.api_key_cache_seconds)
-    if (hit := cache.get(digest)) is not None:
-        yield from counted(request, TenantPrincipal(tenant_id=hit.tenant_id, api_key_id=hit.api_key_id))
-        return
-    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
-    if key is None or key.revoked_at is not None:
-        raise Unauthorized("invalid or revoked API key")
-    cache.put(digest, CachedKey(tenant_id=key.tenant_id, api_key_id=key.id))
-    yield from counted(request, TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id))
+    key = known_key(request.app.state, session, hash_key(bearer_token(request)))
+    yield from counted(request, TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.api_key_id))
 
 
 def counted(request: Request, principal: TenantPrincipal) -> Iterator[TenantPrincipal]:

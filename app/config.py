@@ -52,12 +52,26 @@ class Settings(BaseSettings):
 
     max_small_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     """Largest body of the routes that carry no bulk data (all but rollout batches, adapter uploads,
-    the pool's routes and the Tinker API: tenants, keys, run configs, evictions, the dashboard's
-    forms); larger bodies get a 413. Checked before authentication, like `max_body_bytes`."""
+    the pool's Tinker results and Tinker's forward_backward and asample: tenants, keys, run configs,
+    evictions, the pool's and the Tinker API's other routes, the dashboard's forms); larger bodies
+    get a 413. Checked before authentication, like `max_body_bytes` (app/request_guard.py)."""
 
     body_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     """A request body must arrive whole within this many seconds of the headers, else 408.
     Bodies are read before any database work, so a slow client holds a socket, not a connection."""
+
+    header_timeout_seconds: float = Field(default=15.0, gt=0, le=3600)
+    """A request's line and headers must arrive whole within this many seconds, else 408 (nothing
+    arrived yet: the connection is closed without an answer). Counted from the connection's opening,
+    and on a kept-alive connection from the next request's first byte (until then the connection is
+    idle: closed after the keep-alive timeout, 5 s). Headers sent in part and then left held a
+    connection for ever (enough of them use up the service's file descriptors)."""
+
+    max_buffered_body_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
+    """Request-body bytes the service holds at once while bodies are arriving (per service process;
+    a body stops counting once it arrived whole, or when its request ends). A body that would take
+    the total past it gets a 503 + Retry-After; a body alone is always taken (up to its route's
+    limit), so the bound is this or one `max_body_bytes` body, whichever is larger."""
 
     tenant_max_in_flight: int = Field(default=16, ge=1, le=100_000)
     """Requests of one tenant handled at once (per service process); more get a 429 + Retry-After."""
@@ -148,6 +162,22 @@ class Settings(BaseSettings):
     ones silent for 5 minutes do not count): past it `create_session` is a 429, so a tenant cannot
     add session rows as fast as it can send requests."""
 
+    tinker_max_long_polls_per_tenant: int = Field(default=64, ge=1, le=100_000)
+    """`retrieve_future` long polls of one tenant open at once (per service process); one more is a
+    429 with Retry-After, which the SDK backs off from and retries. Each check of a poll also holds
+    one of the tenant's `tenant_max_in_flight` places while it runs (app/tinker/router.py)."""
+
+    tinker_max_saves_per_tenant: int = Field(default=100, ge=1, le=1_000_000)
+    """Training states (`save_state` / save_weights names) one tenant keeps at once, over all its
+    models whose runs are not deleted, pending saves included: each is adapter + optimizer state on
+    the pool's disk. Past it, a save under a new name is a 409 `save_quota` and nothing is stored;
+    saving a kept name again overwrites it, and deleting a checkpoint frees its place."""
+
+    tinker_session_retention_seconds: float = Field(default=86_400.0, ge=0, le=MAX_RETENTION_SECONDS)
+    """Finished Tinker sessions (and ones without a heartbeat this long) that own no model, and
+    sampling sessions of runs that left, are deleted this long after (0: kept for ever;
+    `app.tinker.service.purge_finished_sessions`)."""
+
     ui_login_max_failures: int = Field(default=10, ge=1, le=1_000)
     """Failed dashboard sign-ins one client address may make within `ui_login_window_seconds` (per
     service process); past it the sign-in page answers 429 + Retry-After without checking the key
@@ -162,6 +192,12 @@ class Settings(BaseSettings):
     api_key_cache_seconds: float = Field(default=2.0, ge=0, le=60)
     """How long a process trusts an API key it looked up (0: look up on every request). A key revoked
     in another process (or replica) stops working within this bound; in the revoking process, at once."""
+
+    api_key_miss_cache_seconds: float = Field(default=1.0, ge=0, le=10)
+    """How long a process remembers that an API key is unknown or revoked (0: never), so a client
+    repeating a wrong key costs no database lookup per request. Keys are made by the service, at
+    random, so a new key is never one of these; only a key written into the database by hand after
+    a client tried it works this much later."""
 
     ingest_run_cache_seconds: float = Field(default=2.0, ge=0, le=60)
     """How long the batch route trusts an active run's config and its pool's vocabulary as it read

@@ -8,6 +8,19 @@ and so before any database session opens.
   that sends the headers and part of a body (slow or on purpose) therefore holds a socket and
   a coroutine, never a database connection: authentication, which needs the database, runs
   only once the body is in memory.
+- Except on the bulk routes of the pool and the Tinker API, whose JSON bodies FastAPI parses (on
+  the event loop) before the route's authentication runs: there the credential is checked before
+  the body is read (`credential_refusal`), and a caller the route would refuse gets that route's
+  401 or 403 at once, its body unread (a 66 MB anonymous body took 5.4 s of the event loop and
+  1.7 GB on its way to a 401). The worker token is compared in place; a Tinker key is looked up in
+  the key caches (app/key_cache.py), and, when they do not know it, in the database in a worker
+  thread (the key is then cached for the route, which looks it up again). The database connection
+  is held for that lookup only, never while the body arrives.
+- The bytes of bodies being read are counted against one budget per process
+  (`max_buffered_body_bytes`, `BodyBudget`): a body that would take the total past it gets a 503
+  with Retry-After (a body alone is always taken), so stalled bodies cannot pile up in memory
+  without bound. A body stops counting once it arrived whole, or when its request ends (408, 413,
+  a disconnect).
 - JSON bodies are checked before any parser recurses into them: UTF-8 (else 422), nesting depth
   (a byte scan, no recursion; else 422), and no NUL character in any string or key (Postgres
   text cannot hold one; else 422 naming the field, or the body when it is over 1 MiB).
@@ -34,10 +47,15 @@ from urllib.parse import parse_qsl, unquote
 import numpy as np
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import State
+from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
-from app.errors import error_body
+from app.auth import bearer_token, cached_key, known_key, require_worker, same_secret
+from app.config import Settings
+from app.errors import AppError, ServiceUnavailable, error_body
 from app.serving import MAX_HEADER_BYTES
+from app.tinker.auth import tinker_key_hash
 
 MAX_JSON_DEPTH = 32
 """Deepest nesting of arrays/objects accepted in a JSON body (the deepest legitimate one is ~6)."""
@@ -53,9 +71,60 @@ _LARGE_BODY_BYTES = 1 << 20
 # depth scan (about a third of the decode's time there) is left out for them.
 _TYPED_BATCH_ROUTE = re.compile(r"^/v1/runs/[^/]+/batches$")
 
-BULK_ROUTES = re.compile(r"^(/v1/runs/[^/]+/batches|/v1/adapters|/v1/pool/.*|/api/v1/.*)$")
+BULK_ROUTES = re.compile(
+    r"^(/v1/runs/[^/]+/batches|/v1/adapters"
+    r"|/v1/pool/runs/[^/]+/adapters/[^/]+|/v1/pool/manual/results"
+    r"|/api/v1/forward_backward|/api/v1/asample)$"
+)
 """The paths whose POST or PUT bodies may be as large as `max_body_bytes`: rollout batches, adapter
-uploads, the pool's routes (adapters, results) and the Tinker API (training data)."""
+uploads (the tenants' and the pool's), the pool's Tinker results (logprobs of a round's tokens,
+sampled sequences) and the Tinker API's training data and sampling prompts (a prompt may be a
+round's tokens, over 1 MiB as JSON; limited to what such a prompt takes: `SAMPLE_BYTES_PER_TOKEN`).
+The pool's and the Tinker API's other routes (sessions, models, optimizer steps, saves,
+registration, heartbeats, claims, acks, step reports) take small JSON documents."""
+
+SAMPLE_ROUTE = "/api/v1/asample"
+SAMPLE_BYTES_PER_TOKEN = 16
+"""JSON bytes a sampling prompt's token may take: an id below 10,000,000 (the largest vocabulary a
+pool registers) is 7 digits, and its separator and some whitespace fit in the rest. A prompt holds
+at most `tinker_max_tokens_per_round` tokens, so a sample's body is limited to that many times
+this, plus 64 KiB for the rest of the request (4 MiB by default), not `max_body_bytes`: its JSON is
+parsed on the event loop before the route runs, so even a tenant with a valid key could stall
+every other tenant with a 64 MB body (a 66 MB `[1,1,...]` took 2.5 s of the loop)."""
+
+_CHECKED_FIRST = ("/v1/pool/", "/api/v1/")
+"""Bulk routes whose credential is checked before their body is read (see `credential_refusal`)."""
+
+BUSY_RETRY_AFTER_SECONDS = 1
+
+
+class BodyBudget:
+    """Request-body bytes being read at once, in this process (`max_buffered_body_bytes`). Used
+    from the event loop only (the guard reads bodies there), so no lock."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, nbytes: int, *, held: int) -> bool:
+        """Count `nbytes` more for a body that holds `held` already, if they fit; a body that is
+        alone may always grow (so a body up to its route's limit is never refused for good)."""
+        if self.used + nbytes > self.limit and self.used > held:
+            return False
+        self.used += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
+def body_budget(state: State, limit: int) -> BodyBudget:
+    """The app's body budget (made on first use with `limit`)."""
+    budget: BodyBudget | None = getattr(state, "body_budget", None)
+    if budget is None:
+        budget = BodyBudget(limit)
+        state.body_budget = budget
+    return budget
 
 
 class BodyGuard:
@@ -68,33 +137,41 @@ class BodyGuard:
         self.max_small_body_bytes = min(max_small_body_bytes, max_body_bytes)
         self.body_timeout_seconds = body_timeout_seconds
 
-    def body_limit(self, scope: Scope) -> int:
-        bulk = scope.get("method") in ("POST", "PUT") and BULK_ROUTES.match(scope.get("path", ""))
-        return self.max_body_bytes if bulk else self.max_small_body_bytes
+    def is_bulk(self, scope: Scope) -> bool:
+        return scope.get("method") in ("POST", "PUT") and BULK_ROUTES.match(scope.get("path", "")) is not None
+
+    def body_limit(self, scope: Scope, settings: Settings | None) -> int:
+        if not self.is_bulk(scope):
+            return self.max_small_body_bytes
+        if scope.get("path") == SAMPLE_ROUTE and settings is not None:
+            sample = SAMPLE_BYTES_PER_TOKEN * settings.tinker_max_tokens_per_round + (64 << 10)
+            return min(self.max_body_bytes, max(self.max_small_body_bytes, sample))
+        return self.max_body_bytes
 
     async def check(self, scope: Scope, receive: Receive, send: Send) -> tuple[bytes, Receive] | None:
         """(the body, a `receive` that replays it) for the app; or None: the request was refused
         (the refusal sent with `send`)."""
-        if _head_bytes(scope) > MAX_HEADER_BYTES:
-            # The protocol refuses a head that outgrows the limit while it is still arriving (app/serving.py);
-            # one that arrived whole in a single read is caught here, so the limit is exact.
-            await _refuse(send, 431, _headers_too_large())
-            return None
-        problem = _query_problem(scope) or _repeated_header(scope)
-        if problem is not None:
-            await _refuse(send, 422, problem)
-            return None
         headers = dict(scope.get("headers") or [])
-        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
-        if encoding not in (b"identity", b""):
-            await _refuse(send, 415, _encoded(encoding))
+        state: State | None = getattr(scope.get("app"), "state", None)
+        settings: Settings | None = getattr(state, "settings", None)
+        limit = self.body_limit(scope, settings)
+        refusal = _head_refusal(scope, headers, limit)
+        if refusal is not None:
+            await _refuse(send, *refusal)
             return None
-        limit = self.body_limit(scope)
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _refuse(send, 413, _too_large(limit))
-            return None
-        body, disconnected, refusal = await self._read_body(receive, limit)
+        if state is None or settings is None:  # not the service's app (its settings are on app.state)
+            budget = None
+        else:
+            if (
+                self.is_bulk(scope)
+                and (refused := await credential_refusal(scope, state, settings)) is not None
+            ):
+                await _refuse(
+                    send, refused.status, error_body(refused.code, refused.message, refused.details)
+                )
+                return None
+            budget = body_budget(state, settings.max_buffered_body_bytes)
+        body, disconnected, refusal = await self._read_body(receive, limit, budget)
         if refusal is not None:
             await _refuse(send, *refusal)
             return None
@@ -122,11 +199,12 @@ class BodyGuard:
         return body, replay
 
     async def _read_body(
-        self, receive: Receive, limit: int
+        self, receive: Receive, limit: int, budget: BodyBudget | None
     ) -> tuple[bytes, bool, tuple[int, dict[str, Any]] | None]:
-        """(body, client disconnected, refusal or None)."""
+        """(body, client disconnected, refusal or None). The bytes read are counted against `budget`
+        while the body arrives, and given back however the reading ends."""
         chunks: list[bytes] = []
-        size = 0
+        size = held = 0
         try:
             # One deadline for the whole body (not a wait_for, and its task, per chunk: a 0.4 MB
             # batch arrives in several chunks).
@@ -139,17 +217,89 @@ class BodyGuard:
                     size += len(chunk)
                     if size > limit:
                         return b"", False, (413, _too_large(limit))
+                    if budget is not None and size > held:
+                        if not budget.take(size - held, held=held):
+                            return b"", False, (503, _busy())
+                        held = size
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), False, None
         except TimeoutError:
             return b"", False, (408, _timeout(self.body_timeout_seconds))
+        finally:
+            if budget is not None:
+                budget.give(held)
+
+
+async def credential_refusal(scope: Scope, state: State, settings: Settings) -> AppError | None:
+    """For a bulk route of the pool or the Tinker API, before its body is read: the 401 or 403 its
+    route would answer the request's credential with, or None (a credential the route takes, or a
+    route checked after the read). The pool's worker token is compared in place; a Tinker key is
+    known to the key caches, or looked up in a worker thread (a database query)."""
+    path: str = scope.get("path", "")
+    if not path.startswith(_CHECKED_FIRST):
+        return None
+    request = Request(scope)
+    try:
+        if path.startswith("/v1/pool/"):
+            token = bearer_token(request)
+            worker = settings.worker_token
+            if worker is not None and same_secret(token, worker.get_secret_value()):
+                return None
+            # Not the worker token: refused either way; whether 401 or 403 (another role's valid
+            # credential) may take a database lookup.
+            return await run_in_threadpool(_worker_refusal, request, state, settings)
+        digest = tinker_key_hash(request)
+        if cached_key(state, digest) is not None:
+            return None
+    except AppError as refused:
+        return refused
+    return await run_in_threadpool(_tinker_refusal, state, digest)
+
+
+def _worker_refusal(request: Request, state: State, settings: Settings) -> AppError | None:
+    with state.session_factory() as session:
+        try:
+            require_worker(request, settings, session, None)
+        except AppError as refused:
+            return refused
+    return None
+
+
+def _tinker_refusal(state: State, digest: str) -> AppError | None:
+    with state.session_factory() as session:
+        try:
+            known_key(state, session, digest)  # cached for the route when valid
+        except AppError as refused:
+            return refused
+    return None
+
+
+def _head_refusal(scope: Scope, headers: dict[bytes, bytes], limit: int) -> tuple[int, dict[str, Any]] | None:
+    """What the request line and headers alone are refused with, if anything."""
+    if _head_bytes(scope) > MAX_HEADER_BYTES:
+        # The protocol refuses a head that outgrows the limit while it is still arriving (app/serving.py);
+        # one that arrived whole in a single read is caught here, so the limit is exact.
+        return 431, _headers_too_large()
+    problem = _query_problem(scope) or _repeated_header(scope)
+    if problem is not None:
+        return 422, problem
+    encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+    if encoding not in (b"identity", b""):
+        return 415, _encoded(encoding)
+    declared = headers.get(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return 413, _too_large(limit)
+    return None
 
 
 async def _refuse(send: Send, status: int, body: dict[str, Any]) -> None:
     # Connection: close on refusals sent before the body was read: the rest of it may still be
     # in flight and must not be read as the next request.
-    response = JSONResponse(body, status_code=status, headers={"Connection": "close"})
+    headers = {"Connection": "close"}
+    if status == ServiceUnavailable.status:
+        headers["Retry-After"] = str(BUSY_RETRY_AFTER_SECONDS)
+    response = JSONResponse(body, status_code=status, headers=headers)
     await response({"type": "http"}, _empty_receive, send)
 
 
@@ -182,6 +332,13 @@ def _too_large(limit: int) -> dict[str, Any]:
 
 def _timeout(seconds: float) -> dict[str, Any]:
     return error_body("request_timeout", f"the request body did not arrive within {seconds:g} s")
+
+
+def _busy() -> dict[str, Any]:
+    return error_body(
+        ServiceUnavailable.code,
+        "the service is receiving too many request bodies at once (max_buffered_body_bytes); retry shortly",
+    )
 
 
 def _invalid(loc: list[str], msg: str, kind: str) -> dict[str, Any]:

@@ -18,6 +18,15 @@ limit, answered with a 431) stays available: `--http app.serving:LimitedH11Proto
 in app/request_guard.py; the httptools protocol buffers up to BODY_HIGH_WATER_BYTES of a body
 before it stops reading the socket.
 
+uvicorn has no deadline for a request head: its only timer (the keep-alive timeout) runs from the
+end of a response to the next byte, so a head sent in part and then left (300 of them, held 45 s
+and more, used up a 512-descriptor service's connections) was held for ever. This protocol gives
+every head `header_timeout_seconds` (the served app's settings; `LORALOOM_HEADER_TIMEOUT_SECONDS`),
+from the connection's opening, and on a kept-alive connection from the next request's first byte
+(idle until then, under uvicorn's own keep-alive timeout as before). A head not complete by then is
+answered with a 408 in the uniform body and the connection closed; a connection on which nothing
+arrived is closed without an answer, as an idle kept-alive one is.
+
 uvicorn's X-Forwarded-* handling (its ProxyHeadersMiddleware, one more ASGI layer on every request)
 is on only when `FORWARDED_ALLOW_IPS` (uvicorn's own variable: the proxies to trust) is set: the
 service does not read the client's address, and without a proxy there is nothing to rewrite.
@@ -32,6 +41,8 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.config import Settings
+
 MAX_HEADER_BYTES = 16 * 1024
 """Request line and headers together (h11's own default)."""
 
@@ -43,6 +54,9 @@ rollout batch a second pause/resume round through the event loop and ~0.2-0.3 ms
 (docs/benchmarks.md, "Third push")."""
 
 KEEP_ALIVE_SECONDS = 5
+
+DEFAULT_HEADER_TIMEOUT_SECONDS: float = Settings.model_fields["header_timeout_seconds"].default
+"""The head deadline of an app that has no loraloom settings (see `served_header_timeout`)."""
 
 PROXY_ALLOW_ENV = "FORWARDED_ALLOW_IPS"
 """Set (uvicorn reads it too): trust X-Forwarded-For/-Proto from these addresses."""
@@ -77,26 +91,74 @@ def _write_400(transport: asyncio.Transport, parser_message: str) -> None:
     _write_error(transport, "400 Bad Request", "bad_request", message)
 
 
+def _write_408(transport: asyncio.Transport, seconds: float) -> None:
+    message = f"the request line and headers did not arrive within {seconds:g} s"
+    _write_error(transport, "408 Request Timeout", "request_timeout", message)
+
+
+def served_header_timeout(app: object) -> float:
+    """The served app's `header_timeout_seconds`: uvicorn hands the protocol its loaded app, the
+    service's FastAPI app (whose `state.settings` are the service's), or that app inside uvicorn's
+    own wrappers (proxy headers, trace logging), each holding the next as `.app`."""
+    for _ in range(8):
+        settings = getattr(getattr(app, "state", None), "settings", None)
+        if settings is not None:
+            return float(getattr(settings, "header_timeout_seconds", DEFAULT_HEADER_TIMEOUT_SECONDS))
+        app = getattr(app, "app", None)
+        if app is None:
+            break
+    return DEFAULT_HEADER_TIMEOUT_SECONDS
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, answering a request whose head grows past MAX_HEADER_BYTES with a 431.
+    """uvicorn's httptools protocol, answering a request whose head grows past MAX_HEADER_BYTES with
+    a 431, and one whose head is not complete within the head deadline with a 408.
 
     `_head_bytes` counts what arrives while a head is incomplete: from the connection's start or
     the end of the previous request to the end of this request's headers (the parser's callbacks
-    mark both ends)."""
+    mark both ends). The head timer runs from the connection's start, or from the read that brought
+    the first bytes of a head (`on_message_begin`) while no request was being answered (before, the
+    connection is idle: uvicorn's keep-alive timer), or, for a head that began while one was, from
+    the end of that response; headers complete cancel it."""
 
     _in_head = True
     _head_bytes = 0
+    _head_started = False
+    """The parser has seen a byte of the current head."""
+    _head_timer: asyncio.TimerHandle | None = None
+    _head_timeout = DEFAULT_HEADER_TIMEOUT_SECONDS
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timeout = served_header_timeout(self.app)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
-        if self._in_head and self._head_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if self._in_head and self._head_bytes > MAX_HEADER_BYTES:
             self.logger.warning("request headers over %d bytes: 431", MAX_HEADER_BYTES)
             _write_431(self.transport, MAX_HEADER_BYTES)
+        elif self._head_started and not self._answering():
+            # A head began in this read and is not complete (a whole head, the usual case, never
+            # arms the timer: no timer per request on a kept-alive connection).
+            self._arm_head_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_started = True
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._head_started = False
+        self._cancel_head_timer()
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
@@ -112,8 +174,37 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_complete()
         self._in_head, self._head_bytes = True, 0  # what follows is the next request's head
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # A head that began arriving while this response was being sent has its deadline from now.
+        if self._head_started and not self.transport.is_closing():
+            self._arm_head_timer()
+
     def send_400_response(self, msg: str) -> None:
         _write_400(self.transport, msg)
+
+    def _answering(self) -> bool:
+        """Whether a request whose head is complete is still being answered (or waits its turn)."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self._head_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self._answering():
+            return  # closed already; or a response is on its way (its end re-arms the timer)
+        if not self._head_started:
+            self.transport.close()  # nothing arrived: closed without an answer, like an idle kept-alive one
+            return
+        self.logger.info("request head not complete within %g s: 408", self._head_timeout)
+        _write_408(self.transport, self._head_timeout)
 
 
 class LimitedH11Protocol(H11Protocol):

@@ -9,14 +9,11 @@ from collections.abc import Iterator
 from typing import Annotated
 
 from fastapi import Depends, Request
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.auth import TenantPrincipal, counted, hash_key
+from app.auth import TenantPrincipal, counted, hash_key, known_key
 from app.db import SessionDep
 from app.errors import RateLimited, Unauthorized, raises
-from app.key_cache import CachedKey, key_cache
-from app.tenants.models import ApiKey
 
 TINKER_KEY_PREFIX = "tml-"
 
@@ -29,22 +26,21 @@ def require_tinker_tenant(request: Request, session: SessionDep) -> Iterator[Ten
     yield from counted(request, tinker_tenant(session, request))
 
 
+def tinker_key_hash(request: Request) -> str:
+    """The hash of the caller's key, from its X-API-Key (401 if missing or malformed). No I/O: the
+    request guard (app/request_guard.py) checks it before reading a bulk body too."""
+    given = request.headers.get("x-api-key", "").strip()
+    if not given.startswith(TINKER_KEY_PREFIX):
+        raise Unauthorized("missing or malformed X-API-Key header; expected 'tml-' + a loraloom API key")
+    return hash_key(given.removeprefix(TINKER_KEY_PREFIX))
+
+
 def tinker_tenant(session: Session, request: Request) -> TenantPrincipal:
     """The caller of a Tinker route, from its X-API-Key (401 if missing, malformed or revoked).
     A valid key looked up in the last few seconds is trusted, as for Bearer keys (app/key_cache.py:
     the revocation bound): `retrieve_future` authenticates every check of its long poll."""
-    given = request.headers.get("x-api-key", "").strip()
-    if not given.startswith(TINKER_KEY_PREFIX):
-        raise Unauthorized("missing or malformed X-API-Key header; expected 'tml-' + a loraloom API key")
-    digest = hash_key(given.removeprefix(TINKER_KEY_PREFIX))
-    cache = key_cache(request.app.state, request.app.state.settings.api_key_cache_seconds)
-    if (hit := cache.get(digest)) is not None:
-        return TenantPrincipal(tenant_id=hit.tenant_id, api_key_id=hit.api_key_id)
-    key = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
-    if key is None or key.revoked_at is not None:
-        raise Unauthorized("invalid or revoked API key")
-    cache.put(digest, CachedKey(tenant_id=key.tenant_id, api_key_id=key.id))
-    return TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.id)
+    key = known_key(request.app.state, session, tinker_key_hash(request))
+    return TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.api_key_id)
 
 
 TinkerTenantDep = Annotated[TenantPrincipal, Depends(require_tinker_tenant, scope="function")]

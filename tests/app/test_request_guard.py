@@ -122,7 +122,12 @@ def test_routes_without_bulk_data_take_small_bodies_only(client) -> None:
             assert r.json()["error"]["message"] == f"request body exceeds {small} bytes"
     assert client.get("/v1/runs", headers=tenant.headers).json()["items"] == []
     # The bulk routes take it, to their own checks (here: who is asking).
-    for path in ("/v1/runs/run_x/batches", "/v1/adapters", "/v1/pool/heartbeat", "/api/v1/forward_backward"):
+    for path in (
+        "/v1/runs/run_x/batches",
+        "/v1/adapters",
+        "/v1/pool/manual/results",
+        "/api/v1/forward_backward",
+    ):
         r = client.post(path, content=big, headers=JSON)
         assert r.status_code == 401, (path, r.text)
 
