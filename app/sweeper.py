@@ -24,6 +24,7 @@ from app.pools.service import declare_dead_pools
 from app.retention import PURGE_CHUNK, purge_deleted_runs, purge_old_events
 from app.runs.service import evict_silent_runs
 from app.tinker.leases import fail_unclaimed_base_samples, fail_work_of_left_runs, purge_done_futures
+from app.tinker.service import purge_finished_sessions
 from app.ui.sessions import purge_expired_sessions
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,11 @@ class SweepResult:
     """Rows deleted by the purge of those runs (theirs included, and those of runs it has begun)."""
     purged_events: int = 0
     """Events older than settings.event_retention_seconds, deleted."""
+    purged_tinker_sessions: int = 0
+    """Tinker sessions finished (or silent) over settings.tinker_session_retention_seconds ago and
+    owning no model, deleted."""
+    purged_sampling_sessions: int = 0
+    """Tinker sampling sessions of runs that left, over the same retention, deleted."""
     errors: list[str] = field(default_factory=list)
     """The jobs that failed (logged with their traceback)."""
 
@@ -105,7 +111,8 @@ def sweep_once(
     runs whose orchestrator went silent → evicted; Tinker futures that can no longer be served →
     failed; Tinker futures done before the retention → deleted; expired dashboard sessions →
     deleted; runs deleted before their retention → deleted with every row about them; events
-    older than theirs → deleted (`purge_chunk` rows a transaction)."""
+    older than theirs → deleted; finished Tinker sessions and sampling sessions of runs that left,
+    after theirs → deleted (`purge_chunk` rows a transaction)."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -152,6 +159,17 @@ def sweep_once(
         result,
     )
     result.purged_events = sum(events)
+    # After the runs' purge: a purged run's model no longer holds its Tinker session back.
+    keep_sessions = settings.tinker_session_retention_seconds
+    tinker_sessions = _chunks(
+        factory,
+        "purge_tinker_sessions",
+        lambda s: purge_finished_sessions(s, now=now, retention_seconds=keep_sessions, chunk=purge_chunk),
+        lambda out: out.more,
+        result,
+    )
+    result.purged_tinker_sessions = sum(out.sessions for out in tinker_sessions)
+    result.purged_sampling_sessions = sum(out.sampling_sessions for out in tinker_sessions)
     return result
 
 

@@ -24,6 +24,10 @@ WorkKind = Literal[
     "load_weights",
 ]
 MAX_ITEMS_PER_CLAIM = 256
+GREEDY_TEMPERATURE = 1e-5
+"""Sampling temperatures below this are greedy, as at 0 (vLLM's epsilon; `contracts.wire` bounds a
+rollout batch's temperature by the same number). Accepted, not refused: Tinker's SDK bounds nothing,
+and a tiny temperature is a common spelling of "nearly greedy" that the samplers Tinker runs on take."""
 
 
 class _Model(BaseModel):
@@ -73,7 +77,10 @@ class SamplingSpec(_Model):
     num_samples: int = Field(ge=1, le=64)
     max_tokens: int = Field(ge=1, le=4096)
     temperature: float = Field(ge=0, le=100)
-    """0: greedy (the most likely token at every step)."""
+    """0: greedy (the most likely token at every step), and so is every temperature below
+    GREEDY_TEMPERATURE (1e-5): dividing the logits by one overflowed them. NaN, negatives and more
+    than 100 are refused (422, naming the field). Bounds not tightened on purpose: this model also
+    reads requests already stored, at every claim."""
     top_k: int = Field(ge=-1, le=1_000_000)
     top_p: float = Field(gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)

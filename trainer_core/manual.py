@@ -106,6 +106,12 @@ class _Outputs:
     losses: list[list[float]]
     loss_sum: float = 0.0
     weighted_tokens: int = 0
+    error: str | None = None
+    """Set when a row of the request raised on some rank (`_isolated_row`): the request fails with it."""
+
+
+class _BackwardFailed(Exception):
+    """A row's backward raised: its gradients may be partly accumulated, so it is not run again."""
 
 
 _FIRST_KINDS = ("forward", "forward_backward", "sample")
@@ -213,7 +219,7 @@ class ManualExecutor:
             if item.kind in ("forward", "forward_backward") and master:
                 answers.append(_pass_result(item, slots[slot], outputs[index]))
         self._report(answers)
-        self._report([self._state(item, run, lora, optimizer) for item, run in states])
+        self._report([self._isolated_state(item, run, lora, optimizer) for item, run in states])
         if steps:
             if master:
                 pause_at(MANUAL_BEFORE_OPTIM)
@@ -231,9 +237,22 @@ class ManualExecutor:
         lora: MultiLoRA,
         slots: Mapping[int, RunSlot],
     ) -> dict[int, ManualResult]:
-        if self.external_sampler is not None:
-            return self.external_sampler.serve(work)
-        return self.samples.serve(model, lora, work, slots)
+        """Every claimed sample answered, whatever happens: the sample server fails each request
+        that raises alone, and anything that escapes it fails this round's samples, not the pool.
+        Safe to catch on a multi-rank pool: the master samples alone, with no collective (the other
+        ranks are already on their way to the round's next one, which the master still reaches)."""
+        if not work:
+            return {}
+        try:
+            if self.external_sampler is not None:
+                return self.external_sampler.serve(work)
+            return self.samples.serve(model, lora, work, slots)
+        except Exception as exc:
+            log.exception("sampling %s request(s) failed", len(work))
+            return {
+                index: _failed(item, f"the pool could not sample this request: {_described(exc)}")
+                for index, item, _ in work
+            }
 
     def _claim(self, client: ManualWorkClient) -> list[ManualWorkItem]:
         if self.lost:
@@ -248,7 +267,7 @@ class ManualExecutor:
         if self.client is None or not results or self.lost:
             return
         try:
-            self.client.report_manual(results)
+            self.client.report_manual([_reportable(result) for result in results])
         except ApiError as exc:
             # The round goes on (every rank's collectives must stay matched); nothing more is reported.
             self._lose_pool_or_raise(exc, "report")
@@ -281,6 +300,18 @@ class ManualExecutor:
                 what,
             )
         self.lost = True
+
+    def _isolated_state(
+        self, item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer
+    ) -> ManualResult:
+        """`_state`, a request that raises failing alone (a full disk, an unreadable saved state).
+        Safe to catch on every rank: no collective runs inside (the saves are the master's alone; a
+        load reads the same files on every rank, so they fail alike)."""
+        try:
+            return self._state(item, run, lora, optimizer)
+        except Exception as exc:
+            log.exception("Tinker %s %s of run %s failed", item.kind, item.request_id, run.run_id)
+            return _failed(item, f"the pool could not run this {item.kind}: {_described(exc)}")
 
     def _state(
         self, item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer
@@ -320,11 +351,67 @@ class ManualExecutor:
         # outputs, and the gradients stay where they were computed until the run's optim_step.
         rows = _rows(samples, self.seq_len)
         for row in rows[self.world.rank :: self.world.world_size]:
-            self._row(model, lora, row, items, outputs)
+            self._isolated_row(model, lora, row, items, outputs)
         if self.world.world_size == 1 or not rows:
             return outputs
         gathered = gather_to_master(outputs, self.world)
         return {} if gathered is None else _merged(gathered)
+
+    def _isolated_row(
+        self,
+        model: nn.Module,
+        lora: MultiLoRA,
+        row: list[_Sample],
+        items: Mapping[int, ManualWorkItem],
+        outputs: dict[int, _Outputs],
+    ) -> None:
+        """`_row`, a request that raises failing alone (its outputs carry the error) instead of
+        stopping the pool for every tenant. A row that raises before its backward added nothing
+        (`_row` writes its outputs only once the backward is done): its requests run again one by
+        one, and only those that raise alone fail. One that raised in or after its backward may
+        have added part of its gradients: every request of the row fails, and none runs again (it
+        would add them twice).
+
+        Safe to catch on a multi-rank pool: a row's forward and backward run on this rank alone, no
+        collective inside (gradients are all-reduced only at a run's optim_step); every rank still
+        reaches the gather that follows, which carries the errors to the master."""
+        try:
+            self._row(model, lora, row, items, outputs)
+            return
+        except _BackwardFailed as exc:
+            log.error("the backward of a row of %s request(s) failed", len(row), exc_info=exc.__cause__)
+            for index in {s.item for s in row}:
+                outputs[index].error = (
+                    f"the pool's backward pass of this request failed: {_described(exc.__cause__)}; "
+                    "part of its gradient may be accumulated for the model's next optim_step"
+                )
+            return
+        except Exception as exc:
+            if len({s.item for s in row}) == 1:
+                self._row_failed(row[0].item, exc, items, outputs)
+                return
+            log.warning("a row of %s requests failed (%s); running them one by one", len(row), exc)
+        by_item: dict[int, list[_Sample]] = {}
+        for sample in row:
+            by_item.setdefault(sample.item, []).append(sample)
+        for index, alone in by_item.items():
+            try:
+                self._row(model, lora, alone, items, outputs)
+            except _BackwardFailed as exc:
+                self._row_failed(index, exc.__cause__ or exc, items, outputs)
+            except Exception as exc:
+                self._row_failed(index, exc, items, outputs)
+
+    def _row_failed(
+        self,
+        index: int,
+        exc: BaseException,
+        items: Mapping[int, ManualWorkItem],
+        outputs: dict[int, _Outputs],
+    ) -> None:
+        item = items[index]
+        log.error("Tinker %s %s failed on this pool: %s", item.kind, item.request_id, exc, exc_info=exc)
+        outputs[index].error = f"the pool could not run this {item.kind}: {_described(exc)}"
 
     def _row(
         self,
@@ -343,6 +430,7 @@ class ManualExecutor:
         logprobs_all = torch.log_softmax(logits.float(), dim=-1)  # (L, V)
         total: Tensor | None = None
         start = 0
+        done: list[tuple[_Sample, ManualDatum, Tensor, Tensor]] = []
         for sample in row:
             n = len(sample.tokens)
             item = items[sample.item]
@@ -351,15 +439,28 @@ class ManualExecutor:
             lp = logprobs_all[start : start + n].gather(-1, targets[:, None])[:, 0]  # (n,)
             start += n
             elementwise = _loss(item, datum, lp)  # (n,)
-            out = outputs[sample.item]
-            out.logprobs[sample.datum] = lp.detach().cpu().tolist()
-            out.losses[sample.datum] = elementwise.detach().cpu().tolist()
-            out.loss_sum += float(elementwise.detach().sum())
-            out.weighted_tokens += sum(1 for w in datum.weights if w != 0)
+            done.append((sample, datum, lp, elementwise))
             if item.kind == "forward_backward":
                 total = elementwise.sum() if total is None else total + elementwise.sum()
-        if total is not None:
-            total.backward()
+        try:
+            if total is not None:
+                total.backward()
+            # Copied out after the backward: on a GPU an error of its kernels surfaces here.
+            values = [
+                (lp.detach().cpu().tolist(), loss.detach().cpu().tolist(), float(loss.detach().sum()))
+                for _, _, lp, loss in done
+            ]
+        except Exception as exc:
+            if total is None:
+                raise  # no backward: nothing was accumulated, the row may run again
+            raise _BackwardFailed from exc
+        # Written only now: a row that raised above left no trace in the outputs.
+        for (sample, datum, _, _), (logprobs, losses, loss_sum) in zip(done, values, strict=True):
+            out = outputs[sample.item]
+            out.logprobs[sample.datum] = logprobs
+            out.losses[sample.datum] = losses
+            out.loss_sum += loss_sum
+            out.weighted_tokens += sum(1 for w in datum.weights if w != 0)
 
 
 def _drop_manual_state(slots: Mapping[int, RunSlot], optimizer: MultiRunOptimizer) -> None:
@@ -386,6 +487,7 @@ def _merged(per_rank: Sequence[Mapping[int, _Outputs]]) -> dict[int, _Outputs]:
                     into.logprobs[d], into.losses[d] = logprobs, out.losses[d]
             into.loss_sum += out.loss_sum
             into.weighted_tokens += out.weighted_tokens
+            into.error = into.error or out.error
     return merged
 
 
@@ -469,7 +571,20 @@ def _triage(
 
 def _pass_result(item: ManualWorkItem, run: RunSlot, out: _Outputs) -> ManualResult:
     """A forward / forward_backward's result; a replayed one adds to the step's metrics again (they
-    were lost with the pool that ran it) and reports only that it was replayed."""
+    were lost with the pool that ran it) and reports only that it was replayed. One that raised, or
+    whose outputs are not finite (JSON cannot carry them), fails, and adds nothing to the metrics."""
+    if out.error is not None:
+        return _failed(item, out.error)
+    if not (
+        math.isfinite(out.loss_sum)
+        and all(math.isfinite(v) for values in out.logprobs + out.losses for v in values)
+    ):
+        return _failed(
+            item,
+            "its loss or logprobs are not finite (weights, advantages or logprobs too large for float32?), "
+            "so the pool cannot return them; its gradient still counts towards the model's next "
+            "optim_step, which is not applied if that gradient is not finite",
+        )
     if item.kind == "forward_backward":
         acc = run.step_metrics
         acc.loss_sum += out.loss_sum
@@ -560,6 +675,39 @@ def _load_state(
 
 def _failed(item: ManualWorkItem, error: str) -> ManualResult:
     return ManualResult(request_id=item.request_id, error=error)
+
+
+MAX_ERROR_CHARS = 1000
+"""The longest exception message a failed request's error repeats (the pool's log has the rest)."""
+
+
+def _described(exc: BaseException | None) -> str:
+    """An exception as a tenant reads it in its request's error: its type and (cut) message."""
+    text = "unknown error" if exc is None else f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
+
+
+def _finite(values: Sequence[float | None]) -> bool:
+    return all(v is None or math.isfinite(v) for v in values)
+
+
+def _reportable(result: ManualResult) -> ManualResult:
+    """`result`, or its failure if it holds a number JSON cannot carry (NaN, ±inf): the report of
+    the whole round would fail to encode, and the pool would stop for every tenant."""
+    sequences = result.sequences or []
+    if (
+        _finite([v for values in result.logprobs or () for v in values])
+        and _finite([v for values in result.elementwise_loss or () for v in values])
+        and _finite([v for seq in sequences for v in seq.logprobs])
+        and _finite(result.prompt_logprobs or [])
+        and _finite(list(result.metrics.values()))
+    ):
+        return result
+    log.error("the result of Tinker request %s is not finite; it fails", result.request_id)
+    return ManualResult(
+        request_id=result.request_id,
+        error="the pool's result for this request is not finite (NaN or infinity); nothing to return",
+    )
 
 
 # -- optimizer steps ---------------------------------------------------------------------------------

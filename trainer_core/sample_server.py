@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -55,6 +56,8 @@ ADAPTER_FILE = "adapter.safetensors"
 CONFIG_FILE = "lora.json"
 PEFT_DIR = "peft"
 """The copy as a PEFT adapter too, for an external sampler (trainer_core.external_sampler)."""
+MAX_ERROR_CHARS = 1000
+"""The longest exception message a failed request's error repeats (the log has the rest)."""
 COPY_ID_FILE = "copy_id"
 """In the PEFT copy: random, new at every save (the adapter's name on the external server)."""
 
@@ -130,6 +133,38 @@ def _vocab_size(model: nn.Module) -> int:
     return int(cast(Any, model).get_input_embeddings().num_embeddings)
 
 
+def _crashed(item: ManualWorkItem, what: str, exc: Exception) -> ManualResult:
+    """A request that raised on the pool fails alone, with the exception's type and message."""
+    log.error("sample request %s %s: %s", item.request_id, what, exc, exc_info=exc)
+    message = f"{type(exc).__name__}: {exc}"
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[: MAX_ERROR_CHARS - 1] + "…"
+    return ManualResult(
+        request_id=item.request_id, error=f"the pool could not sample this request: {message}"
+    )
+
+
+def _answer(item: ManualWorkItem, rows: Sequence[Decoding]) -> ManualResult:
+    """The request's sequences; it fails if a logprob is not finite (the model's logits overflowed,
+    or were NaN): JSON cannot carry one, and the pool's report of the whole round would fail."""
+    prompt_logprobs = rows[0].prompt_logprobs  # the same prompt and weights in every row
+    values = [lp for d in rows for lp in d.logprobs] + [lp for lp in prompt_logprobs or () if lp is not None]
+    if not all(math.isfinite(lp) for lp in values):
+        return ManualResult(
+            request_id=item.request_id,
+            error="the pool could not sample this request: the model's logprobs are not finite "
+            "(its logits overflowed, or are NaN); no sequence to return",
+        )
+    return ManualResult(
+        request_id=item.request_id,
+        sequences=[
+            SampledSequence(tokens=d.generated, logprobs=d.logprobs, stop_reason=d.stop_reason or "length")
+            for d in rows
+        ],
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
 @dataclass
 class SampleServer:
     checkpoint_dir: Path
@@ -149,39 +184,57 @@ class SampleServer:
         slots: Mapping[int, RunSlot],
     ) -> dict[int, ManualResult]:
         """Every sequence of every request (index in the claim, item, the run's live slot or None
-        for the base model) decoded together; the result of each request by its index."""
+        for the base model) decoded together; the result of each request by its index.
+
+        One request's failure is its own: what cannot be served fails alone (`_Refused`), and so
+        does a request whose preparation or decoding raises. The pool serves every tenant in one
+        process, and an exception out of here stopped it for all of them (probe 2, finding 1). A
+        shared pass that raises is run again request by request, so that only the requests that
+        raise alone fail (with the exception, which the tenant sees); the others are answered as
+        if nothing had happened. Catching here is safe on a multi-rank pool: sampling runs on the
+        master alone, with no collective, while the other ranks wait at the round's next one."""
         results: dict[int, ManualResult] = {}
         decodings: dict[int, list[Decoding]] = {}
+        slot_of: dict[int, int | None] = {}
         borrowed: dict[tuple[str, int], int] = {}
         free = [s for s in range(lora.n_slots) if s not in slots]
-        eos = eos_token_ids(model)
-        vocab_size = _vocab_size(model)
+        items = {index: item for index, item, _ in work}
         try:
+            eos = eos_token_ids(model)
+            vocab_size = _vocab_size(model)
             for index, item, live_slot in work:
                 try:
-                    slot = self._weights_of(item, live_slot, slots, lora, borrowed, free)
-                    decodings[index] = self._decodings(item, slot, eos, vocab_size)
+                    slot_of[index] = self._weights_of(item, live_slot, slots, lora, borrowed, free)
+                    decodings[index] = self._decodings(item, slot_of[index], eos, vocab_size)
                 except _Refused as exc:
                     results[index] = ManualResult(request_id=item.request_id, error=str(exc))
+                except Exception as exc:
+                    results[index] = _crashed(item, "could not be prepared", exc)
             all_rows = [d for rows in decodings.values() for d in rows]
             if all_rows:
-                self.passes += generate(model, lora, all_rows, decode=self._decode, limits=self.limits)
+                try:
+                    self.passes += generate(model, lora, all_rows, decode=self._decode, limits=self.limits)
+                except Exception:
+                    log.exception(
+                        "a sampling pass of %s request(s) failed; running them one by one", len(decodings)
+                    )
+                    for index in list(decodings):
+                        try:
+                            # Fresh rows: the failed pass drew from the generators of the first.
+                            rows = self._decodings(items[index], slot_of[index], eos, vocab_size)
+                            self.passes += generate(
+                                model, lora, rows, decode=self._decode, limits=self.limits
+                            )
+                            decodings[index] = rows
+                        except Exception as exc:
+                            del decodings[index]
+                            results[index] = _crashed(items[index], "failed while decoding", exc)
         finally:
             for slot in borrowed.values():
                 # Seeded: a fresh adapter without drawing from the global RNG (others' dropout).
                 lora.reset_slot(slot, seed=0)
         for index, rows in decodings.items():
-            item = next(it for i, it, _ in work if i == index)
-            results[index] = ManualResult(
-                request_id=item.request_id,
-                sequences=[
-                    SampledSequence(
-                        tokens=d.generated, logprobs=d.logprobs, stop_reason=d.stop_reason or "length"
-                    )
-                    for d in rows
-                ],
-                prompt_logprobs=rows[0].prompt_logprobs,  # the same prompt and weights in every row
-            )
+            results[index] = _answer(items[index], rows)
         return results
 
     def _weights_of(

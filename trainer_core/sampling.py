@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from contracts.tinker_work import SamplingSpec
+from contracts.tinker_work import GREEDY_TEMPERATURE, SamplingSpec
 from trainer_core.lora import MultiLoRA
 
 __all__ = ["Decoding", "PassLimits", "TextDecoder", "eos_token_ids", "generate", "pick_token"]
@@ -83,21 +83,42 @@ class Decoding:
 
 
 def pick_token(logits: Tensor, spec: SamplingSpec, generator: torch.Generator) -> int:
-    """The next token from `logits` (V,): greedy at temperature 0, else a draw from the
-    temperature-scaled distribution cut to its top_k tokens and its top_p nucleus."""
-    if spec.temperature == 0:
-        return int(torch.argmax(logits))
+    """The next token from `logits` (V,): greedy at temperature 0 and below GREEDY_TEMPERATURE,
+    else a draw from the temperature-scaled distribution cut to its top_k tokens and its top_p
+    nucleus.
+
+    Total for every temperature, top_k and top_p the spec accepts, and for any logits: the pool
+    serves every tenant's samples in one process, and a `torch.multinomial` of a non-finite
+    distribution raised out of it (probe 2, finding 1: temperature 1e-40 turned float32 logits into
+    inf, the softmax into NaN, and stopped the pool). Where the plain division overflows, the logits
+    are shifted by their maximum first (softmax does not change: every value is then <= 0, the
+    largest 0); a distribution that is still not one (the model's own logits were NaN or +inf)
+    falls back to the most likely token."""
+    if spec.temperature < GREEDY_TEMPERATURE:
+        return _greedy(logits)
     scaled = logits / spec.temperature
+    if not torch.isfinite(scaled.max()):  # +inf or NaN (the max propagates NaN)
+        scaled = (logits - logits.max()) / spec.temperature
     if spec.top_k > 0:
         kth = torch.topk(scaled, min(spec.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if spec.top_p < 1:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the most likely tokens until their mass reaches top_p (the first one always).
+        # Keep the most likely tokens until their mass reaches top_p, the first one always (a top_p
+        # below float32's smallest, such as 1e-300, compares as 0 and kept none: an empty
+        # distribution, on which multinomial raised).
         keep = torch.cumsum(sorted_probs, 0) - sorted_probs < spec.top_p
+        keep[0] = True
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    if not (bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0):
+        return _greedy(logits)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _greedy(logits: Tensor) -> int:
+    """The most likely token; a NaN logit never wins (argmax would pick it)."""
+    return int(torch.argmax(torch.where(torch.isnan(logits), float("-inf"), logits)))
 
 
 def eos_token_ids(model: nn.Module) -> frozenset[int]:

@@ -9,15 +9,20 @@ run's adapter of that step). A name saved again names the newest save. Deleting 
 name: its path no longer lists, loads, resolves or samples; the run's adapters stay the run's
 (`/v1/runs/{id}/adapters`) and a saved state stays on the pool's disk until the run is deleted.
 Another tenant's models and paths are reported exactly like missing ones (404).
+
+A tenant keeps at most `Settings.tinker_max_saves_per_tenant` training states (`check_save_quota`:
+409 `save_quota` past it). The listings are built in SQL from the columns they show, a page at a
+time; no save row is read whole.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, Select, func, select
 from sqlalchemy.orm import Session
 
-from app.errors import NotFound, ValidationFailed
+from app.errors import AppError, NotFound, ValidationFailed
 from app.runs.models import Run
+from app.tenants.service import lock_tenant
 from app.tinker.models import CHECKPOINT_DELETED, TinkerFuture, TinkerModel
 from app.tinker.schemas import (
     ATTN_MODULES,
@@ -35,62 +40,106 @@ TYPE_OF_KIND: dict[str, CheckpointType] = {"save_weights": "training", "save_wei
 KIND_OF_SEGMENT = {"weights": "save_weights", "sampler_weights": "save_weights_for_sampler"}
 
 
-def _saves(session: Session, *, tenant_id: str, model_id: str | None = None) -> list[TinkerFuture]:
+def saved_path() -> ColumnElement[str]:
+    """The `tinker://` path a completed save's result names, in SQL (`TinkerFuture.saved_path`)."""
+    path: ColumnElement[str] = TinkerFuture.result["path"].as_string()
+    return path
+
+
+def _not_deleted() -> ColumnElement[bool]:
+    # Only ever set to true (`delete_checkpoint`): absent is live, whatever each backend reads true as.
+    absent: ColumnElement[bool] = TinkerFuture.result[CHECKPOINT_DELETED].as_string().is_(None)
+    return absent
+
+
+def _live_saves(
+    tenant_id: str, *, model_id: str | None = None, kinds: tuple[str, ...] = tuple(TYPE_OF_KIND)
+) -> tuple[ColumnElement[bool], ...]:
     """The tenant's completed saves (of one model, or of all its models whose runs are not
-    deleted), newest first."""
-    query = (
-        select(TinkerFuture)
-        .join(TinkerModel, TinkerModel.id == TinkerFuture.model_id)
-        .join(Run, Run.id == TinkerModel.run_id)
-        .where(
-            TinkerFuture.tenant_id == tenant_id,
-            TinkerFuture.kind.in_(TYPE_OF_KIND),
-            TinkerFuture.status == "complete",
-            Run.status != RunStatus.DELETED,
-        )
-        .order_by(TinkerFuture.completed_at.desc(), TinkerFuture.id.desc())
+    deleted) whose checkpoint was not deleted: what lists, loads and resolves. The query joins
+    TinkerModel and Run (`_joined`)."""
+    where = (
+        TinkerFuture.tenant_id == tenant_id,
+        TinkerFuture.kind.in_(kinds),
+        TinkerFuture.status == "complete",
+        TinkerFuture.completed_at.is_not(None),
+        Run.status != RunStatus.DELETED,
+        saved_path().is_not(None),
+        _not_deleted(),
     )
-    if model_id is not None:
-        query = query.where(TinkerFuture.model_id == model_id)
-    return list(session.scalars(query))
+    return where if model_id is None else (*where, TinkerFuture.model_id == model_id)
 
 
-def _checkpoints(saves: list[TinkerFuture]) -> list[CheckpointOut]:
-    """One checkpoint per live path, from its newest save (`saves` newest first)."""
-    seen: set[str] = set()
-    out: list[CheckpointOut] = []
-    for future in saves:
-        path = future.saved_path()
-        if path is None or path in seen or future.completed_at is None:
-            continue
-        seen.add(path)
-        out.append(
-            CheckpointOut(
-                checkpoint_id=path.split("/", 3)[3],
-                checkpoint_type=TYPE_OF_KIND[future.kind],
-                time=future.completed_at.isoformat(),
-                tinker_path=path,
+def _joined(query: Select[Any]) -> Select[Any]:
+    return query.join(TinkerModel, TinkerModel.id == TinkerFuture.model_id).join(
+        Run, Run.id == TinkerModel.run_id
+    )
+
+
+def _newest_per_path(tenant_id: str, *, model_id: str | None = None) -> Select[Any]:
+    """One row per live checkpoint path, its newest save (a name saved again lists once): kind,
+    completed_at, path and id. Done in SQL: reading every save row of the tenant (its request and
+    result JSON) took 247 ms at 300 saves, on every call (hostile probe, finding 6)."""
+    ranked = _joined(
+        select(
+            TinkerFuture.id,
+            TinkerFuture.kind,
+            TinkerFuture.completed_at,
+            saved_path().label("path"),
+            func.row_number()
+            .over(
+                partition_by=saved_path(),
+                order_by=(TinkerFuture.completed_at.desc(), TinkerFuture.id.desc()),
             )
+            .label("newest"),
         )
-    return out
+    ).where(*_live_saves(tenant_id, model_id=model_id))
+    sub = ranked.subquery()
+    return select(sub.c.id, sub.c.kind, sub.c.completed_at, sub.c.path).where(sub.c.newest == 1)
+
+
+def _out(kind: str, completed_at: Any, path: str) -> CheckpointOut:
+    return CheckpointOut(
+        checkpoint_id=path.split("/", 3)[3],
+        checkpoint_type=TYPE_OF_KIND[kind],
+        time=completed_at.isoformat(),
+        tinker_path=path,
+    )
+
+
+def _page(
+    session: Session, query: Select[Any], *, limit: int | None, offset: int
+) -> tuple[list[CheckpointOut], int]:
+    """A page of `query`'s checkpoints, newest first, and how many there are in all: one statement
+    (the count is a window over the same rows; a second query only for a page past the end)."""
+    sub = query.subquery()
+    ordered = select(sub.c.kind, sub.c.completed_at, sub.c.path, func.count().over().label("total")).order_by(
+        sub.c.completed_at.desc(), sub.c.id.desc()
+    )
+    if limit is not None:
+        ordered = ordered.limit(limit)
+    if offset:
+        ordered = ordered.offset(offset)
+    rows = session.execute(ordered).all()
+    if rows:
+        total = int(rows[0].total)
+    else:
+        total = int(session.scalar(select(func.count()).select_from(sub)) or 0) if offset else 0
+    return [_out(kind, at, path) for kind, at, path, _ in rows], total
 
 
 def model_checkpoints(session: Session, *, tenant_id: str, model_id: str) -> list[CheckpointOut]:
     """The model's checkpoints, newest first (404 for a model that is not the tenant's)."""
     get_model(session, tenant_id=tenant_id, model_id=model_id)
-    return _checkpoints(_saves(session, tenant_id=tenant_id, model_id=model_id))
-
-
-def latest(checkpoints: list[CheckpointOut], kind: CheckpointType) -> CheckpointOut | None:
-    return next((c for c in checkpoints if c.checkpoint_type == kind), None)
+    return _page(session, _newest_per_path(tenant_id, model_id=model_id), limit=None, offset=0)[0]
 
 
 def user_checkpoints(
     session: Session, *, tenant_id: str, limit: int, offset: int
 ) -> tuple[list[CheckpointOut], int]:
-    """A page of the checkpoints of all the tenant's models, newest first, and their total."""
-    every = _checkpoints(_saves(session, tenant_id=tenant_id))
-    return every[offset : offset + limit], len(every)
+    """A page of the checkpoints of all the tenant's models, newest first, and their total (in SQL:
+    the page's rows are the only ones read)."""
+    return _page(session, _newest_per_path(tenant_id), limit=limit, offset=offset)
 
 
 def _parse(path: str) -> tuple[str, str, str]:
@@ -103,22 +152,28 @@ def _parse(path: str) -> tuple[str, str, str]:
     return parts[0], KIND_OF_SEGMENT[parts[1]], path
 
 
-def _live_saves(
-    session: Session, *, tenant_id: str, path: str
-) -> tuple[TinkerModel, Run, list[TinkerFuture]]:
-    """The tenant's model a checkpoint path names, its run, and the saves that named the path
+def _saves_of(session: Session, *, tenant_id: str, path: str) -> tuple[TinkerModel, Run, list[TinkerFuture]]:
+    """The tenant's model a checkpoint path names, its run, and the live saves that named the path
     (404 when there are none: never saved, deleted, or another tenant's)."""
     model_id, kind, path = _parse(path)
     model, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
-    saves = [f for f in _saves(session, tenant_id=tenant_id, model_id=model_id) if f.saved_path() == path]
-    if kind not in {f.kind for f in saves}:
+    saves = list(
+        session.scalars(
+            _joined(select(TinkerFuture)).where(
+                *_live_saves(tenant_id, model_id=model_id, kinds=(kind,)), saved_path() == path
+            )
+        )
+    )
+    # The path's own check too: a save's stored path and its kind agree by construction.
+    saves = [f for f in saves if f.saved_path() == path]
+    if not saves:
         raise NotFound(f"checkpoint {path} not found")
     return model, run, saves
 
 
 def delete_checkpoint(session: Session, *, tenant_id: str, model_id: str, checkpoint_id: str) -> None:
     """Forget `tinker://<model_id>/<checkpoint_id>` (404 when it does not name a live checkpoint)."""
-    _, _, saves = _live_saves(session, tenant_id=tenant_id, path=f"tinker://{model_id}/{checkpoint_id}")
+    _, _, saves = _saves_of(session, tenant_id=tenant_id, path=f"tinker://{model_id}/{checkpoint_id}")
     for future in saves:
         # A new dict: the JSON column sees a replaced value, not an in-place change.
         future.result = {**(future.result or {}), CHECKPOINT_DELETED: True}
@@ -126,7 +181,7 @@ def delete_checkpoint(session: Session, *, tenant_id: str, model_id: str, checkp
 
 def weights_info(session: Session, *, tenant_id: str, path: str) -> WeightsInfoOut:
     """What the checkpoint at `path` loads into: base model and LoRA shape."""
-    _, run, _ = _live_saves(session, tenant_id=tenant_id, path=path)
+    _, run, _ = _saves_of(session, tenant_id=tenant_id, path=path)
     modules = set(run.config["lora"]["target_modules"])
     return WeightsInfoOut(
         base_model=run.base_model,
@@ -137,12 +192,99 @@ def weights_info(session: Session, *, tenant_id: str, path: str) -> WeightsInfoO
     )
 
 
+def _latest(
+    session: Session, *, tenant_id: str, model_ids: list[str]
+) -> dict[tuple[str, str], CheckpointOut]:
+    """The newest live checkpoint of each kind of each model, by (model id, kind), in one query."""
+    if not model_ids:
+        return {}
+    ranked = (
+        _joined(
+            select(
+                TinkerFuture.model_id,
+                TinkerFuture.kind,
+                TinkerFuture.completed_at,
+                saved_path().label("path"),
+                func.row_number()
+                .over(
+                    partition_by=(TinkerFuture.model_id, TinkerFuture.kind),
+                    order_by=(TinkerFuture.completed_at.desc(), TinkerFuture.id.desc()),
+                )
+                .label("newest"),
+            )
+        )
+        .where(*_live_saves(tenant_id), TinkerFuture.model_id.in_(model_ids))
+        .subquery()
+    )
+    rows = session.execute(
+        select(ranked.c.model_id, ranked.c.kind, ranked.c.completed_at, ranked.c.path).where(
+            ranked.c.newest == 1
+        )
+    )
+    return {(str(model_id), kind): _out(kind, at, path) for model_id, kind, at, path in rows}
+
+
+def with_latest_checkpoints_of(
+    session: Session, *, tenant_id: str, run_outs: list[TrainingRunOut]
+) -> list[TrainingRunOut]:
+    """`run_outs`, each with its newest training and sampler checkpoints (one query for all)."""
+    latest = _latest(session, tenant_id=tenant_id, model_ids=[r.training_run_id for r in run_outs])
+    return [
+        r.model_copy(
+            update={
+                "last_checkpoint": latest.get((r.training_run_id, "save_weights")),
+                "last_sampler_checkpoint": latest.get((r.training_run_id, "save_weights_for_sampler")),
+            }
+        )
+        for r in run_outs
+    ]
+
+
 def with_latest_checkpoints(session: Session, *, tenant_id: str, run_out: TrainingRunOut) -> TrainingRunOut:
     """`run_out` with its newest training and sampler checkpoints."""
-    listed = _checkpoints(_saves(session, tenant_id=tenant_id, model_id=run_out.training_run_id))
-    return run_out.model_copy(
-        update={
-            "last_checkpoint": latest(listed, "training"),
-            "last_sampler_checkpoint": latest(listed, "sampler"),
-        }
+    return with_latest_checkpoints_of(session, tenant_id=tenant_id, run_outs=[run_out])[0]
+
+
+# --- the quota on saved training states ------------------------------------------------------
+
+
+class SaveQuota(AppError):
+    """409: the tenant keeps `Settings.tinker_max_saves_per_tenant` training states already."""
+
+    status = 409
+    code = "save_quota"
+
+
+def kept_states(session: Session, *, tenant_id: str) -> set[str]:
+    """The `tinker://.../weights/<name>` paths of the training states the tenant keeps: its live
+    save_weights checkpoints (`_live_saves`) and the save_weights it has pending or running."""
+    kept = set(
+        session.scalars(
+            _joined(select(saved_path()).distinct()).where(*_live_saves(tenant_id, kinds=("save_weights",)))
+        )
+    )
+    unfinished = session.execute(
+        select(TinkerFuture.model_id, TinkerFuture.request["name"].as_string()).where(
+            TinkerFuture.tenant_id == tenant_id,
+            TinkerFuture.status.in_(("pending", "running")),
+            TinkerFuture.kind == "save_weights",
+        )
+    )
+    kept.update(f"tinker://{model_id}/weights/{name or 'state'}" for model_id, name in unfinished)
+    return kept
+
+
+def check_save_quota(session: Session, *, tenant_id: str, path: str, most: int) -> None:
+    """409 `save_quota` when a save of `path` would be a training state past the tenant's `most`
+    (saving a kept path again overwrites it: always room). Exact under concurrent saves: the
+    tenant's row is locked until the commit (`lock_tenant`; SQLite serialises writes already)."""
+    lock_tenant(session, tenant_id=tenant_id)
+    kept = kept_states(session, tenant_id=tenant_id)
+    if path in kept or len(kept) < most:
+        return
+    raise SaveQuota(
+        f"this tenant keeps {len(kept)} saved training states (save_state), the most it may "
+        f"(LORALOOM_TINKER_MAX_SAVES_PER_TENANT = {most}); delete some "
+        "(RestClient.delete_checkpoint) or save under a name already kept, which overwrites it",
+        details={"kind": "saved_states", "kept": len(kept), "limit": most},
     )

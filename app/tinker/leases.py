@@ -4,21 +4,22 @@ A claimed future is held by the pool that claimed it (`pool_id`) for as long as 
 alive: its lease is the pool's own heartbeat. Unlike a rollout batch, manual work is not handed
 to another pool while its holder lives: the run's accumulated gradients are in that pool's memory,
 and there is one pool per base model. When the pool dies, stops or is replaced, its running futures
-return to pending (here), and the complete forward_backward / load_weights futures whose effect
-only it held are replayed by the next pool (app.tinker.work.claim). A future that can no longer be
-served fails here, so that the retention purges it like any done future: the work of a run that
-has left (evicted, deleted, failed, completed), and a base-model sample no pool claimed in time.
-These functions touch tinker_futures rows only (reading runs), so the pools service and the
-sweeper use them without the Tinker service.
+return to pending (here), unless they have lost `MAX_LOST_LEASES` leases this way: then they fail (a
+poison pill that stops every pool that runs it must not stop them forever). The complete
+forward_backward / load_weights futures whose effect only it held are replayed by the next pool
+(app.tinker.work.claim). A future that can no longer be served fails here, so that the retention
+purges it like any done future: the work of a run that has left (evicted, deleted, failed,
+completed), and a base-model sample no pool claimed in time. These functions touch tinker_futures
+rows only (reading runs), so the pools service and the sweeper use them without the Tinker service.
 """
 
 import logging
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, Text, cast, delete, or_, select, update
+from sqlalchemy import ColumnElement, Text, cast, delete, null, or_, select, update
 from sqlalchemy.orm import Session
 
-from app.db import rows_changed
+from app.db import rows_changed, utcnow
 from app.runs.models import Run
 from app.timestamps import as_utc
 from app.tinker.models import TinkerFuture
@@ -27,6 +28,21 @@ from contracts.status import MOVABLE_RUN_STATUSES
 log = logging.getLogger("loraloom.tinker")
 
 PENDING, RUNNING = "pending", "running"
+MAX_LOST_LEASES = 2
+"""A running future whose pool dies (or stops, or is replaced) this many times fails instead of going
+back to pending. A pool that dies loses every request of its round, so a request that kills the pool
+that runs it would otherwise be claimed again by the restarted pool, which dies in turn, forever, for
+every tenant (probe 2, finding 1: a sample request crash-looped the pool). 2, not 1: a pool also dies
+for reasons of its own (killed, out of memory, the machine lost), and the requests it held then get
+one more try. The innocent requests claimed in the same rounds as a poison pill fail with it; the pool
+isolates each request's failure (trainer_core.manual), so this is the last line, not the first."""
+LOST_LEASES_ERROR = (
+    "the worker pool stopped {n} times while running this request (it died, or was replaced or "
+    "declared dead, before answering it), so it was failed rather than handed to a pool again: a "
+    "request that stops the pool would stop it for every tenant. It may not be the cause (another "
+    "request of the same round may be); if not, send it again. An optim_step or load_weights may have "
+    "been applied before the pool stopped"
+)
 KEPT_KINDS = ("create_model", "save_weights", "save_weights_for_sampler")
 """Futures that are the record of a model or of saved weights (`tinker://` paths resolve through
 them): never purged, they live as long as their model."""
@@ -37,15 +53,41 @@ def request_cleared() -> ColumnElement[bool]:
     return or_(TinkerFuture.request.is_(None), cast(TinkerFuture.request, Text) == "null")
 
 
-def return_pool_work(session: Session, *, pool_id: str) -> int:
-    """Every future a (dead, stopped or replaced) pool was running → pending. Returns how many.
+def return_pool_work(session: Session, *, pool_id: str, now: datetime | None = None) -> int:
+    """Every future a (dead, stopped or replaced) pool was running → pending, its lost lease counted;
+    one that has now lost `MAX_LOST_LEASES` fails instead. Returns how many went back to pending.
 
     Its late results are refused from now on (app.tinker.work.record_results)."""
+    held = (TinkerFuture.status == RUNNING, TinkerFuture.pool_id == pool_id)
+    last_chance = TinkerFuture.lost_leases >= MAX_LOST_LEASES - 1
+    poisoned = session.scalars(select(TinkerFuture.id).where(*held, last_chance)).all()
+    if poisoned:
+        rows_changed(
+            session,
+            update(TinkerFuture)
+            .where(TinkerFuture.id.in_(poisoned), *held)
+            .values(
+                status="failed",
+                pool_id=None,
+                lost_leases=TinkerFuture.lost_leases + 1,
+                error=LOST_LEASES_ERROR.format(n=MAX_LOST_LEASES),
+                error_category="server",
+                request=null(),
+                completed_at=now or utcnow(),
+            )
+            .execution_options(synchronize_session=False),
+        )
+        log.warning(
+            "pool %s: Tinker request(s) %s failed: every pool that ran them stopped (%s times)",
+            pool_id,
+            ", ".join(poisoned),
+            MAX_LOST_LEASES,
+        )
     returned = rows_changed(
         session,
         update(TinkerFuture)
-        .where(TinkerFuture.status == RUNNING, TinkerFuture.pool_id == pool_id)
-        .values(status="pending", pool_id=None)
+        .where(*held)
+        .values(status="pending", pool_id=None, lost_leases=TinkerFuture.lost_leases + 1)
         .execution_options(synchronize_session=False),
     )
     if returned:

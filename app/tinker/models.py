@@ -69,6 +69,13 @@ class TinkerSession(Base):
             postgresql_where=text("finished_at IS NULL"),
             sqlite_where=text("finished_at IS NULL"),
         ),
+        # The sweeper purges finished sessions by age (app.tinker.service.purge_finished_sessions).
+        Index(
+            "ix_tinker_sessions_finished",
+            "finished_at",
+            postgresql_where=text("finished_at IS NOT NULL"),
+            sqlite_where=text("finished_at IS NOT NULL"),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -124,6 +131,9 @@ class TinkerFuture(Base):
             postgresql_where=text(unfinished()),
             sqlite_where=text(unfinished()),
         ),
+        # A tenant's saves (checkpoint listings, the saved-states quota: app.tinker.checkpoints)
+        # without reading the rest of its retained futures.
+        Index("ix_tinker_futures_tenant_kind", "tenant_id", "kind"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -139,6 +149,10 @@ class TinkerFuture(Base):
     """running: the pool whose claim it is (its lease: the claim lasts while that pool is alive).
     A complete forward_backward / load_weights whose request is kept: the pool whose memory holds
     its effect (the accumulated gradient); another pool replays it (app.tinker.leases)."""
+    lost_leases: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    """How many pools died, stopped or were replaced while running it (app.tinker.leases
+    `return_pool_work`): at `MAX_LOST_LEASES` it fails instead of going back to pending, so that a
+    request that stops every pool that runs it cannot stop them forever (a crash loop)."""
     request: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     """The work for the pool (contracts.tinker_work.ManualWorkItem fields), while it is not done;
     for a forward_backward or load_weights, until the run's next optim_step is checkpointed (a new

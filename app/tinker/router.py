@@ -14,10 +14,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session, sessionmaker
 
-from app.auth import SettingsDep
+from app.auth import SettingsDep, cached_key
 from app.db import SessionDep
+from app.errors import RateLimited
+from app.limits import InFlight
 from app.tinker import checkpoints, sampling, service, work
-from app.tinker.auth import TinkerTenantDep, tinker_tenant
+from app.tinker.auth import TinkerTenantDep, tinker_key_hash, tinker_tenant
 from app.tinker.models import TinkerFuture
 from app.tinker.schemas import (
     CheckpointsOut,
@@ -140,9 +142,36 @@ def _answer(future: TinkerFuture) -> Response | None:
     return JSONResponse({k: v for k, v in (future.result or {}).items() if not k.startswith("loraloom_")})
 
 
+LONG_POLL_RETRY_AFTER_SECONDS = 1
+"""Retry-After of a long poll past `Settings.tinker_max_long_polls_per_tenant`. The SDK's
+retrieve loop backs off on a 429 by itself (1, 2, 4 ... up to 30 s, reset by its next answer) and
+polls again: the future is not lost, its result only comes a little later."""
+
+
+def long_polls(request: Request) -> InFlight:
+    """The app's count of each tenant's open long polls (made on first use; route handlers that
+    call this run on the event loop, one at a time, so it is made once)."""
+    state = request.app.state
+    polls: InFlight | None = getattr(state, "tinker_long_polls", None)
+    if polls is None:
+        polls = InFlight(
+            state.settings.tinker_max_long_polls_per_tenant,
+            kind="long_polls",
+            retry_after=LONG_POLL_RETRY_AFTER_SECONDS,
+        )
+        state.tinker_long_polls = polls
+    return polls
+
+
+def _authenticate(factory: sessionmaker[Session], request: Request) -> str:
+    with factory() as session, session.begin():
+        return tinker_tenant(session, request).tenant_id
+
+
 def _retrieve_once(factory: sessionmaker[Session], *, request: Request, request_id: str) -> Response | None:
     # Authenticates in its own transaction: this route holds no session across the wait (on
-    # SQLite a second one would wait for the first's write lock).
+    # SQLite a second one would wait for the first's write lock). Every check does, so a revoked
+    # key stops within the key cache's bound.
     with factory() as session, session.begin():
         tenant_id = tinker_tenant(session, request).tenant_id
         future = service.get_future(session, tenant_id=tenant_id, request_id=request_id)
@@ -150,22 +179,57 @@ def _retrieve_once(factory: sessionmaker[Session], *, request: Request, request_
         return _answer(future)
 
 
+async def _check(
+    factory: sessionmaker[Session], *, request: Request, request_id: str, tenant_id: str
+) -> Response | None:
+    """One check of a long poll, holding one of the tenant's in-flight places while it runs (its
+    thread and database connection). With none free, the check is skipped (None: still pending),
+    and the poll waits for its next: the tenant's own requests fill its places, never another's."""
+    in_flight: InFlight = request.app.state.in_flight
+    try:
+        in_flight.acquire(tenant_id)
+    except RateLimited:
+        return None
+    try:
+        return await run_in_threadpool(_retrieve_once, factory, request=request, request_id=request_id)
+    finally:
+        in_flight.release(tenant_id)
+
+
 @router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
 async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Response:
     """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` if it
     is still pending after a short long-poll (the SDK then polls again). Each check is its own
-    short transaction in the threadpool; the wait between checks holds no thread."""
+    short transaction in the threadpool; the wait between checks holds no thread.
+
+    A tenant holds at most `Settings.tinker_max_long_polls_per_tenant` polls open at once (the
+    next is a 429 with Retry-After, which the SDK backs off from and retries), and each check one of
+    its `tenant_max_in_flight` places: uncounted, 300 polls of one tenant took the threadpool and the
+    database connections, and another tenant's requests went from 12 ms to 1.2 s (hostile probe,
+    finding 4). A poll whose client has gone ends at its next check, freeing its place."""
     factory: sessionmaker[Session] = request.app.state.session_factory
-    deadline = time.monotonic() + LONG_POLL_S
-    interval = POLL_INTERVAL_S
-    while True:
-        answer = await run_in_threadpool(_retrieve_once, factory, request=request, request_id=body.request_id)
-        if answer is not None:
-            return answer
-        if time.monotonic() >= deadline:
-            return JSONResponse(TryAgain(request_id=body.request_id).model_dump())
-        await asyncio.sleep(interval)
-        interval = min(2 * interval, MAX_POLL_INTERVAL_S)
+    # The key caches answer a known key (or a recent wrong one) on the event loop: no thread.
+    cached = cached_key(request.app.state, tinker_key_hash(request))
+    tenant_id = (
+        cached.tenant_id if cached is not None else await run_in_threadpool(_authenticate, factory, request)
+    )
+    polls = long_polls(request)
+    polls.acquire(tenant_id)
+    try:
+        deadline = time.monotonic() + LONG_POLL_S
+        interval = POLL_INTERVAL_S
+        while True:
+            answer = await _check(factory, request=request, request_id=body.request_id, tenant_id=tenant_id)
+            if answer is not None:
+                return answer
+            if time.monotonic() >= deadline:
+                return JSONResponse(TryAgain(request_id=body.request_id).model_dump())
+            await asyncio.sleep(interval)
+            if await request.is_disconnected():
+                return Response(status_code=status.HTTP_204_NO_CONTENT)  # nobody reads it
+            interval = min(2 * interval, MAX_POLL_INTERVAL_S)
+    finally:
+        polls.release(tenant_id)
 
 
 async def _raw_body(request: Request) -> bytes:
@@ -275,10 +339,7 @@ def list_training_runs(
     items, total = service.list_training_runs(
         session, tenant_id=principal.tenant_id, limit=limit, offset=offset
     )
-    items = [
-        checkpoints.with_latest_checkpoints(session, tenant_id=principal.tenant_id, run_out=item)
-        for item in items
-    ]
+    items = checkpoints.with_latest_checkpoints_of(session, tenant_id=principal.tenant_id, run_outs=items)
     return TrainingRunsOut(training_runs=items, cursor=Cursor(offset=offset, limit=limit, total_count=total))
 
 

@@ -96,11 +96,27 @@ def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str,
     path, base_model = body.get("model_path"), body.get("base_model")
     if isinstance(path, str):
         run_id, step = resolve_sampler_path(session, tenant_id=tenant_id, path=path)
-        row = TinkerSamplingSession(
-            id=new_id("smp"), tenant_id=tenant_id, run_id=run_id, step=step, model_path=path
+        # A session samples nothing but (run, step, path), so one row serves every client of the
+        # same weights: a new row per call let a tenant add rows without bound (hostile probe,
+        # finding 11). Rows are bounded by the sampler saves, and purged once their run has left
+        # (`app.tinker.service.purge_finished_sessions`).
+        row = session.scalar(
+            select(TinkerSamplingSession)
+            .where(
+                TinkerSamplingSession.run_id == run_id,
+                TinkerSamplingSession.tenant_id == tenant_id,
+                TinkerSamplingSession.step == step,
+                TinkerSamplingSession.model_path == path,
+            )
+            .order_by(TinkerSamplingSession.created_at, TinkerSamplingSession.id)
+            .limit(1)
         )
-        session.add(row)
-        session.flush()
+        if row is None:
+            row = TinkerSamplingSession(
+                id=new_id("smp"), tenant_id=tenant_id, run_id=run_id, step=step, model_path=path
+            )
+            session.add(row)
+            session.flush()
         run = session.get(Run, run_id)
         assert run is not None  # resolve_sampler_path found it
         return Sampler(row.id, run.base_model, path, run_id, step)

@@ -6,22 +6,24 @@ and admitted like every other run, so it shows in GET /v1/runs, takes a slot wit
 tenant's quota and is evicted or deleted by the same rules.
 """
 
+import logging
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, and_, delete, exists, func, select
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, defer
+from sqlalchemy.orm import InstrumentedAttribute, Session, defer
 
 from app.config import Settings
-from app.db import utcnow
+from app.db import rows_changed, utcnow
 from app.errors import AppError, NotFound, RateLimited, ValidationFailed
 from app.pools.models import Pool
 from app.runs import service as runs
 from app.runs.admission import admission_problems, live_pool
 from app.runs.models import Run
 from app.runs.schemas import RunCreate
-from app.tinker.models import TinkerFuture, TinkerModel, TinkerSession
+from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession
 from app.tinker.schemas import (
     TINKER_LORA_ALPHA,
     CreateModelRequest,
@@ -33,8 +35,10 @@ from app.tinker.schemas import (
 )
 from contracts.ids import new_id
 from contracts.run_config import DEFAULT_BASE_MODEL, LoraSettings, RunConfig
-from contracts.status import PoolStatus, RunStatus
+from contracts.status import MOVABLE_RUN_STATUSES, PoolStatus, RunStatus
 from contracts.tokenizer_files import save_char_tokenizer
+
+log = logging.getLogger(__name__)
 
 MANUAL_MAX_STEPS = 1_000_000
 """The largest max_steps a RunConfig allows: a manual run is stepped by its user, never completed."""
@@ -125,6 +129,85 @@ def finish_session(session: Session, *, tenant_id: str, session_id: str) -> None
     row = get_session(session, tenant_id=tenant_id, session_id=session_id)
     if row.finished_at is None:
         row.finished_at = utcnow()
+
+
+PURGE_CHUNK = 500
+"""Rows one chunk of `purge_finished_sessions` deletes at most (one transaction)."""
+
+
+@dataclass
+class SessionsPurged:
+    """What one chunk of `purge_finished_sessions` deleted."""
+
+    sessions: int = 0
+    """Tinker sessions (finished, or silent, and owning no model)."""
+    sampling_sessions: int = 0
+    """Sampling sessions of runs that left."""
+    more: bool = False
+    """The chunk used its whole budget: more may be due (run another chunk)."""
+
+
+def _delete_chosen(session: Session, pk: InstrumentedAttribute[str], chosen: Select[str]) -> int:
+    """Delete the rows `chosen` selects (their ids, at most a chunk), skipping rows another
+    transaction holds (Postgres: SKIP LOCKED; SQLite has no row locks); only `pk`'s table is
+    locked, never a run row it joins. Returns how many."""
+    return rows_changed(
+        session,
+        delete(pk.class_)
+        .where(pk.in_(chosen.with_for_update(of=pk.class_, skip_locked=True)))
+        .execution_options(synchronize_session=False),
+    )
+
+
+def purge_finished_sessions(
+    session: Session, *, now: datetime, retention_seconds: float, chunk: int = PURGE_CHUNK
+) -> SessionsPurged:
+    """One chunk of the purge of what Tinker sessions leave behind, `retention_seconds` after (0:
+    nothing is purged): at most `chunk` rows, in the caller's transaction. Never commits.
+
+    - Tinker sessions finished before the retention, and unfinished ones without a heartbeat for
+      as long (and at least SESSION_SILENT_SECONDS: the SDK's process is gone), that own no model.
+      A session with models stays while they do (their ids name it; the retention of deleted runs
+      deletes the models, app/retention.py, and the session goes at a later chunk). Each create
+      and finish added a row for ever: 85 a second from one tenant (hostile probe, finding 11).
+    - Sampling sessions created before the retention whose run has left (evicted, completed,
+      failed, deleted): none of them samples again. A deleted run's go with its purge anyway.
+
+    A session purged is a 404 to a late heartbeat or finish, like one never made."""
+    if retention_seconds <= 0 or chunk <= 0:
+        return SessionsPurged()
+    cutoff = now - timedelta(seconds=retention_seconds)
+    silent_before = min(cutoff, now - timedelta(seconds=SESSION_SILENT_SECONDS))
+    no_model = ~exists().where(TinkerModel.session_id == TinkerSession.id)
+    out = SessionsPurged()
+    budget = chunk
+    # Two statements, each on its own index: finished (ix_tinker_sessions_finished), then silent
+    # (ix_tinker_sessions_live holds the unfinished ones).
+    for due in (
+        and_(TinkerSession.finished_at.is_not(None), TinkerSession.finished_at < cutoff),
+        and_(TinkerSession.finished_at.is_(None), TinkerSession.last_heartbeat_at < silent_before),
+    ):
+        if budget > 0:
+            chosen = select(TinkerSession.id).where(due, no_model).limit(budget)
+            out.sessions += _delete_chosen(session, TinkerSession.id, chosen)
+            budget = chunk - out.sessions
+    if budget > 0:
+        left = (
+            select(TinkerSamplingSession.id)
+            .join(Run, Run.id == TinkerSamplingSession.run_id)
+            .where(TinkerSamplingSession.created_at < cutoff, Run.status.not_in(MOVABLE_RUN_STATUSES))
+            .limit(budget)
+        )
+        out.sampling_sessions = _delete_chosen(session, TinkerSamplingSession.id, left)
+    out.more = out.sessions + out.sampling_sessions >= chunk
+    if out.sessions or out.sampling_sessions:
+        log.info(
+            "tinker: purged %s session(s) and %s sampling session(s) done before %s",
+            out.sessions,
+            out.sampling_sessions,
+            cutoff.isoformat(),
+        )
+    return out
 
 
 # --- capabilities and models ----------------------------------------------------------------

@@ -39,11 +39,12 @@ from sqlalchemy.orm import Session, defer
 from app.config import Settings
 from app.db import utcnow
 from app.errors import AppError, NotFound, RateLimited, ValidationFailed
+from app.pools.models import Pool
 from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
 from app.runs.models import Run
 from app.runs.schemas import validation_problems
-from app.tinker import leases, proto
+from app.tinker import checkpoints, leases, proto
 from app.tinker.leases import request_cleared
 from app.tinker.models import REPLAYED_KINDS, TinkerFuture, TinkerModel, claimable, unfinished
 from app.tinker.schemas import MAX_MODEL_SEQ_ID, user_metadata_adapter
@@ -74,8 +75,8 @@ class RunNotActive(AppError):
     code = "run_not_active"
 
 
-def _flat(tensor: proto.Tensor | None) -> list[Any] | None:
-    return None if tensor is None else tensor.data.ravel().tolist()
+def _flat(tensor: proto.Tensor | None) -> np.ndarray | None:
+    return None if tensor is None else tensor.data.ravel()
 
 
 def _bad_field(index: int, name: str, problem: str) -> ValidationFailed:
@@ -85,7 +86,7 @@ def _bad_field(index: int, name: str, problem: str) -> ValidationFailed:
     )
 
 
-def _token_ids(index: int, name: str, values: list[Any]) -> list[int]:
+def _token_ids(index: int, name: str, values: np.ndarray) -> list[int]:
     """Token ids as ints: whole numbers in [0, 2^31) whatever the tensor's dtype (a float tensor of
     ids is accepted when its values are whole; 1.7, NaN or -5 are refused, never truncated)."""
     ids = np.asarray(values, dtype=np.float64)  # exact for every id in range
@@ -96,13 +97,32 @@ def _token_ids(index: int, name: str, values: list[Any]) -> list[int]:
         and ids.max() <= MAX_TOKEN_ID
     ):
         raise _bad_field(index, name, f"must hold token ids: whole numbers in [0, {MAX_TOKEN_ID}]")
-    return [int(v) for v in values]
+    out: list[int] = ids.astype(np.int64).tolist()
+    return out
 
 
-def _finite(index: int, name: str, values: list[Any] | None) -> list[Any] | None:
-    if values is not None and not np.isfinite(np.asarray(values, dtype=np.float64)).all():
+def _finite(index: int, name: str, values: np.ndarray | None) -> list[float] | None:
+    if values is None:
+        return None
+    numbers = np.asarray(values, dtype=np.float64)
+    if not np.isfinite(numbers).all():
         raise _bad_field(index, name, "must be finite (no NaN or infinity)")
-    return values
+    out: list[float] = numbers.tolist()
+    return out
+
+
+def _aligned(index: int, raw: proto.Datum, names: tuple[str, ...]) -> None:
+    """Each loss input one value per model-input token, checked on the decoded views before any
+    becomes a Python list (a one-token datum with a 16M-value tensor was 500 MB of floats)."""
+    n = len(raw.token_ids)
+    for name in names:
+        tensor = raw.loss_fn_inputs.get(name)
+        if tensor is not None and tensor.data.size != n:
+            problem = f"{name} has {tensor.data.size} entries; the model input has {n} tokens"
+            raise ValidationFailed(
+                f"datum {index}: invalid loss_fn_inputs: {problem}",
+                details=[{"loc": ["data", str(index), name], "msg": problem, "type": "value_error"}],
+            )
 
 
 def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
@@ -114,12 +134,18 @@ def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
         raise ValidationFailed(f"datum {index}: loss_fn_inputs needs target_tokens")
     if loss_fn != "cross_entropy" and not {"logprobs", "advantages"} <= set(inputs):
         raise ValidationFailed(f"datum {index}: {loss_fn} needs loss_fn_inputs logprobs and advantages")
-    weights = _finite(index, "weights", _flat(inputs.get("weights"))) or [1.0] * len(raw.tokens)
     rl = loss_fn != "cross_entropy"
+    _aligned(
+        index,
+        raw,
+        ("target_tokens", "weights", "logprobs", "advantages") if rl else ("target_tokens", "weights"),
+    )
+    weights = _finite(index, "weights", _flat(inputs.get("weights"))) or [1.0] * len(raw.token_ids)
+    target = _flat(inputs["target_tokens"])
     try:
         return ManualDatum(
-            tokens=_token_ids(index, "tokens", raw.tokens),
-            target_tokens=_token_ids(index, "target_tokens", _flat(inputs["target_tokens"]) or []),
+            tokens=_token_ids(index, "tokens", raw.token_ids),
+            target_tokens=_token_ids(index, "target_tokens", target) if target is not None else [],
             weights=weights,
             logprobs=_finite(index, "logprobs", _flat(inputs.get("logprobs"))) if rl else None,
             advantages=_finite(index, "advantages", _flat(inputs.get("advantages"))) if rl else None,
@@ -134,14 +160,15 @@ def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
 def _check_request_size(data: list[proto.Datum], *, max_tokens: int) -> None:
     """A request one pool round can take alone: a larger one would hold every other tenant's work
     for longer than the round's bound (the SDK chunks to fit: it is told both limits). A round
-    therefore holds at most max(max_tokens, the pool's max_seq_len) tokens of training data."""
+    therefore holds at most max(max_tokens, the pool's max_seq_len) tokens of training data.
+    Counted on the decoded views, before any token becomes a Python int."""
     if len(data) > MAX_DATUMS_PER_REQUEST:
         raise ValidationFailed(
             f"{len(data)} datums in one request; at most {MAX_DATUMS_PER_REQUEST} (split the batch)",
             details={"kind": "datums_per_request", "datums": len(data), "limit": MAX_DATUMS_PER_REQUEST},
         )
-    tokens = sum(len(d.tokens) for d in data)
-    # One datum always passes (its length is bounded by max_seq_len, `_check_against_pool`): the
+    tokens = sum(len(d.token_ids) for d in data)
+    # One datum always passes here: its length is bounded by max_seq_len (`_check_lengths`). The
     # SDK sends a datum larger than its chunk alone, and cannot split it further.
     if tokens > max_tokens and len(data) > 1:
         raise ValidationFailed(
@@ -150,19 +177,30 @@ def _check_request_size(data: list[proto.Datum], *, max_tokens: int) -> None:
         )
 
 
-def _check_against_pool(session: Session, run: Run, data: list[ManualDatum]) -> None:
-    """Lengths within the pool's max_seq_len and ids within its vocabulary. With no live pool the
-    run's own seq_len bounds the length (ids are already non-negative int32); the vocabulary is
-    known only to a pool, which fails a request with an id outside it on its own (it never
-    reaches the model: trainer_core.manual)."""
+def _datum_bound(session: Session, run: Run) -> tuple[int, Pool | None]:
+    """(the most model-input tokens one datum may have, the live pool of the run's base model): the
+    pool's max_seq_len, or with no live pool the run's own seq_len."""
     pool = live_pool(session, base_model=run.base_model)
-    max_len = pool.max_seq_len if pool is not None else RunConfig.model_validate(run.config).seq_len
+    return (pool.max_seq_len if pool is not None else RunConfig.model_validate(run.config).seq_len), pool
+
+
+def _check_lengths(data: list[proto.Datum], *, max_len: int, pool: Pool | None) -> None:
+    """Every datum within `max_len` tokens (`_datum_bound`), on the decoded views: a single datum of
+    any length passed the request's bound, and became a list of Python ints before this check (a
+    63 MB datum took 1.2 GB; hostile probe, finding 5)."""
     for i, d in enumerate(data):
-        if len(d.tokens) > max_len:
+        if len(d.token_ids) > max_len:
             whose = "the pool's max_seq_len" if pool is not None else "the model's seq_len"
-            raise ValidationFailed(f"datum {i}: {len(d.tokens)} tokens; {whose} is {max_len}")
-        if pool is None:
-            continue
+            raise ValidationFailed(f"datum {i}: {len(d.token_ids)} tokens; {whose} is {max_len}")
+
+
+def _check_vocabulary(pool: Pool | None, data: list[ManualDatum]) -> None:
+    """Ids within the live pool's vocabulary. With no live pool the vocabulary is unknown (ids are
+    already non-negative int32): a pool fails a request with an id outside it on its own (it never
+    reaches the model: trainer_core.manual)."""
+    if pool is None:
+        return
+    for i, d in enumerate(data):
         tokens = np.asarray(d.tokens + d.target_tokens)
         if tokens.size and tokens.max() >= pool.vocab_size:
             raise ValidationFailed(f"datum {i}: a token id is outside the vocabulary [0, {pool.vocab_size})")
@@ -277,21 +315,32 @@ def submit_forward_backward(
     session: Session, *, tenant_id: str, body: bytes, settings: Settings
 ) -> TinkerFuture:
     """Queue a forward/forward_backward; it may carry a pool round's tokens at most
-    (`Settings.tinker_max_tokens_per_round`)."""
+    (`Settings.tinker_max_tokens_per_round`).
+
+    The model (and an earlier request with the same seq_id) is found from the message's top level
+    before any of its data is decoded, so another tenant's or an unknown model costs a skim of the
+    body; the decode is bounded in fields (`proto.MAX_FIELDS`) and leaves tokens and tensors as views
+    of the body, whose lengths are checked before any becomes a Python list."""
+    try:
+        model_id, seq_id = proto.forward_backward_target(body)
+    except proto.ProtoError as exc:
+        raise ValidationFailed(f"malformed ForwardBackwardRequest: {exc}") from exc
+    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+    _counter(seq_id, "forward_backward needs seq_id")
+    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+    if existing is not None:
+        return existing
     try:
         req = proto.decode_forward_backward_request(body)
     except proto.ProtoError as exc:
         raise ValidationFailed(f"malformed ForwardBackwardRequest: {exc}") from exc
-    _, run = get_model(session, tenant_id=tenant_id, model_id=req.model_id)
-    _counter(req.seq_id, "forward_backward needs seq_id")
-    existing = _existing(session, model_id=req.model_id, seq_id=req.seq_id)
-    if existing is not None:
-        return existing
     if req.loss_fn not in LOSS_FNS:
         raise NotSupported(f"loss_fn {req.loss_fn!r} (supported: {', '.join(LOSS_FNS)})")
     if not req.data:
         raise ValidationFailed("forward_backward needs at least one datum")
     _check_request_size(req.data, max_tokens=settings.tinker_max_tokens_per_round)
+    max_len, pool = _datum_bound(session, run)
+    _check_lengths(req.data, max_len=max_len, pool=pool)
     numbers = {k: v for k, v in req.loss_fn_config.items() if isinstance(v, float)}
     if len(numbers) != len(req.loss_fn_config):
         raise NotSupported("text values in loss_fn_config")
@@ -300,17 +349,17 @@ def submit_forward_backward(
     if not all(np.isfinite(list(numbers.values()))):
         raise ValidationFailed("loss_fn_config values must be finite (no NaN or infinity)")
     data = [_datum(i, d, req.loss_fn) for i, d in enumerate(req.data)]
-    _check_against_pool(session, run, data)
+    _check_vocabulary(pool, data)
     item = ManualWorkItem(
         request_id=new_id("req"),
         run_id=run.id,
-        seq_id=req.seq_id,
+        seq_id=seq_id,
         kind="forward" if req.forward_only else "forward_backward",
         loss_fn=req.loss_fn,  # checked against LOSS_FNS above
         loss_fn_config=numbers,
         data=data,
     )
-    return _submit(session, tenant_id=tenant_id, model_id=req.model_id, run=run, item=item, settings=settings)
+    return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item, settings=settings)
 
 
 def _in_order(
@@ -384,6 +433,12 @@ def submit_save_weights(
     if existing is not None:
         return existing
     name = _save_name(body, "state")
+    checkpoints.check_save_quota(
+        session,
+        tenant_id=tenant_id,
+        path=weights_path(model_id, name),
+        most=settings.tinker_max_saves_per_tenant,
+    )
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights", name=name
     )
@@ -405,6 +460,7 @@ def _saved_state(session: Session, *, tenant_id: str, path: str) -> tuple[Run, s
             TinkerFuture.model_id == parts[0],
             TinkerFuture.kind == "save_weights",
             TinkerFuture.status == "complete",
+            checkpoints.saved_path() == path,  # the model's saves of this path only, not all of them
         )
     )
     if not any(f.saved_path() == path for f in saved):
@@ -493,6 +549,9 @@ def resolve_sampler_path(session: Session, *, tenant_id: str, path: str) -> tupl
             TinkerFuture.model_id == parts[0],
             TinkerFuture.kind == "save_weights_for_sampler",
             TinkerFuture.status == "complete",
+            # This path's saves only: every sample of a sampling client resolves its path
+            # (app.tinker.sampling), and a model saves sampler weights at every step of a loop.
+            checkpoints.saved_path() == path,
         )
         .order_by(TinkerFuture.seq_id.desc())
     )
