@@ -7,6 +7,7 @@ from app.events.models import Event
 from app.pools.models import Pool
 from app.rollouts.models import RolloutStats
 from app.runs.models import Run
+from app.telemetry.models import PurgedCount
 from app.tenants.models import ApiKey, Tenant
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession
 from app.ui.models import UiSession
@@ -19,6 +20,7 @@ __all__ = [
     "Checkpoint",
     "Event",
     "Pool",
+    "PurgedCount",
     "RolloutStats",
     "Run",
     "StepMetrics",

@@ -9,6 +9,10 @@ what is live (the sweeper runs these, app/sweeper.py).
   so that the run's own DELETE cascades to nothing).
 - Events older than `Settings.event_retention_seconds` are deleted, whoever they are about.
 
+What the purge deletes of runs, batches (and their bytes) and step reports is added to totals
+(app/telemetry/purged.py) in the same transaction, which the Prometheus counters add to the rows
+left: they never go down.
+
 Chunks: each call deletes at most `chunk` rows, in the caller's transaction, and the sweeper commits
 each chunk on its own, so a backlog (a first purge of years of events, a run of a million batches)
 never holds a long transaction or many locks. Two service processes sweeping at once: on Postgres
@@ -49,6 +53,7 @@ from app.db import rows_changed
 from app.events.models import Event
 from app.rollouts.models import RolloutStats
 from app.runs.models import DELETED_RUNS, Run
+from app.telemetry.purged import PURGED_BATCH_BYTES, PURGED_BATCHES, PURGED_RUNS, PURGED_STEPS, add_purged
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
 
 log = logging.getLogger(__name__)
@@ -94,6 +99,18 @@ def _delete_some(
         session,
         delete(pk.class_).where(pk.in_(chosen)).execution_options(synchronize_session=False),
     )
+
+
+def _delete_batches(session: Session, where: ColumnElement[bool], limit: int) -> tuple[int, int]:
+    """`_delete_some` of batches, also giving their payload bytes (the ingested-bytes counter's)."""
+    chosen = select(Batch.id).where(where).limit(limit).with_for_update(skip_locked=True)
+    sizes = session.scalars(
+        delete(Batch)
+        .where(Batch.id.in_(chosen))
+        .returning(Batch.payload_bytes)
+        .execution_options(synchronize_session=False)
+    ).all()
+    return len(sizes), sum(sizes)
 
 
 def due_runs_query(*, cutoff: datetime, chunk: int) -> Select[str]:
@@ -143,12 +160,22 @@ def purge_deleted_runs(
         )
     ]
     budget = chunk
+    purged: dict[str, int] = {}
     for pk, where in [*unbound, *cascaded]:
-        budget -= _delete_some(session, pk, where, budget)
+        if pk is Batch.id:
+            n, size = _delete_batches(session, where, budget)
+            purged[PURGED_BATCHES], purged[PURGED_BATCH_BYTES] = n, size
+        else:
+            n = _delete_some(session, pk, where, budget)
+            if pk is StepMetrics.id:
+                purged[PURGED_STEPS] = n
+        budget -= n
         if budget == 0:
+            add_purged(session, purged)
             return RunsPurged(rows=chunk, more=True)
     # A row skipped as locked (another job deleting it) or written since: the runs wait for a later chunk.
     if any(session.scalar(select(exists().where(where))) for _, where in unbound):
+        add_purged(session, purged)
         return RunsPurged(rows=chunk - budget)
     gone = doomed[:budget]
     deleted = rows_changed(
@@ -156,6 +183,7 @@ def purge_deleted_runs(
         delete(Run).where(Run.id.in_(gone), text(DELETED_RUNS)).execution_options(synchronize_session=False),
     )
     budget -= deleted
+    add_purged(session, purged | {PURGED_RUNS: deleted})
     log.info("retention: purged %s run(s) deleted before %s", deleted, cutoff.isoformat())
     return RunsPurged(rows=chunk - budget, runs=gone, more=budget == 0)
 

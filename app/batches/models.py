@@ -15,6 +15,8 @@ class Batch(Base):
         UniqueConstraint("run_id", "idempotency_key"),
         Index("ix_batches_state_id", "state", "id"),
         Index("ix_batches_run_id_id", "run_id", "id"),
+        # A trainer step's batches, for the metrics join (app/adapters/metrics_view.py).
+        Index("ix_batches_run_id_trained_step", "run_id", "trained_step"),
         # The per-run pending limits count these on every submission (app/limits.py).
         Index(
             "ix_batches_run_id_pending",

@@ -14,6 +14,7 @@ from app.batches.models import Batch
 from app.db import utcnow
 from app.pools.models import Pool
 from app.runs.models import Run
+from app.telemetry.purged import PURGED_BATCH_BYTES, PURGED_BATCHES, PURGED_RUNS, PURGED_STEPS, purged_totals
 from app.timestamps import as_utc
 from contracts.status import BatchState, PoolStatus, RunStatus
 
@@ -69,20 +70,25 @@ def _families(session: Session) -> Iterator[Metric]:
         runs.add_metric([state.value], by_state.get(state.value, 0))
     yield runs
 
-    created = CounterMetricFamily("loraloom_runs_created", "Runs created (any state, deleted included).")
-    created.add_metric([], sum(by_state.values()))
+    # Counters: the rows left plus what the retention purge deleted (never down, app/telemetry/purged.py).
+    purged = purged_totals(session)
+    created = CounterMetricFamily(
+        "loraloom_runs_created", "Runs created (any state, deleted and purged included)."
+    )
+    created.add_metric([], sum(by_state.values()) + purged.get(PURGED_RUNS, 0))
     yield created
 
     count, size = session.execute(select(func.count(), func.coalesce(func.sum(Batch.payload_bytes), 0))).one()
     batches = CounterMetricFamily("loraloom_batches_ingested", "Rollout batches accepted.")
-    batches.add_metric([], count)
+    batches.add_metric([], count + purged.get(PURGED_BATCHES, 0))
     yield batches
     nbytes = CounterMetricFamily("loraloom_batch_bytes_ingested", "Bytes of rollout batch payloads accepted.")
-    nbytes.add_metric([], size)
+    nbytes.add_metric([], size + purged.get(PURGED_BATCH_BYTES, 0))
     yield nbytes
 
     steps = CounterMetricFamily("loraloom_steps_trained", "Run steps the trainer reported.")
-    steps.add_metric([], session.scalar(select(func.count()).select_from(StepMetrics)) or 0)
+    reported = session.scalar(select(func.count()).select_from(StepMetrics)) or 0
+    steps.add_metric([], reported + purged.get(PURGED_STEPS, 0))
     yield steps
 
     queue = GaugeMetricFamily(
