@@ -120,12 +120,14 @@ def known_key(state: State, session: Session, digest: str) -> CachedKey:
     if (hit := cached_key(state, digest)) is not None:
         return hit
     settings: Settings = state.settings
+    valid = key_cache(state, settings.api_key_cache_seconds)
+    read_in = valid.generation  # before the read: a revocation clearing the cache meanwhile wins
     key = session.scalar(select(ApiKey).where(ApiKey.key_hash == digest))
     if key is None or key.revoked_at is not None:
         key_miss_cache(state, settings.api_key_miss_cache_seconds).put(digest, True)
         raise Unauthorized(INVALID_KEY)
     found = CachedKey(tenant_id=key.tenant_id, api_key_id=key.id)
-    key_cache(state, settings.api_key_cache_seconds).put(digest, found)
+    valid.put(digest, found, read_in=read_in)
     return found
 
 

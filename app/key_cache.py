@@ -3,7 +3,8 @@ and the request guard's credential check, skip a query) and the keys found unkno
 client repeating a wrong key costs no query per request).
 
 Bound on revocation: a key revoked through this process stops working at once (the revoke route
-clears the cache of valid keys); revoked anywhere else (another worker process, another replica,
+commits, then clears the cache of valid keys; a lookup that read the key before the clear does not
+cache it after, `TtlCache.put`'s `read_in`); revoked anywhere else (another worker process, another replica,
 the database directly), it stops within `Settings.api_key_cache_seconds`.
 
 Bound on new keys: a key unknown when it was looked up is refused without a lookup for

@@ -25,6 +25,8 @@ class TtlCache(Generic[K, V]):
         self._clock = clock
         self._entries: dict[K, tuple[V, float]] = {}
         self._lock = threading.Lock()
+        self.generation = 0
+        """Bumped by `clear`: a value read from the database before a clear may be stale."""
 
     def get(self, key: K) -> V | None:
         entry = self._entries.get(key)
@@ -36,10 +38,15 @@ class TtlCache(Generic[K, V]):
             return None
         return value
 
-    def put(self, key: K, value: V) -> None:
+    def put(self, key: K, value: V, *, read_in: int | None = None) -> None:
+        """Keep `value` for `key`; with `read_in` (the `generation` before the value was read), not
+        if the cache was cleared since: the value may predate what the clear was for (a revoked key
+        read as valid by a request racing the revocation would be trusted for a whole TTL)."""
         if self.ttl_s <= 0:
             return
         with self._lock:
+            if read_in is not None and read_in != self.generation:
+                return
             if len(self._entries) >= self.MAX_ENTRIES:
                 self._entries.clear()  # crude, and rare: that many distinct entries within one TTL
             self._entries[key] = (value, self._clock() + self.ttl_s)
@@ -51,6 +58,7 @@ class TtlCache(Generic[K, V]):
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self.generation += 1
 
 
 def state_cache(state: State, name: str, ttl_s: float) -> Any:

@@ -47,7 +47,10 @@ def delete_tenant(
     """Delete a tenant with its API keys and runs (each run deleted as by its owner: slot freed,
     files removed); the audit events stay (admin)."""
     removal.delete_tenant(session, tenant_id=tenant_id, settings=settings)
-    # Its keys stop working in this process now; in others within api_key_cache_seconds.
+    # Committed first, then the cache cleared: a request reading the key after the clear finds it
+    # gone, one that read it before cannot cache it (TtlCache.put's read_in). Its keys stop working
+    # in this process now; in others within api_key_cache_seconds.
+    session.commit()
     key_cache(request.app.state, settings.api_key_cache_seconds).clear()
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -80,6 +83,8 @@ def revoke_api_key(
 ) -> Response:
     """Revoke an API key: requests with it get a 401 from now on (admin)."""
     service.revoke_api_key(session, tenant_id=tenant_id, key_id=key_id)
-    # This process forgets its cached keys now; other processes within api_key_cache_seconds.
+    # Committed first, then the cache cleared (see delete_tenant): this process forgets the key now;
+    # other processes within api_key_cache_seconds.
+    session.commit()
     key_cache(request.app.state, request.app.state.settings.api_key_cache_seconds).clear()
     return Response(status_code=status.HTTP_204_NO_CONTENT)
