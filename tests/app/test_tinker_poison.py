@@ -17,30 +17,8 @@ from app.db import make_engine, make_session_factory
 from app.tinker.leases import MAX_LOST_LEASES
 from app.tinker.models import TinkerFuture
 from tests.app.api import WORKER_HEADERS, TenantHandle, register
+from tests.app.test_tinker_sampling import _base_sampler, _headers
 from tests.app.test_tinker_work import PROTOBUF, _datum, _fwdbwd_body, _model
-
-BASE_MODEL = "loraloom-tiny"
-
-
-def _headers(tenant: TenantHandle) -> dict[str, str]:
-    return {"X-API-Key": "tml-" + tenant.key}
-
-
-def _base_sampler(client: TestClient, tenant: TenantHandle) -> str:
-    headers = _headers(tenant)
-    session = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "test"}, headers=headers)
-    r = client.post(
-        "/api/v1/create_sampling_session",
-        json={
-            "session_id": session.json()["session_id"],
-            "sampling_session_seq_id": 0,
-            "base_model": BASE_MODEL,
-        },
-        headers=headers,
-    )
-    assert r.status_code == 200, r.text
-    sampler_id: str = r.json()["sampling_session_id"]
-    return sampler_id
 
 
 def _asample(client: TestClient, tenant: TenantHandle, sampler_id: str, params: dict[str, Any]) -> Any:
