@@ -40,8 +40,8 @@ class DestinationInUse(LoraloomError):
 
 
 def _check_replaceable(dest: Path) -> None:
-    """An adapter replaces its destination whole, so that must be new, empty, an earlier
-    extraction (its marker), or the PEFT files alone: never a directory of the user's other files
+    """An adapter replaces its destination whole, so that must be new, empty, or hold only the
+    PEFT files (and an earlier extraction's marker): never a directory of the user's other files
     (`fetch_adapter(run, "latest", "~/project")` would have deleted the project)."""
     if not dest.exists() and not dest.is_symlink():
         return
@@ -49,9 +49,9 @@ def _check_replaceable(dest: Path) -> None:
         raise DestinationInUse(
             f"{dest} exists and is not a directory: choose a new directory for the adapter"
         )
-    if (dest / MARKER_NAME).is_file():
-        return
-    others = sorted(p.name for p in dest.iterdir() if p.name not in PEFT_FILES)
+    # Even an earlier extraction (its marker) is replaced only while it holds nothing else: files
+    # added beside the adapter since (a tokenizer, notes) would go with it.
+    others = sorted(p.name for p in dest.iterdir() if p.name not in (*PEFT_FILES, MARKER_NAME))
     if others:
         shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
         raise DestinationInUse(

@@ -115,7 +115,16 @@ def test_what_an_adapter_may_replace(tmp_path: Path, before: str) -> None:
         dest.mkdir()
         (dest / "adapter_model.safetensors").write_bytes(b"old")
     elif before == "earlier extraction":
-        extract_adapter(_tar([_file("adapter_config.json", b"v1"), _file("notes.txt", b"n")]), dest)
+        extract_adapter(_tar([_file("adapter_config.json", b"v1")]), dest)
     extract_adapter(_tar([_file("adapter_config.json", b"v2")]), dest, step=2)
     assert (dest / "adapter_config.json").read_bytes() == b"v2"
     assert sorted(p.name for p in dest.iterdir()) == [".loraloom-adapter.json", "adapter_config.json"]
+
+
+def test_files_added_beside_an_earlier_extraction_keep_it_from_being_replaced(tmp_path: Path) -> None:
+    dest = extract_adapter(_tar([_file("adapter_config.json", b"v1")]), tmp_path / "a")
+    (dest / "tokenizer.json").write_text("mine")
+    with pytest.raises(DestinationInUse, match="tokenizer.json"):
+        extract_adapter(_tar([_file("adapter_config.json", b"v2")]), dest)
+    assert (dest / "tokenizer.json").read_text() == "mine"
+    assert (dest / "adapter_config.json").read_bytes() == b"v1"
