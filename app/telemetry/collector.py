@@ -45,6 +45,11 @@ class DatabaseCollector(Collector):
         up = GaugeMetricFamily("loraloom_database_up", "1 if the scrape could read the database.")
         try:
             with self.factory() as session:
+                if session.get_bind().dialect.name == "postgresql":
+                    # One snapshot for every count: the purge committing between the purged totals
+                    # and a row count would show a counter below its last scrape (a reset to
+                    # Prometheus). SQLite's read transaction is one snapshot already.
+                    session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
                 families = list(_families(session))
         except Exception as exc:  # the scrape still answers: request metrics, and database_up 0
             log.warning("metrics: database unreadable: %s", type(exc).__name__)
