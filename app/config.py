@@ -171,7 +171,8 @@ class Settings(BaseSettings):
     """Training states (`save_state` / save_weights names) one tenant keeps at once, over all its
     models whose runs are not deleted, pending saves included: each is adapter + optimizer state on
     the pool's disk. Past it, a save under a new name is a 409 `save_quota` and nothing is stored;
-    saving a kept name again overwrites it, and deleting a checkpoint frees its place."""
+    saving a kept name again overwrites it. A deleted checkpoint still counts (the pool keeps its
+    state until the run is deleted), and its name may be saved again."""
 
     tinker_session_retention_seconds: float = Field(default=86_400.0, ge=0, le=MAX_RETENTION_SECONDS)
     """Finished Tinker sessions (and ones without a heartbeat this long) that own no model, and

@@ -256,13 +256,20 @@ class SaveQuota(AppError):
 
 
 def kept_states(session: Session, *, tenant_id: str) -> set[str]:
-    """The `tinker://.../weights/<name>` paths of the training states the tenant keeps: its live
-    save_weights checkpoints (`_live_saves`) and the save_weights it has pending or running."""
-    kept = set(
-        session.scalars(
-            _joined(select(saved_path()).distinct()).where(*_live_saves(tenant_id, kinds=("save_weights",)))
-        )
+    """The `tinker://.../weights/<name>` paths of the training states the tenant keeps on the pool's
+    disk: its completed save_weights of models whose runs are not deleted — deleted checkpoints
+    included, since the pool keeps a state until its run is deleted (were they not counted, saving,
+    deleting and saving again would fill the disk under the quota) — and the save_weights it has
+    pending or running."""
+    saved = (
+        TinkerFuture.tenant_id == tenant_id,
+        TinkerFuture.kind == "save_weights",
+        TinkerFuture.status == "complete",
+        TinkerFuture.completed_at.is_not(None),
+        Run.status != RunStatus.DELETED,
+        saved_path().is_not(None),
     )
+    kept = set(session.scalars(_joined(select(saved_path()).distinct()).where(*saved)))
     unfinished = session.execute(
         select(TinkerFuture.model_id, TinkerFuture.request["name"].as_string()).where(
             TinkerFuture.tenant_id == tenant_id,
@@ -284,7 +291,8 @@ def check_save_quota(session: Session, *, tenant_id: str, path: str, most: int) 
         return
     raise SaveQuota(
         f"this tenant keeps {len(kept)} saved training states (save_state), the most it may "
-        f"(LORALOOM_TINKER_MAX_SAVES_PER_TENANT = {most}); delete some "
-        "(RestClient.delete_checkpoint) or save under a name already kept, which overwrites it",
+        f"(LORALOOM_TINKER_MAX_SAVES_PER_TENANT = {most}); save under a name already kept, which "
+        "overwrites it (a deleted checkpoint's name too: its state stays on the pool until its run "
+        "is deleted), or delete a model's run (DELETE /v1/runs/{id}), whose states go with it",
         details={"kind": "saved_states", "kept": len(kept), "limit": most},
     )
