@@ -51,7 +51,7 @@ from starlette.datastructures import State
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
-from app.auth import bearer_token, cached_key, hash_key, known_key, require_worker, same_secret
+from app.auth import bearer_token, cached_key, known_key, require_worker, same_secret
 from app.config import Settings
 from app.errors import AppError, ServiceUnavailable, error_body
 from app.serving import MAX_HEADER_BYTES
@@ -94,10 +94,6 @@ every other tenant with a 64 MB body (a 66 MB `[1,1,...]` took 2.5 s of the loop
 
 _CHECKED_FIRST = ("/v1/pool/", "/api/v1/")
 """Bulk routes whose credential is checked before their body is read (see `credential_refusal`)."""
-_TENANT_BULK = re.compile(r"^/v1/(runs/[^/]+/batches|adapters)$")
-"""The tenants' bulk routes (rollout batches, adapter uploads): their Bearer tenant key is checked
-before the body is read too, so that anonymous bodies cannot fill the body budget (a 503 for every
-tenant). A valid key is then in the key cache: the batch route's fast path answers it."""
 
 BUSY_RETRY_AFTER_SECONDS = 1
 
@@ -236,21 +232,15 @@ class BodyGuard:
 
 
 async def credential_refusal(scope: Scope, state: State, settings: Settings) -> AppError | None:
-    """For a bulk route of the pool, the Tinker API or the tenants, before its body is read: the 401
-    or 403 its route would answer the request's credential with, or None (a credential the route
-    takes, or a route checked after the read). The pool's worker token is compared in place; a
-    Tinker or tenant key is known to the key caches, or looked up in a worker thread (a query)."""
+    """For a bulk route of the pool or the Tinker API, before its body is read: the 401 or 403 its
+    route would answer the request's credential with, or None (a credential the route takes, or a
+    route checked after the read). The pool's worker token is compared in place; a Tinker key is
+    known to the key caches, or looked up in a worker thread (a database query)."""
     path: str = scope.get("path", "")
-    tenant_route = _TENANT_BULK.match(path) is not None
-    if not tenant_route and not path.startswith(_CHECKED_FIRST):
+    if not path.startswith(_CHECKED_FIRST):
         return None
     request = Request(scope)
     try:
-        if tenant_route:
-            digest = hash_key(bearer_token(request))
-            if cached_key(state, digest) is not None:
-                return None
-            return await run_in_threadpool(_key_refusal, state, digest)
         if path.startswith("/v1/pool/"):
             token = bearer_token(request)
             worker = settings.worker_token
@@ -264,7 +254,7 @@ async def credential_refusal(scope: Scope, state: State, settings: Settings) -> 
             return None
     except AppError as refused:
         return refused
-    return await run_in_threadpool(_key_refusal, state, digest)
+    return await run_in_threadpool(_tinker_refusal, state, digest)
 
 
 def _worker_refusal(request: Request, state: State, settings: Settings) -> AppError | None:
@@ -276,8 +266,7 @@ def _worker_refusal(request: Request, state: State, settings: Settings) -> AppEr
     return None
 
 
-def _key_refusal(state: State, digest: str) -> AppError | None:
-    """The 401 of a key hash (a Tinker key's, a tenant's Bearer key's) that no valid key has, or None."""
+def _tinker_refusal(state: State, digest: str) -> AppError | None:
     with state.session_factory() as session:
         try:
             known_key(state, session, digest)  # cached for the route when valid
