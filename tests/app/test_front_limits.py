@@ -36,6 +36,7 @@ from app.tenants.models import ApiKey
 from app.ttl_cache import TtlCache
 from tests.app.api import ADMIN_HEADERS, WORKER_HEADERS, LiveServer, TenantHandle, new_tenant, register
 from tests.app.factories import committed
+from tests.app.test_tinker_work import _model
 from tests.common import ADMIN_KEY, WORKER_TOKEN
 
 MIB = 1024 * 1024
@@ -171,21 +172,6 @@ def test_another_roles_credential_gets_the_routes_own_403_unread(live) -> None:
     assert (status, body["error"]["message"]) == (401, "invalid or revoked API key")
 
 
-def _tinker_model(client: TestClient, tenant: TenantHandle) -> tuple[str, dict[str, str]]:
-    headers = {"X-API-Key": "tml-" + tenant.key}
-    session = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "test"}, headers=headers)
-    assert session.status_code == 200, session.text
-    body = {
-        "session_id": session.json()["session_id"],
-        "model_seq_id": 0,
-        "base_model": "loraloom-tiny",
-        "lora_config": {"rank": 4, "train_unembed": False, "train_mlp": False},
-    }
-    created = client.post("/api/v1/create_model", json=body, headers=headers)
-    assert created.status_code == 200, created.text
-    return created.json()["model_id"], headers
-
-
 def _forward_backward_body(model_id: str, datums: int) -> bytes:
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
@@ -208,7 +194,7 @@ def _forward_backward_body(model_id: str, datums: int) -> bytes:
 
 def test_valid_clients_still_post_bulk_bodies(app: FastAPI, client: TestClient, tenant: TenantHandle) -> None:
     pool_id = register(client, max_seq_len=131_072, vocab_size=2_000_000)
-    model_id, headers = _tinker_model(client, tenant)
+    model_id, headers = _model(client, tenant)
     body = _forward_backward_body(model_id, 600)
     assert len(body) > 2 * MIB
     # The key not cached: the credential check looks it up (in a thread) before the body is read.

@@ -16,6 +16,7 @@ from app.runs.models import Run
 from app.tinker import proto, work
 from app.tinker.models import TinkerFuture, TinkerModel
 from tests.app.api import new_tenant
+from tests.app.test_tinker_hostile_input import _raw_body
 from tests.app.test_tinker_work import PROTOBUF, _datum, _fwdbwd_body, _model
 
 _F32, _I64 = 1, 2
@@ -29,21 +30,6 @@ def _tensor(values: np.ndarray, dtype: int, *, shape: bytes | None = None) -> by
         + proto._key(3, 0)
         + proto._varint(dtype)
         + proto._len_field(4, packed)
-    )
-
-
-def _body(model_id: str, seq_id: int, tokens: np.ndarray, targets: bytes) -> bytes:
-    """A ForwardBackwardRequest written field by field (what the SDK would never send)."""
-    chunk = proto._len_field(1, proto._len_field(1, np.asarray(tokens, "<i4").tobytes()))
-    datum = proto._len_field(1, chunk) + proto._len_field(
-        2, proto._len_field(1, b"target_tokens") + proto._len_field(2, targets)
-    )
-    return (
-        proto._len_field(1, model_id.encode())
-        + proto._key(2, 0)
-        + proto._varint(seq_id)
-        + proto._len_field(3, datum)
-        + proto._len_field(4, b"cross_entropy")
     )
 
 
@@ -75,7 +61,7 @@ def _stored(db) -> int:
 def test_a_huge_packed_shape_is_refused_by_its_length_before_it_is_read(monkeypatch):
     """32 MB of one-byte varints in a shape cost 38 s of CPU, one varint at a time."""
     varints = _counting(monkeypatch, proto, "_read_varint")
-    huge = _body("m", 1, np.arange(1, 4), _tensor(np.arange(2, 5), _I64, shape=b"\x01" * (4 << 20)))
+    huge = _raw_body("m", 1, np.arange(1, 4), _tensor(np.arange(2, 5), _I64, shape=b"\x01" * (4 << 20)))
     with pytest.raises(proto.ProtoError, match=f"more than {proto.MAX_SHAPE_DIMS} dimensions"):
         proto.decode_forward_backward_request(huge)
     assert len(varints) < 100  # the fields' keys and lengths, none of the shape's 4 Mi varints
@@ -86,10 +72,10 @@ def test_a_huge_packed_shape_is_refused_by_its_length_before_it_is_read(monkeypa
         proto._len_field(1, np.zeros(1, "<i8").tobytes()) + proto._key(3, 0) + proto._varint(_I64) + unpacked
     )
     with pytest.raises(proto.ProtoError, match="dimensions"):
-        proto.decode_forward_backward_request(_body("m", 1, np.arange(1, 2), tensor))
+        proto.decode_forward_backward_request(_raw_body("m", 1, np.arange(1, 2), tensor))
     # The SDK's shapes (one dimension, packed) still read.
     fine = proto.decode_forward_backward_request(
-        _body("m", 1, np.arange(1, 4), _tensor(np.arange(2, 5), _I64))
+        _raw_body("m", 1, np.arange(1, 4), _tensor(np.arange(2, 5), _I64))
     )
     assert fine.data[0].loss_fn_inputs["target_tokens"].shape == [3]
 
@@ -110,7 +96,7 @@ def test_a_body_of_more_fields_than_a_request_needs_is_refused_at_the_bound(monk
 
 
 def test_tokens_and_tensors_stay_views_of_the_body_until_checked():
-    body = _body("m", 1, np.arange(1, 6), _tensor(np.arange(2, 7), _I64))
+    body = _raw_body("m", 1, np.arange(1, 6), _tensor(np.arange(2, 7), _I64))
     datum = proto.decode_forward_backward_request(body).data[0]
     assert isinstance(datum.token_ids, np.ndarray) and datum.token_ids.base is not None  # a view
     assert datum.loss_fn_inputs["target_tokens"].data.base is not None
@@ -126,7 +112,7 @@ def test_a_datum_longer_than_the_models_seq_len_is_refused_before_its_tokens_are
     converted = _counting(monkeypatch, work, "_token_ids")
     n = 1 << 20  # 4 MiB of int32 tokens in one datum (a single datum passed the request's bound)
     tokens = np.arange(n, dtype="<i4") % 200 + 1
-    r = _post(client, _body(model_id, 1, tokens, _tensor(tokens, _I64)), headers)
+    r = _post(client, _raw_body(model_id, 1, tokens, _tensor(tokens, _I64)), headers)
     assert r.status_code == 422, r.text
     assert f"datum 0: {n} tokens; the model's seq_len is {seq_len}" in r.json()["error"]["message"]
     assert converted == []
@@ -140,7 +126,7 @@ def test_loss_inputs_longer_than_the_datum_are_refused_before_they_are_converted
     converted = _counting(monkeypatch, work, "_token_ids")
     floats = _counting(monkeypatch, work, "_finite")
     targets = _tensor(np.arange(1 << 20) % 200, _I64)  # a million targets for three tokens
-    r = _post(client, _body(model_id, 1, np.arange(1, 4), targets), headers)
+    r = _post(client, _raw_body(model_id, 1, np.arange(1, 4), targets), headers)
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert "target_tokens has 1048576 entries; the model input has 3 tokens" in error["message"]

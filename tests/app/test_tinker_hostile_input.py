@@ -38,7 +38,9 @@ def _tensor(values: list[float], dtype: int) -> bytes:
     )
 
 
-def _raw_body(model_id: str, seq_id: int, tokens: list[int], targets: bytes, extra: bytes = b"") -> bytes:
+def _raw_body(
+    model_id: str, seq_id: int, tokens: list[int] | np.ndarray, targets: bytes, extra: bytes = b""
+) -> bytes:
     """A ForwardBackwardRequest written field by field (what the SDK cannot be made to send)."""
     chunk = proto._len_field(1, proto._len_field(1, np.asarray(tokens, "<i4").tobytes()))
     datum = proto._len_field(1, chunk) + proto._len_field(

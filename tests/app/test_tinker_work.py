@@ -75,6 +75,7 @@ def test_codec_reads_the_sdks_requests_and_writes_what_the_sdk_reads():
 def _model(client: TestClient, tenant: TenantHandle) -> tuple[str, dict[str, str]]:
     headers = {"X-API-Key": "tml-" + tenant.key}
     session = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "test"}, headers=headers)
+    assert session.status_code == 200, session.text
     body = {
         "session_id": session.json()["session_id"],
         "model_seq_id": 0,
