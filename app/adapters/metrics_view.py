@@ -3,7 +3,7 @@ step N with the rollout steps of the batches that step trained (the batches' `tr
 their rewards; and the rollout statistics of rollout step N (app/rollouts), the batches sampled with
 adapter step N, which a later step trains."""
 
-from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from sqlalchemy import and_, select
 from sqlalchemy.orm import Session
@@ -26,48 +26,73 @@ def _rollout_fields(row: RolloutStats) -> dict[str, object]:
     }
 
 
-def _trained_fields(pairs: Iterable[tuple[int, RolloutStats | None]]) -> dict[str, object]:
-    """A trainer step's `trained_*` fields from its (rollout step, that step's statistics) pairs."""
-    steps: list[int] = []
-    pooled = Summary()
-    for rollout_step, row in pairs:
-        steps.append(rollout_step)
-        if row is not None:
-            pooled = pooled.merge(reward_summary(row))
-    return {
-        "trained_rollout_steps": steps,
-        "trained_reward": Aggregate(**pooled.public()) if pooled.count else None,
-    }
+@dataclass
+class _TrainedStep:
+    """The batches one trainer step trained, as `_trained_rollouts` reads them, merged per rollout step."""
+
+    exact: dict[int, Summary] = field(default_factory=dict)
+    """Rollout step → the merged reward summaries of its batches this step trained."""
+    pooled: dict[int, Summary] = field(default_factory=dict)
+    """Rollout step → its whole stats, where this step trained one of its batches stored before
+    migration 0019 (no summary of its own). Those stats hold the step's other batches too, so they
+    replace the rollout step's exact part: the figure pre-0019 metrics gave, counted once."""
+
+    def add(self, rollout_step: int, batch: Summary | None, stats: Summary | None) -> None:
+        exact = self.exact.setdefault(rollout_step, Summary())
+        if batch is not None:
+            self.exact[rollout_step] = exact.merge(batch)
+        elif stats is not None:  # no stats row: no reward was sent for that rollout step
+            self.pooled[rollout_step] = stats
+
+    def fields(self) -> dict[str, object]:
+        total = Summary()
+        for rollout_step in sorted(self.exact):
+            total = total.merge(self.pooled.get(rollout_step, self.exact[rollout_step]))
+        return {
+            "trained_rollout_steps": sorted(self.exact),
+            "trained_reward": Aggregate(**total.public()) if total.count else None,
+        }
 
 
-def _trained_rollouts(
-    session: Session, *, run_id: str, first: int, last: int
-) -> dict[int, list[tuple[int, RolloutStats | None]]]:
-    """Per trainer step in [first, last]: the rollout steps of the batches acknowledged as trained in
-    it (ascending), each with its rollout statistics. One statement: the distinct (trainer step,
-    rollout step) pairs of the run's trained batches, joined with rollout_stats."""
-    pairs = (
-        select(Batch.trained_step, Batch.rollout_step)
+def _trained_rollouts(session: Session, *, run_id: str, first: int, last: int) -> dict[int, _TrainedStep]:
+    """Per trainer step in [first, last]: the batches acknowledged as trained in it, their rollout steps
+    and rewards. One statement: the run's trained batches with their reward summaries, each batch
+    stored before migration 0019 (no summary) joined with its rollout step's stats instead."""
+    legacy = and_(
+        Batch.reward_count.is_(None),
+        RolloutStats.run_id == run_id,
+        RolloutStats.rollout_step == Batch.rollout_step,
+    )
+    rows = session.execute(
+        select(
+            Batch.trained_step,
+            Batch.rollout_step,
+            Batch.reward_count,
+            Batch.reward_mean,
+            Batch.reward_m2,
+            Batch.reward_min,
+            Batch.reward_max,
+            RolloutStats.reward_count,
+            RolloutStats.reward_mean,
+            RolloutStats.reward_m2,
+            RolloutStats.reward_min,
+            RolloutStats.reward_max,
+        )
+        .outerjoin(RolloutStats, legacy)
         .where(
             Batch.run_id == run_id,
             Batch.state == BatchState.TRAINED,
             Batch.trained_step >= first,
             Batch.trained_step <= last,
         )
-        .distinct()
-        .subquery()
-    )
-    rows = session.execute(
-        select(pairs.c.trained_step, pairs.c.rollout_step, RolloutStats)
-        .outerjoin(
-            RolloutStats,
-            and_(RolloutStats.run_id == run_id, RolloutStats.rollout_step == pairs.c.rollout_step),
-        )
-        .order_by(pairs.c.trained_step, pairs.c.rollout_step)
+        .order_by(Batch.trained_step, Batch.id)  # a fixed merge order: the same figures every read
     ).tuples()
-    out: dict[int, list[tuple[int, RolloutStats | None]]] = {}
-    for trained_step, rollout_step, stats in rows:
-        out.setdefault(trained_step, []).append((rollout_step, stats))
+    out: dict[int, _TrainedStep] = {}
+    for trained_step, rollout_step, *summaries in rows:
+        assert trained_step is not None  # the WHERE bounds it
+        batch = None if summaries[0] is None else Summary(*summaries[:5])
+        stats = None if summaries[5] is None else Summary(*summaries[5:])
+        out.setdefault(trained_step, _TrainedStep()).add(rollout_step, batch, stats)
     return out
 
 
@@ -108,8 +133,8 @@ def metrics_page(
         fields: dict[str, object] = {"step": step}
         if (m := trained.get(step)) is not None:
             fields |= dict(m.values) | {"created_at": m.created_at}
-        if (pairs := trained_batches.get(step)) is not None:
-            fields |= _trained_fields(pairs)
+        if (trained_step := trained_batches.get(step)) is not None:
+            fields |= trained_step.fields()
         if (r := rollouts.get(step)) is not None:
             fields |= _rollout_fields(r)
         items.append(MetricsItem.model_validate(fields))

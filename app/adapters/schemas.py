@@ -56,9 +56,11 @@ class MetricsItem(StepMetricsIn):
     trained_reward: Aggregate | None = Field(
         default=None,
         description=(
-            "Trainer step `step`: the rewards of the rollout steps in `trained_rollout_steps`,"
-            " pooled. Rewards are aggregated per rollout step, not per batch: a rollout step whose"
-            " batches were trained in two steps counts whole in both. Null without rewards."
+            "Trainer step `step`: the rewards of exactly the batches the pool acknowledged as trained"
+            " in it, merged (a rollout step whose batches were trained in two steps counts in each"
+            " with the batches that step trained). A batch stored before the service kept a reward"
+            " summary per batch (migration 0019) has none: its rollout step counts whole instead, as"
+            " the rewards of all that rollout step's batches. Null without rewards."
         ),
     )
     samples_received: int | None = Field(

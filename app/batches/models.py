@@ -2,7 +2,7 @@
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, DateTime, ForeignKey, Index, Integer, String, UniqueConstraint, text
+from sqlalchemy import BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, UniqueConstraint, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.db import Base, utcnow
@@ -46,6 +46,16 @@ class Batch(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     trained_step: Mapped[int | None] = mapped_column(Integer, default=None)
     """The run step whose optimizer update used this batch's last sample."""
+    # The batch's rewards as app.rollouts.service.Summary (count, mean, M2, min, max), written at
+    # ingestion from the summary merged into its rollout step's stats: a trainer step's
+    # `trained_reward` merges exactly the batches it trained (app/adapters/metrics_view.py).
+    # NULL (reward_count): stored before migration 0019, which has only its rollout step's stats.
+    reward_count: Mapped[int | None] = mapped_column(Integer, default=None)
+    """Samples with a reward (0: none had one); None: no per-batch summary (an older batch)."""
+    reward_mean: Mapped[float | None] = mapped_column(Float, default=None)
+    reward_m2: Mapped[float | None] = mapped_column(Float, default=None)
+    reward_min: Mapped[float | None] = mapped_column(Float, default=None)
+    reward_max: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     claimed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     trained_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)

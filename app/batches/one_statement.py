@@ -42,10 +42,11 @@ WITH locked AS (
     FROM batches WHERE run_id = :run_id AND state = :pending
 ), inserted AS (
     INSERT INTO batches (run_id, idempotency_key, request_hash, rollout_step, num_samples, num_tokens,
-                         sample_offset, payload_path, payload_bytes, payload_sha256, state, created_at)
+                         sample_offset, payload_path, payload_bytes, payload_sha256, state, created_at,
+                         reward_count, reward_mean, reward_m2, reward_min, reward_max)
     SELECT :run_id, :idempotency_key, :request_hash, :rollout_step, :num_samples, :num_tokens,
            locked.submitted_samples - :num_samples, :payload_path, :payload_bytes, :payload_sha256,
-           :state, :created_at
+           :state, :created_at, :reward_count, :reward_mean, :reward_m2, :reward_min, :reward_max
     FROM locked, pending
     WHERE locked.status = :active AND locked.step - :rollout_step <= :max_async_level
       AND pending.batches < :max_pending_batches AND pending.bytes + :payload_bytes <= :max_pending_bytes
@@ -102,7 +103,8 @@ def reserve_and_insert(
     max_pending_batches: int,
     max_pending_bytes: int,
 ) -> Reserved:
-    """`values`: the batch row's columns except `sample_offset` (`state` is pending)."""
+    """`values`: the batch row's columns except `sample_offset` (`state` is pending), its reward
+    summary (`reward_count` ... `reward_max`) included."""
     assert values["state"] == BatchState.PENDING.value
     # On the psycopg connection directly, prepared (app/db.py pg_execute).
     row = pg_execute(

@@ -32,6 +32,7 @@ from app.errors import AppError, Conflict, NotFound, RateLimited
 from app.limits import PENDING_RETRY_AFTER_SECONDS
 from app.projection import remove_run_dir
 from app.rollouts.service import add_batch as add_rollout_batch
+from app.rollouts.service import batch_rewards
 from app.runs.models import Run
 from app.ttl_cache import TtlCache, state_cache
 from contracts.arrays import ArrayBatch, num_tokens
@@ -396,6 +397,9 @@ def _add_row(
     by a batch each: it is a flood guard, not an invariant."""
     num_samples, tokens = len(batch.examples), num_tokens(batch)
     run_id = run.id
+    # Computed once: the row keeps it (a trainer step's exact `trained_reward`) and its rollout
+    # step's stats merge it (add_rollout_batch).
+    rewards = batch_rewards(batch)
     values: dict[str, object] = {
         "run_id": run_id,
         "idempotency_key": idempotency_key,
@@ -408,6 +412,11 @@ def _add_row(
         "payload_sha256": stored.sha256,
         "state": BatchState.PENDING.value,
         "created_at": utcnow(),
+        "reward_count": rewards.count,
+        "reward_mean": rewards.mean,
+        "reward_m2": rewards.m2,
+        "reward_min": rewards.min,
+        "reward_max": rewards.max,
     }
     if session.get_bind().dialect.name == "postgresql":
         # One round trip: the pending count, the range reserved under the run row lock, and the
@@ -448,6 +457,7 @@ def _add_row(
             batch_id=batch_id,
             batch=batch,
             step_stats=step_stats,
+            rewards=rewards,
         )
         row = StoredBatch(
             id=batch_id,

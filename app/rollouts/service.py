@@ -133,6 +133,11 @@ VALUES (:updated_at, :action, :actor, :tenant_id, :run_id, NULL, CAST(:details A
 )
 
 
+def batch_rewards(batch: TrainingBatch | ArrayBatch) -> Summary:
+    """The summary of a batch's rewards (its samples without one left out)."""
+    return Summary.of([s.reward for s in batch.examples if s.reward is not None])
+
+
 def add_batch(
     session: Session,
     *,
@@ -141,6 +146,7 @@ def add_batch(
     batch_id: int,
     batch: TrainingBatch | ArrayBatch,
     step_stats: tuple[StepStats | None] | None = None,
+    rewards: Summary | None = None,
 ) -> None:
     """Merge a stored batch's rewards and metrics into its rollout step; record a `batch.received`
     event with the step's aggregate so far. Call under the run row lock, in the batch's transaction.
@@ -148,8 +154,11 @@ def add_batch(
     Core statements on the session's connection (ingestion's hot path builds no ORM object): the
     step's row read, then written and the event appended (one statement on Postgres).
     `step_stats`: the step's row (in a 1-tuple; None inside: no row yet) when the caller read it
-    under the run row lock already (app/batches/one_statement.py), so it is not read again."""
-    rewards = Summary.of([s.reward for s in batch.examples if s.reward is not None])
+    under the run row lock already (app/batches/one_statement.py), so it is not read again.
+    `rewards`: `batch_rewards(batch)` when the caller has it already (ingestion stores it in the
+    batch's row too), so it is not computed again."""
+    if rewards is None:
+        rewards = batch_rewards(batch)
     per_metric: dict[str, list[float]] = {}
     for sample in batch.examples:
         for name, value in (sample.metrics or {}).items():

@@ -42,6 +42,9 @@ def _reserve(session: Session, run_id: str, key: str, samples: int) -> Reserved:
         "payload_sha256": key,
         "state": BatchState.PENDING.value,
         "created_at": utcnow(),
+        # The batch's own reward summary (app/batches/service._add_row): none here, as a batch stored
+        # before migration 0019; this test is about the rollout step's row.
+        **dict.fromkeys(("reward_count", "reward_mean", "reward_m2", "reward_min", "reward_max")),
     }
     return reserve_and_insert(
         session.connection(), values=values, max_async_level=10, max_pending_batches=100,

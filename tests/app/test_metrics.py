@@ -252,11 +252,11 @@ def test_a_batch_that_waited_is_paired_with_the_step_that_trained_it(http: httpx
 
     items = metrics_by_step(http, tenant, run_id)
     assert sorted(items) == [0, 1, 2, 3]
-    rollout_0 = agg(0.5, 0.5, 0.0, 1.0, 4)  # rewards are kept per rollout step: both batches of it
+    rollout_0 = agg(0.5, 0.5, 0.0, 1.0, 4)  # the rollout side: both batches of it
     expected = {
         0: (None, None),
-        1: ([0], rollout_0),
-        2: ([0], rollout_0),
+        1: ([0], agg(0.0, 0.0, 0.0, 0.0, 2)),  # the trainer side: the batch each step trained
+        2: ([0], agg(1.0, 0.0, 1.0, 1.0, 2)),
         3: ([1], agg(0.25, 0.0, 0.25, 0.25, 2)),
     }
     assert {s: (i["trained_rollout_steps"], i["trained_reward"]) for s, i in items.items()} == expected
