@@ -163,14 +163,16 @@ class Settings(BaseSettings):
     add session rows as fast as it can send requests."""
 
     tinker_max_long_polls_per_tenant: int = Field(default=64, ge=1, le=100_000)
-    """`retrieve_future` long polls of one tenant open at once (per service process); one more is a
-    429 with Retry-After, which the SDK backs off from and retries. Each check of a poll also holds
-    one of the tenant's `tenant_max_in_flight` places while it runs (app/tinker/router.py)."""
+    """`retrieve_future` long polls of one tenant checking their futures at once (per service
+    process); more wait in line for a place on the event loop (no thread, no query) and answer "try
+    again" if none comes up in 10 s; past `tinker_max_pending_per_tenant` waiting, one more is a 429.
+    Each check of a poll also holds one of the tenant's `tenant_max_in_flight` places while it runs
+    (app/tinker/router.py, app/tinker/long_polls.py)."""
 
     tinker_max_saves_per_tenant: int = Field(default=100, ge=1, le=1_000_000)
     """Training states (`save_state` / save_weights names) one tenant keeps at once, over all its
     models whose runs are not deleted, pending saves included: each is adapter + optimizer state on
-    the pool's disk. Past it, a save under a new name is a 409 `save_quota` and nothing is stored;
+    the pool's disk. Past it, a save under a new name is a 403 `save_quota` and nothing is stored;
     saving a kept name again overwrites it. A deleted checkpoint still counts (the pool keeps its
     state until the run is deleted), and its name may be saved again."""
 

@@ -11,7 +11,7 @@ name: its path no longer lists, loads, resolves or samples; the run's adapters s
 Another tenant's models and paths are reported exactly like missing ones (404).
 
 A tenant keeps at most `Settings.tinker_max_saves_per_tenant` training states (`check_save_quota`:
-409 `save_quota` past it). The listings are built in SQL from the columns they show, a page at a
+403 `save_quota` past it). The listings are built in SQL from the columns they show, a page at a
 time; no save row is read whole.
 """
 
@@ -249,9 +249,14 @@ def with_latest_checkpoints(session: Session, *, tenant_id: str, run_out: Traini
 
 
 class SaveQuota(AppError):
-    """409: the tenant keeps `Settings.tinker_max_saves_per_tenant` training states already."""
+    """403: the tenant keeps `Settings.tinker_max_saves_per_tenant` training states already.
 
-    status = 409
+    Not a 409: the official SDK retries every 408, 409, 429 and 5xx of a submission for 5 minutes
+    (`InternalClientHolder.execute_with_retries`, which reads the status alone, not the
+    `x-should-retry` header), and retrying cannot make room. On a 403 it raises at once, a
+    `tinker.PermissionDeniedError` carrying this message."""
+
+    status = 403
     code = "save_quota"
 
 
@@ -282,7 +287,7 @@ def kept_states(session: Session, *, tenant_id: str) -> set[str]:
 
 
 def check_save_quota(session: Session, *, tenant_id: str, path: str, most: int) -> None:
-    """409 `save_quota` when a save of `path` would be a training state past the tenant's `most`
+    """403 `save_quota` when a save of `path` would be a training state past the tenant's `most`
     (saving a kept path again overwrites it: always room). Exact under concurrent saves: the
     tenant's row is locked until the commit (`lock_tenant`; SQLite serialises writes already)."""
     lock_tenant(session, tenant_id=tenant_id)

@@ -20,6 +20,7 @@ from app.errors import RateLimited
 from app.limits import InFlight
 from app.tinker import checkpoints, sampling, service, work
 from app.tinker.auth import TinkerTenantDep, tinker_key_hash, tinker_tenant
+from app.tinker.long_polls import LongPolls
 from app.tinker.models import TinkerFuture
 from app.tinker.schemas import (
     CheckpointsOut,
@@ -142,21 +143,30 @@ def _answer(future: TinkerFuture) -> Response | None:
     return JSONResponse({k: v for k, v in (future.result or {}).items() if not k.startswith("loraloom_")})
 
 
+LONG_POLL_WAIT_S = 10.0
+"""How long a long poll past `Settings.tinker_max_long_polls_per_tenant` waits in line for a place
+before answering "try again" (app.tinker.long_polls; the SDK then polls again at once, joining the
+line's end). The places turn over every LONG_POLL_S at the latest, so the first 5 x the cap in line
+get one; far inside the SDK's 45 s timeout, and a bound on how long a server stopping waits for a
+poll in line."""
 LONG_POLL_RETRY_AFTER_SECONDS = 1
-"""Retry-After of a long poll past `Settings.tinker_max_long_polls_per_tenant`. The SDK's
-retrieve loop backs off on a 429 by itself (1, 2, 4 ... up to 30 s, reset by its next answer) and
-polls again: the future is not lost, its result only comes a little later."""
+"""Retry-After of a long poll refused because its tenant's line is full. The SDK's retrieve loop
+backs off on a 429 by itself (1, 2, 4 ... up to 30 s, reset by its next answer) and polls again:
+the future is not lost, its result only comes later."""
 
 
-def long_polls(request: Request) -> InFlight:
-    """The app's count of each tenant's open long polls (made on first use; route handlers that
-    call this run on the event loop, one at a time, so it is made once)."""
+def long_polls(request: Request) -> LongPolls:
+    """The app's places and lines of each tenant's long polls (made on first use; route handlers
+    that call this run on the event loop, one at a time, so it is made once). The line holds at
+    most `tinker_max_pending_per_tenant` polls: an honest SDK polls each of its futures once at a
+    time, and a tenant has no more than that many waiting for the pool."""
     state = request.app.state
-    polls: InFlight | None = getattr(state, "tinker_long_polls", None)
+    polls: LongPolls | None = getattr(state, "tinker_long_polls", None)
     if polls is None:
-        polls = InFlight(
-            state.settings.tinker_max_long_polls_per_tenant,
-            kind="long_polls",
+        settings = state.settings
+        polls = LongPolls(
+            settings.tinker_max_long_polls_per_tenant,
+            most_waiting=settings.tinker_max_pending_per_tenant,
             retry_after=LONG_POLL_RETRY_AFTER_SECONDS,
         )
         state.tinker_long_polls = polls
@@ -202,11 +212,12 @@ async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Resp
     is still pending after a short long-poll (the SDK then polls again). Each check is its own
     short transaction in the threadpool; the wait between checks holds no thread.
 
-    A tenant holds at most `Settings.tinker_max_long_polls_per_tenant` polls open at once (the
-    next is a 429 with Retry-After, which the SDK backs off from and retries), and each check one of
-    its `tenant_max_in_flight` places: uncounted, 300 polls of one tenant took the threadpool and the
-    database connections, and another tenant's requests went from 12 ms to 1.2 s (hostile probe,
-    finding 4). A poll whose client has gone ends at its next check, freeing its place."""
+    At most `Settings.tinker_max_long_polls_per_tenant` polls of a tenant check at once (the
+    others wait in line for a place, on the event loop only: app.tinker.long_polls), and each check
+    holds one of its `tenant_max_in_flight` places: uncounted, 300 polls of one tenant took the
+    threadpool and the database connections, and another tenant's requests went from 12 ms to 1.2 s
+    (hostile probe, finding 4). A poll whose client has gone ends at its next check, or before its
+    first when it waited in line, freeing its place."""
     factory: sessionmaker[Session] = request.app.state.session_factory
     # The key caches answer a known key (or a recent wrong one) on the event loop: no thread.
     cached = cached_key(request.app.state, tinker_key_hash(request))
@@ -214,8 +225,12 @@ async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Resp
         cached.tenant_id if cached is not None else await run_in_threadpool(_authenticate, factory, request)
     )
     polls = long_polls(request)
-    polls.acquire(tenant_id)
+    if not await polls.enter(tenant_id, wait_s=LONG_POLL_WAIT_S):
+        # No place came up: "try again" (the SDK polls again at once; it backs off from a 429).
+        return JSONResponse(TryAgain(request_id=body.request_id).model_dump())
     try:
+        if await request.is_disconnected():  # gone while it waited in line: no check for nobody
+            return Response(status_code=status.HTTP_204_NO_CONTENT)
         deadline = time.monotonic() + LONG_POLL_S
         interval = POLL_INTERVAL_S
         while True:
@@ -229,7 +244,7 @@ async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Resp
                 return Response(status_code=status.HTTP_204_NO_CONTENT)  # nobody reads it
             interval = min(2 * interval, MAX_POLL_INTERVAL_S)
     finally:
-        polls.release(tenant_id)
+        polls.leave(tenant_id)
 
 
 async def _raw_body(request: Request) -> bytes:

@@ -1,8 +1,9 @@
 """`retrieve_future` long polls are counted per tenant (hostile probe 2, finding 4): at most
-`tinker_max_long_polls_per_tenant` open at once (the next is a 429 with Retry-After, which the
-official SDK backs off from and retries), each check holds one of the tenant's in-flight places while
-it runs, and a poll whose client has gone gives its place back. Uncounted, 300 polls of one tenant
-slowed another tenant's requests from 12 ms to 1.2 s.
+`tinker_max_long_polls_per_tenant` check their futures at once; the others wait in line for a place
+on the event loop (no thread, no query; app/tinker/long_polls.py, and tests/app/test_tinker_retry_hints.py
+for the line's own bounds and the official SDK's view of it). Each check holds one of the tenant's
+in-flight places while it runs, and a poll whose client has gone gives its place back. Uncounted,
+300 polls of one tenant slowed another tenant's requests from 12 ms to 1.2 s.
 
 The polls are held open deterministically: a future that never completes (an optim_step with no
 pool) and a long poll made longer than the test."""
@@ -24,6 +25,7 @@ from app.errors import RateLimited
 from app.limits import InFlight
 from app.main import create_app
 from app.tinker import router as tinker_router
+from app.tinker.long_polls import LongPolls
 from tests.app.api import LiveServer, TenantHandle, new_tenant
 from tests.app.test_tinker_work import _model
 
@@ -58,13 +60,18 @@ def _wait_until(check: Callable[[], bool], what: str, timeout: float = 15.0) -> 
         time.sleep(0.02)
 
 
-def _polls(app: FastAPI) -> InFlight | None:
+def _polls(app: FastAPI) -> LongPolls | None:
     return getattr(app.state, "tinker_long_polls", None)
 
 
 def _open(app: FastAPI, tenant_id: str) -> int:
     polls = _polls(app)
     return 0 if polls is None else polls.in_flight(tenant_id)
+
+
+def _waiting(app: FastAPI, tenant_id: str) -> int:
+    polls = _polls(app)
+    return 0 if polls is None else polls.waiting(tenant_id)
 
 
 def test_a_tenant_holds_at_most_its_long_polls_and_others_are_unaffected(served, monkeypatch):
@@ -85,13 +92,10 @@ def test_a_tenant_holds_at_most_its_long_polls_and_others_are_unaffected(served,
             ]
             await asyncio.to_thread(_wait_until, lambda: _open(app, hog.id) == MOST, "3 polls are open")
 
-            refused = await c.post("/api/v1/retrieve_future", json=poll, headers=hog_headers)
-            assert refused.status_code == 429, refused.text
-            assert refused.headers["Retry-After"] == str(tinker_router.LONG_POLL_RETRY_AFTER_SECONDS)
-            error = refused.json()["error"]
-            assert error["code"] == "rate_limited"
-            assert error["details"] == {"limit": MOST, "kind": "long_polls"}
-            assert _open(app, hog.id) == MOST  # the refused one took no place
+            # One more waits in line: it holds no place and looks nothing up.
+            waiting = asyncio.create_task(c.post("/api/v1/retrieve_future", json=poll, headers=hog_headers))
+            await asyncio.to_thread(_wait_until, lambda: _waiting(app, hog.id) == 1, "one poll waits")
+            assert _open(app, hog.id) == MOST
 
             # Between checks a poll holds no in-flight place: the hog's own requests still run,
             # and so do another tenant's, Tinker and /v1 alike.
@@ -101,11 +105,13 @@ def test_a_tenant_holds_at_most_its_long_polls_and_others_are_unaffected(served,
             assert (await c.get("/v1/runs", headers=victim.headers)).status_code == 200
             assert _open(app, victim.id) == 0
 
-            # The clients go away: each poll notices at its next check and gives its place back.
-            for task in held:
+            # The clients go away: each poll notices at its next check and gives its place back (to
+            # the waiting poll first, which finds its client gone before any check, and passes it on).
+            for task in [*held, waiting]:
                 task.cancel()
-            await asyncio.gather(*held, return_exceptions=True)
+            await asyncio.gather(*held, waiting, return_exceptions=True)
             await asyncio.to_thread(_wait_until, lambda: _open(app, hog.id) == 0, "the places are back")
+            assert _waiting(app, hog.id) == 0
 
     asyncio.run(scenario())
 
@@ -166,10 +172,10 @@ def test_each_check_holds_an_in_flight_place_and_waits_for_one(settings, monkeyp
         assert in_flight.in_flight(tenant.id) == 0
 
 
-def test_the_official_sdk_backs_off_on_the_429_and_retries(settings, monkeypatch):
-    """The SDK's retrieve loop answers a 429 with a backoff and polls again: the result arrives once
-    a place is free, no error reaches the caller."""
-    monkeypatch.setattr(tinker_router, "LONG_POLL_S", 2.5)
+def test_the_official_sdks_poll_waits_in_line_and_gets_its_result(settings, monkeypatch):
+    """With the tenant's only place taken, the SDK's poll waits in line, is handed the place when
+    the other poll ends, and answers the result: no 429 (which the SDK backs off from, up to 30 s)."""
+    monkeypatch.setattr(tinker_router, "LONG_POLL_S", 1.5)
     app = create_app(settings.model_copy(update={"tinker_max_long_polls_per_tenant": 1}))
     with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         tenant = new_tenant(http)
@@ -183,17 +189,19 @@ def test_the_official_sdk_backs_off_on_the_429_and_retries(settings, monkeypatch
         _wait_until(lambda: _open(app, tenant.id) == 1, "the hog's poll is open")
         polls = _polls(app)
         assert polls is not None
+        lined_up: list[bool] = []
         refusals: list[str] = []
-        real_acquire = polls.acquire
+        real_enter = polls.enter
 
-        def counting(tenant_id: str) -> None:
+        async def counting(tenant_id: str, *, wait_s: float) -> bool:
+            lined_up.append(polls.in_flight(tenant_id) >= polls.most)
             try:
-                real_acquire(tenant_id)
+                return await real_enter(tenant_id, wait_s=wait_s)
             except RateLimited:
                 refusals.append(tenant_id)
                 raise
 
-        monkeypatch.setattr(polls, "acquire", counting)
+        monkeypatch.setattr(polls, "enter", counting)
         service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + tenant.key)
         try:
             training = service.create_lora_training_client(
@@ -203,4 +211,5 @@ def test_the_official_sdk_backs_off_on_the_429_and_retries(settings, monkeypatch
         finally:
             service.close("success").result()
             hog.join(timeout=30)
-        assert refusals, "the SDK's poll was never refused: the test did not test the 429"
+        assert lined_up[0], "the SDK's poll found a place free: the test did not test the line"
+        assert refusals == []
