@@ -8,10 +8,11 @@ coroutine frame and a `send` wrapper per request, and each response message pass
 2. the error guard: an X-Request-ID on every response, and no exception leaves as a text/plain 500
    (app/error_guard.py);
 3. the request guard: head size (431), NUL in the path or query (422), declared and actual body
-   size (413), on the pool's and the Tinker API's bulk routes the caller's credential before the
-   body is read (401/403), the process's budget of bodies being read (503), the body's read
-   deadline (408), JSON bodies' UTF-8, depth and NUL checks (422), all before any route, and so
-   before any database session but the credential check's lookup (app/request_guard.py);
+   size (413), on the bulk routes (the pool's, the Tinker API's, the tenants') the caller's
+   credential before the body is read (401/403), the process's budget of bodies being read (503),
+   the body's read deadline (408), JSON bodies' UTF-8, depth and NUL checks (422), all before any
+   route, and so before any database session but the credential check's lookup
+   (app/request_guard.py);
 4. the dashboard's security headers on the responses of its pages (app/ui/security.py).
 
 The layer sits where those four sat: inside FastAPI's own (server error, telemetry, body limit),

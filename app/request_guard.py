@@ -16,6 +16,13 @@ and so before any database session opens.
   the key caches (app/key_cache.py), and, when they do not know it, in the database in a worker
   thread (the key is then cached for the route, which looks it up again). The database connection
   is held for that lookup only, never while the body arrives.
+- And on the tenants' bulk routes (rollout batches, `/v1/adapters`), so that anonymous bodies
+  cannot fill the body budget below (a 503 for every tenant's upload): a missing or malformed
+  Authorization header, or a key the caches know to be wrong, is the route's 401 at once; a key
+  the caches do not know is looked up only when the body may be large (`_PRECHECKED_BODY_BYTES`),
+  and only to refuse it: a valid key is left for the route to cache, and a failed lookup lets the
+  request through to the route, so the batch route's fast path answers the same requests, and
+  the database's failures the same way, as without the check (`_tenant_refusal`).
 - The bytes of bodies being read are counted against one budget per process
   (`max_buffered_body_bytes`, `BodyBudget`): a body that would take the total past it gets a 503
   with Retry-After (a body alone is always taken), so stalled bodies cannot pile up in memory
@@ -46,15 +53,27 @@ from urllib.parse import parse_qsl, unquote
 
 import numpy as np
 from fastapi.responses import JSONResponse
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import State
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
-from app.auth import bearer_token, cached_key, known_key, require_worker, same_secret
+from app.auth import (
+    INVALID_KEY,
+    bearer_token,
+    cached_key,
+    hash_key,
+    known_key,
+    require_worker,
+    same_secret,
+)
 from app.config import Settings
-from app.errors import AppError, ServiceUnavailable, error_body
+from app.errors import AppError, ServiceUnavailable, Unauthorized, error_body
+from app.key_cache import key_miss_cache
 from app.serving import MAX_HEADER_BYTES
+from app.tenants.models import ApiKey
 from app.tinker.auth import tinker_key_hash
 
 MAX_JSON_DEPTH = 32
@@ -94,6 +113,16 @@ every other tenant with a 64 MB body (a 66 MB `[1,1,...]` took 2.5 s of the loop
 
 _CHECKED_FIRST = ("/v1/pool/", "/api/v1/")
 """Bulk routes whose credential is checked before their body is read (see `credential_refusal`)."""
+
+_TENANT_BULK = re.compile(r"^/v1/(runs/[^/]+/batches|adapters)$")
+"""The tenants' bulk routes: their Bearer key is checked before the body too (`_tenant_refusal`);
+both answer a 401 before anything else (their first dependency is the tenant's key)."""
+
+_PRECHECKED_BODY_BYTES = 64 << 10
+"""On the tenants' bulk routes, a body declared larger than this (or not declared: chunked) has an
+uncached key looked up before it is read. A smaller one is read first, as before (no lookup, no
+thread): stalled, it holds at most this much of the body budget (8192 of them fill the default
+512 MiB; per-address connection limits belong to the proxy in front)."""
 
 BUSY_RETRY_AFTER_SECONDS = 1
 
@@ -235,8 +264,12 @@ async def credential_refusal(scope: Scope, state: State, settings: Settings) -> 
     """For a bulk route of the pool or the Tinker API, before its body is read: the 401 or 403 its
     route would answer the request's credential with, or None (a credential the route takes, or a
     route checked after the read). The pool's worker token is compared in place; a Tinker key is
-    known to the key caches, or looked up in a worker thread (a database query)."""
+    known to the key caches, or looked up in a worker thread (a database query). The tenants' bulk
+    routes: `_tenant_refusal`."""
     path: str = scope.get("path", "")
+    if _TENANT_BULK.match(path) is not None:
+        # POST only: another method there is the router's 405, whoever asks.
+        return await _tenant_refusal(Request(scope), state) if scope.get("method") == "POST" else None
     if not path.startswith(_CHECKED_FIRST):
         return None
     request = Request(scope)
@@ -255,6 +288,41 @@ async def credential_refusal(scope: Scope, state: State, settings: Settings) -> 
     except AppError as refused:
         return refused
     return await run_in_threadpool(_tinker_refusal, state, digest)
+
+
+async def _tenant_refusal(request: Request, state: State) -> AppError | None:
+    """For a tenants' bulk route: the route's 401 when its body need not be read to know it, or
+    None (the route decides, as it did). Never anything but a 401 the route would answer too: both
+    routes refuse a caller before they look at the body."""
+    try:
+        # No header or a malformed one: the route's own first check, and its message.
+        digest = hash_key(bearer_token(request))
+        if cached_key(state, digest) is not None:  # a cached miss raises the route's 401 instead
+            return None  # the hot path: one dict lookup
+    except AppError as refused:
+        return refused
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) <= _PRECHECKED_BODY_BYTES:
+        return None
+    return await run_in_threadpool(_tenant_key_refusal, state, digest)
+
+
+def _tenant_key_refusal(state: State, digest: str) -> AppError | None:
+    """401 when no valid key has this hash (remembered in the miss cache, as the route's lookup
+    would), else None. A valid key is not cached here: the route's lookup caches it, so the batch
+    route's first request with a key still takes the documented handler (tests/app/test_lean_ingest.py).
+    A database error lets the request through: the route looks the key up again and answers what
+    it would have (its uniform 503 if the database is still failing), not the guard."""
+    settings: Settings = state.settings
+    try:
+        with state.session_factory() as session:
+            row = session.execute(select(ApiKey.revoked_at).where(ApiKey.key_hash == digest)).first()
+    except SQLAlchemyError:
+        return None
+    if row is None or row.revoked_at is not None:
+        key_miss_cache(state, settings.api_key_miss_cache_seconds).put(digest, True)
+        return Unauthorized(INVALID_KEY)
+    return None
 
 
 def _worker_refusal(request: Request, state: State, settings: Settings) -> AppError | None:
