@@ -18,7 +18,7 @@ import tarfile
 import uuid
 import zlib
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import IO, Any
 
 from contracts.durable import atomic_replace_dir
 from orchestrator.errors import LoraloomError
@@ -118,7 +118,7 @@ def read_marker(directory: Path) -> dict[str, Any] | None:
 
 
 def extract_adapter(
-    data: bytes,
+    data: bytes | IO[bytes],
     dest: Path,
     *,
     sha256: str | None = None,
@@ -127,14 +127,16 @@ def extract_adapter(
     max_members: int = DEFAULT_MAX_MEMBERS,
 ) -> Path:
     """Extract a (gzipped) tar of adapter files into `dest`, replacing what was there: nothing, an
-    empty directory, an earlier extraction or the PEFT files alone (else `DestinationInUse`)."""
+    empty directory, an earlier extraction or the PEFT files alone (else `DestinationInUse`).
+    `data` is the archive's bytes or a seekable file holding it (a download, kept off memory)."""
     dest = Path(dest)
     _check_replaceable(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+        fileobj = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
+        with tarfile.open(fileobj=fileobj, mode="r:*") as tar:
             for member, rel in _plan(tar, max_bytes, max_members):
                 target = tmp.joinpath(*rel.parts)
                 # Belt and braces: the planned path must stay inside tmp.

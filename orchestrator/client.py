@@ -11,9 +11,18 @@ retried with exponential backoff and full jitter; every other 4xx raises at
 once. Each logical request carries one `Idempotency-Key` (uuid4), reused by all
 its retries, so a batch whose 201 was lost on the wire is stored once.
 
-Adapter downloads are read whole and extracted (`orchestrator.archive`) in the
-calling thread, also by the async client: LoRA adapters are small, and this
-keeps the operation a single piece of code.
+Bounds (`orchestrator.bounded`): every HTTP attempt has a total deadline
+(connect, send, the whole answer: `deadline`, 300 s; `transfer_deadline`, 1 h,
+for adapter downloads and uploads) on top of httpx's per-operation `timeout`,
+and an answer is read chunk by chunk under a size cap (`max_response_bytes`,
+64 MiB), refused unread when its Content-Length is over it. Overruns raise
+`DeadlineExceeded` / `ResponseTooLarge` and are not retried. The service has no
+streaming route the SDK follows (the run event stream is not used here).
+
+Adapter downloads are streamed to an unnamed temporary file beside the
+destination (capped by `max_download_bytes`, 8 GiB, the most an archive may
+expand to), then extracted (`orchestrator.archive`) in the calling thread, also
+by the async client: this keeps the operation a single piece of code.
 """
 
 from __future__ import annotations
@@ -21,12 +30,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import tempfile
 import time
 import uuid
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar
 
 import httpx
 from pydantic import TypeAdapter
@@ -46,7 +56,8 @@ from contracts.ids import is_run_id
 from contracts.run_config import RunConfig
 from contracts.status import RunStatus
 from contracts.wire import Problem, TrainingBatch, json_encoder
-from orchestrator.archive import adapter_dir_tar, extract_adapter, read_marker
+from orchestrator import bounded
+from orchestrator.archive import DEFAULT_MAX_BYTES, adapter_dir_tar, extract_adapter, read_marker
 from orchestrator.errors import ApiError, RunFailed, error_from_response
 from orchestrator.models import (
     AdapterDownload,
@@ -66,6 +77,15 @@ EvictedBy = Literal["user", "orchestrator"]
 AdapterStep = int | Literal["latest"]
 
 _USER_AGENT = "loraloom-sdk/0.1"
+
+DEFAULT_DEADLINE_S = 300.0
+"""Total time one HTTP attempt of an API call may take (connect, send, the whole answer)."""
+DEFAULT_TRANSFER_DEADLINE_S = 3600.0
+"""The same for adapter downloads and uploads: up to gigabytes, on links of a few MB/s."""
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024**2
+"""The largest answer held in memory: pages of runs, batches and metrics are far smaller."""
+DEFAULT_MAX_DOWNLOAD_BYTES = DEFAULT_MAX_BYTES
+"""The largest adapter archive downloaded (to disk): what `extract_adapter` lets one expand to."""
 
 
 def check_run_id(run_id: str) -> str:
@@ -87,6 +107,10 @@ class _Request:
     headers: dict[str, str] = field(default_factory=dict)
     accept: tuple[int, ...] = ()
     """Non-2xx statuses that are answers, not errors (304 for adapter downloads)."""
+    transfer: bool = False
+    """An adapter download or upload: `transfer_deadline` instead of `deadline`."""
+    sink: IO[bytes] | None = None
+    """Where a successful answer's body goes instead of memory (capped by `max_download_bytes`)."""
 
     @property
     def what(self) -> str:
@@ -231,23 +255,33 @@ class _Ops:
         headers: dict[str, str] = {}
         if marker and marker.get("sha256"):
             headers["If-None-Match"] = f'"{marker["sha256"]}"'
-        response = yield _Request(
-            "GET", f"/v1/runs/{check_run_id(run_id)}/adapters/{step}", headers=headers, accept=(304,)
-        )
-        if response.status_code == 304 and marker is not None:
-            return AdapterDownload(
-                path=dest, step=marker.get("step"), sha256=marker.get("sha256"), changed=False
+        # The archive goes to disk, not memory, on the destination's file system (where the
+        # adapter will lie anyway; /tmp may be RAM); unnamed, so nothing is left behind.
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=dest.parent) as archive:
+            response = yield _Request(
+                "GET",
+                f"/v1/runs/{check_run_id(run_id)}/adapters/{step}",
+                headers=headers,
+                accept=(304,),
+                transfer=True,
+                sink=archive,
             )
-        if response.status_code == 304:
-            raise ApiError("server answered 304 to a request without If-None-Match", status=304)
-        sha = _unquote_etag(response.headers.get("etag"))
-        step_header = response.headers.get("x-adapter-step")
-        got_step = (
-            int(step_header)
-            if step_header and step_header.isdigit()
-            else (step if isinstance(step, int) else None)
-        )
-        extract_adapter(response.content, dest, sha256=sha, step=got_step)
+            if response.status_code == 304 and marker is not None:
+                return AdapterDownload(
+                    path=dest, step=marker.get("step"), sha256=marker.get("sha256"), changed=False
+                )
+            if response.status_code == 304:
+                raise ApiError("server answered 304 to a request without If-None-Match", status=304)
+            sha = _unquote_etag(response.headers.get("etag"))
+            step_header = response.headers.get("x-adapter-step")
+            got_step = (
+                int(step_header)
+                if step_header and step_header.isdigit()
+                else (step if isinstance(step, int) else None)
+            )
+            archive.seek(0)
+            extract_adapter(archive, dest, sha256=sha, step=got_step)
         return AdapterDownload(path=dest, step=got_step, sha256=sha, changed=True)
 
     @staticmethod
@@ -272,6 +306,7 @@ class _Ops:
             params={"name": name, **({"base_model": base_model} if base_model else {})},
             content=adapter_dir_tar(adapter_dir),
             headers={"Content-Type": "application/x-tar"},
+            transfer=True,
         )
         return dict(response.json())
 
@@ -283,7 +318,34 @@ class ClientSettings:
     base_url: str
     api_key: str | None = None
     timeout: float | httpx.Timeout = 30.0
+    """httpx's, per socket operation (connect, each read, each write, waiting for the pool)."""
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    deadline: float | None = DEFAULT_DEADLINE_S
+    """Seconds one HTTP attempt may take in all (None: no total deadline, only `timeout`)."""
+    transfer_deadline: float | None = DEFAULT_TRANSFER_DEADLINE_S
+    """`deadline` for adapter downloads and uploads."""
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    """The largest answer read into memory (every answer but a downloaded adapter's)."""
+    max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES
+    """The largest adapter archive downloaded (to a temporary file)."""
+
+    def __post_init__(self) -> None:
+        for name in ("deadline", "transfer_deadline"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds or None, not {value!r}")
+        for name in ("max_response_bytes", "max_download_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive number of bytes, not {value!r}")
+
+    def bounds(self, request: _Request) -> dict[str, Any]:
+        """The keyword arguments of `bounded.send` for `request`."""
+        return {
+            "deadline_s": self.transfer_deadline if request.transfer else self.deadline,
+            "max_bytes": self.max_response_bytes,
+            "sink": bounded.Sink(request.sink, self.max_download_bytes) if request.sink else None,
+        }
 
     def http_kwargs(self) -> dict[str, Any]:
         headers = {"User-Agent": _USER_AGENT}
@@ -299,6 +361,7 @@ def _settings(
     timeout: float | httpx.Timeout,
     retry: RetryPolicy | None,
     max_attempts: int | None,
+    **bounds: Any,
 ) -> ClientSettings:
     if not base_url.lower().startswith(("http://", "https://")):
         # httpx would fail on the first call with its UnsupportedProtocol, no LoraloomError.
@@ -316,7 +379,9 @@ def _settings(
     policy = retry or RetryPolicy()
     if max_attempts is not None:
         policy = dataclasses.replace(policy, max_attempts=max_attempts)
-    return ClientSettings(base_url=base_url.rstrip("/"), api_key=api_key, timeout=timeout, retry=policy)
+    return ClientSettings(
+        base_url=base_url.rstrip("/"), api_key=api_key, timeout=timeout, retry=policy, **bounds
+    )
 
 
 def _wait_deadline(timeout: float, poll: float) -> float:
@@ -341,6 +406,17 @@ def still_queued(run: Run, *, deadline: float, timeout: float) -> bool:
     return True
 
 
+def _build(http: httpx.Client | httpx.AsyncClient, request: _Request) -> httpx.Request:
+    return http.build_request(
+        request.method,
+        request.path,
+        params=request.params,
+        json=request.json,
+        content=request.content,
+        headers=request.headers,
+    )
+
+
 def _check(request: _Request, response: httpx.Response, base_url: str) -> httpx.Response:
     if response.is_success or response.status_code in request.accept:
         return response
@@ -356,7 +432,11 @@ class LoraloomClient:
     `base_url`: the service's, without /v1 (e.g. http://127.0.0.1:8000); `api_key`: a tenant API key
     (every route needs one). Both are checked here (ValueError), before any request.
     `transport` lets tests (or users) plug in an httpx transport; everything else
-    is the public API of the service, one method per route (and `wait_until_active`)."""
+    is the public API of the service, one method per route (and `wait_until_active`).
+
+    Bounds on each HTTP attempt (see the module's docstring): `timeout` per socket operation,
+    `deadline` in all (`transfer_deadline` for adapter downloads and uploads; None for none),
+    `max_response_bytes` for an answer in memory, `max_download_bytes` for an adapter archive."""
 
     def __init__(
         self,
@@ -367,9 +447,24 @@ class LoraloomClient:
         retry: RetryPolicy | None = None,
         max_attempts: int | None = None,
         transport: httpx.BaseTransport | None = None,
+        deadline: float | None = DEFAULT_DEADLINE_S,
+        transfer_deadline: float | None = DEFAULT_TRANSFER_DEADLINE_S,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES,
     ) -> None:
-        self.settings = _settings(base_url, api_key, timeout, retry, max_attempts)
+        self.settings = _settings(
+            base_url,
+            api_key,
+            timeout,
+            retry,
+            max_attempts,
+            deadline=deadline,
+            transfer_deadline=transfer_deadline,
+            max_response_bytes=max_response_bytes,
+            max_download_bytes=max_download_bytes,
+        )
         self._http = httpx.Client(transport=transport, **self.settings.http_kwargs())
+        bounded.install_deadline(self._http)  # a socket operation never outlasts `deadline`
 
     def __enter__(self) -> LoraloomClient:
         return self
@@ -382,14 +477,8 @@ class LoraloomClient:
 
     def _send(self, request: _Request) -> httpx.Response:
         def attempt() -> httpx.Response:
-            return self._http.request(
-                request.method,
-                request.path,
-                params=request.params,
-                json=request.json,
-                content=request.content,
-                headers=request.headers,
-            )
+            built = _build(self._http, request)
+            return bounded.send(self._http, built, **self.settings.bounds(request))
 
         return _check(
             request, send_with_retries(attempt, self.settings.retry, request.what), self.settings.base_url
@@ -402,6 +491,8 @@ class LoraloomClient:
                 request = op.send(self._send(request))
         except StopIteration as done:
             return done.value
+        finally:
+            op.close()  # an operation interrupted by an error releases what it holds (a download's file)
 
     def create_run(
         self,
@@ -492,8 +583,22 @@ class AsyncLoraloomClient:
         retry: RetryPolicy | None = None,
         max_attempts: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        deadline: float | None = DEFAULT_DEADLINE_S,
+        transfer_deadline: float | None = DEFAULT_TRANSFER_DEADLINE_S,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        max_download_bytes: int = DEFAULT_MAX_DOWNLOAD_BYTES,
     ) -> None:
-        self.settings = _settings(base_url, api_key, timeout, retry, max_attempts)
+        self.settings = _settings(
+            base_url,
+            api_key,
+            timeout,
+            retry,
+            max_attempts,
+            deadline=deadline,
+            transfer_deadline=transfer_deadline,
+            max_response_bytes=max_response_bytes,
+            max_download_bytes=max_download_bytes,
+        )
         self._http = httpx.AsyncClient(transport=transport, **self.settings.http_kwargs())
 
     async def __aenter__(self) -> AsyncLoraloomClient:
@@ -507,14 +612,8 @@ class AsyncLoraloomClient:
 
     async def _send(self, request: _Request) -> httpx.Response:
         async def attempt() -> httpx.Response:
-            return await self._http.request(
-                request.method,
-                request.path,
-                params=request.params,
-                json=request.json,
-                content=request.content,
-                headers=request.headers,
-            )
+            built = _build(self._http, request)
+            return await bounded.send_async(self._http, built, **self.settings.bounds(request))
 
         return _check(
             request,
@@ -529,6 +628,8 @@ class AsyncLoraloomClient:
                 request = op.send(await self._send(request))
         except StopIteration as done:
             return done.value
+        finally:
+            op.close()  # as in LoraloomClient._run
 
     async def create_run(
         self,

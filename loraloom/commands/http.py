@@ -9,6 +9,9 @@ import typer
 
 from contracts.http import api_prefix_problem, tinker_surface_hint
 from loraloom.commands.errors import CliError, ExitCode, http_error
+from orchestrator import bounded
+from orchestrator.client import DEFAULT_DEADLINE_S, DEFAULT_MAX_RESPONSE_BYTES
+from orchestrator.errors import DeadlineExceeded, ResponseTooLarge
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -32,18 +35,32 @@ def request(
     key: str | None,
     key_env: str = "LORALOOM_API_KEY",
     timeout: float = 30.0,
+    deadline: float = DEFAULT_DEADLINE_S,
+    sink: bounded.Sink | None = None,
     **kwargs: Any,
 ) -> httpx.Response:
-    """One request; the response if it is a success, else a `CliError` of the right kind."""
+    """One request; the response if it is a success, else a `CliError` of the right kind.
+
+    Bounded as the SDK's requests are (`orchestrator.bounded`): `timeout` per socket operation,
+    `deadline` for the whole exchange, the answer read under the SDK's 64 MiB cap, or into `sink`
+    (a download) under its own."""
     if not key:
         raise CliError("no key", kind=ExitCode.AUTH, hint=f"pass --key or set {key_env}")
     headers = {"Authorization": f"Bearer {key}", **(kwargs.pop("headers", None) or {})}
     check_url(url)
     try:
         with httpx.Client(base_url=url, timeout=timeout) as client:
-            r = client.request(method, path, headers=headers, **kwargs)
+            bounded.install_deadline(client)
+            built = client.build_request(method, path, headers=headers, **kwargs)
+            r = bounded.send(
+                client, built, deadline_s=deadline, max_bytes=DEFAULT_MAX_RESPONSE_BYTES, sink=sink
+            )
     except httpx.HTTPError as exc:
         raise CliError(f"cannot reach {url}: {exc}", kind=ExitCode.UNAVAILABLE) from None
+    except DeadlineExceeded as exc:
+        raise CliError(str(exc), kind=ExitCode.UNAVAILABLE, hint="is the service overloaded?") from None
+    except ResponseTooLarge as exc:
+        raise CliError(str(exc), kind=ExitCode.ERROR, hint="is --url the loraloom service?") from None
     if r.status_code >= 400:
         try:
             body = r.json()

@@ -3,6 +3,7 @@
 adapters and metrics routes."""
 
 import json
+import tempfile
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,6 +24,8 @@ from loraloom.commands.http import (
     table,
 )
 from orchestrator.archive import MARKER_NAME, DestinationInUse, extract_adapter
+from orchestrator.bounded import Sink
+from orchestrator.client import DEFAULT_MAX_DOWNLOAD_BYTES, DEFAULT_TRANSFER_DEADLINE_S
 
 adapters_cli = typer.Typer(help="Adapters the trainer published (tenant API key).", no_args_is_help=True)
 pools_cli = typer.Typer(help="Worker pools (admin key).", no_args_is_help=True)
@@ -59,18 +62,33 @@ def adapters_download(
     as_json: JsonOpt = False,
 ) -> None:
     """Download an adapter as a PEFT directory (adapter_config.json, adapter_model.safetensors)."""
-    r = request("GET", f"/v1/runs/{run_id}/adapters/{step}", url=url, key=key, timeout=300.0)
-    got = int(r.headers.get("X-Adapter-Step", "0"))
-    dest = (output or Path(f"{run_id}-step-{got}")).resolve()
-    sha = r.headers.get("ETag", "").strip('"') or None
-    try:
-        # The SDK's extraction: only regular files inside dest, the whole capped (a small gzip can
-        # expand to gigabytes), dest replaced in one rename and never a directory of other files.
-        extract_adapter(r.content, dest, sha256=sha, step=got)
-    except LoraloomError as exc:
-        raise CliError(
-            str(exc), kind=ExitCode.USAGE if isinstance(exc, DestinationInUse) else ExitCode.ERROR
-        ) from None
+    # As the SDK does: the archive goes to an unnamed file on the destination's file system, not to
+    # memory, under the SDK's download cap and transfer deadline.
+    near = output.resolve().parent if output is not None else Path.cwd()
+    near.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=near) as archive:
+        r = request(
+            "GET",
+            f"/v1/runs/{run_id}/adapters/{step}",
+            url=url,
+            key=key,
+            timeout=300.0,
+            deadline=DEFAULT_TRANSFER_DEADLINE_S,
+            sink=Sink(archive, DEFAULT_MAX_DOWNLOAD_BYTES),
+        )
+        got = int(r.headers.get("X-Adapter-Step", "0"))
+        dest = (output or Path(f"{run_id}-step-{got}")).resolve()
+        sha = r.headers.get("ETag", "").strip('"') or None
+        archive.seek(0)
+        try:
+            # The SDK's extraction: only regular files inside dest, the whole capped (a small gzip
+            # can expand to gigabytes), dest replaced in one rename and never a directory of other
+            # files.
+            extract_adapter(archive, dest, sha256=sha, step=got)
+        except LoraloomError as exc:
+            raise CliError(
+                str(exc), kind=ExitCode.USAGE if isinstance(exc, DestinationInUse) else ExitCode.ERROR
+            ) from None
     files = sorted(p.name for p in dest.iterdir() if p.name != MARKER_NAME)
     if as_json:
         echo_json({"run_id": run_id, "step": got, "path": str(dest), "files": files})
