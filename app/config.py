@@ -73,6 +73,13 @@ class Settings(BaseSettings):
     the total past it gets a 503 + Retry-After; a body alone is always taken (up to its route's
     limit), so the bound is this or one `max_body_bytes` body, whichever is larger."""
 
+    tenant_max_buffered_body_bytes: int | None = Field(default=None, ge=1024)
+    """Of `max_buffered_body_bytes`, what one tenant's bodies may hold at once while they arrive
+    (bodies whose tenant the request guard knows before reading them: the bulk routes of the
+    tenants and the Tinker API); past it that tenant's body gets a 429 + Retry-After, so one tenant
+    cannot fill the budget and make every other tenant's upload a 503. None: half the budget
+    (256 MiB, four `max_body_bytes` bodies at the defaults). A tenant's one body is always taken."""
+
     tenant_max_in_flight: int = Field(default=16, ge=1, le=100_000)
     """Requests of one tenant handled at once (per service process); more get a 429 + Retry-After."""
 

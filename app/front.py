@@ -9,7 +9,8 @@ coroutine frame and a `send` wrapper per request, and each response message pass
    (app/error_guard.py);
 3. the request guard: head size (431), NUL in the path or query (422), declared and actual body
    size (413), on the bulk routes (the pool's, the Tinker API's, the tenants') the caller's
-   credential before the body is read (401/403), the process's budget of bodies being read (503),
+   credential before the body is read (401/403), the process's budget of bodies being read (503;
+   a tenant past its share of it: 429), path and query not UTF-8 once percent-decoded (422),
    the body's read deadline (408), JSON bodies' UTF-8, depth and NUL checks (422), all before any
    route, and so before any database session but the credential check's lookup
    (app/request_guard.py);

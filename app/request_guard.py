@@ -10,7 +10,7 @@ and so before any database session opens.
   only once the body is in memory.
 - Except on the bulk routes of the pool and the Tinker API, whose JSON bodies FastAPI parses (on
   the event loop) before the route's authentication runs: there the credential is checked before
-  the body is read (`credential_refusal`), and a caller the route would refuse gets that route's
+  the body is read (`check_credential`), and a caller the route would refuse gets that route's
   401 or 403 at once, its body unread (a 66 MB anonymous body took 5.4 s of the event loop and
   1.7 GB on its way to a 401). The worker token is compared in place; a Tinker key is looked up in
   the key caches (app/key_cache.py), and, when they do not know it, in the database in a worker
@@ -22,12 +22,16 @@ and so before any database session opens.
   the caches do not know is looked up only when the body may be large (`_PRECHECKED_BODY_BYTES`),
   and only to refuse it: a valid key is left for the route to cache, and a failed lookup lets the
   request through to the route, so the batch route's fast path answers the same requests, and
-  the database's failures the same way, as without the check (`_tenant_refusal`).
+  the database's failures the same way, as without the check (`_tenant_credential`).
 - The bytes of bodies being read are counted against one budget per process
   (`max_buffered_body_bytes`, `BodyBudget`): a body that would take the total past it gets a 503
   with Retry-After (a body alone is always taken), so stalled bodies cannot pile up in memory
   without bound. A body stops counting once it arrived whole, or when its request ends (408, 413,
-  a disconnect).
+  a disconnect). A body whose tenant the credential check above found (a tenants' or Tinker bulk
+  route with a valid key) also counts against its tenant's share of the budget
+  (`tenant_max_buffered_body_bytes`, half by default): past it that tenant gets a 429 of its own,
+  so one tenant's stalled uploads (nine 60 MB batches held nearly whole, again each body deadline)
+  no longer fill the budget and make every other tenant's requests a 503.
 - JSON bodies are checked before any parser recurses into them: UTF-8 (else 422), nesting depth
   (a byte scan, no recursion; else 422), and no NUL character in any string or key (Postgres
   text cannot hold one; else 422 naming the field, or the body when it is over 1 MiB).
@@ -35,7 +39,9 @@ and so before any database session opens.
   a large body (a 60 MB string once took 19 s of the event loop here, and a 16 MB body with a NUL
   2 GB of memory); bodies over 1 MiB are checked in a worker thread, so the event loop serves the
   others meanwhile (numpy releases the GIL).
-- The query string and path may not hold a NUL either (422 naming the parameter).
+- The query string and path may not hold a NUL either (422 naming the parameter), and must be UTF-8
+  once percent-decoded (422): the server decodes them with U+FFFD for what is not, so a route
+  would look up, store or echo text the client never sent (`run_\ufffd\ufffd not found`).
 - `Authorization`, `Content-Type` and `Idempotency-Key` may be sent once (422 naming the header): the
   routes read one of the copies, so a second one could mean another key or body type than the one used.
 - A body with a Content-Encoding other than identity is refused (415): no route decodes one, and
@@ -48,8 +54,8 @@ Every refusal is the uniform error body of app/errors.py.
 import asyncio
 import json
 import re
-from typing import Any
-from urllib.parse import parse_qsl, unquote
+from typing import Any, Literal, NamedTuple
+from urllib.parse import parse_qsl, unquote, unquote_to_bytes
 
 import numpy as np
 from fastapi.responses import JSONResponse
@@ -70,7 +76,7 @@ from app.auth import (
     same_secret,
 )
 from app.config import Settings
-from app.errors import AppError, ServiceUnavailable, Unauthorized, error_body
+from app.errors import AppError, RateLimited, ServiceUnavailable, Unauthorized, error_body
 from app.key_cache import key_miss_cache
 from app.serving import MAX_HEADER_BYTES
 from app.tenants.models import ApiKey
@@ -112,10 +118,10 @@ parsed on the event loop before the route runs, so even a tenant with a valid ke
 every other tenant with a 64 MB body (a 66 MB `[1,1,...]` took 2.5 s of the loop)."""
 
 _CHECKED_FIRST = ("/v1/pool/", "/api/v1/")
-"""Bulk routes whose credential is checked before their body is read (see `credential_refusal`)."""
+"""Bulk routes whose credential is checked before their body is read (see `check_credential`)."""
 
 _TENANT_BULK = re.compile(r"^/v1/(runs/[^/]+/batches|adapters)$")
-"""The tenants' bulk routes: their Bearer key is checked before the body too (`_tenant_refusal`);
+"""The tenants' bulk routes: their Bearer key is checked before the body too (`_tenant_credential`);
 both answer a 401 before anything else (their first dependency is the tenant's key)."""
 
 _PRECHECKED_BODY_BYTES = 64 << 10
@@ -127,31 +133,62 @@ thread): stalled, it holds at most this much of the body budget (8192 of them fi
 BUSY_RETRY_AFTER_SECONDS = 1
 
 
+Refused = Literal["tenant", "service"]
+"""Why `BodyBudget.take` refused: the body's tenant holds its share (429), or the process holds
+the whole budget (503)."""
+
+
 class BodyBudget:
-    """Request-body bytes being read at once, in this process (`max_buffered_body_bytes`). Used
-    from the event loop only (the guard reads bodies there), so no lock."""
+    """Request-body bytes being read at once, in this process (`max_buffered_body_bytes`), and of
+    them each known tenant's (`tenant_limit`: its share). Used from the event loop only (the guard
+    reads bodies there), so no lock."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tenant_limit: int | None = None) -> None:
         self.limit = limit
+        self.tenant_limit = limit if tenant_limit is None else tenant_limit
         self.used = 0
+        self.by_tenant: dict[str, int] = {}
 
-    def take(self, nbytes: int, *, held: int) -> bool:
-        """Count `nbytes` more for a body that holds `held` already, if they fit; a body that is
-        alone may always grow (so a body up to its route's limit is never refused for good)."""
+    def take(self, nbytes: int, *, held: int, tenant_id: str | None = None) -> Refused | None:
+        """Count `nbytes` more for a body that holds `held` already, if they fit (None), else why
+        not. A body that is alone (its tenant's only one; the process's only one) may always grow,
+        so a body up to its route's limit is never refused for good. The tenant's share is checked
+        first: a tenant past it is told so (its own limit), not that the service is busy."""
+        if tenant_id is not None:
+            tenant_used = self.by_tenant.get(tenant_id, 0)
+            if tenant_used + nbytes > self.tenant_limit and tenant_used > held:
+                return "tenant"
         if self.used + nbytes > self.limit and self.used > held:
-            return False
+            return "service"
         self.used += nbytes
-        return True
+        if tenant_id is not None:
+            self.by_tenant[tenant_id] = tenant_used + nbytes
+        return None
 
-    def give(self, nbytes: int) -> None:
+    def give(self, nbytes: int, tenant_id: str | None = None) -> None:
         self.used -= nbytes
+        if tenant_id is not None and nbytes:
+            left = self.by_tenant[tenant_id] - nbytes
+            if left > 0:
+                self.by_tenant[tenant_id] = left
+            else:
+                del self.by_tenant[tenant_id]  # tenants come and go: no entry left behind
 
 
-def body_budget(state: State, limit: int) -> BodyBudget:
-    """The app's body budget (made on first use with `limit`)."""
+def tenant_body_share(settings: Settings) -> int:
+    """`tenant_max_buffered_body_bytes`, or half the budget: one tenant's stalled bodies leave the
+    other half to the others, and at the defaults (512 MiB, 64 MiB bodies) a tenant still uploads
+    four bodies of the largest size at once, each arriving in full (honest uploads arrive in
+    well under a second and stop counting; a stalled one counts until its body deadline)."""
+    share = settings.tenant_max_buffered_body_bytes
+    return settings.max_buffered_body_bytes // 2 if share is None else share
+
+
+def body_budget(state: State, settings: Settings) -> BodyBudget:
+    """The app's body budget (made on first use from `settings`)."""
     budget: BodyBudget | None = getattr(state, "body_budget", None)
     if budget is None:
-        budget = BodyBudget(limit)
+        budget = BodyBudget(settings.max_buffered_body_bytes, tenant_body_share(settings))
         state.body_budget = budget
     return budget
 
@@ -188,19 +225,19 @@ class BodyGuard:
         if refusal is not None:
             await _refuse(send, *refusal)
             return None
+        tenant_id: str | None = None
         if state is None or settings is None:  # not the service's app (its settings are on app.state)
             budget = None
         else:
-            if (
-                self.is_bulk(scope)
-                and (refused := await credential_refusal(scope, state, settings)) is not None
-            ):
-                await _refuse(
-                    send, refused.status, error_body(refused.code, refused.message, refused.details)
-                )
-                return None
-            budget = body_budget(state, settings.max_buffered_body_bytes)
-        body, disconnected, refusal = await self._read_body(receive, limit, budget)
+            if self.is_bulk(scope):
+                refused, tenant_id = await check_credential(scope, state, settings)
+                if refused is not None:
+                    await _refuse(
+                        send, refused.status, error_body(refused.code, refused.message, refused.details)
+                    )
+                    return None
+            budget = body_budget(state, settings)
+        body, disconnected, refusal = await self._read_body(receive, limit, budget, tenant_id)
         if refusal is not None:
             await _refuse(send, *refusal)
             return None
@@ -228,10 +265,11 @@ class BodyGuard:
         return body, replay
 
     async def _read_body(
-        self, receive: Receive, limit: int, budget: BodyBudget | None
+        self, receive: Receive, limit: int, budget: BodyBudget | None, tenant_id: str | None
     ) -> tuple[bytes, bool, tuple[int, dict[str, Any]] | None]:
         """(body, client disconnected, refusal or None). The bytes read are counted against `budget`
-        while the body arrives, and given back however the reading ends."""
+        (and `tenant_id`'s share of it, when known) while the body arrives, and given back however
+        the reading ends."""
         chunks: list[bytes] = []
         size = held = 0
         try:
@@ -247,7 +285,10 @@ class BodyGuard:
                     if size > limit:
                         return b"", False, (413, _too_large(limit))
                     if budget is not None and size > held:
-                        if not budget.take(size - held, held=held):
+                        refused = budget.take(size - held, held=held, tenant_id=tenant_id)
+                        if refused == "tenant":
+                            return b"", False, (RateLimited.status, _tenant_busy(budget.tenant_limit))
+                        if refused is not None:
                             return b"", False, (503, _busy())
                         held = size
                     chunks.append(chunk)
@@ -257,72 +298,92 @@ class BodyGuard:
             return b"", False, (408, _timeout(self.body_timeout_seconds))
         finally:
             if budget is not None:
-                budget.give(held)
+                budget.give(held, tenant_id)
 
 
-async def credential_refusal(scope: Scope, state: State, settings: Settings) -> AppError | None:
+class Credential(NamedTuple):
+    """What `check_credential` found before a bulk body is read: the route's refusal, if it would
+    refuse the caller, and else the caller's tenant when known (its share of the body budget)."""
+
+    refusal: AppError | None = None
+    tenant_id: str | None = None
+
+
+_LET_THROUGH = Credential()
+
+
+async def check_credential(scope: Scope, state: State, settings: Settings) -> Credential:
     """For a bulk route of the pool or the Tinker API, before its body is read: the 401 or 403 its
-    route would answer the request's credential with, or None (a credential the route takes, or a
-    route checked after the read). The pool's worker token is compared in place; a Tinker key is
-    known to the key caches, or looked up in a worker thread (a database query). The tenants' bulk
-    routes: `_tenant_refusal`."""
+    route would answer the request's credential with; else a valid Tinker key's tenant (none for
+    the pool's worker token, or a route checked after the read). The pool's worker token is
+    compared in place; a Tinker key is known to the key caches, or looked up in a worker thread (a
+    database query). The tenants' bulk routes: `_tenant_credential`."""
     path: str = scope.get("path", "")
     if _TENANT_BULK.match(path) is not None:
         # POST only: another method there is the router's 405, whoever asks.
-        return await _tenant_refusal(Request(scope), state) if scope.get("method") == "POST" else None
+        if scope.get("method") != "POST":
+            return _LET_THROUGH
+        return await _tenant_credential(Request(scope), state)
     if not path.startswith(_CHECKED_FIRST):
-        return None
+        return _LET_THROUGH
     request = Request(scope)
     try:
         if path.startswith("/v1/pool/"):
             token = bearer_token(request)
             worker = settings.worker_token
             if worker is not None and same_secret(token, worker.get_secret_value()):
-                return None
+                return _LET_THROUGH
             # Not the worker token: refused either way; whether 401 or 403 (another role's valid
             # credential) may take a database lookup.
-            return await run_in_threadpool(_worker_refusal, request, state, settings)
+            return Credential(await run_in_threadpool(_worker_refusal, request, state, settings))
         digest = tinker_key_hash(request)
-        if cached_key(state, digest) is not None:
-            return None
+        if (hit := cached_key(state, digest)) is not None:
+            return Credential(tenant_id=hit.tenant_id)
     except AppError as refused:
-        return refused
-    return await run_in_threadpool(_tinker_refusal, state, digest)
+        return Credential(refused)
+    return await run_in_threadpool(_tinker_credential, state, digest)
 
 
-async def _tenant_refusal(request: Request, state: State) -> AppError | None:
-    """For a tenants' bulk route: the route's 401 when its body need not be read to know it, or
-    None (the route decides, as it did). Never anything but a 401 the route would answer too: both
-    routes refuse a caller before they look at the body."""
+async def _tenant_credential(request: Request, state: State) -> Credential:
+    """For a tenants' bulk route: the route's 401 when its body need not be read to know it; else
+    the key's tenant when the caches or the guard's lookup know it, or nothing (the route decides,
+    as it did). Never a refusal but a 401 the route would answer too: both routes refuse a caller
+    before they look at the body."""
     try:
         # No header or a malformed one: the route's own first check, and its message.
         digest = hash_key(bearer_token(request))
-        if cached_key(state, digest) is not None:  # a cached miss raises the route's 401 instead
-            return None  # the hot path: one dict lookup
+        if (hit := cached_key(state, digest)) is not None:  # a cached miss raises the route's 401 instead
+            return Credential(tenant_id=hit.tenant_id)  # the hot path: one dict lookup
     except AppError as refused:
-        return refused
+        return Credential(refused)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) <= _PRECHECKED_BODY_BYTES:
-        return None
-    return await run_in_threadpool(_tenant_key_refusal, state, digest)
+        # Read first, as before, and charged to no tenant: stalled, it holds at most this much.
+        return _LET_THROUGH
+    return await run_in_threadpool(_tenant_key_credential, state, digest)
 
 
-def _tenant_key_refusal(state: State, digest: str) -> AppError | None:
+def _tenant_key_credential(state: State, digest: str) -> Credential:
     """401 when no valid key has this hash (remembered in the miss cache, as the route's lookup
-    would), else None. A valid key is not cached here: the route's lookup caches it, so the batch
-    route's first request with a key still takes the documented handler (tests/app/test_lean_ingest.py).
-    A database error lets the request through: the route looks the key up again and answers what
-    it would have (its uniform 503 if the database is still failing), not the guard."""
+    would), else the key's tenant, for its share of the body budget. A valid key is not cached here:
+    the route's lookup caches it, so the batch route's first request with a key still takes the
+    documented handler (tests/app/test_lean_ingest.py); the tenant is known either way, so a
+    tenant's stalled bodies, which never reach the route to cache the key, are still charged to it.
+    A database error lets the request through, charged to no tenant: the route looks the key up
+    again and answers what it would have (its uniform 503 if the database is still failing), not
+    the guard."""
     settings: Settings = state.settings
     try:
         with state.session_factory() as session:
-            row = session.execute(select(ApiKey.revoked_at).where(ApiKey.key_hash == digest)).first()
+            row = session.execute(
+                select(ApiKey.tenant_id, ApiKey.revoked_at).where(ApiKey.key_hash == digest)
+            ).first()
     except SQLAlchemyError:
-        return None
+        return _LET_THROUGH
     if row is None or row.revoked_at is not None:
         key_miss_cache(state, settings.api_key_miss_cache_seconds).put(digest, True)
-        return Unauthorized(INVALID_KEY)
-    return None
+        return Credential(Unauthorized(INVALID_KEY))
+    return Credential(tenant_id=row.tenant_id)
 
 
 def _worker_refusal(request: Request, state: State, settings: Settings) -> AppError | None:
@@ -334,13 +395,13 @@ def _worker_refusal(request: Request, state: State, settings: Settings) -> AppEr
     return None
 
 
-def _tinker_refusal(state: State, digest: str) -> AppError | None:
+def _tinker_credential(state: State, digest: str) -> Credential:
     with state.session_factory() as session:
         try:
-            known_key(state, session, digest)  # cached for the route when valid
+            key = known_key(state, session, digest)  # cached for the route when valid
         except AppError as refused:
-            return refused
-    return None
+            return Credential(refused)
+    return Credential(tenant_id=key.tenant_id)
 
 
 def _head_refusal(scope: Scope, headers: dict[bytes, bytes], limit: int) -> tuple[int, dict[str, Any]] | None:
@@ -365,7 +426,7 @@ async def _refuse(send: Send, status: int, body: dict[str, Any]) -> None:
     # Connection: close on refusals sent before the body was read: the rest of it may still be
     # in flight and must not be read as the next request.
     headers = {"Connection": "close"}
-    if status == ServiceUnavailable.status:
+    if status in (ServiceUnavailable.status, RateLimited.status):  # the body budget's refusals
         headers["Retry-After"] = str(BUSY_RETRY_AFTER_SECONDS)
     response = JSONResponse(body, status_code=status, headers=headers)
     await response({"type": "http"}, _empty_receive, send)
@@ -409,6 +470,17 @@ def _busy() -> dict[str, Any]:
     )
 
 
+def _tenant_busy(limit: int) -> dict[str, Any]:
+    """This tenant's bodies being received hold its share of the body budget: its own limit, in
+    the form of the other per-tenant limits' 429 (app/limits.py)."""
+    return error_body(
+        RateLimited.code,
+        f"too many request bodies of this tenant being received at once (limit {limit} bytes: "
+        "tenant_max_buffered_body_bytes); retry shortly",
+        {"limit": limit, "kind": "buffered_body_bytes"},
+    )
+
+
 def _invalid(loc: list[str], msg: str, kind: str) -> dict[str, Any]:
     where = ".".join(loc)
     return error_body("validation_error", f"{where}: {msg}", [{"loc": loc, "msg": msg, "type": kind}])
@@ -416,9 +488,16 @@ def _invalid(loc: list[str], msg: str, kind: str) -> dict[str, Any]:
 
 def _query_problem(scope: Scope) -> dict[str, Any] | None:
     path = scope.get("path", "")
-    if "\x00" in path or "\x00" in unquote(scope.get("raw_path", b"").decode("latin-1")):
+    raw_path: bytes = scope.get("raw_path", b"")
+    if "\x00" in path or "\x00" in unquote(raw_path.decode("latin-1")):
         return _invalid(["path"], "must not contain a NUL character", "nul_character")
+    # The server decodes the path with U+FFFD for bytes that are not UTF-8: only a path holding one
+    # (rare, and then maybe sent as such, %EF%BF%BD) has its raw bytes checked.
+    if "\ufffd" in path and raw_path and not _is_utf8(unquote_to_bytes(raw_path)):
+        return _invalid(["path"], _NOT_UTF8, "unicode_error")
     raw_query = scope.get("query_string", b"")
+    if (b"%" in raw_query or not raw_query.isascii()) and (problem := _query_not_utf8(raw_query)):
+        return problem
     if b"%00" not in raw_query and b"\x00" not in raw_query:
         return None
     for name, value in parse_qsl(raw_query.decode("latin-1"), keep_blank_values=True):
@@ -427,6 +506,32 @@ def _query_problem(scope: Scope) -> dict[str, Any] | None:
                 ["query", name.replace("\x00", "")], "must not contain a NUL character", "nul_character"
             )
     return None
+
+
+_NOT_UTF8 = "not UTF-8 once percent-decoded"
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _query_not_utf8(raw_query: bytes) -> dict[str, Any] | None:
+    """422 naming the first parameter whose name or value is not UTF-8 once percent-decoded (the
+    router would take it with U+FFFD in place of those bytes: an adapter named `\ufffd`), or None."""
+    if _is_utf8(unquote_to_bytes(raw_query)):  # the whole query at once: the common case
+        return None
+    for field in raw_query.split(b"&"):
+        name, _, value = field.partition(b"=")
+        decoded_name = unquote_to_bytes(name.replace(b"+", b" "))
+        if not _is_utf8(decoded_name):
+            return _invalid(["query"], _NOT_UTF8, "unicode_error")
+        if not _is_utf8(unquote_to_bytes(value.replace(b"+", b" "))):
+            return _invalid(["query", decoded_name.decode()], _NOT_UTF8, "unicode_error")
+    return _invalid(["query"], _NOT_UTF8, "unicode_error")  # split across fields: not expected
 
 
 _SINGLE_HEADERS = frozenset({b"authorization", b"content-type", b"idempotency-key"})
