@@ -67,6 +67,12 @@ class Settings(BaseSettings):
     idle: closed after the keep-alive timeout, 5 s). Headers sent in part and then left held a
     connection for ever (enough of them use up the service's file descriptors)."""
 
+    shutdown_timeout_seconds: int = Field(default=10, ge=1, le=3600)
+    """On SIGTERM or Ctrl-C the server stops accepting connections and gives the requests in flight
+    this long to finish, then cancels them and exits (uvicorn's `timeout_graceful_shutdown`; read
+    by the server, app/serving.py). Live event streams end at once. Whole seconds (uvicorn's
+    command-line option is an integer)."""
+
     max_buffered_body_bytes: int = Field(default=512 * 1024 * 1024, ge=1024)
     """Request-body bytes the service holds at once while bodies are arriving (per service process;
     a body stops counting once it arrived whole, or when its request ends). A body that would take

@@ -30,6 +30,7 @@ from app.pools.admin_router import router as pools_admin_router
 from app.pools.catalog import router as pools_catalog_router
 from app.pools.router import router as pools_router
 from app.runs.router import router as runs_router
+from app.shutdown import ShutdownNotice
 from app.telemetry.setup import install_metrics
 from app.tenants.router import router as tenants_router
 from app.tinker.pool_router import router as pool_tinker_router
@@ -97,6 +98,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.session_factory = make_session_factory(engine)
+    app.state.shutdown = ShutdownNotice()  # begun by the server's shutdown (app/serving.py)
     app.state.in_flight = InFlight(settings.tenant_max_in_flight)
     app.state.event_streams = InFlight(
         settings.tenant_max_event_streams, kind="event_streams", retry_after=EVENT_STREAMS_RETRY_AFTER_SECONDS

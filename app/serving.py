@@ -3,7 +3,7 @@ a 431, and connection timeouts. One definition for `loraloom serve`, the service
 demo, tests and benchmarks (loraloom/launch.py), and the documented command line:
 
     uvicorn --factory app.main:create_app --http app.serving:LimitedHttpToolsProtocol \
-        --timeout-keep-alive 5 --no-proxy-headers
+        --timeout-keep-alive 5 --timeout-graceful-shutdown 10 --no-proxy-headers
 
 httptools (llhttp, in C) rather than h11 (pure Python): h11 spent about a fifth of the service's
 CPU on a 0.4 MB rollout batch (docs/benchmarks.md). But httptools has no limit on the size of
@@ -30,18 +30,27 @@ arrived is closed without an answer, as an idle kept-alive one is.
 uvicorn's X-Forwarded-* handling (its ProxyHeadersMiddleware, one more ASGI layer on every request)
 is on only when `FORWARDED_ALLOW_IPS` (uvicorn's own variable: the proxies to trust) is set: the
 service does not read the client's address, and without a proxy there is nothing to rewrite.
+
+Shutdown (SIGTERM, Ctrl-C): uvicorn stops accepting connections and waited, with no bound, for every
+open response to end; a live event stream lasts up to an hour, so `loraloom serve` hung as long as
+any client watched a run. The protocols tell the app when the server starts its shutdown (their
+`shutdown()`, which uvicorn calls on every connection first: app/shutdown.py), and the streams end
+within a poll; `timeout_graceful_shutdown` (`LORALOOM_SHUTDOWN_TIMEOUT_SECONDS`, default 10 s)
+bounds whatever else is still running.
 """
 
 import asyncio
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import TypeAdapter, ValidationError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.config import Settings
+from app.shutdown import ShutdownNotice
 
 MAX_HEADER_BYTES = 16 * 1024
 """Request line and headers together (h11's own default)."""
@@ -58,6 +67,9 @@ KEEP_ALIVE_SECONDS = 5
 DEFAULT_HEADER_TIMEOUT_SECONDS: float = Settings.model_fields["header_timeout_seconds"].default
 """The head deadline of an app that has no loraloom settings (see `served_header_timeout`)."""
 
+SHUTDOWN_TIMEOUT_ENV = "LORALOOM_SHUTDOWN_TIMEOUT_SECONDS"
+_SHUTDOWN_TIMEOUT = Settings.model_fields["shutdown_timeout_seconds"]
+
 PROXY_ALLOW_ENV = "FORWARDED_ALLOW_IPS"
 """Set (uvicorn reads it too): trust X-Forwarded-For/-Proto from these addresses."""
 
@@ -65,6 +77,20 @@ PROXY_ALLOW_ENV = "FORWARDED_ALLOW_IPS"
 def proxy_headers_configured(env: Mapping[str, str] | None = None) -> bool:
     """Whether a deployment asked for proxy headers (`env`: the service's environment)."""
     return bool((os.environ if env is None else env).get(PROXY_ALLOW_ENV, "").strip())
+
+
+def shutdown_timeout_seconds(env: Mapping[str, str] | None = None) -> int:
+    """The graceful-shutdown bound the service's settings give (`env`: the service's environment),
+    checked as the settings check it: `loraloom serve` validated them already; a service child
+    with a bad value would fail at start-up anyway, this says which variable before it starts."""
+    raw = (os.environ if env is None else env).get(SHUTDOWN_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return int(_SHUTDOWN_TIMEOUT.default)
+    try:
+        return TypeAdapter(Annotated[int, _SHUTDOWN_TIMEOUT]).validate_python(raw)
+    except ValidationError as exc:
+        problem = exc.errors()[0]["msg"]
+        raise ValueError(f"{SHUTDOWN_TIMEOUT_ENV}={raw!r}: {problem}") from None
 
 
 def _write_error(transport: asyncio.Transport, status: str, code: str, message: str) -> None:
@@ -96,18 +122,31 @@ def _write_408(transport: asyncio.Transport, seconds: float) -> None:
     _write_error(transport, "408 Request Timeout", "request_timeout", message)
 
 
-def served_header_timeout(app: object) -> float:
-    """The served app's `header_timeout_seconds`: uvicorn hands the protocol its loaded app, the
-    service's FastAPI app (whose `state.settings` are the service's), or that app inside uvicorn's
-    own wrappers (proxy headers, trace logging), each holding the next as `.app`."""
+def _served_state(app: object) -> object | None:
+    """The served app's `state` (where its settings are): uvicorn hands the protocol its loaded app,
+    the service's FastAPI app, or that app inside uvicorn's own wrappers (proxy headers, trace
+    logging), each holding the next as `.app`. None for an app without settings."""
     for _ in range(8):
-        settings = getattr(getattr(app, "state", None), "settings", None)
-        if settings is not None:
-            return float(getattr(settings, "header_timeout_seconds", DEFAULT_HEADER_TIMEOUT_SECONDS))
+        state = getattr(app, "state", None)
+        if getattr(state, "settings", None) is not None:
+            return state
         app = getattr(app, "app", None)
         if app is None:
             break
-    return DEFAULT_HEADER_TIMEOUT_SECONDS
+    return None
+
+
+def served_header_timeout(app: object) -> float:
+    """The served app's `header_timeout_seconds` (the service's settings)."""
+    settings = getattr(_served_state(app), "settings", None)
+    return float(getattr(settings, "header_timeout_seconds", DEFAULT_HEADER_TIMEOUT_SECONDS))
+
+
+def announce_shutdown(app: object) -> None:
+    """Tell the served app that the server begins its shutdown (its live streams then end)."""
+    notice = getattr(_served_state(app), "shutdown", None)
+    if isinstance(notice, ShutdownNotice):
+        notice.begin()
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -183,6 +222,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         _write_400(self.transport, msg)
 
+    def shutdown(self) -> None:
+        # uvicorn's shutdown calls this on every connection before it waits for them to close.
+        announce_shutdown(self.app)
+        super().shutdown()
+
     def _answering(self) -> bool:
         """Whether a request whose head is complete is still being answered (or waits its turn)."""
         return self.cycle is not None and not self.cycle.response_complete
@@ -221,6 +265,10 @@ class LimitedH11Protocol(H11Protocol):
         self.logger.warning("request headers over %d bytes: 431", limit)
         _write_431(self.transport, limit)
 
+    def shutdown(self) -> None:
+        announce_shutdown(self.app)  # as LimitedHttpToolsProtocol.shutdown
+        super().shutdown()
+
 
 def uvicorn_cli_args(env: Mapping[str, str] | None = None) -> list[str]:
     """The options of `uvicorn_options` as `uvicorn` command-line arguments (for a service started
@@ -230,6 +278,8 @@ def uvicorn_cli_args(env: Mapping[str, str] | None = None) -> list[str]:
         f"{LimitedHttpToolsProtocol.__module__}:{LimitedHttpToolsProtocol.__qualname__}",
         "--timeout-keep-alive",
         str(KEEP_ALIVE_SECONDS),
+        "--timeout-graceful-shutdown",
+        str(shutdown_timeout_seconds(env)),
         "--proxy-headers" if proxy_headers_configured(env) else "--no-proxy-headers",
     ]
 
@@ -239,5 +289,6 @@ def uvicorn_options(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {
         "http": LimitedHttpToolsProtocol,
         "timeout_keep_alive": KEEP_ALIVE_SECONDS,
+        "timeout_graceful_shutdown": shutdown_timeout_seconds(env),
         "proxy_headers": proxy_headers_configured(env),
     }

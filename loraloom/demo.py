@@ -252,6 +252,10 @@ def run_demo(
             _download_adapters(url, keys, systems, run_ids, output_dir, say)
             (output_dir / "results.json").write_text(json.dumps({**results_meta, "runs": results}, indent=2))
             return results
+    except KeyboardInterrupt:
+        # typer exits 130 on it without a word; the stack's clean-up has run by now.
+        typer.echo("[demo] interrupted: the service and the worker pool are stopped", err=True)
+        raise
     finally:
         torch.set_num_threads(threads)
 

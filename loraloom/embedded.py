@@ -3,6 +3,11 @@ worker pool (for `loraloom demo` and `examples/`).
 
 `embedded_stack(...)` wipes `state_dir`, migrates a SQLite database there, starts the service and the
 pool, yields an `EmbeddedStack` (its URL, the admin key, `create_tenant`), and stops both on exit.
+
+No child outlives the stack's process: however it stops (Ctrl-C or SIGTERM at any moment, start-up
+included) the clean-up runs, and if it dies without one (SIGKILL) each child is sent SIGTERM by the
+kernel (a parent-death signal, loraloom/launch.py). Before, a Ctrl-C while the service was starting,
+or a kill -9 of the demo, left the service listening under PID 1.
 """
 
 import os
@@ -73,51 +78,63 @@ def embedded_stack(
     }
     say(f"[embedded] database {db_url}; artifacts under {state_dir / 'data'}")
     upgrade(db_url)
-    service, url = start_service_process(env=env, port=port, log_path=state_dir / "service.log")
-    pool = None
+    service: subprocess.Popen[bytes] | None = None
+    pool: subprocess.Popen[bytes] | None = None
     # The children run in sessions of their own (a terminal's Ctrl-C reaches only us): whatever stops
-    # us must go through the `finally` below, or the service and the pool outlive us.
+    # us must go through the `finally` below, or the service and the pool outlive us. From before the
+    # first child starts: a SIGTERM during start-up (its default kills us at once) skipped it.
     stops = signals_as_exit() if threading.current_thread() is threading.main_thread() else nullcontext()
-    try:
-        say(f"[embedded] service up at {url}")
-        pool = launch_pool(
-            nproc_per_node=1,
-            worker_args=[
-                "--url",
-                url,
-                "--slots",
-                str(slots),
-                "--seq-len",
-                str(pack_len),
-                "--max-rank",
-                str(max_rank),
-                "--target-modules",
-                ",".join(target_modules),
-                "--checkpoint-dir",
-                str(state_dir / "data" / "runs"),
-                "--model-cache-dir",
-                str(model_cache),
-                "--pack-timeout",
-                "0.3",
-                "--poll-interval",
-                "0.05",
-            ],
-            # The token in the environment, never on a command line (`ps` shows those).
-            env={"OMP_NUM_THREADS": "1", "LORALOOM_WORKER_TOKEN": worker_token},
-            log_path=state_dir / "worker.log",
-        )
-        say(f"[embedded] worker pool started (1 CPU rank); log: {state_dir / 'worker.log'}")
-        with stops:
+    with stops:
+        try:
+            service, url = start_service_process(env=env, port=port, log_path=state_dir / "service.log")
+            say(f"[embedded] service up at {url}")
+            pool = launch_pool(
+                nproc_per_node=1,
+                worker_args=[
+                    "--url",
+                    url,
+                    "--slots",
+                    str(slots),
+                    "--seq-len",
+                    str(pack_len),
+                    "--max-rank",
+                    str(max_rank),
+                    "--target-modules",
+                    ",".join(target_modules),
+                    "--checkpoint-dir",
+                    str(state_dir / "data" / "runs"),
+                    "--model-cache-dir",
+                    str(model_cache),
+                    "--pack-timeout",
+                    "0.3",
+                    "--poll-interval",
+                    "0.05",
+                ],
+                # The token in the environment, never on a command line (`ps` shows those).
+                env={"OMP_NUM_THREADS": "1", "LORALOOM_WORKER_TOKEN": worker_token},
+                log_path=state_dir / "worker.log",
+            )
+            say(f"[embedded] worker pool started (1 CPU rank); log: {state_dir / 'worker.log'}")
             yield EmbeddedStack(url=url, admin_key=admin_key, state_dir=state_dir)
-    finally:
-        if pool is not None and pool.poll() is None:
-            pool.terminate()
+        finally:
+            # The pool first: its ranks finish their step, which they report to the service. Nested,
+            # so that a second Ctrl-C while the pool stops still stops the service.
             try:
-                pool.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pool.kill()
-        service.terminate()
-        service.wait(timeout=20)
+                _stop(pool)
+            finally:
+                _stop(service)
+
+
+def _stop(process: subprocess.Popen[bytes] | None, timeout_s: float = 20) -> None:
+    """SIGTERM (a graceful stop), SIGKILL if it has not ended within `timeout_s`."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 @contextmanager

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -72,6 +72,10 @@ def start_service_process(
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start uvicorn on 127.0.0.1:`port` in its own process group; return once /readyz answers.
 
+    The service stops (SIGTERM) when this process dies, as the pool does (`launch_pool`), and is
+    killed if anything (a Ctrl-C included) interrupts the wait for it: a demo stopped either way
+    left its service listening under PID 1.
+
     `env` is the child's whole environment (LORALOOM_* settings included). Raises RuntimeError,
     with the end of the log when there is one, if the service exits or is not ready in time.
     `app_dir`: the source tree the service's `app` package is imported from (benchmarks start
@@ -96,11 +100,24 @@ def start_service_process(
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,
+            preexec_fn=_dies_with_this_thread(),
         )
     finally:
         if log is not None:
             log.close()
     url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(process, url, timeout_s, log_path)
+    except BaseException:
+        # Not ready in time, exited, or interrupted (KeyboardInterrupt, the demo's SystemExit on
+        # SIGTERM): no one else holds the process yet, so it goes here.
+        process.kill()
+        process.wait()
+        raise
+    return process, url
+
+
+def _wait_ready(process: subprocess.Popen[bytes], url: str, timeout_s: float, log_path: Path | None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -108,12 +125,20 @@ def start_service_process(
             raise RuntimeError(f"the service exited with {process.returncode}\n{tail}")
         try:
             if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return process, url
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    process.kill()
     raise RuntimeError(f"the service did not become ready in {timeout_s:.0f} s")
+
+
+def _dies_with_this_thread() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the child sent SIGTERM (its graceful stop) when this process dies,
+    even by SIGKILL, where no clean-up of ours runs. Linux ties the request to the thread that
+    forks, so only from the main thread (from another it would fire when that thread ended)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal_on_parent_death(signal.SIGTERM, parent=os.getpid())
 
 
 DEFAULT_MASTER_PORT = 29517
@@ -171,9 +196,7 @@ def launch_pool(
             ["/bin/sh", "-c", f'export {LAUNCHER_PID_ENV}=$$; exec "$@"', "sh", *command],
             env=pool_env({**os.environ, **(env or {})}, nproc_per_node=nproc_per_node),
             start_new_session=True,
-            preexec_fn=signal_on_parent_death(signal.SIGTERM, parent=os.getpid())
-            if threading.current_thread() is threading.main_thread()
-            else None,
+            preexec_fn=_dies_with_this_thread(),
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
         )

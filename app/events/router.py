@@ -20,6 +20,7 @@ from app.events.schemas import EventList, EventOut
 from app.limits import InFlight
 from app.pagination import DEFAULT_LIMIT, LimitQuery
 from app.runs.deps import OwnedRunDep
+from app.shutdown import ShutdownNotice
 from app.tenants.models import ApiKey
 from app.timestamps import UtcDatetime
 
@@ -153,7 +154,7 @@ def event_stream(
 ) -> StreamingResponse:
     """The run's live stream (the API's and the dashboard's), counted against the tenant's
     `tenant_max_event_streams`: a 429 past it (app/limits.py). It ends once `allowed` says no
-    (checked every SSE_RECHECK_SECONDS)."""
+    (checked every SSE_RECHECK_SECONDS), and once the server begins to shut down."""
     streams: InFlight = request.app.state.event_streams
     streams.acquire(tenant_id)
     factory: sessionmaker[Session] = request.app.state.session_factory
@@ -185,9 +186,13 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     # Polling, in a thread (the session is blocking): simple, works across uvicorn workers and
     # replicas alike; each open stream costs one small indexed query per SSE_POLL_SECONDS.
+    # It ends, within a poll, once the server begins to shut down: uvicorn waits for every open
+    # response before it exits, so a stream held `loraloom serve` up for as long as its client
+    # stayed (an hour). The EventSource reconnects, with Last-Event-ID, to the restarted service.
+    shutdown: ShutdownNotice = request.app.state.shutdown
     yield f"retry: {int(SSE_POLL_SECONDS * 4000)}\n\n"
     started = last_sent = checked = anyio.current_time()
-    while anyio.current_time() - started < SSE_MAX_SECONDS:
+    while anyio.current_time() - started < SSE_MAX_SECONDS and not shutdown.begun:
         due = anyio.current_time() - checked >= SSE_RECHECK_SECONDS
         page = await anyio.to_thread.run_sync(_read, factory, run_id, after, since, allowed if due else None)
         if page is None:
