@@ -4,7 +4,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MAX_RETENTION_SECONDS = 100 * 365 * 86_400.0
@@ -15,7 +15,8 @@ MIN_RETENTION_SECONDS = {"deleted_run_retention_seconds": 86_400.0, "event_reten
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="LORALOOM_", extra="ignore")
+    # hide_input_in_errors: a refused setting's error (and its traceback) never shows the secrets.
+    model_config = SettingsConfigDict(env_prefix="LORALOOM_", extra="ignore", hide_input_in_errors=True)
 
     database_url: str = "sqlite:///./.loraloom/loraloom.db"
     """SQLAlchemy URL. Postgres in production (postgresql+psycopg://...), SQLite for the embedded default."""
@@ -37,6 +38,16 @@ class Settings(BaseSettings):
         if isinstance(value, str) and not value.strip():
             return None
         return value
+
+    @model_validator(mode="after")
+    def _admin_key_is_not_the_worker_token(self) -> "Settings":
+        # Every pool host holds the worker token: were it the admin key, each would be an admin.
+        if self.admin_key is not None and self.admin_key == self.worker_token:
+            raise ValueError(
+                "LORALOOM_ADMIN_KEY and LORALOOM_WORKER_TOKEN are the same secret: every worker pool "
+                "host would hold the admin key; give each its own"
+            )
+        return self
 
     max_concurrent_runs: int = Field(default=4, ge=1, le=1024)
     """Pool slots: how many runs are active at once (until a pool registers its own count)."""

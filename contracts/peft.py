@@ -14,10 +14,11 @@ Whether `<module>` exists in the base model, and its features, is for the caller
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeGuard
 
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from contracts.run_config import LoraSettings
 
 PEFT_PREFIX = "base_model.model."
 """PEFT wraps the causal LM in `base_model.model`: every tensor's name starts so."""
@@ -78,13 +79,82 @@ def finite_positive(value: object) -> TypeGuard[int | float]:
         return False
 
 
-def _is_dropout(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int | float) and 0 <= value < 1
+@dataclass(frozen=True)
+class Bounds:
+    """An interval of numbers, as a pydantic Field's ge/gt/le/lt put it."""
+
+    low: float = -math.inf
+    low_closed: bool = True
+    high: float = math.inf
+    high_closed: bool = True
+
+    def holds(self, value: float) -> bool:
+        """Exact for integers of any size (Python compares an int with a float exactly, no float() of
+        the int that could overflow); NaN holds in no interval."""
+        above = value >= self.low if self.low_closed else value > self.low
+        below = value <= self.high if self.high_closed else value < self.high
+        return above and below
+
+    def __str__(self) -> str:
+        return (
+            f"{'[' if self.low_closed else '('}{self.low:g}, {self.high:g}{']' if self.high_closed else ')'}"
+        )
+
+
+def run_config_bounds(field: str) -> Bounds:
+    """The bounds RunConfig puts on `lora.<field>` (contracts/run_config.py LoraSettings): an adapter
+    with a value outside them could never be started from, as `init_from` needs the run's own value."""
+    bounds = Bounds()
+    for rule in LoraSettings.model_fields[field].metadata:  # annotated_types' Ge, Gt, Le, Lt
+        if (value := getattr(rule, "ge", None)) is not None:
+            bounds = replace(bounds, low=value, low_closed=True)
+        if (value := getattr(rule, "gt", None)) is not None:
+            bounds = replace(bounds, low=value, low_closed=False)
+        if (value := getattr(rule, "le", None)) is not None:
+            bounds = replace(bounds, high=value, high_closed=True)
+        if (value := getattr(rule, "lt", None)) is not None:
+            bounds = replace(bounds, high=value, high_closed=False)
+    return bounds
+
+
+RANK_BOUNDS = run_config_bounds("rank")
+ALPHA_BOUNDS = run_config_bounds("alpha")
+DROPOUT_BOUNDS = run_config_bounds("dropout")
+
+
+def _number(value: object) -> TypeGuard[int | float]:
+    """A JSON number (not `true`, which Python counts as an int)."""
+    return not isinstance(value, bool) and isinstance(value, int | float)
+
+
+def _named(key: str, value: object) -> str:
+    """`key=value` for a message; an integer of hundreds of digits by its length, not its digits."""
+    if whole_number(value) and abs(value) >= 10**20:
+        return f"{key} (an integer of {len(str(abs(value)))} digits)"
+    return f"{key}={value!r}"
+
+
+def _of_a_run(field: str) -> str:
+    return f"the lora.{field} a run's config accepts: no run could start from this adapter"
+
+
+def _rank_problem(rank: object, *, max_rank: int) -> AdapterProblem | None:
+    """The rank: an integer (8.0 is a float, not a rank), within the pool's max_rank and RunConfig's
+    lora.rank bounds, the tighter one named."""
+    if not whole_number(rank):
+        return AdapterProblem("r", f"rank {_named('r', rank)} must be an integer")
+    if not RANK_BOUNDS.holds(rank):
+        return AdapterProblem("r", f"rank {_named('r', rank)} is outside {RANK_BOUNDS}, {_of_a_run('rank')}")
+    if rank > max_rank:
+        return AdapterProblem("r", f"rank r={rank} is outside [1, {max_rank}] (the pool's max_rank)")
+    return None
 
 
 def config_problems(config: object, *, max_rank: int) -> list[AdapterProblem]:
-    """What in adapter_config.json the pool cannot load: not LoRA, a feature a slot cannot represent,
-    a rank outside [1, max_rank], an alpha that is not a finite positive number, a dropout outside [0, 1)."""
+    """What in adapter_config.json the pool cannot load, or no run could use: not LoRA, a feature a
+    slot cannot represent, a rank that is not an integer or is outside [1, max_rank] or RunConfig's
+    lora.rank bounds, an alpha that is not a number or is outside RunConfig's lora.alpha bounds, a
+    dropout outside RunConfig's lora.dropout bounds."""
     if not isinstance(config, Mapping):
         return [AdapterProblem("body", f"{ADAPTER_CONFIG} must be a JSON object")]
     problems: list[AdapterProblem] = []
@@ -99,20 +169,26 @@ def config_problems(config: object, *, max_rank: int) -> list[AdapterProblem]:
                 key, f"unsupported adapter features: {key}={config[key]!r} (a slot is a plain LoRA)"
             )
         )
-    rank = config.get("r")
-    if not whole_number(rank) or not 1 <= rank <= max_rank:
-        problems.append(
-            AdapterProblem("r", f"rank r={rank!r} is outside [1, {max_rank}] (the pool's max_rank)")
-        )
+    if (rank_problem := _rank_problem(config.get("r"), max_rank=max_rank)) is not None:
+        problems.append(rank_problem)
     alpha = config.get("lora_alpha")
-    if not finite_positive(alpha):
+    if not _number(alpha) or alpha != alpha:  # NaN
         problems.append(AdapterProblem("lora_alpha", f"lora_alpha={alpha!r} must be a finite number > 0"))
-    if "lora_dropout" in config and not _is_dropout(config["lora_dropout"]):
-        problems.append(
-            AdapterProblem(
-                "lora_dropout", f"lora_dropout={config['lora_dropout']!r} must be a number in [0, 1)"
-            )
+    elif not ALPHA_BOUNDS.holds(alpha):
+        message = (
+            f"{_named('lora_alpha', alpha)} must be a finite number > 0"
+            if alpha <= 0
+            else f"{_named('lora_alpha', alpha)} is outside {ALPHA_BOUNDS}, {_of_a_run('alpha')}"
         )
+        problems.append(AdapterProblem("lora_alpha", message))
+    if "lora_dropout" in config:
+        dropout = config["lora_dropout"]
+        if not _number(dropout) or not DROPOUT_BOUNDS.holds(dropout):
+            problems.append(
+                AdapterProblem(
+                    "lora_dropout", f"{_named('lora_dropout', dropout)} must be a number in {DROPOUT_BOUNDS}"
+                )
+            )
     return problems
 
 

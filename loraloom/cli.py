@@ -25,7 +25,7 @@ import httpx
 import tomli_w
 import typer
 
-from loraloom.commands import observe, preflight
+from loraloom.commands import observe, preflight, revisions
 from loraloom.commands.errors import CliError, ErrorHandlingGroup, ExitCode, require_worker_extra
 from loraloom.commands.http import DEFAULT_URL, AdminKeyOpt, JsonOpt, KeyOpt, UrlOpt, api
 from loraloom.commands.http import echo_json as _echo_json
@@ -155,6 +155,8 @@ def serve(
     ):
         if not value:
             typer.echo(f"note: {variable} is not set: {disabled}", err=True)
+    for warning in preflight.weak_credentials(settings):
+        typer.echo(f"warning: {warning}", err=True)
 
     # httptools with a header-size limit (431) and keep-alive timeout: see app/serving.py.
     uvicorn.run(
@@ -172,8 +174,12 @@ def _service_settings() -> Any:
     try:
         return Settings()
     except ValidationError as exc:
+        # A field's error names its variable; one across fields (loc ()) names its own.
         problems = "; ".join(
-            f"LORALOOM_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors()
+            f"LORALOOM_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+            if e["loc"]
+            else str(e["msg"]).removeprefix("Value error, ")
+            for e in exc.errors()
         )
         raise CliError(
             f"invalid service settings: {problems}",
@@ -185,17 +191,21 @@ def _service_settings() -> Any:
 @db_cli.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
     """Migrate the database (LORALOOM_DATABASE_URL) to the newest schema."""
+    from alembic.script.revision import ResolutionError
     from alembic.util import CommandError
 
     from app import migrate
 
     url = _service_settings().database_url
+    preflight.refuse_in_memory(url)  # migrated, it would be gone with the command's connection
     try:
         migrate.upgrade(url, revision)
     except CommandError as exc:  # an unknown revision, or one this version cannot reach
+        if isinstance(exc.__cause__, ResolutionError):
+            raise revisions.unknown_revision(revision) from None
         raise CliError(f"cannot migrate to {revision!r}: {exc}", kind=ExitCode.USAGE) from None
     except Exception as exc:
-        if (problem := preflight.database_problem(exc)) is not None:
+        if (problem := preflight.database_problem(exc, url)) is not None:
             raise problem from None
         raise
     now = migrate.database_revision(url)

@@ -26,6 +26,11 @@ MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
 
 _COPY_CHUNK = 1024 * 1024
 
+MAX_JSON_INT_DIGITS = 1000
+"""The longest integer an adapter's JSON (its config, the safetensors header) may hold: far above any
+value either needs (offsets are u64: 20 digits), and below Python's own limit (4300 digits), whose
+error speaks of its internals (`sys.set_int_max_str_digits()`) rather than of the upload."""
+
 # Bytes per element of every safetensors dtype, to check that each tensor's byte range
 # matches its shape (a header that lies about sizes is a corrupt file).
 _DTYPE_BYTES = {
@@ -67,18 +72,33 @@ def _copy_member(src: IO[bytes], dest: Path, *, limit: int, name: str) -> tuple[
     return size, digest.hexdigest()
 
 
+class IntegerTooLong(ValueError):
+    """Well-formed JSON holding an integer of more than MAX_JSON_INT_DIGITS digits."""
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_JSON_INT_DIGITS:
+        raise IntegerTooLong(
+            f"it holds an integer of {digits} digits (at most {MAX_JSON_INT_DIGITS} are accepted)"
+        )
+    return int(text)
+
+
 def _parse_json(raw: bytes) -> Any:
     """`raw` parsed, or a ValueError saying why not. The depth is checked before the (recursive) parser
     sees it: `[` nested 100000 deep would raise RecursionError there. Malformed JSON, bytes that are not
-    UTF-8 and an integer over Python's digit limit are all ValueErrors."""
+    UTF-8 and an integer of more than MAX_JSON_INT_DIGITS digits (IntegerTooLong) are all ValueErrors."""
     if too_deep(raw):
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
-    return json.loads(raw)
+    return json.loads(raw, parse_int=_bounded_int)
 
 
 def _check_adapter_config(path: Path) -> None:
     try:
         config = _parse_json(path.read_bytes())
+    except IntegerTooLong as exc:  # valid JSON: say what is wrong with it
+        raise _invalid(f"{ADAPTER_CONFIG}: {exc}", field=ADAPTER_CONFIG) from exc
     except ValueError as exc:
         raise _invalid(f"{ADAPTER_CONFIG} is not valid JSON: {exc}", field=ADAPTER_CONFIG) from exc
     if not isinstance(config, dict):
@@ -105,6 +125,8 @@ def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
         raw = f.read(header_len)
     try:
         header = _parse_json(raw)
+    except IntegerTooLong as exc:
+        raise _bad_safetensors(f"its header: {exc}") from exc
     except ValueError as exc:
         raise _bad_safetensors(f"header is not JSON ({exc})") from exc
     if not isinstance(header, dict):

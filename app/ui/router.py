@@ -28,7 +28,7 @@ from fastapi.templating import Jinja2Templates
 
 from app.adapters import service as adapters
 from app.adapters.file_response import OpenFileResponse
-from app.adapters.schemas import StepParam
+from app.adapters.router import StepPath
 from app.auth import SettingsDep, in_flight_place
 from app.db import SessionDep
 from app.errors import Forbidden, NotFound, RateLimited, Unauthorized
@@ -43,6 +43,9 @@ from contracts.status import RunStatus
 
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
+KEY_MAX_CHARS = 512
+"""The longest key the sign-in form takes (the page's input says so too, so a browser stops there)."""
+templates.env.globals["key_max_chars"] = KEY_MAX_CHARS
 static_files = StaticFiles(directory=HERE / "static")
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
@@ -167,7 +170,7 @@ def login(
     session: SessionDep,
     settings: SettingsDep,
     failures: Annotated[LoginFailures, Depends(login_failures)],
-    key: Annotated[str, Form(max_length=512)] = "",
+    key: Annotated[str, Form(max_length=KEY_MAX_CHARS)] = "",
 ) -> Response:
     if _cross_site(request):
         # Login CSRF: another site's form could sign a visitor in as the attacker's tenant (there is
@@ -270,9 +273,11 @@ def run_events(
 
 @router.get("/runs/{run_id}/adapters/{step}")
 def download_adapter(
-    run: OwnedRun, step: StepParam, session: SessionDep, settings: SettingsDep
+    run: OwnedRun, step: StepPath, session: SessionDep, settings: SettingsDep
 ) -> OpenFileResponse:
-    adapter = adapters.get_adapter(session, run_id=run.id, step=step)
+    """A step, or `latest` for the newest, as the API's download takes them (app/adapters/router.py)."""
+    # StepPath's pattern leaves "latest" or up to 9 ASCII digits.
+    adapter = adapters.get_adapter(session, run_id=run.id, step=None if step == "latest" else int(step))
     session.commit()  # the read ends: the archive may be built now (seconds; SQLite's write lock)
     # From a file opened before the headers go out: a run deleted meanwhile still sends it whole.
     return OpenFileResponse(

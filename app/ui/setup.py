@@ -1,10 +1,12 @@
 """Wiring the dashboard into an app: routes, static files, the sign-in redirect, the 429 of a busy
-tenant, the count of failed sign-ins (its security headers: app/front.py)."""
+tenant, error pages for a browser's navigation (app/ui/error_pages.py), the count of failed sign-ins
+(its security headers: app/front.py)."""
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from app.errors import error_body
+from app.ui.error_pages import install_error_pages
 from app.ui.login_limits import login_failures_for
 from app.ui.router import SignInRequired, TooBusy, render, router, static_files
 
@@ -13,6 +15,7 @@ def install_ui(app: FastAPI) -> None:
     app.state.ui_login_failures = login_failures_for(app.state.settings)
     app.include_router(router)
     app.mount("/ui/static", static_files, name="ui-static")
+    install_error_pages(app)
 
     @app.exception_handler(SignInRequired)
     async def _sign_in(_: Request, __: SignInRequired) -> RedirectResponse:
