@@ -51,12 +51,31 @@ def get_settings_from_app(request: Request) -> Settings:
 SettingsDep = Annotated[Settings, Depends(get_settings_from_app)]
 
 
+# The WWW-Authenticate of a Bearer route's 401 (RFC 6750 §3): no credential, or one refused.
+BEARER_CHALLENGE = "Bearer"
+INVALID_TOKEN_CHALLENGE = 'Bearer error="invalid_token"'
+
+
 def bearer_token(request: Request) -> str:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise Unauthorized("missing or malformed Authorization header; expected 'Bearer <key>'")
+        raise Unauthorized(
+            "missing or malformed Authorization header; expected 'Bearer <key>'", challenge=BEARER_CHALLENGE
+        )
     return token.strip()
+
+
+@contextmanager
+def bearer_challenge() -> Iterator[None]:
+    """A 401 raised inside names the Bearer scheme: the key lookups below are shared with the
+    Tinker API, whose X-API-Key has no scheme to name, so the Bearer routes add it here."""
+    try:
+        yield
+    except Unauthorized as exc:
+        if exc.challenge is None:
+            exc.challenge = INVALID_TOKEN_CHALLENGE
+        raise
 
 
 # The three ways to call the service, as OpenAPI security schemes: a route that depends on
@@ -135,7 +154,8 @@ def known_key(state: State, session: Session, digest: str) -> CachedKey:
 def require_tenant(
     request: Request, session: SessionDep, _: Annotated[_Credentials, Security(TENANT_SCHEME)]
 ) -> Iterator[TenantPrincipal]:
-    key = known_key(request.app.state, session, hash_key(bearer_token(request)))
+    with bearer_challenge():
+        key = known_key(request.app.state, session, hash_key(bearer_token(request)))
     yield from counted(request, TenantPrincipal(tenant_id=key.tenant_id, api_key_id=key.api_key_id))
 
 
@@ -171,7 +191,7 @@ def require_admin(
         return
     if _is_service_secret(token, settings.worker_token) or _is_tenant_key(session, token):
         raise _wrong_role("the admin key")
-    raise Unauthorized("invalid admin key")
+    raise Unauthorized("invalid admin key", challenge=INVALID_TOKEN_CHALLENGE)
 
 
 @raises(Unauthorized, Forbidden)
@@ -188,7 +208,7 @@ def require_worker(
         return
     if _is_service_secret(token, settings.admin_key) or _is_tenant_key(session, token):
         raise _wrong_role("the worker token")
-    raise Unauthorized("invalid worker token")
+    raise Unauthorized("invalid worker token", challenge=INVALID_TOKEN_CHALLENGE)
 
 
 TenantDep = Annotated[TenantPrincipal, Depends(require_tenant, scope="function")]

@@ -36,6 +36,11 @@ class AppError(Exception):
         if code is not None:
             self.code = code
 
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """Response headers this error's status calls for (app/main.py's handler sends them)."""
+        return None
+
 
 class ValidationFailed(AppError):
     status = 422
@@ -44,9 +49,23 @@ class ValidationFailed(AppError):
 
 
 class Unauthorized(AppError):
+    """401. `challenge`: the `WWW-Authenticate` value the response carries (RFC 9110 §15.5.2: a 401
+    names how to authenticate); the Bearer routes set it (app/auth.py), the dashboard's sign-in and
+    the Tinker API's X-API-Key (no HTTP authentication scheme) leave it None."""
+
     status = 401
     code = "unauthorized"
     codes = ()
+
+    def __init__(
+        self, message: str, *, details: Any = None, code: str | None = None, challenge: str | None = None
+    ) -> None:
+        super().__init__(message, details=details, code=code)
+        self.challenge = challenge
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return None if self.challenge is None else {"WWW-Authenticate": self.challenge}
 
 
 class Forbidden(AppError):
@@ -144,6 +163,10 @@ class RateLimited(AppError):
     def __init__(self, message: str, *, details: Any = None, retry_after: int = 1) -> None:
         super().__init__(message, details=details)
         self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(self.retry_after)}
 
 
 def error_classes() -> list[type[AppError]]:

@@ -19,9 +19,10 @@ from app.batches.pool_router import router as pool_batches_router
 from app.batches.router import router as batches_router
 from app.config import Settings, get_settings
 from app.db import make_engine, make_session_factory
-from app.errors import AppError, RateLimited, error_body
+from app.errors import AppError, error_body
 from app.events.router import router as events_router
 from app.front import Front
+from app.http_semantics import HeadAsGet, allowed_methods
 from app.lifecycle import on_shutdown, on_startup
 from app.limits import EVENT_STREAMS_RETRY_AFTER_SECONDS, InFlight
 from app.migrate import head_revision, schema_revision
@@ -51,9 +52,9 @@ class Readiness(BaseModel):
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AppError)
     async def _app_error(_: Request, exc: AppError) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, RateLimited) else None
+        # Retry-After of a 429, WWW-Authenticate of a Bearer route's 401 (app/errors.py)
         return JSONResponse(
-            error_body(exc.code, exc.message, exc.details), status_code=exc.status, headers=headers
+            error_body(exc.code, exc.message, exc.details), status_code=exc.status, headers=exc.headers
         )
 
     @app.exception_handler(RequestValidationError)
@@ -71,9 +72,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405 and (allow := allowed_methods(request.app.router.routes, request.scope)):
+            headers["Allow"] = allow  # RFC 9110 §15.5.6; Starlette's names only the first matching route's
+        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=headers)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -94,6 +98,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         summary="Multi-tenant RL training service for LoRA adapters.",
         lifespan=lifespan,
+        # A path with a stray trailing slash is a 404 like any unknown path: the router's redirect
+        # was built from the client's Host header (an absolute Location anyone could point elsewhere)
+        # and had an empty body; no client of this API (the SDK, the Tinker SDK, the dashboard's
+        # links) asks for one.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     app.state.engine = engine
@@ -175,5 +184,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         body_timeout_seconds=settings.body_timeout_seconds,
         hot=hot_route(batches_router),
     )
+    app.add_middleware(HeadAsGet)  # outside Front: the guards, metrics and routes see the GET
     install_openapi(app)
     return app

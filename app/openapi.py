@@ -54,7 +54,8 @@ def error_components() -> dict[str, Any]:
                 "message": {"type": "string", "description": "For people; do not parse."},
                 "details": {
                     "description": "Structured context: for a 422 a list of `{loc, msg, type}` "
-                    "(batches: `{sample, field, problem}`); else an object or null."
+                    "(`loc` the path of the field at fault; a batch's problems add `sample`, `field` "
+                    "and `problem`); else an object or null."
                 },
             },
             "required": ["code", "message", "details"],

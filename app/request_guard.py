@@ -68,6 +68,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from app.auth import (
     INVALID_KEY,
+    INVALID_TOKEN_CHALLENGE,
     bearer_token,
     cached_key,
     hash_key,
@@ -233,7 +234,10 @@ class BodyGuard:
                 refused, tenant_id = await check_credential(scope, state, settings)
                 if refused is not None:
                     await _refuse(
-                        send, refused.status, error_body(refused.code, refused.message, refused.details)
+                        send,
+                        refused.status,
+                        error_body(refused.code, refused.message, refused.details),
+                        refused.headers,
                     )
                     return None
             budget = body_budget(state, settings)
@@ -354,7 +358,10 @@ async def _tenant_credential(request: Request, state: State) -> Credential:
         digest = hash_key(bearer_token(request))
         if (hit := cached_key(state, digest)) is not None:  # a cached miss raises the route's 401 instead
             return Credential(tenant_id=hit.tenant_id)  # the hot path: one dict lookup
-    except AppError as refused:
+    except Unauthorized as refused:
+        # A Bearer route's 401 names its scheme (cached_key's miss carries none: the Tinker API
+        # shares it, and its X-API-Key has no scheme to name).
+        refused.challenge = refused.challenge or INVALID_TOKEN_CHALLENGE
         return Credential(refused)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) <= _PRECHECKED_BODY_BYTES:
@@ -382,7 +389,7 @@ def _tenant_key_credential(state: State, digest: str) -> Credential:
         return _LET_THROUGH
     if row is None or row.revoked_at is not None:
         key_miss_cache(state, settings.api_key_miss_cache_seconds).put(digest, True)
-        return Credential(Unauthorized(INVALID_KEY))
+        return Credential(Unauthorized(INVALID_KEY, challenge=INVALID_TOKEN_CHALLENGE))
     return Credential(tenant_id=row.tenant_id)
 
 
@@ -422,10 +429,13 @@ def _head_refusal(scope: Scope, headers: dict[bytes, bytes], limit: int) -> tupl
     return None
 
 
-async def _refuse(send: Send, status: int, body: dict[str, Any]) -> None:
+async def _refuse(
+    send: Send, status: int, body: dict[str, Any], extra_headers: dict[str, str] | None = None
+) -> None:
     # Connection: close on refusals sent before the body was read: the rest of it may still be
-    # in flight and must not be read as the next request.
-    headers = {"Connection": "close"}
+    # in flight and must not be read as the next request. `extra_headers`: the refusal's own (a
+    # 401's WWW-Authenticate).
+    headers = {**(extra_headers or {}), "Connection": "close"}
     if status in (ServiceUnavailable.status, RateLimited.status):  # the body budget's refusals
         headers["Retry-After"] = str(BUSY_RETRY_AFTER_SECONDS)
     response = JSONResponse(body, status_code=status, headers=headers)

@@ -63,7 +63,10 @@ class JsonNumbers(BaseModel):
 
 
 class _Strict(JsonNumbers):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: a NaN or infinity (JSON's NaN/Infinity that Python's parser takes, 1e999,
+    # TOML's nan/inf) is refused as "Input should be a finite number", not by whichever bound it
+    # happens to fail first ("less than or equal to 1" for a NaN lr).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoraSettings(_Strict):

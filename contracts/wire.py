@@ -108,8 +108,27 @@ class Problem:
     problem: str
     """What is wrong, in words that name the field (so the text stands alone in a log line)."""
 
+    def loc(self) -> list[str]:
+        """Where in the body, as a pydantic-style path: `["body", "examples", "3", "prompt_ids"]`."""
+        if self.field == "body":
+            return ["body"]
+        if self.sample is None:
+            return ["body", self.field]
+        sample = ["body", "examples", str(self.sample)]
+        return sample if self.field == "examples" else [*sample, self.field]
+
     def as_dict(self) -> dict[str, Any]:
-        return {"sample": self.sample, "field": self.field, "problem": self.problem}
+        """As an item of a 422's `details`: the `{loc, msg, type}` every 422 of the service lists
+        (what generated clients and the CLI read), and `sample`, `field`, `problem` as well (what
+        batch clients read)."""
+        return {
+            "loc": self.loc(),
+            "msg": self.problem,
+            "type": "value_error",
+            "sample": self.sample,
+            "field": self.field,
+            "problem": self.problem,
+        }
 
 
 def _first_non_finite(values: list[float]) -> int | None:

@@ -122,8 +122,16 @@ def test_the_sdk_refuses_such_a_batch_as_the_service_would_before_sending_it() -
         pytest.raises(ValidationError) as refused,
     ):
         client.submit_batch("run_0123456789ab", TrainingBatch(examples=[sample]))
+    problem = refused.value.details[0]["problem"]
     assert refused.value.details == [
-        {"sample": 0, "field": "prompt_ids", "problem": refused.value.details[0]["problem"]}
+        {
+            "loc": ["body", "examples", "0", "prompt_ids"],
+            "msg": problem,
+            "type": "value_error",
+            "sample": 0,
+            "field": "prompt_ids",
+            "problem": problem,
+        }
     ]
     assert "sample 0: prompt_ids must hold token ids" in str(refused.value)
     assert not sent

@@ -103,7 +103,11 @@ router.add_api_route(
             "idempotency_conflict."
         },
         415: {"description": "Content-Type is neither JSON nor msgpack."},
-        422: {"description": "Invalid batch; details: [{sample, field, problem}]. Nothing is stored."},
+        422: {
+            "description": "Invalid batch; details: [{loc, msg, type, sample, field, problem}] (`sample`: "
+            "the index in `examples` or null, `field`: the field at fault, `problem` = `msg`; a body "
+            "refused before it is decoded, e.g. not UTF-8, lists `{loc, msg, type}` only). Nothing is stored."
+        },
     },
 )
 

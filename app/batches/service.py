@@ -227,7 +227,7 @@ def submit_batch(
     """Validate and store one rollout batch (a TrainingBatch, JSON or msgpack `body`) of `run`.
 
     Raises Conflict (run_evicted, run_not_active, stale_batch, idempotency_conflict) or
-    ValidationFailed (details: [{sample, field, problem}]); nothing is stored then. A request
+    ValidationFailed (details: [{loc, msg, type, sample, field, problem}]); nothing is stored then. A request
     repeating an earlier Idempotency-Key and body returns the earlier batch (created=False),
     whatever happened to the run since.
     """

@@ -1,7 +1,8 @@
 """Decoding and validation of rollout batches (JSON or msgpack) before anything is stored.
 
 Every rule is checked for every sample, and every problem is reported as
-`{"sample": index | None, "field": name, "problem": text}`, so a client can fix a
+`{"loc", "msg", "type"}` (the items of every 422 of the service) with `{"sample": index | None,
+"field": name, "problem": text}` besides (contracts.wire.Problem.as_dict), so a client can fix a
 whole batch from one 422.
 
 Fast path: the body is decoded into subclasses of the wire structs whose number

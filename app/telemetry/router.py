@@ -7,7 +7,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from app.auth import SettingsDep, bearer_token, same_secret
+from app.auth import INVALID_TOKEN_CHALLENGE, SettingsDep, bearer_token, same_secret
 from app.errors import Unauthorized, raises
 from app.telemetry.collector import DatabaseCollector
 from app.telemetry.http import multiprocess_dir
@@ -43,7 +43,7 @@ def metrics(
     scrapers send `Authorization: Bearer <token>`."""
     token = settings.metrics_token
     if token is not None and not same_secret(bearer_token(request), token.get_secret_value()):
-        raise Unauthorized("invalid metrics token")
+        raise Unauthorized("invalid metrics token", challenge=INVALID_TOKEN_CHALLENGE)
     registry: CollectorRegistry = request.app.state.metrics_registry
     if multiprocess_dir() is not None:
         # The request families of every worker, summed from the shared directory.

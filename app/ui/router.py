@@ -214,6 +214,7 @@ def logout(request: Request, viewer: PostViewerDep, session: SessionDep) -> Resp
 
 
 @router.get("")
+@router.get("/")  # the app has no slash redirects (app/main.py): the dashboard's root takes both
 def home(viewer: ViewerDep) -> Response:
     return RedirectResponse("/ui/admin" if viewer.is_admin else "/ui/runs", status_code=303)
 

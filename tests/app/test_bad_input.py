@@ -180,8 +180,8 @@ CASES = [
 ]
 
 
-# Issue 10's hostile inputs (each was a text/plain 500 before). Batch problems are reported as
-# {sample, field, problem}; the table names them "batch.<field>".
+# Issue 10's hostile inputs (each was a text/plain 500 before). Batch problems are reported with a
+# `loc` like every 422's (and with {sample, field, problem} besides).
 MSGPACK = {"Content-Type": "application/msgpack"}
 WORKER_JSON = {**WORKER_HEADERS, **JSON}
 INT32 = 2**31
@@ -224,7 +224,7 @@ HOSTILE_CASES = [
         _json(_batch(step=INT32)),
         422,
         "validation_error",
-        "batch.step",
+        "body.step",
     ),
     (
         "batch-step-2^31-msgpack",
@@ -234,7 +234,7 @@ HOSTILE_CASES = [
         msgspec.msgpack.encode(_batch(step=INT32)),
         422,
         "validation_error",
-        "batch.step",
+        "body.step",
     ),
     (
         "token-id-2^64",
@@ -244,7 +244,7 @@ HOSTILE_CASES = [
         _json(_batch(token=2**64)),
         422,
         "validation_error",
-        "batch.completion_ids",
+        "body.examples.0.completion_ids",
     ),
     (
         "token-id-2^64-replay-path",
@@ -254,7 +254,7 @@ HOSTILE_CASES = [
         _json(_batch(token=2**64)),
         422,
         "validation_error",
-        "batch.completion_ids",
+        "body.examples.0.completion_ids",
     ),
     (
         "token-id-2^31-no-vocab",
@@ -264,7 +264,7 @@ HOSTILE_CASES = [
         _json(_batch(token=INT32)),
         422,
         "validation_error",
-        "batch.completion_ids",
+        "body.examples.0.completion_ids",
     ),
     (
         "evict-reason-nul",
@@ -443,7 +443,7 @@ HOSTILE_CASES = [
         b'{"examples": ' + b"[" * 1000 + b"]" * 1000 + b"}",
         422,
         "validation_error",
-        "batch.examples",  # msgspec fails the type at the 2nd level: no depth scan needed
+        "body.examples",  # msgspec fails the type at the 2nd level: no depth scan needed
     ),
     (
         "nested-100000-batch-msgpack",
@@ -453,7 +453,7 @@ HOSTILE_CASES = [
         b"\x81\xa8examples" + b"\x91" * 100_000 + b"\x90",
         422,
         "validation_error",
-        "batch.examples",
+        "body.examples",
     ),
     (
         "nested-1000-pool",
@@ -650,7 +650,7 @@ def test_bad_input(client, settings, method, url, headers, body, status, code, f
     )
     error = _assert_uniform(r, status, code)
     if field is not None:
-        reported = [".".join(d["loc"]) if "loc" in d else f"batch.{d['field']}" for d in error["details"]]
+        reported = [".".join(d["loc"]) for d in error["details"]]
         assert any(loc == field or loc.startswith(field + ".") for loc in reported), reported
     assert _snapshot(settings) == before
     assert client.get(f"/v1/runs/{run['id']}", headers=tenant.headers).json()["status"] == "active"

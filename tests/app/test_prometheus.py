@@ -133,7 +133,8 @@ def test_optional_token(settings: Settings) -> None:
     with TestClient(create_app(guarded)) as client:
         r = client.get("/metrics")
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
-        assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        wrong = client.get("/metrics", headers={"Authorization": "Bearer wrong"})
+        assert (wrong.status_code, wrong.headers["www-authenticate"]) == (401, 'Bearer error="invalid_token"')
         scrape(client, {"Authorization": "Bearer scrape-secret"})
 
 

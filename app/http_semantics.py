@@ -1,0 +1,65 @@
+"""HTTP semantics the router leaves out: HEAD on every GET route, and a 405's complete `Allow`.
+
+FastAPI's routes answer exactly the methods they declare, so a HEAD (what link checkers, monitors
+and resuming download clients send first) was a 405. `HeadAsGet` answers it as the GET, without the
+body, for every GET route at once: no route of its own (a HEAD route per GET would also double the
+OpenAPI document's operations).
+"""
+
+from collections.abc import Iterable
+
+from fastapi import routing
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_RANGE_HEADERS = (b"range", b"if-range")
+
+
+class HeadAsGet:
+    """A HEAD request goes through the app as a GET; its response leaves with the GET's status and
+    headers (`Content-Length` included) and no body (RFC 9110 §9.3.2).
+
+    The body is cut off at the response's start: a streamed response (an adapter download, an event
+    stream) then sees its client gone and stops, rather than being read through. `Range` and
+    `If-Range` are dropped: range requests are defined for GET only (RFC 9110 §14.2), so a HEAD tells
+    a resuming client the whole file's length and `Accept-Ranges`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        # A copy: the server's own scope keeps saying HEAD (uvicorn reads it to expect no body).
+        headers = [(name, value) for name, value in scope["headers"] if name not in _RANGE_HEADERS]
+        as_get = {**scope, "method": "GET", "headers": headers}
+        started = False
+
+        async def without_body(message: Message) -> None:
+            nonlocal started
+            if started:
+                return  # the body, and anything after it
+            if message["type"] == "http.response.start":
+                started = True
+                await send(message)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        await self.app(as_get, receive, without_body)
+
+
+def allowed_methods(routes: Iterable[BaseRoute], scope: Scope) -> str | None:
+    """The `Allow` header of a 405 for the request's path: the methods of every route of that path
+    (Starlette's own names only the first route that matched), HEAD wherever GET is (HeadAsGet);
+    None when no route declares methods for it."""
+    methods: set[str] = set()
+    # FastAPI >= 0.130 nests included routers; their routes, as the router matches them, come flat
+    # from iter_route_contexts (as in app/openapi.py).
+    contexts = getattr(routing, "iter_route_contexts", None)
+    for route in contexts(routes) if contexts is not None else routes:
+        route_methods = getattr(route, "methods", None)
+        if route_methods and route.matches(scope)[0] != Match.NONE:
+            methods.update(route_methods)
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join(sorted(methods)) or None
