@@ -37,6 +37,11 @@ through its own run's adapter only, and the row's loss is a plain sum, so each r
 are exactly those of its own loss. On a multi-rank pool the master claims and broadcasts the work,
 rank r runs rows r, r + world_size, ..., the master gathers their outputs and reports, and each
 run's gradients are all-reduced (summed) at its optim_step; sampling runs on the master alone.
+
+A request that raises fails alone. A forward_backward that fails leaves its run's gradients as they
+were before it, on every rank (`_roll_back_failed`), so that it may be sent again; a load_weights
+has one outcome on every rank (`_load_weights`); a fatal device error (trainer_core.device_errors)
+stops the pool instead.
 """
 
 import logging
@@ -54,8 +59,10 @@ from contracts.http import ApiError
 from contracts.pool_api import POOL_GONE
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
 from trainer_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer_core.device_errors import raise_if_fatal
 from trainer_core.dist import World, all_reduce_grads_, broadcast_from_master, gather_to_master
 from trainer_core.external_sampler import ExternalSampler
+from trainer_core.grad_rollback import GradSnapshots, SlotSnapshot
 from trainer_core.lora import MultiLoRA
 from trainer_core.modeling import forward_packed
 from trainer_core.optim import MultiRunOptimizer
@@ -108,10 +115,29 @@ class _Outputs:
     weighted_tokens: int = 0
     error: str | None = None
     """Set when a row of the request raised on some rank (`_isolated_row`): the request fails with it."""
+    touched: bool = False
+    """A forward_backward a backward of which ran (or began) on some rank: its gradient is in, or
+    partly in, its run's; if it fails, the run's gradients are rolled back (`_roll_back_failed`)."""
 
 
 class _BackwardFailed(Exception):
-    """A row's backward raised: its gradients may be partly accumulated, so it is not run again."""
+    """A row's backward raised: part of its gradients may be accumulated, so it is not run again
+    (its runs' gradients are rolled back)."""
+
+
+MAX_RERUNS = 2
+"""Passes that rebuild the gradients of a rolled-back run's other forward_backwards
+(`_roll_back_failed`); past them, those that are left fail too."""
+
+
+@dataclass
+class _Verdict:
+    """The master's decision after a pass, which every rank applies alike."""
+
+    failed: dict[int, str]
+    """Claim index → error of the requests that failed in the pass (on any rank)."""
+    dirty: set[int]
+    """Slots whose gradients hold part of a failed forward_backward's: rolled back on every rank."""
 
 
 _FIRST_KINDS = ("forward", "forward_backward", "sample")
@@ -240,7 +266,8 @@ class ManualExecutor:
         """Every claimed sample answered, whatever happens: the sample server fails each request
         that raises alone, and anything that escapes it fails this round's samples, not the pool.
         Safe to catch on a multi-rank pool: the master samples alone, with no collective (the other
-        ranks are already on their way to the round's next one, which the master still reaches)."""
+        ranks are already on their way to the round's next one, which the master still reaches).
+        A fatal device error stops the pool instead (trainer_core.device_errors)."""
         if not work:
             return {}
         try:
@@ -248,6 +275,7 @@ class ManualExecutor:
                 return self.external_sampler.serve(work)
             return self.samples.serve(model, lora, work, slots)
         except Exception as exc:
+            raise_if_fatal(exc)
             log.exception("sampling %s request(s) failed", len(work))
             return {
                 index: _failed(item, f"the pool could not sample this request: {_described(exc)}")
@@ -304,19 +332,59 @@ class ManualExecutor:
     def _isolated_state(
         self, item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer
     ) -> ManualResult:
-        """`_state`, a request that raises failing alone (a full disk, an unreadable saved state).
-        Safe to catch on every rank: no collective runs inside (the saves are the master's alone; a
-        load reads the same files on every rank, so they fail alike)."""
+        """`_state`, a request that raises failing alone (a full disk, an unreadable saved state);
+        a fatal device error stops the pool. Safe to catch on every rank: no collective runs inside
+        the catch (the saves are the master's alone; a load's ranks agree after it, `_load_weights`)."""
+        if item.kind == "load_weights":
+            return self._load_weights(item, run, lora, optimizer)
         try:
             return self._state(item, run, lora, optimizer)
         except Exception as exc:
+            raise_if_fatal(exc)
             log.exception("Tinker %s %s of run %s failed", item.kind, item.request_id, run.run_id)
             return _failed(item, f"the pool could not run this {item.kind}: {_described(exc)}")
+
+    def _load_weights(
+        self, item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer
+    ) -> ManualResult:
+        """A load on every rank (each holds the run's weights), with one outcome on all of them: if it
+        failed anywhere (a rank that cannot read the files, weights that do not fit, an optimizer
+        state that fails half-way), every rank puts the run back as it was before the request and
+        the request fails; otherwise every rank holds the loaded state. The ranks agree after the
+        catch, so every one of them reaches the collectives; each rank runs the round's loads in the
+        same order (the broadcast claim). A fatal device error stops the pool (and with it the
+        other ranks, whose collective fails)."""
+        before = SlotSnapshot.take(run, lora, optimizer)
+        try:
+            result = _load_state(item, run, lora, optimizer, self.checkpoint_dir)
+        except Exception as exc:
+            raise_if_fatal(exc)
+            log.exception("Tinker load_weights %s of run %s failed", item.request_id, run.run_id)
+            result = _failed(item, f"the pool could not run this load_weights: {_described(exc)}")
+        error = self._agreed_error(result.error)
+        if error is not None:
+            before.restore(run, lora, optimizer)  # raises (the pool stops) if it cannot
+            result = _failed(item, error)
+        return ManualResult(request_id=item.request_id, replayed=True) if item.replay else result
+
+    def _agreed_error(self, error: str | None) -> str | None:
+        """The first rank's error (None: every rank succeeded), the same on every rank."""
+        if self.world.world_size == 1:
+            return error
+        errors = gather_to_master(error, self.world)
+        first: str | None = None
+        if errors is not None:
+            for rank, text in enumerate(errors):
+                if text is not None:
+                    first = text if rank == 0 else f"rank {rank} of the pool: {text} (no rank kept the load)"
+                    break
+        # Boxed: broadcast_from_master wants an object from the master, and None is an answer here.
+        return broadcast_from_master((first,), self.world)[0]
 
     def _state(
         self, item: ManualWorkItem, run: RunSlot, lora: MultiLoRA, optimizer: MultiRunOptimizer
     ) -> ManualResult:
-        """save_weights_for_sampler, save_weights (the master writes), load_weights (every rank)."""
+        """save_weights_for_sampler, save_weights (the master writes)."""
         if item.kind == "save_weights_for_sampler":
             if self.client is None:
                 return ManualResult(request_id=item.request_id)  # not reported: the master keeps the copy
@@ -326,36 +394,113 @@ class ManualExecutor:
             if self.client is None:
                 return ManualResult(request_id=item.request_id)  # not reported: the master saves
             return _save_state(item, run, lora, optimizer, self.checkpoint_dir)
-        result = _load_state(item, run, lora, optimizer, self.checkpoint_dir)
-        return ManualResult(request_id=item.request_id, replayed=True) if item.replay else result
+        raise ValueError(f"not a state request: {item.kind}")
 
     # -- passes ------------------------------------------------------------------------------------
 
     def _passes(
         self, model: nn.Module, lora: MultiLoRA, work: Sequence[tuple[int, ManualWorkItem, int]]
     ) -> dict[int, _Outputs]:
-        outputs = {
-            index: _Outputs(logprobs=[[] for _ in item.data], losses=[[] for _ in item.data])
-            for index, item, _ in work
-        }
+        """The outputs of every request (on the master; {} on the other ranks of a multi-rank pool).
+        A forward_backward that fails leaves its run's gradients as they were before it."""
         items = {index: item for index, item, _ in work}
-        samples = sorted(
-            (
-                _Sample(slot=slot, item=index, datum=d, tokens=datum.tokens)
-                for index, item, slot in work
-                for d, datum in enumerate(item.data)
-            ),
-            key=lambda s: s.slot,
-        )
         # Each rank runs its share of the rows (all of them on one rank); the master gathers the
         # outputs, and the gradients stay where they were computed until the run's optim_step.
-        rows = _rows(samples, self.seq_len)
+        rows = _rows(_samples_of(work), self.seq_len)
+        if not rows:
+            return {index: _Outputs(logprobs=[], losses=[]) for index, _, _ in work}
+        grads = GradSnapshots(lora)
+        outputs = self._run_rows(model, lora, rows, items, grads)
+        self._roll_back_failed(model, lora, work, outputs, grads)
+        return outputs
+
+    def _run_rows(
+        self,
+        model: nn.Module,
+        lora: MultiLoRA,
+        rows: list[list[_Sample]],
+        items: Mapping[int, ManualWorkItem],
+        grads: GradSnapshots,
+    ) -> dict[int, _Outputs]:
+        """This rank's share of `rows`; the outputs of every rank's merged on the master ({} elsewhere)."""
+        outputs = {
+            index: _Outputs(logprobs=[[] for _ in item.data], losses=[[] for _ in item.data])
+            for index, item in items.items()
+        }
         for row in rows[self.world.rank :: self.world.world_size]:
-            self._isolated_row(model, lora, row, items, outputs)
-        if self.world.world_size == 1 or not rows:
+            self._isolated_row(model, lora, row, items, outputs, grads)
+        if self.world.world_size == 1:
             return outputs
         gathered = gather_to_master(outputs, self.world)
         return {} if gathered is None else _merged(gathered)
+
+    def _roll_back_failed(
+        self,
+        model: nn.Module,
+        lora: MultiLoRA,
+        work: Sequence[tuple[int, ManualWorkItem, int]],
+        outputs: dict[int, _Outputs],
+        grads: GradSnapshots,
+    ) -> None:
+        """Take a failed forward_backward's gradient out of its run's, on every rank that ran part of it.
+
+        A request's rows run one after the other, on several ranks of a multi-rank pool, and each
+        row's backward adds to the run's `.grad` (which the ranks sum only at its optim_step): a
+        request that fails in its second row has the first one's gradient in, and one whose
+        backward failed half-way part of it. The master, which alone sees every rank's outputs,
+        names the runs whose gradients hold part of a failed request's (`touched`); every rank puts
+        their gradients back as before the round's first backward on them (`GradSnapshots`), then
+        runs those runs' other forward_backwards of the round again, each alone, to add their
+        gradients back; their outputs are those of the first pass (isolation: the same values).
+        One of them failing in turn means another round of the same, up to MAX_RERUNS; past it,
+        the rolled-back run's remaining forward_backwards fail too, nothing of them kept.
+
+        The verdict is a broadcast: every rank reaches it, since the rows' errors are caught (a
+        fatal device error kills the rank, and the others' collective fails: the pool stops).
+        It costs a multi-rank pool one small broadcast per round with passes; nothing is copied
+        unless some gradient was already accumulated for the run (`GradSnapshots`)."""
+        master = self.client is not None
+        fb_slot = {index: slot for index, item, slot in work if item.kind == "forward_backward"}
+        failed: set[int] = set()
+        results = outputs
+        for attempt in range(MAX_RERUNS + 1):
+            verdict = broadcast_from_master(
+                _verdict(results, fb_slot, failed) if master else None, self.world
+            )
+            for index, error in verdict.failed.items():
+                failed.add(index)
+                if master:
+                    outputs[index].error = error
+            if not verdict.dirty:
+                return
+            for slot in sorted(verdict.dirty):
+                grads.restore(slot)
+            again = [
+                (i, it, s) for i, it, s in work if s in verdict.dirty and i in fb_slot and i not in failed
+            ]
+            if not again:
+                return
+            if attempt == MAX_RERUNS:
+                log.error(
+                    "gradients of slots %s rolled back; %s request(s) fail", sorted(verdict.dirty), len(again)
+                )
+                if master:
+                    for index, _, _ in again:
+                        outputs[index].error = (
+                            "another forward_backward of this model failed in the same pool pass and "
+                            "the model's gradients were rolled back; nothing of this request was "
+                            "accumulated: it may be sent again"
+                        )
+                return
+            log.warning(
+                "gradients of slots %s rolled back after a failed forward_backward; running %s "
+                "request(s) of theirs again",
+                sorted(verdict.dirty),
+                len(again),
+            )
+            # Each request in rows of its own: a row shared with another could fail with it again.
+            rows = [row for entry in again for row in _rows(_samples_of([entry]), self.seq_len)]
+            results = self._run_rows(model, lora, rows, {i: it for i, it, _ in again}, grads)
 
     def _isolated_row(
         self,
@@ -364,29 +509,38 @@ class ManualExecutor:
         row: list[_Sample],
         items: Mapping[int, ManualWorkItem],
         outputs: dict[int, _Outputs],
+        grads: GradSnapshots,
     ) -> None:
         """`_row`, a request that raises failing alone (its outputs carry the error) instead of
         stopping the pool for every tenant. A row that raises before its backward added nothing
         (`_row` writes its outputs only once the backward is done): its requests run again one by
         one, and only those that raise alone fail. One that raised in or after its backward may
-        have added part of its gradients: every request of the row fails, and none runs again (it
-        would add them twice).
+        have added part of its gradients: every request of the row fails, none runs again here,
+        and their runs' gradients are rolled back after the pass (`_roll_back_failed`), as are
+        those of a request that fails after another of its rows added its part. A fatal device
+        error is not caught: it stops the pool (trainer_core.device_errors).
 
         Safe to catch on a multi-rank pool: a row's forward and backward run on this rank alone, no
         collective inside (gradients are all-reduced only at a run's optim_step); every rank still
         reaches the gather that follows, which carries the errors to the master."""
         try:
-            self._row(model, lora, row, items, outputs)
+            self._row(model, lora, row, items, outputs, grads)
             return
         except _BackwardFailed as exc:
             log.error("the backward of a row of %s request(s) failed", len(row), exc_info=exc.__cause__)
             for index in {s.item for s in row}:
+                kept = (
+                    "nothing of its gradient was kept"
+                    if items[index].kind == "forward_backward"
+                    else "nothing kept"
+                )
                 outputs[index].error = (
                     f"the pool's backward pass of this request failed: {_described(exc.__cause__)}; "
-                    "part of its gradient may be accumulated for the model's next optim_step"
+                    f"{kept}: it may be sent again"
                 )
             return
         except Exception as exc:
+            raise_if_fatal(exc)
             if len({s.item for s in row}) == 1:
                 self._row_failed(row[0].item, exc, items, outputs)
                 return
@@ -396,10 +550,11 @@ class ManualExecutor:
             by_item.setdefault(sample.item, []).append(sample)
         for index, alone in by_item.items():
             try:
-                self._row(model, lora, alone, items, outputs)
+                self._row(model, lora, alone, items, outputs, grads)
             except _BackwardFailed as exc:
                 self._row_failed(index, exc.__cause__ or exc, items, outputs)
             except Exception as exc:
+                raise_if_fatal(exc)
                 self._row_failed(index, exc, items, outputs)
 
     def _row_failed(
@@ -420,6 +575,7 @@ class ManualExecutor:
         row: list[_Sample],
         items: Mapping[int, ManualWorkItem],
         outputs: dict[int, _Outputs],
+        grads: GradSnapshots,
     ) -> None:
         mb = _micro_batch(row, lora.n_slots)
         self.passes += 1
@@ -442,6 +598,14 @@ class ManualExecutor:
             done.append((sample, datum, lp, elementwise))
             if item.kind == "forward_backward":
                 total = elementwise.sum() if total is None else total + elementwise.sum()
+        if total is not None:
+            # What the backward may change, kept first; and which requests it touches: a failure of
+            # one of them, here or in another row, rolls their runs' gradients back.
+            for slot in sorted({s.slot for s, *_ in done if items[s.item].kind == "forward_backward"}):
+                grads.save(slot)
+            for sample, *_ in done:
+                if items[sample.item].kind == "forward_backward":
+                    outputs[sample.item].touched = True
         try:
             if total is not None:
                 total.backward()
@@ -451,6 +615,7 @@ class ManualExecutor:
                 for _, _, lp, loss in done
             ]
         except Exception as exc:
+            raise_if_fatal(exc)  # the device is gone: the pool stops, nothing to roll back
             if total is None:
                 raise  # no backward: nothing was accumulated, the row may run again
             raise _BackwardFailed from exc
@@ -488,7 +653,31 @@ def _merged(per_rank: Sequence[Mapping[int, _Outputs]]) -> dict[int, _Outputs]:
             into.loss_sum += out.loss_sum
             into.weighted_tokens += out.weighted_tokens
             into.error = into.error or out.error
+            into.touched = into.touched or out.touched
     return merged
+
+
+def _samples_of(work: Sequence[tuple[int, ManualWorkItem, int]]) -> list[_Sample]:
+    """Every datum of the requests, in ascending slot order (the packing's), each request's in order."""
+    return sorted(
+        (
+            _Sample(slot=slot, item=index, datum=d, tokens=datum.tokens)
+            for index, item, slot in work
+            for d, datum in enumerate(item.data)
+        ),
+        key=lambda s: s.slot,
+    )
+
+
+def _verdict(results: Mapping[int, _Outputs], fb_slot: Mapping[int, int], failed: set[int]) -> _Verdict:
+    """The master's: the requests that failed in the pass just run, and the slots to roll back (those
+    of the failed forward_backwards a backward of which ran, on any rank)."""
+    newly: dict[int, str] = {}
+    for index, out in results.items():
+        if out.error is not None and index not in failed:
+            newly[index] = out.error
+    dirty = {fb_slot[index] for index in newly if index in fb_slot and results[index].touched}
+    return _Verdict(failed=newly, dirty=dirty)
 
 
 def _rows(samples: list[_Sample], seq_len: int) -> list[list[_Sample]]:
@@ -665,6 +854,7 @@ def _load_state(
     try:
         lora.load_slot_state_dict(run.slot, ckpt.adapter)
     except (KeyError, ValueError, RuntimeError) as exc:
+        raise_if_fatal(exc)
         return _failed(item, f"the saved weights do not fit this model: {exc}")
     optimizer.zero_grad(run.slot)
     if item.with_optimizer:

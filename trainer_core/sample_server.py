@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from contracts.tinker_work import ManualResult, ManualWorkItem, SampledSequence
+from trainer_core.device_errors import raise_if_fatal
 from trainer_core.export import export_peft_adapter
 from trainer_core.lora import MultiLoRA
 from trainer_core.sampling import Decoding, PassLimits, TextDecoder, eos_token_ids, generate
@@ -191,7 +192,8 @@ class SampleServer:
         process, and an exception out of here stopped it for all of them (probe 2, finding 1). A
         shared pass that raises is run again request by request, so that only the requests that
         raise alone fail (with the exception, which the tenant sees); the others are answered as
-        if nothing had happened. Catching here is safe on a multi-rank pool: sampling runs on the
+        if nothing had happened; a fatal device error stops the pool instead
+        (trainer_core.device_errors). Catching here is safe on a multi-rank pool: sampling runs on the
         master alone, with no collective, while the other ranks wait at the round's next one."""
         results: dict[int, ManualResult] = {}
         decodings: dict[int, list[Decoding]] = {}
@@ -209,12 +211,14 @@ class SampleServer:
                 except _Refused as exc:
                     results[index] = ManualResult(request_id=item.request_id, error=str(exc))
                 except Exception as exc:
+                    raise_if_fatal(exc)
                     results[index] = _crashed(item, "could not be prepared", exc)
             all_rows = [d for rows in decodings.values() for d in rows]
             if all_rows:
                 try:
                     self.passes += generate(model, lora, all_rows, decode=self._decode, limits=self.limits)
-                except Exception:
+                except Exception as exc:
+                    raise_if_fatal(exc)
                     log.exception(
                         "a sampling pass of %s request(s) failed; running them one by one", len(decodings)
                     )
@@ -227,6 +231,7 @@ class SampleServer:
                             )
                             decodings[index] = rows
                         except Exception as exc:
+                            raise_if_fatal(exc)
                             del decodings[index]
                             results[index] = _crashed(items[index], "failed while decoding", exc)
         finally:
@@ -279,6 +284,7 @@ class SampleServer:
         try:
             lora.load_slot_state_dict(slot, load_file(str(saved / ADAPTER_FILE), device="cpu"))
         except (KeyError, ValueError, RuntimeError, OSError) as exc:
+            raise_if_fatal(exc)
             raise _Refused(f"the sampler weights of step {spec.step} could not be loaded: {exc}") from exc
         return slot
 
