@@ -4,7 +4,6 @@ gloo group (as test_runs_distributed.py) that each run a scenario and write what
 
 import json
 import os
-import socket
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,9 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from contracts.tinker_work import AdamStep, ManualDatum, ManualWorkItem
+from tests.trainer_core.gloo_ranks import spawn_ranks
 from tests.trainer_core.test_manual_isolation import InMemoryService, Pool
 from tests.trainer_core.test_sampling import VOCAB
 from trainer_core import manual
@@ -93,37 +92,12 @@ def _rank_main(rank: int, init_method: str, scenario: Scenario, tmp_path: Path, 
         raise
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def on_two_ranks(scenario: Scenario, tmp_path: Path) -> list[dict[str, Any]]:
     """Run `scenario` (a module-level function: the ranks are spawned) on two gloo ranks; each
     rank's report, in rank order. Fails with a rank's traceback if one raised or hung."""
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    ctx = mp.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, init_method, scenario, tmp_path, out_dir))
-        for r in range(WORLD_SIZE)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=100)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for r, p in enumerate(procs):
-        err_file = out_dir / f"rank{r}.err"
-        err = err_file.read_text() if err_file.exists() else "(no traceback: hung or killed)"
-        assert p.exitcode == 0, f"rank {r} exited with {p.exitcode}:\n{err}"
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    return spawn_ranks(_rank_main, (scenario, tmp_path), out_dir, world_size=WORLD_SIZE, timeout=100)
 
 
 class RaisingBackward(torch.autograd.Function):

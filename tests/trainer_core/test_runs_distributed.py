@@ -4,7 +4,6 @@ rank gets the same releases and admissions, in the documented order (issue 3 acc
 import json
 import os
 import shutil
-import socket
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -14,9 +13,9 @@ import pytest
 import tomli_w
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from contracts.run_config import RunConfig
+from tests.trainer_core.gloo_ranks import spawn_ranks
 from trainer_core.directory_source import DirectoryRunSource
 from trainer_core.dist import World, barrier
 from trainer_core.runs import MultiRunManager, SlotChanges
@@ -96,12 +95,6 @@ def _run_rounds(rank: int, root: Path, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"snapshots": snapshots, "log": log}))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_gloo_ranks_agree_and_change_slots_in_order(tmp_path: Path) -> None:
@@ -110,23 +103,7 @@ def test_two_gloo_ranks_agree_and_change_slots_in_order(tmp_path: Path) -> None:
     _make_run(root, RUN_A, {"batch_size": 1})
     _make_run(root, RUN_B, {"batch_size": 2, "optim": {"lr": 0.001}})
 
-    ctx = mp.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_worker, args=(r, init_method, root, out_dir)) for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=90)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for r, p in enumerate(procs):
-        err_file = out_dir / f"rank{r}.err"
-        err = err_file.read_text() if err_file.exists() else "(no traceback: hung or killed)"
-        assert p.exitcode == 0, f"rank {r} exited with {p.exitcode}:\n{err}"
-
-    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    results = spawn_ranks(_worker, (root,), out_dir, world_size=WORLD_SIZE, timeout=90)
     first, second = (r["snapshots"] for r in results)
     assert first == second
 
