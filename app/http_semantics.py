@@ -6,6 +6,7 @@ body, for every GET route at once: no route of its own (a HEAD route per GET wou
 OpenAPI document's operations).
 """
 
+import asyncio
 from collections.abc import Iterable
 
 from fastapi import routing
@@ -19,8 +20,11 @@ class HeadAsGet:
     """A HEAD request goes through the app as a GET; its response leaves with the GET's status and
     headers (`Content-Length` included) and no body (RFC 9110 §9.3.2).
 
-    The body is cut off at the response's start: a streamed response (an adapter download, an event
-    stream) then sees its client gone and stops, rather than being read through. `Range` and
+    The body is cut off at the response's start, and from then on the app's `receive` says the
+    client is gone: a streamed response (an adapter download, an event stream) stops then, rather
+    than being read through, whatever the server. (Starlette watches `receive` for the disconnect
+    only under ASGI spec < 2.4, so the GET is passed on as 2.3: a 2.4 server's sends never fail here,
+    the body being dropped, and a HEAD of an event stream would hold its place for an hour.) `Range` and
     `If-Range` are dropped: range requests are defined for GET only (RFC 9110 §14.2), so a HEAD tells
     a resuming client the whole file's length and `Accept-Ranges`."""
 
@@ -33,19 +37,31 @@ class HeadAsGet:
             return
         # A copy: the server's own scope keeps saying HEAD (uvicorn reads it to expect no body).
         headers = [(name, value) for name, value in scope["headers"] if name not in _RANGE_HEADERS]
-        as_get = {**scope, "method": "GET", "headers": headers}
-        started = False
+        asgi = {**scope.get("asgi", {}), "spec_version": "2.3"}
+        as_get = {**scope, "method": "GET", "headers": headers, "asgi": asgi}
+        answered = asyncio.Event()
 
         async def without_body(message: Message) -> None:
-            nonlocal started
-            if started:
+            if answered.is_set():
                 return  # the body, and anything after it
             if message["type"] == "http.response.start":
-                started = True
+                answered.set()
                 await send(message)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-        await self.app(as_get, receive, without_body)
+        async def gone_once_answered() -> Message:
+            if answered.is_set():
+                return {"type": "http.disconnect"}
+            message = asyncio.ensure_future(receive())
+            answer = asyncio.ensure_future(answered.wait())
+            done, _ = await asyncio.wait((message, answer), return_when=asyncio.FIRST_COMPLETED)
+            if message in done:
+                answer.cancel()
+                return message.result()
+            message.cancel()
+            return {"type": "http.disconnect"}
+
+        await self.app(as_get, gone_once_answered, without_body)
 
 
 def allowed_methods(routes: Iterable[BaseRoute], scope: Scope) -> str | None:

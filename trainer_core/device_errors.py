@@ -52,12 +52,16 @@ def raise_if_fatal(exc: BaseException) -> None:
         raise exc
 
 
+_ACCELERATOR_ERROR: type[BaseException] | None = getattr(torch, "AcceleratorError", None)
+"""torch >= 2.8's type of device errors; older torch (the project allows 2.4) raises RuntimeErrors only."""
+
+
 def _fatal(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return False
     text = str(exc)
     if OUT_OF_MEMORY in text.lower():
         return False
-    if isinstance(exc, torch.AcceleratorError):
+    if _ACCELERATOR_ERROR is not None and isinstance(exc, _ACCELERATOR_ERROR):
         return True
     return isinstance(exc, RuntimeError) and any(marker in text for marker in FATAL_MARKERS)

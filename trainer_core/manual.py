@@ -354,16 +354,18 @@ class ManualExecutor:
         catch, so every one of them reaches the collectives; each rank runs the round's loads in the
         same order (the broadcast claim). A fatal device error stops the pool (and with it the
         other ranks, whose collective fails)."""
-        before = SlotSnapshot.take(run, lora, optimizer)
+        before: SlotSnapshot | None = None  # None: the snapshot itself failed (out of memory), nothing loaded
         try:
+            before = SlotSnapshot.take(run, lora, optimizer)
             result = _load_state(item, run, lora, optimizer, self.checkpoint_dir)
         except Exception as exc:
             raise_if_fatal(exc)
             log.exception("Tinker load_weights %s of run %s failed", item.request_id, run.run_id)
             result = _failed(item, f"the pool could not run this load_weights: {_described(exc)}")
         error = self._agreed_error(result.error)
-        if error is not None:
+        if error is not None and before is not None:
             before.restore(run, lora, optimizer)  # raises (the pool stops) if it cannot
+        if error is not None:
             result = _failed(item, error)
         return ManualResult(request_id=item.request_id, replayed=True) if item.replay else result
 

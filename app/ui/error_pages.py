@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from app.errors import AppError, RateLimited
+from app.http_semantics import allowed_methods
 from app.ui.router import render
 
 Handler = Callable[[Request, Any], Response | Awaitable[Response]]
@@ -70,6 +71,8 @@ def error_page(request: Request, exc: Exception) -> Response:
     elif isinstance(exc, StarletteHTTPException):
         status, message = exc.status_code, str(exc.detail)
         headers.update(exc.headers or {})
+        if status == 405 and (allow := allowed_methods(request.app.router.routes, request.scope)):
+            headers["Allow"] = allow  # as the API's 405 (app/main.py): every method the path takes
     else:  # pragma: no cover - only the classes above are wrapped
         raise exc
     signed_out = status == 401 or request.url.path == PREFIX + "/login"

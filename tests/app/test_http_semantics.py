@@ -3,6 +3,7 @@
 route, and a NaN in a run config named as such."""
 
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -337,3 +338,50 @@ def test_run_config_nan_in_a_pair_is_named_too(client: TestClient, tenant: Tenan
     assert r.status_code == 422, r.text
     [problem] = r.json()["error"]["details"]
     assert (problem["loc"], problem["type"]) == (["body", "config", "optim", "betas", "1"], "finite_number")
+
+
+def test_head_ends_an_endless_stream_whatever_the_server() -> None:
+    """An ASGI 2.4 server (Starlette then watches no `receive` for a disconnect) whose `receive`
+    never says the client left: the HEAD of an endless stream still ends once its headers went."""
+    import asyncio
+
+    from starlette.responses import StreamingResponse
+
+    from app.http_semantics import HeadAsGet
+
+    async def endless() -> Any:
+        while True:
+            yield b"data: x\n\n"
+            await asyncio.sleep(0.01)
+
+    async def stream_app(scope: Any, receive: Any, send: Any) -> None:
+        await StreamingResponse(endless(), media_type="text/event-stream")(scope, receive, send)
+
+    sent: list[dict[str, Any]] = []
+
+    async def never() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
+
+    scope = {
+        "type": "http",
+        "method": "HEAD",
+        "path": "/events",
+        "headers": [],
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+    }
+    asyncio.run(asyncio.wait_for(HeadAsGet(stream_app)(scope, never, send), timeout=10))
+    assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+    assert sent[1]["body"] == b""
+
+
+def test_a_dashboard_405_names_every_allowed_method(client: TestClient) -> None:
+    r = client.put("/ui/login", headers={"Accept": "text/html"})
+    assert r.status_code == 405 and "text/html" in r.headers["content-type"]
+    assert (
+        r.headers["allow"] == client.put("/ui/login", headers={"Accept": "application/json"}).headers["allow"]
+    )
+    assert "POST" in r.headers["allow"] and "GET" in r.headers["allow"]

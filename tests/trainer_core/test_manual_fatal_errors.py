@@ -31,7 +31,7 @@ from tests.trainer_core.manual_ranks import (
     same_state,
 )
 from tests.trainer_core.test_manual_isolation import _sample
-from trainer_core import manual, sampling
+from trainer_core import device_errors, manual, sampling
 from trainer_core.checkpoint import CheckpointData
 from trainer_core.device_errors import is_fatal_device_error
 from trainer_core.dist import World
@@ -183,6 +183,38 @@ def test_a_load_that_fails_half_way_leaves_the_run_as_before(
     monkeypatch.undo()
     assert pool.serve([_load("again", 8)])["again"]["error"] is None
     assert same(pool.params(0), saved) and pool.slots[0].progress.step == 2
+
+
+def test_a_load_whose_snapshot_runs_out_of_memory_fails_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy of the run taken before a load can run out of memory too: the request fails, nothing
+    was loaded, and the pool goes on."""
+    pool = RankPool(tmp_path)
+    saved = _saved_then_trained(pool)
+    before = _state(pool)
+
+    def no_memory(*args: object) -> object:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(manual.SlotSnapshot, "take", no_memory)
+    results = pool.serve([_load("load", 7)])
+    assert "OutOfMemoryError" in results["load"]["error"]
+    assert same_state(_state(pool), before)
+    monkeypatch.undo()
+    assert pool.serve([_load("again", 8)])["again"]["error"] is None
+    assert same(pool.params(0), saved)
+
+
+def test_on_a_torch_without_accelerator_error_plain_errors_are_not_fatal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch < 2.8 (which the project allows) has no `torch.AcceleratorError`: telling errors apart
+    must not raise there (it would stop the pool on every failed request)."""
+    monkeypatch.delattr(torch, "AcceleratorError")
+    monkeypatch.setattr(device_errors, "_ACCELERATOR_ERROR", None)
+    assert not is_fatal_device_error(RuntimeError("the saved weights do not fit"))
+    assert is_fatal_device_error(RuntimeError("CUDA error: device-side assert triggered"))
 
 
 # -- two ranks ---------------------------------------------------------------------------------
