@@ -60,11 +60,14 @@ def test_the_dashboard_adapter_step_is_bounded(
     run = create_run(client, tenant)
     ui = TestClient(app)
     sign_in(ui, tenant.key)
-    for step in (str(BIG), str(2**63), "10000001", "-1"):
+    # The API's download bounds (app/adapters/router.py StepPath): `latest` or at most 9 digits.
+    for step in (str(BIG), str(2**63), "1000000000", "-1", "1e3", "latest!"):
         r = ui.get(f"/ui/runs/{run['id']}/adapters/{step}")
         assert r.status_code == 422, (step, r.status_code, r.text[:300])
         assert r.json()["error"]["details"][0]["loc"] == ["path", "step"]
-    assert ui.get(f"/ui/runs/{run['id']}/adapters/10000000").json()["error"]["code"] == "adapter_not_found"
+    for step in ("999999999", "latest"):
+        r = ui.get(f"/ui/runs/{run['id']}/adapters/{step}")
+        assert r.json()["error"]["code"] == "adapter_not_found", (step, r.text[:300])
 
 
 def _stream_status(url: str, headers: dict[str, str]) -> tuple[int, dict[str, Any] | None]:
