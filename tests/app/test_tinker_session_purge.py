@@ -6,11 +6,13 @@ sampling sessions of runs that left; a sampling session is reused for the same w
 
 from datetime import datetime, timedelta
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from app import sweeper
+from app.config import Settings
 from app.db import utcnow
 from app.runs.models import Run
 from app.tinker.models import TinkerModel, TinkerSamplingSession, TinkerSession
@@ -21,6 +23,14 @@ from tests.app.api import WORKER_HEADERS, TenantHandle, register
 from tests.app.test_tinker_work import _model
 
 DAY = 86_400.0
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    """The app's own sweeper (every 2 s in the background) keeps Tinker sessions for ever here: it
+    purged the rows these tests purge by hand when its tick fell between their setup and their call
+    (chunks of [2, 2, 0] for [2, 2, 1]; a sweep finding 0 for 1), on a slow machine."""
+    return settings.model_copy(update={"tinker_session_retention_seconds": 0.0})
 
 
 def _session(db: Session, tenant_id: str, *, heartbeat: datetime, finished: datetime | None) -> str:
@@ -176,6 +186,7 @@ def test_the_sweeper_runs_the_purge(client, tenant, db, settings):
     old = _session(db, tenant.id, heartbeat=now - timedelta(days=3), finished=now - timedelta(days=3))
     recent = _session(db, tenant.id, heartbeat=now, finished=now)
     db.commit()
-    result = sweeper.sweep_once(client.app.state.session_factory, settings=settings, now=now)
+    with_retention = settings.model_copy(update={"tinker_session_retention_seconds": DAY})
+    result = sweeper.sweep_once(client.app.state.session_factory, settings=with_retention, now=now)
     assert result.errors == [] and result.purged_tinker_sessions == 1
     assert _left(db, TinkerSession, [old, recent]) == {recent}
