@@ -16,18 +16,30 @@ as `token_id:N` (`return_tokens_as_token_ids`). The server must read the pool's 
 directory at the same path. Its logprobs are its own (vLLM's default: of the model's distribution,
 before temperature), so they equal a `forward` of the same tokens only as far as its numerics match
 the trainer's.
+
+Bounds, as the SDK's client has (orchestrator.bounded, which the pool may not import): each
+exchange has a total deadline (`deadline_s`: connect, send, the whole answer; httpx's `timeout_s`
+is per socket operation, which a server trickling bytes never trips) and its answer is read chunk
+by chunk under `max_response_bytes` (refused unread when its Content-Length says so). The exchange
+runs under asyncio for that: `asyncio.timeout` cancels a read a trickle keeps alive, which httpx's
+sync client cannot. The answer is checked before use: anything missing, of the wrong type, not
+strict JSON (NaN / Infinity) or non-finite fails the request alone, naming the field at fault.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, NoReturn
 
 import httpx
 
+from contracts.arrays import MAX_TOKEN_ID
 from contracts.tinker_work import ManualResult, ManualWorkItem, SampledSequence, SamplingSpec
 from trainer_core.sample_server import COPY_ID_FILE, PEFT_DIR, sampler_weights_dir
 
@@ -42,6 +54,19 @@ class _Refused(Exception):
     """A request the external server cannot serve: it fails alone, with this message."""
 
 
+class _Unreadable(Exception):
+    """What is wrong with an answer, with the path of the field at fault (`choices[0].index`)."""
+
+
+class _Answer(NamedTuple):
+    status: int
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+
 @dataclass
 class ExternalSampler:
     url: str
@@ -50,38 +75,72 @@ class ExternalSampler:
     base_model: str
     """The name the server serves the base model under."""
     timeout_s: float = 300.0
-    _client: httpx.Client | None = field(default=None, init=False)
+    """httpx's timeout, per socket operation (connect, each read, each write)."""
+    deadline_s: float = 600.0
+    """Seconds one exchange may take in all. The server answers a completion only once all its
+    samples are done, so this bounds a whole request's decoding."""
+    max_response_bytes: int = 256 * 1024**2
+    """The largest answer read: about 100 bytes a sampled token with its logprob (64 samples of 4,096
+    tokens: some 26 MB), and prompt logprobs, which vLLM repeats in every sample."""
     _loaded: set[str] = field(default_factory=set, init=False)
     """Adapter names this pool has hot-loaded into the server."""
 
     def serve(self, work: Sequence[tuple[int, ManualWorkItem, int | None]]) -> dict[int, ManualResult]:
         """Each `sample` request (index in the claim, item, slot: unused) decoded by the server."""
-        results: dict[int, ManualResult] = {}
-        for index, item, _ in work:
-            try:
-                results[index] = self._sample(item)
-            except _Refused as exc:
-                results[index] = ManualResult(request_id=item.request_id, error=str(exc))
-        return results
+        return asyncio.run(self._serve(work))
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        """Nothing to release: each `serve` opens its connections and closes them."""
 
-    # -- one request -----------------------------------------------------------------------------
+    async def _serve(self, work: Sequence[tuple[int, ManualWorkItem, int | None]]) -> dict[int, ManualResult]:
+        results: dict[int, ManualResult] = {}
+        async with httpx.AsyncClient(base_url=self.url.rstrip("/"), timeout=self.timeout_s) as http:
+            for index, item, _ in work:
+                try:
+                    results[index] = await self._sample(http, item)
+                except _Refused as exc:
+                    results[index] = ManualResult(request_id=item.request_id, error=str(exc))
+        return results
 
-    def _http(self) -> httpx.Client:
-        if self._client is None:
-            self._client = httpx.Client(base_url=self.url.rstrip("/"), timeout=self.timeout_s)
-        return self._client
+    # -- one exchange, bounded -------------------------------------------------------------------
 
-    def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def _post(self, http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> _Answer:
+        what = f"POST {self.url.rstrip('/')}{path}"
         try:
-            return self._http().post(path, json=body)
+            async with asyncio.timeout(self.deadline_s), http.stream("POST", path, json=body) as response:
+                return _Answer(response.status_code, await self._read(response, what))
+        except TimeoutError as exc:  # asyncio.timeout's (httpx's own are httpx.TimeoutException)
+            raise _Refused(
+                f"the external sampler did not answer {what} in full within the deadline of "
+                f"{self.deadline_s:g}s (ExternalSampler.deadline_s)"
+            ) from exc
         except httpx.HTTPError as exc:
             raise _Refused(f"the external sampler at {self.url} did not answer {path}: {exc}") from exc
 
-    def _model_name(self, item: ManualWorkItem, spec: SamplingSpec) -> str:
+    async def _read(self, response: httpx.Response, what: str) -> bytes:
+        """The answer's body, refused as soon as it passes `max_response_bytes` (before a byte of it
+        when its Content-Length says it would): memory holds at most the cap and one chunk."""
+        declared = response.headers.get("content-length", "").strip()
+        if declared.isdigit() and int(declared) > self.max_response_bytes:
+            raise self._too_large(what, f"its Content-Length is {declared} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            if size > self.max_response_bytes:
+                raise self._too_large(what, "it kept coming")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self, what: str, said: str) -> _Refused:
+        return _Refused(
+            f"the external sampler's answer to {what} is larger than the limit of "
+            f"{self.max_response_bytes} bytes ({said}; ExternalSampler.max_response_bytes)"
+        )
+
+    # -- one request -----------------------------------------------------------------------------
+
+    async def _model_name(self, http: httpx.AsyncClient, item: ManualWorkItem, spec: SamplingSpec) -> str:
         """The server's model for the request: the base model, or the step's adapter (loaded now
         if the server does not have this copy yet)."""
         if spec.step is None:
@@ -96,23 +155,25 @@ class ExternalSampler:
         copy_id = (peft / COPY_ID_FILE).read_text(encoding="utf-8").strip()
         name = f"{item.run_id}-step{spec.step}-{copy_id}"
         if name not in self._loaded:
-            answer = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(peft)})
+            answer = await self._post(
+                http, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(peft)}
+            )
             # A server restarted under us forgets; one that kept it says so: both are fine to use.
-            if answer.status_code != 200 and "already" not in answer.text:
+            if answer.status != 200 and "already" not in answer.text:
                 raise _Refused(
                     f"the external sampler refused the adapter of step {spec.step}: "
-                    f"{answer.status_code} {answer.text[:500]}"
+                    f"{answer.status} {answer.text[:500]}"
                 )
             self._loaded.add(name)
             log.info("external sampler: adapter %s loaded from %s", name, peft)
         return name
 
-    def _sample(self, item: ManualWorkItem) -> ManualResult:
+    async def _sample(self, http: httpx.AsyncClient, item: ManualWorkItem) -> ManualResult:
         spec = item.sampling
         if spec is None:
             raise _Refused("sample without sampling parameters")
         body: dict[str, Any] = {
-            "model": self._model_name(item, spec),
+            "model": await self._model_name(http, item, spec),
             "prompt": list(spec.prompt),
             "n": spec.num_samples,
             "max_tokens": spec.max_tokens,
@@ -132,55 +193,118 @@ class ExternalSampler:
             body["seed"] = spec.seed
         if spec.prompt_logprobs:
             body["prompt_logprobs"] = 0
-        answer = self._post("/v1/completions", body)
-        if answer.status_code != 200:
-            raise _Refused(f"the external sampler answered {answer.status_code}: {answer.text[:500]}")
+        answer = await self._post(http, "/v1/completions", body)
+        if answer.status != 200:
+            raise _Refused(f"the external sampler answered {answer.status}: {answer.text[:500]}")
         try:
-            return _result(item.request_id, spec, answer.json())
-        except (KeyError, TypeError, ValueError) as exc:
-            raise _Refused(f"the external sampler's answer could not be read: {exc!r}") from exc
+            return _result(item.request_id, spec, _strict_json(answer.body))
+        except _Unreadable as exc:
+            raise _Refused(
+                f"the external sampler's answer to POST {self.url.rstrip('/')}/v1/completions "
+                f"could not be read: {exc}"
+            ) from exc
 
 
-def _token_id(token: str) -> int:
-    if not token.startswith(TOKEN_ID_PREFIX):
-        raise ValueError(f"token {token!r} is not `token_id:N` (return_tokens_as_token_ids)")
-    return int(token.removeprefix(TOKEN_ID_PREFIX))
+# -- reading an answer: every problem is an _Unreadable naming the field ---------------------------
 
 
-def _prompt_logprobs(spec: SamplingSpec, raw: list[Any] | None) -> list[float | None] | None:
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _strict_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except ValueError as exc:  # JSONDecodeError, a bad UTF-8 byte, an over-long integer, NaN
+        raise _Unreadable(f"it is not JSON ({exc}): {_shown(raw[:200])}") from exc
+
+
+def _field(obj: Any, key: str, path: str, kind: type, wanted: str) -> Any:
+    if not isinstance(obj, dict):
+        raise _Unreadable(f"{path} is {_shown(obj)}, not an object")
+    value = obj.get(key)
+    if not isinstance(value, kind):
+        raise _Unreadable(f"{path}.{key} is {'missing' if key not in obj else _shown(value)}, not {wanted}")
+    return value
+
+
+def _logprob(value: Any, path: str) -> float:
+    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    if not math.isfinite(number):
+        raise _Unreadable(f"{path} is {_shown(value)}, not a finite number")
+    return number
+
+
+def _token_id(token: Any, path: str) -> int:
+    """A `token_id:N` string of `return_tokens_as_token_ids`."""
+    digits = token.removeprefix(TOKEN_ID_PREFIX) if isinstance(token, str) else ""
+    if not (
+        isinstance(token, str)
+        and token.startswith(TOKEN_ID_PREFIX)
+        and digits.isascii()
+        and digits.isdigit()
+        and len(digits) <= len(str(MAX_TOKEN_ID))  # no int() of a megabyte of digits
+        and int(digits) <= MAX_TOKEN_ID
+    ):
+        raise _Unreadable(f"{path} is {_shown(token)}, not `token_id:N` (return_tokens_as_token_ids)")
+    return int(digits)
+
+
+def _prompt_logprobs(spec: SamplingSpec, raw: Any, path: str) -> list[float | None] | None:
     """vLLM's per-position {token id: {logprob, ...}} (None first) → the prompt tokens' logprobs,
     None for the first and before the last `prompt_logprobs_last_n`."""
     if not spec.prompt_logprobs:
         return None
-    if raw is None or len(raw) != len(spec.prompt):
-        raise ValueError("prompt_logprobs missing or not one per prompt token")
+    if not isinstance(raw, list) or len(raw) != len(spec.prompt):
+        raise _Unreadable(f"{path} is {_shown(raw)}, not a list of one entry per prompt token")
     first_kept = len(spec.prompt) - spec.prompt_logprobs_last_n if spec.prompt_logprobs_last_n else 1
     out: list[float | None] = []
     for position, (token, entry) in enumerate(zip(spec.prompt, raw, strict=True)):
         if position < max(first_kept, 1) or entry is None:
             out.append(None)
         else:
-            out.append(float(entry[str(token)]["logprob"]))
+            at = f"{path}[{position}]"
+            scored = _field(entry, str(token), at, dict, f"an object (for prompt token {token})")
+            out.append(_logprob(scored.get("logprob"), f"{at}.{token}.logprob"))
     return out
 
 
-def _result(request_id: str, spec: SamplingSpec, answer: dict[str, Any]) -> ManualResult:
-    choices = sorted(answer["choices"], key=lambda c: int(c["index"]))
+def _sequence(choice: dict[str, Any], path: str) -> SampledSequence:
+    logprobs = _field(choice, "logprobs", path, dict, "an object")
+    where = f"{path}.logprobs"
+    tokens = _field(logprobs, "tokens", where, list, "a list")
+    values = _field(logprobs, "token_logprobs", where, list, "a list")
+    if len(tokens) != len(values):
+        raise _Unreadable(f"{where} has {len(tokens)} tokens but {len(values)} logprobs")
+    return SampledSequence(
+        tokens=[_token_id(t, f"{where}.tokens[{k}]") for k, t in enumerate(tokens)],
+        logprobs=[_logprob(v, f"{where}.token_logprobs[{k}]") for k, v in enumerate(values)],
+        stop_reason="length" if choice.get("finish_reason") == "length" else "stop",
+    )
+
+
+def _result(request_id: str, spec: SamplingSpec, answer: Any) -> ManualResult:
+    choices = _field(answer, "choices", "the answer", list, "a list")
     if len(choices) != spec.num_samples:
-        raise ValueError(f"{len(choices)} choices for n={spec.num_samples}")
-    sequences = []
-    for choice in choices:
-        logprobs = choice["logprobs"]
-        tokens = [_token_id(t) for t in logprobs["tokens"]]
-        sequences.append(
-            SampledSequence(
-                tokens=tokens,
-                logprobs=[float(x) for x in logprobs["token_logprobs"]],
-                stop_reason="length" if choice.get("finish_reason") == "length" else "stop",
-            )
-        )
+        raise _Unreadable(f"{len(choices)} choices for n={spec.num_samples}")
+    by_index: dict[int, tuple[str, dict[str, Any]]] = {}
+    for position, choice in enumerate(choices):
+        path = f"choices[{position}]"
+        if not isinstance(choice, dict):
+            raise _Unreadable(f"{path} is {_shown(choice)}, not an object")
+        index = choice.get("index", position)  # vLLM numbers them; one that does not is read in order
+        if type(index) is not int or not 0 <= index < len(choices) or index in by_index:
+            raise _Unreadable(f"{path}.index is {_shown(index)}, not a distinct index below {len(choices)}")
+        by_index[index] = (path, choice)
+    ordered = [by_index[i] for i in range(len(choices))]
+    first_path, first = ordered[0]
     return ManualResult(
         request_id=request_id,
-        sequences=sequences,
-        prompt_logprobs=_prompt_logprobs(spec, choices[0].get("prompt_logprobs")),
+        sequences=[_sequence(choice, path) for path, choice in ordered],
+        prompt_logprobs=_prompt_logprobs(spec, first.get("prompt_logprobs"), f"{first_path}.prompt_logprobs"),
     )

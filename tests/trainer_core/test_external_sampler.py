@@ -104,7 +104,8 @@ def fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
         yield served
 
 
-def _item(request_id: str, step: int | None, prompt: list[int], **spec: Any) -> ManualWorkItem:
+def item(request_id: str, step: int | None, prompt: list[int], **spec: Any) -> ManualWorkItem:
+    """A `sample` work item: 2 samples of 3 tokens of `prompt` from `step`'s adapter (None: the base model)."""
     sampling = SamplingSpec(
         prompt=prompt,
         num_samples=spec.pop("num_samples", 2),
@@ -132,9 +133,9 @@ def test_samples_are_served_by_the_external_server_with_the_kept_adapter_hot_loa
 
     sampler = ExternalSampler(url, tmp_path, BASE)
     work = [
-        (0, _item("adapter", 1, [5, 6, 7], seed=11, stop_tokens=[2], stop_strings=["ab"]), 0),
-        (1, _item("base", None, [8, 9], num_samples=1, prompt_logprobs=True, prompt_logprobs_last_n=1), None),
-        (2, _item("not-kept", 4, [1, 2]), 0),
+        (0, item("adapter", 1, [5, 6, 7], seed=11, stop_tokens=[2], stop_strings=["ab"]), 0),
+        (1, item("base", None, [8, 9], num_samples=1, prompt_logprobs=True, prompt_logprobs_last_n=1), None),
+        (2, item("not-kept", 4, [1, 2]), 0),
     ]
     results = sampler.serve(work)
 
@@ -168,10 +169,10 @@ def test_samples_are_served_by_the_external_server_with_the_kept_adapter_hot_loa
     assert len(fake.completions) == 2
 
     # The same copy is loaded once; a rewritten copy (a new save of that step) is loaded again.
-    sampler.serve([(0, _item("again", 1, [5]), 0)])
+    sampler.serve([(0, item("again", 1, [5]), 0)])
     assert len(fake.loads) == 1 and fake.completions[-1]["model"] == adapter_name
     save_sampler_weights(tmp_path, run, lora, peft_base_model=BASE)
-    sampler.serve([(0, _item("resaved", 1, [5]), 0)])
+    sampler.serve([(0, item("resaved", 1, [5]), 0)])
     assert len(fake.loads) == 2 and fake.completions[-1]["model"] != adapter_name
     sampler.close()
 
@@ -182,9 +183,9 @@ def test_a_server_that_refuses_or_is_down_fails_the_request_alone(tmp_path, fake
     run = RunSlot(0, "run_a", CONFIG, Progress(step=1))
     save_sampler_weights(tmp_path, run, lora)  # no PEFT copy: not kept for an external sampler
     down = ExternalSampler("http://127.0.0.1:9", tmp_path, BASE, timeout_s=2.0)
-    result = down.serve([(3, _item("base", None, [1, 2]), None)])[3]
+    result = down.serve([(3, item("base", None, [1, 2]), None)])[3]
     assert result.error is not None and "did not answer /v1/completions" in result.error
     refused = ExternalSampler(url, tmp_path, "a-model-it-does-not-serve").serve(
-        [(0, _item("x", None, [1]), None)]
+        [(0, item("x", None, [1]), None)]
     )
     assert refused[0].error is not None and refused[0].error.startswith("the external sampler answered 404")
