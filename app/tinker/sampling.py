@@ -30,6 +30,7 @@ from app.runs.admission import live_pool
 from app.runs.models import Run
 from app.runs.schemas import validation_problems
 from app.tinker import proto
+from app.tinker.finite import require_finite
 from app.tinker.models import TinkerBaseTurn, TinkerFuture, TinkerModel, TinkerSamplingSession
 from app.tinker.service import NotSupported, touch_model
 from app.tinker.work import (
@@ -204,6 +205,8 @@ def submit_sample(
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise ValidationFailed("sampling_params must be an object")
+    # Before the bounds: a NaN temperature fails them too, but as "should be less than or equal to 100".
+    require_finite(params, loc=("sampling_params",))
     prompt = _prompt_tokens(body.get("prompt"))
     max_tokens = params.get("max_tokens")
     try:

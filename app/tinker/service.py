@@ -17,7 +17,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session, defer
 
 from app.config import Settings
 from app.db import rows_changed, utcnow
-from app.errors import AppError, NotFound, RateLimited, ValidationFailed
+from app.errors import AppError, Conflict, NotFound, RateLimited, ValidationFailed
 from app.pools.models import Pool
 from app.runs import service as runs
 from app.runs.admission import admission_problems, live_pool
@@ -52,6 +52,18 @@ class NotSupported(AppError):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"not supported by loraloom: {what}")
+
+
+class ModelIdTaken(AppError):
+    """422: the run of a new model `{session}:train:{n}` is created with the Idempotency-Key
+    `tinker:{model_id}`, and the tenant used that key already for a run of another body (through
+    /v1/runs). Not the runs API's 409 `idempotency_conflict`: the official SDK retries a 409 of
+    create_model ten times (about a minute) and one of load_weights for 5 minutes, whatever
+    `x-should-retry` says, and no retry can free the key. On a 422 it raises at once, a
+    `tinker.UnprocessableEntityError` carrying this message."""
+
+    status = 422
+    code = "model_id_taken"
 
 
 class SessionFinished(AppError):
@@ -306,7 +318,8 @@ def new_model_run(
     user_metadata: dict[str, Any] | None,
     settings: Settings,
 ) -> tuple[TinkerModel, Run]:
-    """The run of a new model `{session}:train:{model_seq_id}` (422 if the live pool cannot train it)."""
+    """The run of a new model `{session}:train:{model_seq_id}` (422 if the live pool cannot train
+    it, or if its run's idempotency key is taken: `ModelIdTaken`)."""
     model_id = f"{owner.id}:train:{model_seq_id}"
     problems = admission_problems(session, config=config.model_dump(mode="json"))
     if problems:
@@ -314,14 +327,25 @@ def new_model_run(
             f"the pool serving {config.base_model} cannot train this model: {'; '.join(problems)}",
             details=[{"loc": ["body", "lora_config"], "msg": p, "type": "pool_capability"} for p in problems],
         )
-    run, _ = runs.create_run(
-        session,
-        tenant_id=tenant_id,
-        api_key_id=api_key_id,
-        body=RunCreate(name=f"tinker {model_id}", config=config),
-        idempotency_key=f"tinker:{model_id}",
-        settings=settings,
-    )
+    key = f"tinker:{model_id}"
+    try:
+        run, _ = runs.create_run(
+            session,
+            tenant_id=tenant_id,
+            api_key_id=api_key_id,
+            body=RunCreate(name=f"tinker {model_id}", config=config),
+            idempotency_key=key,
+            settings=settings,
+        )
+    except Conflict as exc:
+        if exc.code != "idempotency_conflict":
+            raise
+        raise ModelIdTaken(
+            f"model {model_id} cannot be created: its run's Idempotency-Key {key!r} was already used "
+            f"for run {exc.details['run_id']} with another body (a run created through /v1/runs); "
+            "create the model in a new session (a new ServiceClient)",
+            details={"model_id": model_id, "idempotency_key": key, "run_id": exc.details["run_id"]},
+        ) from exc
     model = TinkerModel(
         id=model_id,
         tenant_id=tenant_id,

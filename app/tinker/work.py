@@ -12,6 +12,7 @@ is polled if that comes first (app.tinker.leases), and the pool never receives i
 """
 
 import functools
+import math
 import re
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -45,6 +46,7 @@ from app.runs.admission import live_pool
 from app.runs.models import Run
 from app.runs.schemas import validation_problems
 from app.tinker import checkpoints, leases, proto
+from app.tinker.finite import all_finite, require_finite
 from app.tinker.leases import request_cleared
 from app.tinker.models import REPLAYED_KINDS, TinkerFuture, TinkerModel, claimable, unfinished
 from app.tinker.schemas import MAX_MODEL_SEQ_ID, user_metadata_adapter
@@ -395,6 +397,8 @@ def submit_optim_step(
     params = body.get("adam_params")
     if not isinstance(params, dict):
         raise NotSupported("optimizers other than Adam (send adam_params)")
+    # Before the bounds: a NaN fails them too, but as "should be less than or equal to 1".
+    require_finite(params, loc=("adam_params",))
     defaults = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
     try:
         adam = AdamStep.model_validate({"grad_clip_norm": 0.0, **defaults, **params})
@@ -846,10 +850,30 @@ def _step_checkpointed(session: Session, *, step: TinkerFuture) -> None:
     )
 
 
+def non_finite_field(result: ManualResult) -> str | None:
+    """The first field of the pool's result that holds a non-finite number, named; None if none.
+    The pool fails such work itself (trainer_core.manual), so this guards the service's storage and
+    answers against a pool that does not: the body's JSON may carry NaN and Infinity literals
+    (app.tinker.finite), which the float fields of `ManualResult` take."""
+    for name, rows in (("logprobs", result.logprobs), ("elementwise_loss", result.elementwise_loss)):
+        for i, row in enumerate(rows or ()):
+            if not all_finite(row):
+                return f"{name} of datum {i}"
+    for i, sequence in enumerate(result.sequences or ()):
+        if not all_finite(sequence.logprobs):
+            return f"the logprobs of sequence {i}"
+    if result.prompt_logprobs is not None and not all_finite(
+        [v for v in result.prompt_logprobs if v is not None]
+    ):
+        return "prompt_logprobs"
+    return next((f"metrics[{key!r}]" for key, v in result.metrics.items() if not math.isfinite(v)), None)
+
+
 def record_results(session: Session, *, pool_id: str, results: list[ManualResult]) -> int:
     """Complete (or fail) the futures this pool holds; returns how many were recorded. A result for
     a future the pool no longer holds (failed because its run left; returned to pending because the
-    pool was declared dead, then claimed by another) is ignored: a result is recorded once."""
+    pool was declared dead, then claimed by another) is ignored: a result is recorded once. A result
+    holding a non-finite number fails its future alone, nothing of it kept (`non_finite_field`)."""
     get_alive_pool(session, pool_id=pool_id)
     recorded = 0
     for result in results:
@@ -867,6 +891,14 @@ def record_results(session: Session, *, pool_id: str, results: list[ManualResult
             continue
         if result.error is not None:
             future.status, future.error, future.error_category = "failed", result.error, "user"
+        elif (field := non_finite_field(result)) is not None:
+            # Not kept: Postgres refuses it (the whole post a 422), and SQLite stores it for a JSON
+            # answer that cannot be written (every poll a 500, which the SDK retries at once).
+            future.status, future.error, future.error_category = (
+                "failed",
+                f"the pool's result holds a non-finite number (NaN or infinity) in {field}; it is not kept",
+                "server",
+            )
         else:
             future.status, future.result = "complete", _result_json(future, result)
         if future.status == "failed" or future.kind not in REPLAYED_KINDS:
