@@ -11,6 +11,7 @@ checkpoint of its own yet:
 A run's own checkpoint always wins: after a restart it resumes from its own weights.
 """
 
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,7 @@ def load_initial_weights(
                         import_peft_adapter(lora, slot, tmp, target_modules=config.lora.target_modules)
                         shared["state"] = lora.slot_state_dict(slot)
         except (ValueError, KeyError, OSError, ApiError) as exc:
-            shared["error"] = f"{type(exc).__name__}: {exc}"
+            shared["error"] = _reason(exc)
     shared = broadcast_from_master(shared, world)
     # The run's own dropout (its rank and alpha are the source's: the service checked them), and its
     # own modules: without them every module the pool wraps was enabled again for every fresh run,
@@ -87,13 +88,25 @@ def load_initial_weights(
             ckpt = load_checkpoint(path)
             lora.load_slot_state_dict(slot, ckpt.adapter)
         except (OSError, ValueError, KeyError) as exc:
-            out.error = f"checkpoint {spec.checkpoint} of run {spec.run_id}: {type(exc).__name__}: {exc}"
+            out.error = f"checkpoint {spec.checkpoint} of run {spec.run_id}: {_reason(exc)}"
             return out
         if spec.with_optimizer:
             out.optimizer_state = ckpt.optimizer_state
         if ckpt.extra is not None:
             out.value_head = ckpt.extra.get("value_head")
     return out
+
+
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/[^\s'\":]+")
+"""A file path in an error's message (not a URL's path, nor a ratio such as a/b)."""
+
+
+def _reason(exc: BaseException) -> str:
+    """`exc` as the run's eviction reason, each file path cut to its last part (`step_4`,
+    `adapter_model.safetensors`): the reason reaches the tenant (GET /v1/runs/{id}), the pool's
+    directories do not concern them."""
+    message = _ABSOLUTE_PATH.sub(lambda m: m.group(0).rstrip("/").rpartition("/")[2] or "/", str(exc))
+    return f"{type(exc).__name__}: {message}"
 
 
 def module_shapes(lora: MultiLoRA) -> dict[str, tuple[int, int]]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from app.batches.leases import expire_leases
@@ -46,13 +46,19 @@ class Claim:
     items: list[ClaimedItem]
 
 
+_ROLLOUT_RUN = func.coalesce(Run.config["mode"].as_string(), "rollout") != "manual"
+"""A run that trains on rollout batches: not a Tinker model's (`mode` manual), which the ingestion
+refuses batches for (service.RunIsManual). Checked here too, so that no batch stored for one (before
+that refusal existed) is ever trained into it, using up the gradients its user accumulated."""
+
+
 def _claimable_runs(session: Session, *, pool_id: str) -> list[tuple[str, int | None]]:
-    """(run id, slot) of the active runs of the pool's base model; a 404 or 409 if the pool is not
-    registered or not alive (it must register again)."""
+    """(run id, slot) of the active rollout runs of the pool's base model; a 404 or 409 if the pool
+    is not registered or not alive (it must register again)."""
     pool = get_alive_pool(session, pool_id=pool_id)
     rows = session.execute(
         select(Run.id, Run.slot)
-        .where(Run.status == RunStatus.ACTIVE, Run.base_model == pool.base_model)
+        .where(Run.status == RunStatus.ACTIVE, Run.base_model == pool.base_model, _ROLLOUT_RUN)
         .order_by(Run.id)
     )
     return [(r.id, r.slot) for r in rows]

@@ -12,7 +12,8 @@ endpoint is known to pass without the database:
 - the bearer key is a valid key in the short-lived key cache (app/key_cache.py), which holds only
   valid keys, so the documented route's lookup would find the same tenant;
 - the Content-Type is JSON or msgpack;
-- the Idempotency-Key, if any, is 1 to 128 characters; the run id fits its 64 characters.
+- the Idempotency-Key, if any, is one the route declares (app/runs/idempotency.py); the run id fits
+  its 64 characters.
 
 Anything else (no or an unknown key, a cache miss, a bad header: every 401, 415 and 422 of the
 route) goes to the documented handler, which answers as it always did (and fills the key cache).
@@ -40,10 +41,10 @@ from app.errors import Conflict, NotFound
 from app.front import HotRoute
 from app.key_cache import key_cache
 from app.limits import InFlight
+from app.runs.idempotency import is_idempotency_key
 
-MAX_IDEMPOTENCY_KEY = 128
 MAX_RUN_ID = 64
-"""The route's declared limits (router.py and app/runs/deps.py); longer values go the documented way."""
+"""The route's declared limit (app/runs/deps.py); a longer id goes the documented way."""
 
 _Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
@@ -111,8 +112,8 @@ def _fast_path_request(request: Request) -> _Lean | None:
     else:
         return None
     key = headers.get("idempotency-key")
-    if key is not None and not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY:
-        return None
+    if key is not None and not is_idempotency_key(key):
+        return None  # the documented route's 422 names the header
     run_id = request.path_params.get("run_id")
     if not isinstance(run_id, str) or len(run_id) > MAX_RUN_ID:
         return None

@@ -2,7 +2,7 @@
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from app.auth import SettingsDep
 from app.batches import service
@@ -19,6 +19,7 @@ from app.db import SessionDep
 from app.errors import Conflict, UnsupportedMediaType, raises
 from app.pagination import CursorQuery, decode_id_cursor, encode_id_cursor
 from app.runs.deps import OwnedRunDep
+from app.runs.idempotency import idempotency_key_header
 from contracts.pool_api import INT32_MAX
 from contracts.status import BatchState
 
@@ -55,11 +56,8 @@ def submit_batch(
     request: Request,
     idempotency_key: Annotated[
         str | None,
-        Header(
-            alias="Idempotency-Key",
-            min_length=1,
-            max_length=128,
-            description="Retries with the same key and body return the first batch (200); another body is a 409.",
+        idempotency_key_header(
+            "Retries with the same key and body return the first batch (200); another body is a 409."
         ),
     ] = None,
 ) -> BatchOut:
@@ -100,7 +98,7 @@ router.add_api_route(
         404: {"description": "No such run (or another tenant's)."},
         409: {
             "description": "run_not_active, run_evicted (details: reason, evicted_by), stale_batch, "
-            "idempotency_conflict."
+            "idempotency_conflict, run_is_manual (a Tinker model's run: it takes no rollout batches)."
         },
         415: {"description": "Content-Type is neither JSON nor msgpack."},
         422: {

@@ -98,6 +98,20 @@ class _RunState:
         return cls(run.id, run.status, run.step, run.eviction_reason, run.evicted_by)
 
 
+class RunIsManual(Conflict):
+    """A Tinker model's run (`config.mode` manual): its user steps it with forward_backward and
+    optim_step, so a rollout batch trained into it would apply (and use up) gradients the user
+    accumulated for their own next step."""
+
+    code = "run_is_manual"
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(
+            f"run {run_id} is driven through the Tinker API (mode manual); it takes no rollout batches",
+            details={"mode": "manual"},
+        )
+
+
 RUN_MOVED = frozenset({"run_evicted", "run_not_active", "stale_batch"})
 """The refusals that say the run left or trained past the batch since it was read."""
 
@@ -226,13 +240,17 @@ def submit_batch(
 ) -> SubmitResult:
     """Validate and store one rollout batch (a TrainingBatch, JSON or msgpack `body`) of `run`.
 
-    Raises Conflict (run_evicted, run_not_active, stale_batch, idempotency_conflict) or
+    Raises Conflict (run_is_manual, run_evicted, run_not_active, stale_batch, idempotency_conflict) or
     ValidationFailed (details: [{loc, msg, type, sample, field, problem}]); nothing is stored then. A request
     repeating an earlier Idempotency-Key and body returns the earlier batch (created=False),
     whatever happened to the run since.
     """
     state = _RunState.of(run)
     config = run_config(run.config)
+    if config.mode == "manual":
+        # From the config already in hand (the route's cached read): no statement spent. It never
+        # changes, so it comes first, whatever the run's state or the body.
+        raise RunIsManual(run.id)
     if state.status == RunStatus.ACTIVE and full.get(run.id) is not None:
         # A run marked full answers 429 before the body is decoded (`_refuse_if_still_full`), and that
         # 429 lasts until the pool claims its batches: a client told 429 retries, so a batch that can

@@ -16,18 +16,21 @@ from app.errors import NotFound, ValidationFailed
 from app.runs.models import Run
 from app.runs.schemas import InitFromRun
 from contracts.run_config import RunConfig
+from contracts.status import RunStatus
 
 
 def resolve_init_from(
     session: Session, *, tenant_id: str, request: InitFromRun, config: RunConfig
 ) -> dict[str, Any]:
-    """{"run_id", "step"} of the adapter to start from. A run of another tenant is a 404 exactly like a
-    missing one; a missing adapter step is a 404; an adapter that does not fit `config` is a 422 that
-    names every mismatching field."""
+    """{"run_id", "step"} of the adapter to start from. A run of another tenant, or a deleted one, is
+    a 404 exactly like a missing one; a missing adapter step is a 404; an adapter that does not fit
+    `config` is a 422 that names every mismatching field."""
     if request.adapter_id is not None:
         return _uploaded(session, tenant_id=tenant_id, adapter_id=request.adapter_id, config=config)
     source = session.get(Run, request.run_id) if request.run_id is not None else None
-    if source is None or source.tenant_id != tenant_id:
+    # A deleted run's row stays a while (app/retention.py), its adapter and checkpoint rows with it, but
+    # its files are gone: the pool could only evict the new run once it tried to load them.
+    if source is None or source.tenant_id != tenant_id or source.status == RunStatus.DELETED:
         raise NotFound(f"run {request.run_id} not found (init_from.run_id)")
     if request.checkpoint is not None:
         found = _checkpoint_step(session, source.id, request.checkpoint)

@@ -2,7 +2,7 @@
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Request, Response, status
+from fastapi import APIRouter, Depends, Request, Response, status
 
 from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
@@ -11,6 +11,7 @@ from app.pagination import DEFAULT_LIMIT, CursorQuery, LimitQuery
 from app.runs import service
 from app.runs.admission import waiting_reason
 from app.runs.deps import OwnedRunDep
+from app.runs.idempotency import idempotency_key_header
 from app.runs.schemas import (
     MAX_TOML_BODY_BYTES,
     EvictRequest,
@@ -76,17 +77,12 @@ def create_run(
     body: Annotated[bytes, Depends(_raw_body)],
     idempotency_key: Annotated[
         str | None,
-        Header(
-            alias="Idempotency-Key",
-            min_length=1,
-            max_length=128,
-            pattern=r"^[\x21-\x7e]+$",
-            description="Retry-safe creation: the same key and body return the same run.",
-        ),
+        idempotency_key_header("Retry-safe creation: the same key and body return the same run."),
     ] = None,
 ) -> RunOut:
     """Create a run (JSON, or TOML with `Content-Type: application/toml`). It is `active`
-    if it got a slot within its tenant's quota, else `queued`."""
+    if it got a slot within its tenant's quota, else `queued`. `config.mode` `manual` is a 422:
+    a Tinker training model's run is made by the Tinker API (create_model)."""
     payload = parse_run_create(body, request.headers.get("content-type"))
     run, created = service.create_run(
         session,

@@ -257,8 +257,24 @@ def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
                 {"loc": ["body", *where], "msg": "must not contain a NUL character", "type": "nul_character"}
             ],
         )
+    return _validated(data)
+
+
+def _validated(data: dict[str, Any]) -> RunCreate:
     try:
-        return RunCreate.model_validate(data)
+        payload = RunCreate.model_validate(data)
     except ValidationError as exc:
         problems = validation_problems(exc)
         raise ValidationFailed(f"{len(problems)} invalid field(s)", details=problems) from exc
+    if payload.config.mode == "manual":
+        # The Tinker API creates its runs through the runs service, not this body: a manual run made
+        # here would have no model, so nothing could ever step it; it would only hold a quota slot.
+        raise ValidationFailed(
+            "config.mode 'manual' is the mode of a Tinker training model's run, made by the Tinker "
+            "API (create_model), which steps it; a run made here takes rollout batches: leave mode "
+            "out or set it to 'rollout'",
+            details=[
+                {"loc": ["body", "config", "mode"], "msg": "must be 'rollout' here", "type": "literal_error"}
+            ],
+        )
+    return payload
