@@ -118,6 +118,13 @@ class Settings(BaseSettings):
     Every admission walks the queue under the service-wide admission lock, so an unbounded one let a
     tenant slow every other tenant's run creation."""
 
+    run_adapters_kept: int = Field(default=64, ge=0, le=10_000_000)
+    """Step adapters (the PEFT directory the trainer publishes at each step, GET /v1/runs/{id}/adapters)
+    one run keeps: its newest this many (the newest always). The sweeper deletes older ones, row and
+    files, except a step a queued or active run starts from (`init_from`) or a live Tinker sampler
+    checkpoint names (app/adapters/pruning.py); a download of a deleted step is a 404 that says it was
+    pruned. 0: keep all (every step's adapter stays on disk until its run is deleted)."""
+
     run_max_pending_batches: int = Field(default=1024, ge=1, le=10_000_000)
     """Unclaimed batches one run may hold; a submission past it gets a 429 + Retry-After."""
 

@@ -8,6 +8,8 @@ what is live (the sweeper runs these, app/sweeper.py).
   and Tinker model (foreign keys to runs, ON DELETE CASCADE: deleted here first, a chunk at a time,
   so that the run's own DELETE cascades to nothing).
 - Events older than `Settings.event_retention_seconds` are deleted, whoever they are about.
+- A live run's step adapters past its newest `Settings.run_adapters_kept` go too, rows then files,
+  save those something still refers to (app/adapters/pruning.py, with `delete_some`).
 
 What the purge deletes of runs, batches (and their bytes) and step reports is added to totals
 (app/telemetry/purged.py) in the same transaction, which the Prometheus counters add to the rows
@@ -81,7 +83,7 @@ def _newest_event_stays(session: Session) -> ColumnElement[bool]:
     return Event.id < select(func.max(Event.id)).scalar_subquery()
 
 
-def _delete_some(
+def delete_some(
     session: Session,
     pk: InstrumentedAttribute[Any],
     where: ColumnElement[bool],
@@ -90,7 +92,8 @@ def _delete_some(
     order_by: InstrumentedAttribute[Any] | None = None,
 ) -> int:
     """Delete at most `limit` rows of `pk`'s table matching `where`, skipping rows another
-    transaction holds (Postgres; SQLite has no row locks). Returns how many."""
+    transaction holds (Postgres; SQLite has no row locks). Returns how many. Also the step
+    adapters' pruning's (app/adapters/pruning.py)."""
     chosen = select(pk).where(where)
     if order_by is not None:
         chosen = chosen.order_by(order_by)
@@ -102,7 +105,7 @@ def _delete_some(
 
 
 def _delete_batches(session: Session, where: ColumnElement[bool], limit: int) -> tuple[int, int]:
-    """`_delete_some` of batches, also giving their payload bytes (the ingested-bytes counter's)."""
+    """`delete_some` of batches, also giving their payload bytes (the ingested-bytes counter's)."""
     chosen = select(Batch.id).where(where).limit(limit).with_for_update(skip_locked=True)
     sizes = session.scalars(
         delete(Batch)
@@ -166,7 +169,7 @@ def purge_deleted_runs(
             n, size = _delete_batches(session, where, budget)
             purged[PURGED_BATCHES], purged[PURGED_BATCH_BYTES] = n, size
         else:
-            n = _delete_some(session, pk, where, budget)
+            n = delete_some(session, pk, where, budget)
             if pk is StepMetrics.id:
                 purged[PURGED_STEPS] = n
         budget -= n
@@ -197,7 +200,7 @@ def purge_old_events(
         return 0
     cutoff = now - timedelta(seconds=retention_seconds)
     where = (Event.at < cutoff) & _newest_event_stays(session)
-    purged = _delete_some(session, Event.id, where, chunk, order_by=Event.at)
+    purged = delete_some(session, Event.id, where, chunk, order_by=Event.at)
     if purged:
         log.info("retention: purged %s event(s) older than %s", purged, cutoff.isoformat())
     return purged

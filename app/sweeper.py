@@ -1,6 +1,7 @@
 """Background sweeper: lease expiry, pool liveness, run heartbeats, Tinker futures that can no
-longer be served (failed), done Tinker futures, expired dashboard sessions, and deleted runs and
-events past their retention (purged).
+longer be served (failed), done Tinker futures, expired dashboard sessions, deleted runs and
+events past their retention (purged), and runs' step adapters past their newest
+`settings.run_adapters_kept` (pruned, app/adapters/pruning.py).
 
 Each sweep runs in a worker thread (the database calls block) with its own sessions; each
 of its jobs commits on its own, so one failing never holds back the others, and no
@@ -12,11 +13,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from typing import TypeVar
 
 from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
+from app.adapters.pruning import AdapterScan, prune_step_adapters, remove_pruned_files
 from app.batches.leases import expire_leases
 from app.config import Settings
 from app.db import utcnow
@@ -62,6 +65,10 @@ class SweepResult:
     owning no model, deleted."""
     purged_sampling_sessions: int = 0
     """Tinker sampling sessions of runs that left, over the same retention, deleted."""
+    pruned_adapters: int = 0
+    """Step adapters (rows) past their run's newest settings.run_adapters_kept, deleted."""
+    pruned_adapter_files: int = 0
+    """Their files (step directories and cached archives) removed, with any left without a row."""
     errors: list[str] = field(default_factory=list)
     """The jobs that failed (logged with their traceback)."""
 
@@ -106,13 +113,16 @@ def sweep_once(
     settings: Settings,
     now: datetime | None = None,
     purge_chunk: int = PURGE_CHUNK,
+    adapter_scan: AdapterScan | None = None,
 ) -> SweepResult:
     """One pass: expired leases → pending; silent pools → dead (their batches → pending);
     runs whose orchestrator went silent → evicted; Tinker futures that can no longer be served →
     failed; Tinker futures done before the retention → deleted; expired dashboard sessions →
     deleted; runs deleted before their retention → deleted with every row about them; events
     older than theirs → deleted; finished Tinker sessions and sampling sessions of runs that left,
-    after theirs → deleted (`purge_chunk` rows a transaction)."""
+    after theirs → deleted (`purge_chunk` rows a transaction); step adapters past their run's
+    newest kept → deleted, rows then files (`adapter_scan`: where the last sweep left the adapters;
+    None reads them all)."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -170,16 +180,55 @@ def sweep_once(
     )
     result.purged_tinker_sessions = sum(out.sessions for out in tinker_sessions)
     result.purged_sampling_sessions = sum(out.sampling_sessions for out in tinker_sessions)
+    _prune_adapters(
+        factory,
+        settings=settings,
+        now=now,
+        scan=adapter_scan or AdapterScan(),
+        chunk=purge_chunk,
+        result=result,
+    )
     return result
+
+
+def _prune_adapters(
+    factory: sessionmaker[Session],
+    *,
+    settings: Settings,
+    now: datetime,
+    scan: AdapterScan,
+    chunk: int,
+    result: SweepResult,
+) -> None:
+    """Chunks of `prune_step_adapters` as `_chunks` runs them, each followed, once committed, by the
+    removal of its runs' files (each run its own transaction, under its row lock). The scan moves on
+    only past a committed chunk: a failed one is read again by the next sweep."""
+    scan.begin(now)
+    for _ in range(MAX_PURGE_CHUNKS):
+        prune = partial(
+            prune_step_adapters, kept=settings.run_adapters_kept, after_id=scan.after_id, chunk=chunk
+        )
+        out = _job(factory, "prune_step_adapters", prune, result)
+        if out is None:
+            return
+        scan.after_id = out.after_id
+        result.pruned_adapters += out.rows
+        for run_id in out.runs:
+            files = partial(remove_pruned_files, run_id=run_id, settings=settings)
+            result.pruned_adapter_files += _job(factory, "remove_pruned_adapter_files", files, result) or 0
+        if not out.more:
+            scan.caught_up = True
+            return
 
 
 async def run_sweeper(app: FastAPI) -> None:
     """Sweep every settings.sweep_interval_seconds until cancelled (at shutdown)."""
     settings: Settings = app.state.settings
     factory: sessionmaker[Session] = app.state.session_factory
+    scan = AdapterScan()
     while True:
         try:
-            await asyncio.to_thread(sweep_once, factory, settings=settings)
+            await asyncio.to_thread(sweep_once, factory, settings=settings, adapter_scan=scan)
         except Exception:  # sweep_once catches its jobs' errors; this is the last guard
             log.exception("sweeper: sweep failed")
         await asyncio.sleep(settings.sweep_interval_seconds)

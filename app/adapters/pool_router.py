@@ -124,7 +124,9 @@ def init_adapter(
         )
     if run.init_from is None or run.init_from.get("step") is None:
         raise NotFound(f"run {run_id} does not start from an adapter", code="adapter_not_found")
-    adapter = service.get_adapter(session, run_id=run.init_from["run_id"], step=run.init_from["step"])
+    adapter = service.get_adapter(
+        session, run_id=run.init_from["run_id"], step=run.init_from["step"], kept=settings.run_adapters_kept
+    )
     session.commit()  # the read ends: the archive may be built now (seconds; SQLite's write lock)
     return OpenFileResponse(
         service.open_adapter_archive(adapter, settings=settings),

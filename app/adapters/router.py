@@ -139,7 +139,9 @@ def download_adapter(
     if_none_match: IfNoneMatch = None,
 ) -> Response:
     """The adapter of a step (or the newest) as a tar.gz, with its `ETag`."""
-    adapter = service.get_adapter(session, run_id=run.id, step=_parse_step(step))
+    adapter = service.get_adapter(
+        session, run_id=run.id, step=_parse_step(step), kept=settings.run_adapters_kept
+    )
     etag = _etag(adapter)
     if _not_modified(if_none_match, etag):
         return Response(status_code=status.HTTP_304_NOT_MODIFIED, headers=_adapter_headers(adapter, etag))
@@ -183,7 +185,9 @@ def download_adapter_file(
     if_none_match: IfNoneMatch = None,
 ) -> Response:
     """One file of the adapter of a step (or the newest)."""
-    adapter = service.get_adapter(session, run_id=run.id, step=_parse_step(step))
+    adapter = service.get_adapter(
+        session, run_id=run.id, step=_parse_step(step), kept=settings.run_adapters_kept
+    )
     file = service.open_adapter_file(adapter, name=name, settings=settings)
     # The sha256 is of the weights; the config file keeps an ETag of its (mtime, size).
     etag = _etag(adapter) if name == ADAPTER_WEIGHTS else None

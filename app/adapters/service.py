@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, BinaryIO, TypeVar
 
-from sqlalchemy import select
+from sqlalchemy import ScalarSelect, select
 from sqlalchemy.orm import Session
 
 from app.adapters.models import Adapter, Checkpoint, StepMetrics
@@ -99,17 +99,25 @@ def store_adapter(
     # The read ends here: the connection goes back to the pool while the files are extracted and
     # fsynced (no lock was held across them before either).
     session.commit()
+    parent = broadcast_dir(settings, run_id)
     try:
-        size, sha, final = _place_adapter(broadcast_dir(settings, run_id), step, body, settings=settings)
+        size, sha, staging = _stage_adapter(parent, step, body, settings=settings)
     except FileNotFoundError:  # the run's directory went while the files were written
         session.refresh(run)
         _refuse_if_deleted(run, settings)
         raise
-    # The run's row locked: a deletion from now on waits for this commit, and its after-commit
-    # removal takes these files. One that came first is refused here, and the run's path, which
-    # the files' directory may have made again, removed again.
-    session.refresh(run, with_for_update=True)
-    _refuse_if_deleted(run, settings)
+    try:
+        # The run's row locked: a deletion from now on waits for this commit, and its after-commit
+        # removal takes these files. One that came first is refused here, and the run's path, which
+        # the files' directory may have made again, removed again. The files move into place under
+        # the lock too, and the row follows in this transaction: the removal of a pruned step's
+        # files, which takes the same lock (app/adapters/pruning.py), sees either both or neither.
+        session.refresh(run, with_for_update=True)
+        _refuse_if_deleted(run, settings)
+        final = parent / step_dir_name(step)
+        atomic_replace_dir(staging, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful move
     _upsert(
         session,
         Adapter,
@@ -134,20 +142,19 @@ def store_adapter(
     return _one(session, Adapter, run_id=run.id, step=step)
 
 
-def _place_adapter(parent: Path, step: int, body: IO[bytes], *, settings: Settings) -> tuple[int, str, Path]:
-    """Unpack and check the adapter, then move it to `parent/step_N` in one rename; returns
-    (bytes, sha256 of the weights, its directory)."""
+def _stage_adapter(parent: Path, step: int, body: IO[bytes], *, settings: Settings) -> tuple[int, str, Path]:
+    """Unpack and check the adapter in a staging directory beside `parent/step_N` (one filesystem:
+    the move into place is one rename); returns (bytes, sha256 of the weights, the staging
+    directory). Removes the staging directory if it fails."""
     parent.mkdir(parents=True, exist_ok=True)
-    # Same directory as the target, so the final move is one rename on one filesystem.
     staging = parent / f".step_{step}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
     staging.mkdir()
     try:
         size, sha = extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
-        final = parent / step_dir_name(step)
-        atomic_replace_dir(staging, final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful move
-    return size, sha, final
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return size, sha, staging
 
 
 def _refuse_if_deleted(run: Run, settings: Settings) -> None:
@@ -163,21 +170,54 @@ def list_adapters(session: Session, *, run_id: str) -> list[Adapter]:
     return list(session.scalars(select(Adapter).where(Adapter.run_id == run_id).order_by(Adapter.step)).all())
 
 
-def get_adapter(session: Session, *, run_id: str, step: int | None) -> Adapter:
-    """The adapter of `step`, or the newest one when `step` is None."""
+def newest_kept_floor(run_id: str, kept: int) -> ScalarSelect[int]:
+    """The oldest step of the run's newest `kept` adapters (NULL while it has fewer): the steps below
+    it are pruned but for those still referred to (app/adapters/pruning.py)."""
+    return (
+        select(Adapter.step)
+        .where(Adapter.run_id == run_id)
+        .order_by(Adapter.step.desc())
+        .offset(kept - 1)
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+def get_adapter(session: Session, *, run_id: str, step: int | None, kept: int = 0) -> Adapter:
+    """The adapter of `step`, or the newest one when `step` is None. `kept`: the run's retention
+    (`Settings.run_adapters_kept`), for a 404 that says a missing step was pruned."""
     query = select(Adapter).where(Adapter.run_id == run_id)
     query = (
         query.order_by(Adapter.step.desc()).limit(1) if step is None else query.where(Adapter.step == step)
     )
     adapter = session.scalar(query)
     if adapter is None:
+        if step is not None and kept > 0:
+            _refuse_if_pruned(session, run_id=run_id, step=step, kept=kept)
         what = "no adapter yet" if step is None else f"no adapter for step {step}"
         raise NotFound(f"run {run_id} has {what}", code="adapter_not_found")
     return adapter
 
 
+def _refuse_if_pruned(session: Session, *, run_id: str, step: int, kept: int) -> None:
+    """The 404 of a step older than the run's newest `kept` adapters: the trainer publishes every
+    step, so such a step missing was pruned (one never published is past the newest)."""
+    floor = session.scalar(select(newest_kept_floor(run_id, kept)))
+    if floor is not None and step < floor:
+        raise NotFound(
+            f"run {run_id}'s adapter of step {step} was pruned: a run keeps its newest {kept} step "
+            f"adapters (LORALOOM_RUN_ADAPTERS_KEPT), here steps {floor} and later, and older ones only "
+            "while a queued or active run starts from them or a Tinker sampler checkpoint names them",
+            code="adapter_not_found",
+            details={"step": step, "pruned": True, "run_adapters_kept": kept, "oldest_kept_step": floor},
+        )
+
+
 def _files_missing(adapter: Adapter) -> NotFound:
-    return NotFound(f"the files of run {adapter.run_id}'s adapter {adapter.step} are missing")
+    return NotFound(
+        f"the files of run {adapter.run_id}'s adapter {adapter.step} are missing (its run was deleted, "
+        "or the step pruned: LORALOOM_RUN_ADAPTERS_KEPT)"
+    )
 
 
 def adapter_dir(adapter: Adapter, *, settings: Settings) -> Path:

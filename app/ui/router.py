@@ -278,7 +278,12 @@ def download_adapter(
 ) -> OpenFileResponse:
     """A step, or `latest` for the newest, as the API's download takes them (app/adapters/router.py)."""
     # StepPath's pattern leaves "latest" or up to 9 ASCII digits.
-    adapter = adapters.get_adapter(session, run_id=run.id, step=None if step == "latest" else int(step))
+    adapter = adapters.get_adapter(
+        session,
+        run_id=run.id,
+        step=None if step == "latest" else int(step),
+        kept=settings.run_adapters_kept,
+    )
     session.commit()  # the read ends: the archive may be built now (seconds; SQLite's write lock)
     # From a file opened before the headers go out: a run deleted meanwhile still sends it whole.
     return OpenFileResponse(
