@@ -8,7 +8,9 @@ as it cannot escape the output directory or smuggle odd characters into paths an
 import re
 import secrets
 
-RUN_ID_RE = re.compile(r"run_[0-9a-f]{12}")
+_ISSUED_SUFFIX_RE = re.compile(r"[0-9a-f]{12}")
+"""What `new_id` puts after the prefix: `secrets.token_hex(6)`."""
+RUN_ID_RE = re.compile(rf"run_{_ISSUED_SUFFIX_RE.pattern}")
 """A run id the service issued."""
 RUN_DIR_NAME_RE = re.compile(r"run_[A-Za-z0-9_-]{1,64}")
 """Any run id that is safe as a single path component (directory runs)."""
@@ -16,6 +18,11 @@ RUN_DIR_NAME_RE = re.compile(r"run_[A-Za-z0-9_-]{1,64}")
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(6)}"
+
+
+def is_issued_id(value: str, prefix: str) -> bool:
+    """True for an id `new_id(prefix)` issues: `<prefix>_` + 12 lowercase hex (`ten_`, `key_`...)."""
+    return value.startswith(f"{prefix}_") and bool(_ISSUED_SUFFIX_RE.fullmatch(value, len(prefix) + 1))
 
 
 def is_run_id(value: str) -> bool:

@@ -27,9 +27,10 @@ import typer
 
 from loraloom.commands import observe, preflight, revisions
 from loraloom.commands.errors import CliError, ErrorHandlingGroup, ExitCode, require_worker_extra
-from loraloom.commands.http import DEFAULT_URL, AdminKeyOpt, JsonOpt, KeyOpt, UrlOpt, api
+from loraloom.commands.http import DEFAULT_URL, AdminKeyOpt, JsonOpt, KeyOpt, UrlOpt, api, request
 from loraloom.commands.http import echo_json as _echo_json
 from loraloom.commands.http import table as _table
+from loraloom.commands.ids import KeyIdArg, RunIdArg, TenantIdArg
 from loraloom.commands.worker import worker
 
 cli = typer.Typer(
@@ -258,10 +259,11 @@ def tenants_list(url: UrlOpt = DEFAULT_URL, key: AdminKeyOpt = None, as_json: Js
 
 @tenants_cli.command("delete")
 def tenants_delete(
-    tenant_id: Annotated[str, typer.Argument(help="The tenant's id (ten_...).")],
+    tenant_id: TenantIdArg,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
     url: UrlOpt = DEFAULT_URL,
     key: AdminKeyOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Delete a tenant with its API keys and runs (their files too)."""
     if not yes:
@@ -270,13 +272,14 @@ def tenants_delete(
         if not typer.confirm(f"delete tenant {tenant_id}, its API keys and all its runs?"):
             typer.echo("not deleted")
             return
-    api("DELETE", f"/v1/tenants/{tenant_id}", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
-    typer.echo(f"deleted {tenant_id}")
+    request("DELETE", f"/v1/tenants/{tenant_id}", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
+    # The service answers 204 (no body): --json says what was done, as the text does.
+    _echo_json({"id": tenant_id, "deleted": True}) if as_json else typer.echo(f"deleted {tenant_id}")
 
 
 @keys_cli.command("list")
 def keys_list(
-    tenant_id: Annotated[str, typer.Argument(help="The tenant's id (ten_...).")],
+    tenant_id: TenantIdArg,
     url: UrlOpt = DEFAULT_URL,
     key: AdminKeyOpt = None,
     as_json: JsonOpt = False,
@@ -294,7 +297,7 @@ def keys_list(
 
 @keys_cli.command("create")
 def keys_create(
-    tenant_id: Annotated[str, typer.Argument(help="The tenant's id (ten_...).")],
+    tenant_id: TenantIdArg,
     url: UrlOpt = DEFAULT_URL,
     key: AdminKeyOpt = None,
     as_json: JsonOpt = False,
@@ -310,14 +313,18 @@ def keys_create(
 
 @keys_cli.command("revoke")
 def keys_revoke(
-    tenant_id: Annotated[str, typer.Argument(help="The tenant's id.")],
-    key_id: Annotated[str, typer.Argument(help="The key's id (key_...).")],
+    tenant_id: TenantIdArg,
+    key_id: KeyIdArg,
     url: UrlOpt = DEFAULT_URL,
     key: AdminKeyOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Revoke an API key."""
-    api("DELETE", f"/v1/tenants/{tenant_id}/keys/{key_id}", url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
-    typer.echo(f"revoked {key_id}")
+    path = f"/v1/tenants/{tenant_id}/keys/{key_id}"
+    request("DELETE", path, url=url, key=key, key_env="LORALOOM_ADMIN_KEY")
+    # 204, as for tenants delete.
+    done = {"id": key_id, "tenant_id": tenant_id, "revoked": True}
+    _echo_json(done) if as_json else typer.echo(f"revoked {key_id}")
 
 
 # --- runs (tenant) ---------------------------------------------------------------------
@@ -420,7 +427,7 @@ def runs_list(
 
 @runs_cli.command("show")
 def runs_show(
-    run_id: Annotated[str, typer.Argument(help="run_...")],
+    run_id: RunIdArg,
     url: UrlOpt = DEFAULT_URL,
     key: KeyOpt = None,
     as_json: JsonOpt = False,
@@ -432,7 +439,7 @@ def runs_show(
 
 @runs_cli.command("evict")
 def runs_evict(
-    run_id: Annotated[str, typer.Argument(help="run_...")],
+    run_id: RunIdArg,
     reason: Annotated[str, typer.Option("--reason", help="Why (kept with the run, and in evicted.txt).")],
     url: UrlOpt = DEFAULT_URL,
     key: KeyOpt = None,
@@ -445,7 +452,7 @@ def runs_evict(
 
 @runs_cli.command("delete")
 def runs_delete(
-    run_id: Annotated[str, typer.Argument(help="run_...")],
+    run_id: RunIdArg,
     url: UrlOpt = DEFAULT_URL,
     key: KeyOpt = None,
     as_json: JsonOpt = False,
@@ -611,7 +618,7 @@ def demo(
     if interim:
         interim_demo(port=port)
         return
-    require_worker_extra("the demo (it trains with the worker pool)")
+    require_worker_extra("the demo (it trains with the worker pool)", plot=True)
     from loraloom.demo import run_demo  # imports torch: only for the real demo
 
     # The built-in model's first build logs its progress every few seconds: show it.

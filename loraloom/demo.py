@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-import typer
 from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the dev dependencies (types-tqdm)
 
 from contracts.layout import step_dir_name
@@ -171,7 +171,7 @@ def run_demo(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     output_dir.mkdir(parents=True, exist_ok=True)
-    say = typer.echo
+    bars: dict[str, tqdm] = {}
     stack_cm = embedded_stack(
         state_dir=state_dir,
         model_cache=model_cache,
@@ -199,7 +199,6 @@ def run_demo(
             tokenizer = CharTokenizer()
             run_ids: dict[str, str] = {}
             loops: list[SystemLoop] = []
-            bars: dict[str, tqdm] = {}
             sampler_seed = 0
             for i, system in enumerate(systems):
                 client = LoraloomClient(url, keys[system.tenant])
@@ -240,8 +239,7 @@ def run_demo(
                 say(f"[demo] validation before training ({VAL_PROBLEMS} problems x {VAL_SAMPLES} samples)")
                 validation["before"] = await _validate(loops)
                 await asyncio.gather(*(loop.run() for _, loop in loops))
-                for bar in bars.values():
-                    bar.close()
+                _close(bars)
                 say(f"[demo] {steps} steps of every run in {time.monotonic() - started:.0f} s")
                 await _load_final_adapters(loops, steps)
                 validation["after"] = await _validate(loops)
@@ -253,11 +251,25 @@ def run_demo(
             (output_dir / "results.json").write_text(json.dumps({**results_meta, "runs": results}, indent=2))
             return results
     except KeyboardInterrupt:
-        # typer exits 130 on it without a word; the stack's clean-up has run by now.
-        typer.echo("[demo] interrupted: the service and the worker pool are stopped", err=True)
+        # typer exits 130 on it without a word; the stack's clean-up has run by now. The bars
+        # first: a live one drew itself over the message (when it was closed, or redrawn).
+        _close(bars)
+        say("[demo] interrupted: the service and the worker pool are stopped", err=True)
         raise
     finally:
+        _close(bars)
         torch.set_num_threads(threads)
+
+
+def say(text: str, *, err: bool = False) -> None:
+    """Print one of the demo's lines whole. The runs' progress bars may be live: tqdm clears them,
+    prints the line and draws them again (`typer.echo` wrote it into the middle of a bar's line)."""
+    tqdm.write(text, file=sys.stderr if err else sys.stdout)
+
+
+def _close(bars: Mapping[str, tqdm]) -> None:
+    for bar in bars.values():
+        bar.close()  # closing a closed bar does nothing
 
 
 def _progress(system: DemoSystem, bars: dict[str, tqdm]) -> StepCallback:

@@ -189,14 +189,35 @@ class ErrorHandlingGroup(TyperGroup):
             raise typer.Exit(int(error.kind)) from None
 
 
-def require_worker_extra(what: str) -> None:
-    """A clear error when torch (the worker pool's extra) is not installed: the API-only install
-    (`pip install loraloom`) has the service, the SDK and the CLI, not the trainer."""
+WORKER_EXTRA = ("torch", "transformers", "peft", "safetensors")
+"""The modules of the `[worker]` extra (pyproject.toml; tests/app/test_cli_extras.py keeps the two
+the same): the worker pool imports every one of them."""
+PLOT_EXTRA = ("matplotlib",)
+"""The `[plot]` extra's: the demo's reward plot."""
+
+
+def require_worker_extra(what: str, *, plot: bool = False) -> None:
+    """A clear error when a module of the worker extra (and with `plot`, the plot extra) is not
+    installed: the API-only install (`pip install loraloom`) has the service, the SDK and the CLI,
+    not the trainer. Every module is looked for, not torch alone: with torch installed first (as
+    the README says) and `[worker]` forgotten, each rank died on `import transformers`."""
     import importlib.util
 
-    if importlib.util.find_spec("torch") is None:
-        raise CliError(
-            f"{what} needs torch and the worker extra, which are not installed",
-            kind=ExitCode.USAGE,
-            hint="pip install torch==2.13.0 (or a CUDA build), then pip install 'loraloom[worker]'",
-        )
+    extras = {"worker": WORKER_EXTRA, **({"plot": PLOT_EXTRA} if plot else {})}
+    # find_spec locates a module without importing it (torch alone takes seconds to import).
+    missing = {
+        name: [m for m in modules if importlib.util.find_spec(m) is None] for name, modules in extras.items()
+    }
+    lacking = [name for name, modules in missing.items() if modules]
+    if not lacking:
+        return
+    modules = [m for name in lacking for m in missing[name]]
+    install = f"pip install 'loraloom[{','.join(lacking)}]'"
+    if "torch" in modules:  # first, of the build the machine wants: the extra would pull the default one
+        install = f"pip install torch==2.13.0 (or a CUDA build), then {install}"
+    raise CliError(
+        f"{what} needs {', '.join(modules)}, which {'is' if len(modules) == 1 else 'are'} not installed "
+        f"(the {' and '.join(lacking)} extra{'s' if len(lacking) > 1 else ''})",
+        kind=ExitCode.USAGE,
+        hint=install,
+    )

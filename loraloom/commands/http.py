@@ -8,6 +8,7 @@ import httpx
 import typer
 
 from contracts.http import api_prefix_problem, tinker_surface_hint
+from loraloom.commands.answers import Answer, read_object
 from loraloom.commands.errors import CliError, ExitCode, http_error
 from orchestrator import bounded
 from orchestrator.client import DEFAULT_DEADLINE_S, DEFAULT_MAX_RESPONSE_BYTES
@@ -84,8 +85,8 @@ def api(
     content: bytes | None = None,
     headers: dict[str, str] | None = None,
     params: dict[str, Any] | None = None,
-) -> Any:
-    """One request; the JSON answer, or None for a 204."""
+) -> Answer:
+    """One request; its answer, a JSON object (for a route that answers 204, `request`)."""
     r = request(
         method,
         path,
@@ -97,7 +98,7 @@ def api(
         headers=headers,
         params=params,
     )
-    return None if r.status_code == 204 else r.json()
+    return read_object(r)
 
 
 def echo_json(data: Any) -> None:

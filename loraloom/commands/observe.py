@@ -8,9 +8,11 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import typer
 
 from contracts.http import LoraloomError
+from loraloom.commands.answers import UnexpectedAnswer, describe
 from loraloom.commands.errors import CliError, ExitCode
 from loraloom.commands.http import (
     DEFAULT_URL,
@@ -23,6 +25,7 @@ from loraloom.commands.http import (
     request,
     table,
 )
+from loraloom.commands.ids import RunIdArg, StepOpt
 from orchestrator.archive import MARKER_NAME, DestinationInUse, extract_adapter
 from orchestrator.bounded import Sink
 from orchestrator.client import DEFAULT_MAX_DOWNLOAD_BYTES, DEFAULT_TRANSFER_DEADLINE_S
@@ -30,14 +33,13 @@ from orchestrator.client import DEFAULT_MAX_DOWNLOAD_BYTES, DEFAULT_TRANSFER_DEA
 adapters_cli = typer.Typer(help="Adapters the trainer published (tenant API key).", no_args_is_help=True)
 pools_cli = typer.Typer(help="Worker pools (admin key).", no_args_is_help=True)
 
-RunArg = Annotated[str, typer.Argument(help="run_...")]
 FINAL = {"completed", "evicted", "failed", "deleted"}
 METRIC_COLUMNS = ("loss", "entropy", "grad_norm", "lr", "tokens", "samples", "step_time_s")
 
 
 @adapters_cli.command("list")
 def adapters_list(
-    run_id: RunArg, url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, as_json: JsonOpt = False
+    run_id: RunIdArg, url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, as_json: JsonOpt = False
 ) -> None:
     """List a run's adapters, one per published step."""
     data = api("GET", f"/v1/runs/{run_id}/adapters", url=url, key=key)
@@ -52,8 +54,8 @@ def adapters_list(
 
 @adapters_cli.command("download")
 def adapters_download(
-    run_id: RunArg,
-    step: Annotated[str, typer.Option(help="A step number or 'latest'.")] = "latest",
+    run_id: RunIdArg,
+    step: StepOpt = "latest",
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Directory (default: ./<run_id>-step-<N>).")
     ] = None,
@@ -76,7 +78,7 @@ def adapters_download(
             deadline=DEFAULT_TRANSFER_DEADLINE_S,
             sink=Sink(archive, DEFAULT_MAX_DOWNLOAD_BYTES),
         )
-        got = int(r.headers.get("X-Adapter-Step", "0"))
+        got = _adapter_step(r)
         dest = (output or Path(f"{run_id}-step-{got}")).resolve()
         sha = r.headers.get("ETag", "").strip('"') or None
         archive.seek(0)
@@ -96,12 +98,20 @@ def adapters_download(
         typer.echo(f"adapter of {run_id} at step {got}: {dest} ({', '.join(files)})")
 
 
+def _adapter_step(response: httpx.Response) -> int:
+    """The step of a downloaded adapter, from its X-Adapter-Step header."""
+    value = response.headers.get("X-Adapter-Step", "0")
+    if not (value.isascii() and value.isdigit()):
+        raise UnexpectedAnswer(describe(response), f"X-Adapter-Step {value!r} is not a step")
+    return int(value)
+
+
 PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg")
 """What --plot writes (matplotlib picks the format by the suffix)."""
 
 
 def metrics(
-    run_id: RunArg,
+    run_id: RunIdArg,
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Write a PNG of loss (and reward, if reported) per step.")
     ] = None,
@@ -216,7 +226,7 @@ def _plot(run_id: str, items: list[dict[str, Any]], path: Path) -> None:
 
 
 def runs_watch(
-    run_id: RunArg,
+    run_id: RunIdArg,
     interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls.")] = 2.0,
     url: UrlOpt = DEFAULT_URL,
     key: KeyOpt = None,
