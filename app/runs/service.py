@@ -309,8 +309,14 @@ def _lock_for_transition(session: Session, *, run: Run, action: str, allowed: tu
     session.refresh(run, with_for_update=True)
     if run.status not in allowed:
         only = " or ".join(allowed)
+        # Every state but one may be deleted: naming the five others read as a riddle.
+        message = (
+            f"run {run.id} is already deleted"
+            if run.status == RunStatus.DELETED and action == "deleted"
+            else f"run {run.id} is {run.status}; only {only} runs can be {action}"
+        )
         raise Conflict(
-            f"run {run.id} is {run.status}; only {only} runs can be {action}",
+            message,
             details={"run_id": run.id, "status": run.status},
             code="invalid_transition",
         )

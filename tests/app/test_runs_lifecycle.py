@@ -224,7 +224,7 @@ def test_transitions(client, tenant, settings, db):
     assert client.delete(f"/v1/runs/{queued['id']}", headers=tenant.headers).status_code == 200
     again = client.delete(f"/v1/runs/{queued['id']}", headers=tenant.headers)
     assert again.status_code == 409
-    assert "deleted" in again.json()["error"]["message"]
+    assert again.json()["error"]["message"] == f"run {queued['id']} is already deleted"
     assert (
         client.post(
             f"/v1/runs/{queued['id']}/evict", json={"reason": "x"}, headers=tenant.headers
