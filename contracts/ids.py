@@ -39,3 +39,19 @@ def validate_run_id(run_id: str) -> str:
     if not is_valid_run_id(run_id):
         raise ValueError(f"invalid run id {run_id!r}: expected 'run_' followed by 1-64 of [A-Za-z0-9_-]")
     return run_id
+
+
+MAX_IDEMPOTENCY_KEY = 128
+"""The `idempotency_key` columns' length."""
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]+$"
+"""An Idempotency-Key (POST /v1/runs, POST /v1/runs/{run_id}/batches): printable ASCII without
+space. A key is echoed in messages and logs and compared byte for byte: a tab, a space or a latin-1
+byte (Starlette decodes header bytes as latin-1) would store a key a client's own library may not
+send back the same."""
+_IDEMPOTENCY_KEY_RE = re.compile(IDEMPOTENCY_KEY_PATTERN)
+
+
+def is_idempotency_key(value: str) -> bool:
+    """Whether the service takes `value` as an Idempotency-Key (the SDK checks it before sending)."""
+    # fullmatch: `$` alone would also match before a final newline.
+    return len(value) <= MAX_IDEMPOTENCY_KEY and _IDEMPOTENCY_KEY_RE.fullmatch(value) is not None

@@ -52,7 +52,7 @@ from contracts.http import (
     send_with_retries_async,
     tinker_surface_hint,
 )
-from contracts.ids import is_run_id
+from contracts.ids import MAX_IDEMPOTENCY_KEY, is_idempotency_key, is_run_id
 from contracts.run_config import RunConfig
 from contracts.status import RunStatus
 from contracts.wire import Problem, TrainingBatch, json_encoder
@@ -121,6 +121,12 @@ _Op = Generator[_Request, httpx.Response, T]
 
 
 def _idempotency_headers(key: str | None) -> dict[str, str]:
+    if key is not None and not is_idempotency_key(key):
+        # Refused here rather than by the service's 422: the same message before anything is sent.
+        raise ValueError(
+            f"not an idempotency key: {key[:64]!r} (1 to {MAX_IDEMPOTENCY_KEY} printable ASCII "
+            "characters without space)"
+        )
     return {"Idempotency-Key": key or str(uuid.uuid4())}
 
 

@@ -66,7 +66,7 @@ def load_initial_weights(
                         import_peft_adapter(lora, slot, tmp, target_modules=config.lora.target_modules)
                         shared["state"] = lora.slot_state_dict(slot)
         except (ValueError, KeyError, OSError, ApiError) as exc:
-            shared["error"] = _reason(exc)
+            shared["error"] = _reason(exc, (checkpoint_home, Path(tempfile.gettempdir())))
     shared = broadcast_from_master(shared, world)
     # The run's own dropout (its rank and alpha are the source's: the service checked them), and its
     # own modules: without them every module the pool wraps was enabled again for every fresh run,
@@ -88,7 +88,9 @@ def load_initial_weights(
             ckpt = load_checkpoint(path)
             lora.load_slot_state_dict(slot, ckpt.adapter)
         except (OSError, ValueError, KeyError) as exc:
-            out.error = f"checkpoint {spec.checkpoint} of run {spec.run_id}: {_reason(exc)}"
+            out.error = (
+                f"checkpoint {spec.checkpoint} of run {spec.run_id}: {_reason(exc, (checkpoint_home,))}"
+            )
             return out
         if spec.with_optimizer:
             out.optimizer_state = ckpt.optimizer_state
@@ -97,15 +99,18 @@ def load_initial_weights(
     return out
 
 
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/[^\s'\":]+")
-"""A file path in an error's message (not a URL's path, nor a ratio such as a/b)."""
-
-
-def _reason(exc: BaseException) -> str:
-    """`exc` as the run's eviction reason, each file path cut to its last part (`step_4`,
-    `adapter_model.safetensors`): the reason reaches the tenant (GET /v1/runs/{id}), the pool's
-    directories do not concern them."""
-    message = _ABSOLUTE_PATH.sub(lambda m: m.group(0).rstrip("/").rpartition("/")[2] or "/", str(exc))
+def _reason(exc: BaseException, roots: tuple[Path, ...]) -> str:
+    """`exc` as the run's eviction reason, each path under one of the pool's directories (`roots`:
+    its checkpoint home, the temporary directory an adapter is imported from) cut to its last part
+    (`step_4`, `adapter_model.safetensors`): the reason reaches the tenant (GET /v1/runs/{id}), the
+    pool's directories do not concern them. Only those roots: anything else that looks like a path
+    (an API route in a RetryExhausted, `GET /v1/pool/runs/...`) is the tenant's to read."""
+    message = str(exc)
+    for root in roots:
+        for spelling in {str(root), str(root.resolve())}:
+            # The root whole (not /tmp in /tmpfoo), then the rest of the path up to a quote or a space.
+            under = re.compile(re.escape(spelling.rstrip("/")) + r"(?:/[^\s'\":]*)?(?![^/\s'\":])")
+            message = under.sub(lambda m: m.group(0).rstrip("/").rpartition("/")[2], message)
     return f"{type(exc).__name__}: {message}"
 
 

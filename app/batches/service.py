@@ -243,7 +243,8 @@ def submit_batch(
     Raises Conflict (run_is_manual, run_evicted, run_not_active, stale_batch, idempotency_conflict) or
     ValidationFailed (details: [{loc, msg, type, sample, field, problem}]); nothing is stored then. A request
     repeating an earlier Idempotency-Key and body returns the earlier batch (created=False),
-    whatever happened to the run since.
+    whatever happened to the run since; a manual run's refusal comes first (its mode never changes:
+    only a batch stored before such runs were refused could be replayed, and it is not).
     """
     state = _RunState.of(run)
     config = run_config(run.config)

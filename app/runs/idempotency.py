@@ -1,20 +1,15 @@
 """The Idempotency-Key header of the routes that create something under a run (POST /v1/runs and
-POST /v1/runs/{run_id}/batches): one definition, so both routes take and refuse the same values.
-
-Printable ASCII without space, 1 to 128 characters (the `idempotency_key` columns' length). A key
-is echoed in messages and logs and compared byte for byte: a tab, a space or a latin-1 byte (Starlette
-decodes header bytes as latin-1) would store a key a client's own library may not send back the same.
+POST /v1/runs/{run_id}/batches): one declaration, so both routes take and refuse the same values
+(what a key may be is contracts.ids.IDEMPOTENCY_KEY_PATTERN, which the SDK checks too).
 """
 
-import re
 from typing import Any
 
 from fastapi import Header
 
-MAX_IDEMPOTENCY_KEY = 128
-IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]+$"
+from contracts.ids import IDEMPOTENCY_KEY_PATTERN, MAX_IDEMPOTENCY_KEY, is_idempotency_key
 
-_KEY = re.compile(IDEMPOTENCY_KEY_PATTERN)
+__all__ = ["idempotency_key_header", "is_idempotency_key"]
 
 
 def idempotency_key_header(description: str) -> Any:
@@ -26,9 +21,3 @@ def idempotency_key_header(description: str) -> Any:
         pattern=IDEMPOTENCY_KEY_PATTERN,
         description=description,
     )
-
-
-def is_idempotency_key(value: str) -> bool:
-    """Whether the declaration above takes `value` (for a route that reads the header itself)."""
-    # fullmatch: `$` alone would also match before a final newline.
-    return len(value) <= MAX_IDEMPOTENCY_KEY and _KEY.fullmatch(value) is not None

@@ -198,6 +198,19 @@ def test_run_ids_are_validated_before_any_request(client: LoraloomClient) -> Non
             client.get_run(bad)
 
 
+@pytest.mark.parametrize("key", ["has space", "tab\there", "caf\u00e9", "", "k" * 129, "k1\n"])
+def test_idempotency_keys_the_service_refuses_are_refused_before_any_request(
+    client: LoraloomClient, service: FakeService, faults: FaultInjector, key: str
+) -> None:
+    run = client.create_run("keys", {})
+    with pytest.raises(ValueError, match="not an idempotency key"):
+        client.create_run("keys", {}, idempotency_key=key)
+    with pytest.raises(ValueError, match="not an idempotency key"):
+        client.submit_batch(run.id, _batch(step=1), idempotency_key=key)
+    assert faults.requests_to("POST", f"/v1/runs/{run.id}/batches") == []
+    assert client.submit_batch(run.id, _batch(step=1), idempotency_key="step-1!~").rollout_step == 1
+
+
 def test_download_adapter_uses_etag(client: LoraloomClient, service: FakeService, tmp_path: Path) -> None:
     run = client.create_run("adapters", {})
     files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x00" * 64}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from contracts.http import NotFound
+from contracts.http import NotFound, RetryExhausted
 from contracts.pool_api import InitFrom
 from contracts.run_config import LoraSettings, RunConfig
 from trainer_core.dist import World
@@ -78,3 +78,14 @@ def test_the_services_refusal_is_kept_as_it_was_said(lora, tmp_path):
     refusal = NotFound("the files of run run_00000000000a's adapter 3 are missing", code="not_found")
     error = _error(lora, _Source(InitFrom(run_id="run_00000000000a", step=3), files=refusal), tmp_path)
     assert error == f"NotFound: {refusal}"
+
+
+def test_a_route_in_the_reason_is_kept_whole(lora, tmp_path):
+    # Only the pool's directories are cut: an API route is what the tenant needs to read.
+    gave_up = RetryExhausted(
+        "GET /v1/pool/runs/run_00000000000a/init_adapter: gave up after 5 attempts: 503 busy",
+        attempts=5,
+        last_error=OSError("503 busy"),
+    )
+    error = _error(lora, _Source(InitFrom(run_id="run_00000000000a", step=3), files=gave_up), tmp_path)
+    assert error == f"RetryExhausted: {gave_up}"
