@@ -224,7 +224,8 @@ class RunConfig(_Strict):
     mode: Literal["rollout", "manual"] = Field(
         default="rollout",
         description="`manual`: the user steps the run (the Tinker API: forward_backward, optim_step), "
-        "no batch_size accounting.",
+        "no batch_size accounting. Only the Tinker API makes manual runs: POST /v1/runs refuses "
+        "`manual` (422), and a manual run takes no rollout batches (409 run_is_manual).",
     )
     lora: LoraSettings = LoraSettings()
     optim: OptimSettings = OptimSettings()
