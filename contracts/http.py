@@ -4,7 +4,8 @@ Every error the service returns has the body `{"error": {"code", "message", "det
 `error_from_response` turns it into one of the classes below, so callers can
 `except NotFound` instead of inspecting status codes. The SDK and the worker pool's
 client both use these, and `send_with_retries` (exponential backoff with full jitter;
-connection errors, 429 with Retry-After and 5xx retried, every other 4xx an answer).
+connection errors, 429 with Retry-After and 5xx retried, every other 4xx an answer; a caller that is
+stopping, e.g. the worker pool after a Ctrl-C, gets no retries and no backoff: `RetryStopped`).
 """
 
 from __future__ import annotations
@@ -157,6 +158,13 @@ class RetryExhausted(ApiError):
         self.last_error = last_error
 
 
+class RetryStopped(RetryExhausted):
+    """A retryable failure not retried because the caller is stopping (`send_with_retries(stop=...)`).
+
+    A `RetryExhausted` given up early: the worker pool stopped by Ctrl-C while the service was down
+    retried its state sync for about a minute and then died on `RetryExhausted`'s traceback."""
+
+
 _BY_STATUS: dict[int, type[ApiError]] = {
     400: BadRequest,
     401: Unauthorized,
@@ -298,16 +306,53 @@ def _retryable_exception(exc: httpx.TransportError) -> bool:
     return not isinstance(exc, httpx.UnsupportedProtocol)
 
 
+STOP_POLL_S = 0.1
+"""How often a backoff pause asks its `stop` whether the caller is stopping."""
+
+
 class RetryState:
     """The retry decisions for one logical request, attempt after attempt."""
 
-    def __init__(self, policy: RetryPolicy, what: str) -> None:
+    def __init__(self, policy: RetryPolicy, what: str, stop: Callable[[], bool] | None = None) -> None:
         self.policy = policy
         self.what = what
         self.attempt = 0
+        self.stop = stop
+        """True once the caller is stopping: a failed attempt is then not retried (`RetryStopped`)."""
+        self.last_error: BaseException | None = None
         self._rng = random.Random()
 
+    def _stopped(self, error: BaseException) -> RetryStopped:
+        return RetryStopped(
+            f"{self.what}: not retried after attempt {self.attempt}, stopping: {error}",
+            attempts=self.attempt,
+            last_error=error,
+        )
+
+    def pause(self, delay: float) -> None:
+        """Sleep `delay` seconds before the next attempt; raise `RetryStopped` (from the failed
+        attempt's error) as soon as `stop` says the caller is stopping.
+
+        `stop` is polled every STOP_POLL_S rather than a threading.Event waited on: the worker pool's
+        flag is set by its signal handler, and a handler that sets an Event can deadlock on the Event's
+        own lock when the signal lands while this thread holds it (inside Event.wait)."""
+        if self.stop is None:
+            time.sleep(delay)
+            return
+        end = time.monotonic() + delay
+        while not self.stop():
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, STOP_POLL_S))
+        error = self.last_error
+        assert error is not None  # a pause follows a failed attempt (`_next_delay`)
+        raise self._stopped(error) from error
+
     def _next_delay(self, error: BaseException, retry_after: float | None) -> float:
+        self.last_error = error
+        if self.stop is not None and self.stop():
+            raise self._stopped(error) from error  # one attempt while stopping: no retry, no backoff
         if self.attempt >= self.policy.max_attempts:
             raise RetryExhausted(
                 f"{self.what}: gave up after {self.attempt} attempts: {error}",
@@ -345,9 +390,18 @@ class RetryState:
         return self._next_delay(exc, None)
 
 
-def send_with_retries(send: Callable[[], httpx.Response], policy: RetryPolicy, what: str) -> httpx.Response:
-    """Call `send` until it gives a final response; retryable failures are retried per `policy`."""
-    state = RetryState(policy, what)
+def send_with_retries(
+    send: Callable[[], httpx.Response],
+    policy: RetryPolicy,
+    what: str,
+    stop: Callable[[], bool] | None = None,
+) -> httpx.Response:
+    """Call `send` until it gives a final response; retryable failures are retried per `policy`.
+
+    `stop`: True once the caller is stopping. From then on a retryable failure raises `RetryStopped`
+    at once, and a backoff pause under way ends within STOP_POLL_S with it; an attempt still gets
+    its answer (a stopping worker pool still reports to a service that is up)."""
+    state = RetryState(policy, what, stop)
     delay: float | None
     while True:
         state.start_attempt()
@@ -360,7 +414,7 @@ def send_with_retries(send: Callable[[], httpx.Response], policy: RetryPolicy, w
             if delay is None:
                 return response
             response.close()
-        time.sleep(delay)
+        state.pause(delay)
 
 
 async def send_with_retries_async(

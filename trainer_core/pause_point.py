@@ -6,7 +6,7 @@ an iteration completed. When P names one of those runs, it writes `P.paused` (ho
 and waits until P is removed, then goes on publishing. The lifecycle race tests use it to make a
 tenant's evict or delete land exactly inside the window between the state sync and the publish,
 while the pool holds the victim's claimed batch. `pause_at(point)` holds the same way when P names
-`point` (MANUAL_* below); the crash tests SIGKILL the pool while it holds there. Unset (production),
+`point` (the points below); the crash tests SIGKILL the pool while it holds there. Unset (production),
 each costs one `os.environ` read.
 """
 
@@ -27,6 +27,8 @@ MANUAL_BEFORE_OPTIM = "manual:before-optim"
 """After the passes of a claim were reported, before its optim_steps update the adapters."""
 MANUAL_BEFORE_OPTIM_REPORT = "manual:before-optim-report"
 """After the optim_steps updated, published and checkpointed the adapters, before their report."""
+STARTUP_BEFORE_MODEL = "startup:before-model"
+"""At start-up, before the master loads (or builds) the base model: before any stop handler."""
 
 
 def paused_marker(path: Path) -> Path:

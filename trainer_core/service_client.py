@@ -7,6 +7,7 @@ SDK's policy (`contracts.http`); an error answer raises the typed error of `cont
 """
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +49,24 @@ class PoolServiceClient:
     """The pool routes over HTTP (docs/contracts.md). Not thread-safe apart from `heartbeat`, which
     the heartbeat thread calls while the loop makes the other calls (httpx.Client allows that)."""
 
-    def __init__(self, url: str, token: str, *, timeout_s: float = 30.0, max_attempts: int = 24) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        timeout_s: float = 30.0,
+        max_attempts: int = 24,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
         """`max_attempts`: with backoff up to 5 s, about a minute of retries (half on average), so the
-        pool outlasts a restart of the service instead of dying on its first refused connection."""
+        pool outlasts a restart of the service instead of dying on its first refused connection.
+        `stop`: True once the pool is stopping (Ctrl-C): a failed request then raises `RetryStopped`
+        at once instead of retrying that minute against a service that is down."""
         self._http = httpx.Client(
             base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
         )
         self._retry = RetryPolicy(max_attempts=max_attempts, backoff_base_s=0.2, backoff_max_s=5.0)
+        self._stop = stop
         self.pool_id: str | None = None
 
     def close(self) -> None:
@@ -66,7 +78,7 @@ class PoolServiceClient:
         # The SDK's retry rules (backoff with jitter; connection errors, 429 with Retry-After and
         # 5xx are retried, every other 4xx is an answer): one implementation for both clients.
         response = send_with_retries(
-            lambda: self._http.request(method, path, **kwargs), self._retry, f"{method} {path}"
+            lambda: self._http.request(method, path, **kwargs), self._retry, f"{method} {path}", self._stop
         )
         if response.status_code >= 400:
             raise error_from_response(response)

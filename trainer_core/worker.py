@@ -18,18 +18,27 @@ Only the master talks to the run source; ranks talk through torch.distributed (`
 """
 
 # ruff: noqa: E402 - the rank must follow its launcher before importing torch (see below)
+import signal
+
 from trainer_core.parent_death import die_with_parent
 
 if __name__ == "__main__":
     # First thing: a launcher killed during the seconds of torch imports must not orphan this rank.
     die_with_parent()
+    # Until `main` installs its stop handlers (the trainer built), SIGTERM and SIGINT end the rank at
+    # once, by the signal: a rank importing torch or building the model holds nothing to finish or
+    # give back, and it may wait inside a collective (for the master's model) where no Python handler
+    # runs. loraloom.torchrun reports that in its one line. SIGINT too, which Python would turn into
+    # a KeyboardInterrupt traceback per rank (it reaches the ranks of a torchrun in a terminal); an
+    # ignored SIGINT (a background job of a shell) stays ignored.
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import argparse
 import dataclasses
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +53,7 @@ from pydantic import ValidationError
 from torch import nn
 from transformers import PreTrainedModel
 
-from contracts.http import ApiError
+from contracts.http import ApiError, RetryStopped
 from contracts.pool_api import ClaimedBatchStruct, PoolRegister
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES, RunConfig
 from trainer_core.critic import ValueHeads, uses_critic
@@ -66,7 +75,7 @@ from trainer_core.manual import ManualExecutor, ManualWorkClient
 from trainer_core.models.registry import BaseModelError, load_base_model
 from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch, Packer
-from trainer_core.pause_point import pause_before_publish
+from trainer_core.pause_point import STARTUP_BEFORE_MODEL, pause_at, pause_before_publish
 from trainer_core.publish import Publisher, restore_manual_boundary, restore_slot
 from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
@@ -180,13 +189,15 @@ def parse_settings(argv: list[str] | None = None) -> WorkerSettings:
         p.exit(2, f"{p.prog}: error: invalid worker settings: {problems}\n")
 
 
-def make_source(args: WorkerArgs) -> RunSource:
-    """The run directories of `--runs-dir`, or the service at `--url`."""
+def make_source(args: WorkerArgs, *, stop: Callable[[], bool] | None = None) -> RunSource:
+    """The run directories of `--runs-dir`, or the service at `--url`. `stop`: True once the pool is
+    stopping; the service client then gives up a failing request instead of retrying it."""
     if args.runs_dir is not None:
         return DirectoryRunSource(args.runs_dir)
     if not args.token:
         raise ValueError("the service needs the worker token (WorkerArgs.token)")
-    return HttpRunSource(PoolServiceClient(args.url, args.token), heartbeat_file=args.heartbeat_file)
+    client = PoolServiceClient(args.url, args.token, stop=stop)
+    return HttpRunSource(client, heartbeat_file=args.heartbeat_file)
 
 
 @dataclass
@@ -266,6 +277,7 @@ class PoolTrainer:
         )
         failure = ""  # the master's: the other ranks, waiting for its cache, stop with it
         if world.is_master:
+            pause_at(STARTUP_BEFORE_MODEL)  # tests: a stop signal while the pool builds its model
             log.info("loading the base model %s (cache %s)", args.base_model, args.model_cache_dir)
             try:
                 base = _load_or_explain(load)
@@ -295,7 +307,9 @@ class PoolTrainer:
 
         self.master: _Master | None = None
         if world.is_master:
-            self.master = self._start_master(source or make_source(args))
+            # Stopping, the pool asks the service once, not for a minute of retries (a Ctrl-C while
+            # the service was down took that minute, then ended in RetryExhausted's traceback).
+            self.master = self._start_master(source or make_source(args, stop=lambda: self.stop_requested))
         self.manual: ManualExecutor | None = None
         """Executes the manual-mode work (Tinker API) if the source serves any: the master claims
         and reports, every rank runs its share."""
@@ -406,7 +420,12 @@ class PoolTrainer:
         if config.mode == "manual":
             run.manual_boundary = restore_manual_boundary(self.args.checkpoint_home, run_id)
         self.slots[slot] = run
-        if self.master and initial.error is not None:
+        if self.master and initial.error is not None and self.stop_requested:
+            # Not evicted: stopping, a failed fetch of the weights is not retried (RetryStopped), so
+            # the failure may be the stop's. The run takes no work here; the next pool loads them.
+            run.leaving = f"its init_from weights were not loaded while stopping: {initial.error}"
+            self.runs.release_run(slot, run.leaving)
+        elif self.master and initial.error is not None:
             self._evict(run, f"its init_from weights could not be loaded: {initial.error}")
         log.info("rank %d: run %s in slot %d from step %d", self.world.rank, run_id, slot, progress.step)
         if self.master is None:
@@ -704,6 +723,18 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, _request_stop)
     try:
         trainer.run()
+    except RetryStopped as exc:
+        # Master: a request failed after the stop (the service is down): stop without it. `close`
+        # tries to deregister once; if that fails too, the service's pool timeout frees the leases.
+        log.warning("rank %d: stopping without the service: %s", world.rank, exc)
+    except RuntimeError as exc:
+        # Another rank, stopping too: the master left (above) while this one waited in a collective
+        # for its plan, so the collective broke. That is the stop, not a failure of this rank (gloo's
+        # message says "typically caused by a remote worker crashing": only for --debug eyes).
+        if not trainer.stop_requested or world.is_master:
+            raise
+        log.info("rank %d: the master rank stopped first; stopping with it", world.rank)
+        log.debug("rank %d: the collective it broke: %s", world.rank, exc)
     finally:
         trainer.close()
         destroy_world()
