@@ -1,13 +1,16 @@
-"""What every test directory shares: the test credentials and the database backend under test.
+"""What every test directory shares: the test credentials, the database backend under test, and a
+wait on its locks.
 
 A module of its own (not a conftest), so tests import it like any module; conftests hold
 fixtures only.
 """
 
 import os
+import time
 import uuid
 
 from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
 
 PG_ADMIN_URL = os.environ.get(
     "LORALOOM_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
@@ -49,3 +52,21 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def wait_for_a_lock_waiter(watcher: Session, what: str) -> None:
+    """Until a backend of the test database waits for a lock (Postgres; a bounded wait): the window of
+    a race held open by a transaction the test keeps. `what` names the waiter for the failure."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        waiting = watcher.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+        ).scalar_one()
+        watcher.rollback()  # a new snapshot for the next look
+        if waiting:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"{what} never waited for a lock")

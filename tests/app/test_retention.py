@@ -33,7 +33,7 @@ from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession, 
 from contracts.ids import new_id
 from tests.app.api import TenantHandle, create_run
 from tests.app.factories import committed, make_run, make_tenant
-from tests.common import ADMIN_KEY, WORKER_TOKEN, backend_under_test
+from tests.common import backend_under_test
 
 DAY = 86_400.0
 RUN_RETENTION = 7 * DAY
@@ -41,17 +41,9 @@ EVENT_RETENTION = 30 * DAY
 
 
 @pytest.fixture
-def settings(database_url: str, tmp_path: Path) -> Settings:
+def settings(settings: Settings) -> Settings:
     """The suite's settings (tests/conftest.py), with both retentions off for the app itself."""
-    return Settings(
-        database_url=database_url,
-        data_dir=tmp_path / "data",
-        admin_key=ADMIN_KEY,
-        worker_token=WORKER_TOKEN,
-        max_concurrent_runs=2,
-        deleted_run_retention_seconds=0,
-        event_retention_seconds=0,
-    )
+    return settings.model_copy(update={"deleted_run_retention_seconds": 0, "event_retention_seconds": 0})
 
 
 @pytest.fixture

@@ -9,16 +9,14 @@ nothing); the tests sweep with a bound (`keep`), calling the sweep themselves.""
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save
-from sqlalchemy import select, text, update
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import sweeper
@@ -34,23 +32,16 @@ from contracts.ids import new_id
 from tests.app.api import WORKER_HEADERS, TenantHandle, create_run
 from tests.app.factories import committed, make_run, make_tenant
 from tests.app.test_adapters import FILES, tar_bytes
-from tests.common import ADMIN_KEY, WORKER_TOKEN
+from tests.common import wait_for_a_lock_waiter
 
 KEPT = 3
 Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj"
 
 
 @pytest.fixture
-def settings(database_url: str, tmp_path: Path) -> Settings:
+def settings(settings: Settings) -> Settings:
     """The suite's settings (tests/conftest.py), with every adapter kept by the app itself."""
-    return Settings(
-        database_url=database_url,
-        data_dir=tmp_path / "data",
-        admin_key=ADMIN_KEY,
-        worker_token=WORKER_TOKEN,
-        max_concurrent_runs=2,
-        run_adapters_kept=0,
-    )
+    return settings.model_copy(update={"run_adapters_kept": 0})
 
 
 @pytest.fixture
@@ -313,7 +304,7 @@ def test_a_run_created_from_a_step_while_it_is_pruned_keeps_it(
 
         pruning = threading.Thread(target=prune)
         pruning.start()
-        _wait_for_a_lock_waiter(watcher)  # the pruning waits for the admission lock
+        wait_for_a_lock_waiter(watcher, "the pruning (the admission lock)")
         creating.commit()
         pruning.join(timeout=30)
         assert not pruning.is_alive()
@@ -322,20 +313,3 @@ def test_a_run_created_from_a_step_while_it_is_pruned_keeps_it(
         watcher.close()
     assert outcome["out"].rows == 1
     assert steps_in_db(settings, source) == [1, 3, 4, 5]
-
-
-def _wait_for_a_lock_waiter(watcher: Session) -> None:
-    """Until a backend of the test database waits for a lock (a bounded wait, ended by the event)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        waiting = watcher.execute(
-            text(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            )
-        ).scalar_one()
-        watcher.rollback()  # a new snapshot for the next look
-        if waiting:
-            return
-        time.sleep(0.01)
-    raise AssertionError("the pruning never waited for the admission lock")

@@ -5,7 +5,6 @@ with it: the lock is FOR NO KEY UPDATE, which KEY SHARE passes. With FOR UPDATE 
 for the deletion, which waited for the holder's run row, until Postgres aborted one of them."""
 
 import threading
-import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -15,6 +14,7 @@ from app.db import make_engine, make_session_factory
 from app.main import create_app
 from tests.app.api import ADMIN_HEADERS
 from tests.app.factories import seed_run
+from tests.common import wait_for_a_lock_waiter
 
 pytestmark = pytest.mark.postgres_only
 
@@ -36,7 +36,7 @@ def test_a_run_holder_referencing_the_tenant_does_not_deadlock_its_deletion(sett
 
             deleting = threading.Thread(target=delete)
             deleting.start()
-            _wait_for_a_lock_waiter(watcher)
+            wait_for_a_lock_waiter(watcher, "the deletion (the run's row)")
             # The deletion holds the tenant's row and waits for the run's. Now the holder takes what
             # a foreign key check takes on the tenant: with FOR UPDATE on it, a deadlock.
             holder.execute(
@@ -50,20 +50,3 @@ def test_a_run_holder_referencing_the_tenant_does_not_deadlock_its_deletion(sett
         holder.close()
         watcher.close()
         engine.dispose()
-
-
-def _wait_for_a_lock_waiter(watcher) -> None:
-    """Until a backend of the test database waits for a lock: the deletion, on the run's row."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        waiting = watcher.execute(
-            text(
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-            )
-        ).scalar_one()
-        watcher.rollback()  # a new snapshot for the next look
-        if waiting:
-            return
-        time.sleep(0.01)
-    raise AssertionError("the deletion never waited for the run row")
