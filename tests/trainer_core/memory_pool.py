@@ -13,9 +13,9 @@ from trainer_core.memory_client import MemoryPoolClient
 from trainer_core.worker import PoolTrainer, WorkerArgs
 
 
-def train_in_memory(client: MemoryPoolClient, tmp_path: Path, **settings: Any) -> PoolTrainer:
-    """Train every run of `client` on a 2-slot pool until nothing is left (exits after 0.3 s idle).
-    An exception from `run()` is the pool dying: it propagates. `settings`: further `WorkerArgs`."""
+def memory_trainer(client: MemoryPoolClient, tmp_path: Path, **settings: Any) -> PoolTrainer:
+    """A 2-slot CPU pool fed by `client` that exits after 0.3 s idle; `settings`: further `WorkerArgs`.
+    The caller runs it and closes it."""
     args = WorkerArgs(
         url="memory",
         token="memory",
@@ -29,7 +29,13 @@ def train_in_memory(client: MemoryPoolClient, tmp_path: Path, **settings: Any) -
         exit_when_idle_s=0.3,
         **settings,
     )
-    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
+    return PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
+
+
+def train_in_memory(client: MemoryPoolClient, tmp_path: Path, **settings: Any) -> PoolTrainer:
+    """Train every run of `client` on a 2-slot pool until nothing is left (exits after 0.3 s idle).
+    An exception from `run()` is the pool dying: it propagates. `settings`: further `WorkerArgs`."""
+    trainer = memory_trainer(client, tmp_path, **settings)
     try:
         trainer.run()
     finally:

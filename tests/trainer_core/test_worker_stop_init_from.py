@@ -9,16 +9,13 @@ A pool that is not stopping still evicts it, as before. The real PoolTrainer, fe
 from pathlib import Path
 
 import pytest
-import torch
 
 from contracts.http import RetryStopped, ServerError
 from contracts.pool_api import InitFrom, PoolRunState
 from contracts.run_config import RunConfig
-from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch
-from trainer_core.dist import World
-from trainer_core.http_source import HttpRunSource
+from tests.e2e.helpers import run_config, synthetic_batch
+from tests.trainer_core.memory_pool import memory_trainer
 from trainer_core.memory_client import MemoryPoolClient
-from trainer_core.worker import PoolTrainer, WorkerArgs
 
 RUN = "run_000000000000"
 
@@ -45,19 +42,7 @@ class InitFetchFails(MemoryPoolClient):
 def test_an_init_from_fetch_failed_while_stopping_evicts_nothing(tmp_path: Path, stopping: bool) -> None:
     config = RunConfig.model_validate(run_config(max_steps=3, seed=5)).model_dump(mode="json")
     client = InitFetchFails([[synthetic_batch(1, n_samples=4)]], config)
-    args = WorkerArgs(
-        url="memory",
-        token="memory",
-        slots=2,
-        seq_len=64,
-        max_rank=8,
-        checkpoint_dir=tmp_path / "ckpt",
-        model_cache_dir=MODEL_CACHE,
-        pack_timeout_s=0.05,
-        poll_interval_s=0.01,
-        exit_when_idle_s=0.3,
-    )
-    trainer = PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
+    trainer = memory_trainer(client, tmp_path)
     trainer.stop_requested = stopping  # as the signal handler sets it, before the run is admitted
     try:
         trainer.run()
