@@ -34,6 +34,16 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _StrictModel(BaseModel):
+    """Typed as the Tinker API types it: a number field takes a JSON number, never a boolean or a
+    string (pydantic's lax mode read `true` as a learning rate of 1.0 and `"3"` as 3 samples; hostile
+    probe h1, finding 5); an int field takes no float; a boolean field no number or string. An int is
+    a float here: JSON has one number type. Stored requests were written by these models, so a
+    stored request always passes again (the claim reads them with these models)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
 class ManualDatum(_Model):
     """One Tinker datum, as the pool needs it: the model input and per-position loss inputs
     (position i predicts `target_tokens[i]` from `tokens[: i + 1]`)."""
@@ -56,7 +66,7 @@ class ManualDatum(_Model):
         return self
 
 
-class AdamStep(_Model):
+class AdamStep(_StrictModel):
     """The request's Adam parameters (AdamW with decoupled weight decay, as in torch)."""
 
     learning_rate: float = Field(gt=0, le=1.0)
@@ -68,7 +78,7 @@ class AdamStep(_Model):
     """0: no clipping."""
 
 
-class SamplingSpec(_Model):
+class SamplingSpec(_StrictModel):
     """A `sample` request: `num_samples` continuations of `prompt` from the run's adapter as it was
     saved at `step` (the live slot when the run is still there, else that step's saved copy), or
     from the base model (`step` None, the item's `run_id` empty)."""
@@ -98,6 +108,33 @@ class SamplingSpec(_Model):
     """Also the logprob of every prompt token after the first (from the prefill)."""
     prompt_logprobs_last_n: int | None = Field(default=None, ge=1)
     """Only the last N prompt tokens' logprobs (the others are None)."""
+
+
+class ClipThresholds(_StrictModel):
+    """The `loss_fn_config` of ppo and cispo: the bounds of the importance ratio's clip,
+    `clip(r, low, high)` with r = exp(lp - old_lp) (trainer_core.policy_terms; unset, the pool's
+    defaults 0.8 and 1.2, Tinker's). A ratio is positive and 1 on-policy, so 0 <= low <= 1 <= high:
+    a low above 1 or a high below 1 clips even an on-policy token, and low > high is an empty
+    interval (clamp then answers `high` for every token; `5.0` and `-3.0` were taken and trained on:
+    hostile probe h1, finding 5). A low below 0 would clip nothing that 0 does not: refused as the
+    mistake it is. Checked where a request enters (app.tinker.work), not on `ManualWorkItem`, which
+    also reads the requests stored before this check."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    clip_low_threshold: float | None = Field(default=None, ge=0, le=1)
+    clip_high_threshold: float | None = Field(default=None, ge=1)
+
+
+CLIP_KEYS = tuple(ClipThresholds.model_fields)
+LOSS_FN_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": CLIP_KEYS,
+    "cispo": CLIP_KEYS,
+}
+"""The `loss_fn_config` keys each loss reads (trainer_core.policy_terms.tinker_loss); any other key
+is refused, named, rather than ignored (a misspelt clip bound trained with the default)."""
 
 
 class SampledSequence(_Model):

@@ -8,7 +8,8 @@ A checkpoint is what a completed save named: `save_state` → a training checkpo
 run's adapter of that step). A name saved again names the newest save. Deleting one forgets the
 name: its path no longer lists, loads, resolves or samples; the run's adapters stay the run's
 (`/v1/runs/{id}/adapters`) and a saved state stays on the pool's disk until the run is deleted.
-Another tenant's models and paths are reported exactly like missing ones (404).
+Deleting the model's run forgets all its checkpoints the same way (`live_saves` decides, for every
+call). Another tenant's models and paths are reported exactly like missing ones (404).
 
 A tenant keeps at most `Settings.tinker_max_saves_per_tenant` training states (`check_save_quota`:
 403 `save_quota` past it). The listings are built in SQL from the columns they show, a page at a
@@ -31,6 +32,7 @@ from app.tinker.schemas import (
     CheckpointOut,
     TrainingRunOut,
     WeightsInfoOut,
+    shown,
 )
 from app.tinker.service import get_model
 from contracts.status import RunStatus
@@ -142,38 +144,57 @@ def user_checkpoints(
     return _page(session, _newest_per_path(tenant_id), limit=limit, offset=offset)
 
 
-def _parse(path: str) -> tuple[str, str, str]:
-    """`tinker://<model>/<weights|sampler_weights>/<name>` → (model id, save kind, path)."""
+SEGMENT_OF_KIND = {kind: segment for segment, kind in KIND_OF_SEGMENT.items()}
+
+
+def _parse(path: str, *, kind: str | None = None) -> tuple[str, str, str]:
+    """`tinker://<model>/<weights|sampler_weights>/<name>` → (model id, save kind, path); with
+    `kind`, only a path of that kind (`save_weights` or `save_weights_for_sampler`)."""
     parts = path.removeprefix("tinker://").split("/")
     if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in KIND_OF_SEGMENT or not parts[2]:
         raise ValidationFailed(
-            f"not a checkpoint path: {path!r} (tinker://<model_id>/weights/<name> or .../sampler_weights/<name>)"
+            f"not a checkpoint path: {shown(path)!r} "
+            "(tinker://<model_id>/weights/<name> or .../sampler_weights/<name>)"
+        )
+    if kind is not None and KIND_OF_SEGMENT[parts[1]] != kind:
+        raise ValidationFailed(
+            f"not a {TYPE_OF_KIND[kind]} checkpoint path: {shown(path)!r} "
+            f"(tinker://<model_id>/{SEGMENT_OF_KIND[kind]}/<name>)"
         )
     return parts[0], KIND_OF_SEGMENT[parts[1]], path
 
 
-def _saves_of(session: Session, *, tenant_id: str, path: str) -> tuple[TinkerModel, Run, list[TinkerFuture]]:
-    """The tenant's model a checkpoint path names, its run, and the live saves that named the path
-    (404 when there are none: never saved, deleted, or another tenant's)."""
-    model_id, kind, path = _parse(path)
+def live_saves(
+    session: Session, *, tenant_id: str, path: str, kind: str | None = None
+) -> tuple[TinkerModel, Run, list[TinkerFuture]]:
+    """The tenant's model a checkpoint path names, its run, and the live saves that named the path,
+    the newest first; 404 `checkpoint ... not found` when there are none: never saved, its
+    checkpoint deleted, its model's run deleted, or another tenant's. The one place that decides
+    whether a saved path is live, for every call that takes one: weights_info, delete_checkpoint,
+    load_weights, create_sampling_session, a sampling client's every sample and
+    /api/v1/loraloom/resolve (load_weights and the samplers read the save's row alone, and took a
+    deleted run's path: hostile probe h1, finding 3). `kind`: only a path of that kind (422 for
+    the other)."""
+    model_id, kind, path = _parse(path, kind=kind)
     model, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
     saves = list(
         session.scalars(
-            _joined(select(TinkerFuture)).where(
-                *_live_saves(tenant_id, model_id=model_id, kinds=(kind,)), saved_path() == path
-            )
+            _joined(select(TinkerFuture))
+            .where(*_live_saves(tenant_id, model_id=model_id, kinds=(kind,)), saved_path() == path)
+            # Saves are ordered requests of one model: the highest seq_id is the newest.
+            .order_by(TinkerFuture.seq_id.desc(), TinkerFuture.completed_at.desc())
         )
     )
     # The path's own check too: a save's stored path and its kind agree by construction.
     saves = [f for f in saves if f.saved_path() == path]
     if not saves:
-        raise NotFound(f"checkpoint {path} not found")
+        raise NotFound(f"checkpoint {shown(path)} not found")
     return model, run, saves
 
 
 def delete_checkpoint(session: Session, *, tenant_id: str, model_id: str, checkpoint_id: str) -> None:
     """Forget `tinker://<model_id>/<checkpoint_id>` (404 when it does not name a live checkpoint)."""
-    _, _, saves = _saves_of(session, tenant_id=tenant_id, path=f"tinker://{model_id}/{checkpoint_id}")
+    _, _, saves = live_saves(session, tenant_id=tenant_id, path=f"tinker://{model_id}/{checkpoint_id}")
     for future in saves:
         # A new dict: the JSON column sees a replaced value, not an in-place change.
         future.result = {**(future.result or {}), CHECKPOINT_DELETED: True}
@@ -181,7 +202,7 @@ def delete_checkpoint(session: Session, *, tenant_id: str, model_id: str, checkp
 
 def weights_info(session: Session, *, tenant_id: str, path: str) -> WeightsInfoOut:
     """What the checkpoint at `path` loads into: base model and LoRA shape."""
-    _, run, _ = _saves_of(session, tenant_id=tenant_id, path=path)
+    _, run, _ = live_saves(session, tenant_id=tenant_id, path=path)
     modules = set(run.config["lora"]["target_modules"])
     return WeightsInfoOut(
         base_model=run.base_model,

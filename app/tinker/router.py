@@ -9,7 +9,7 @@ import asyncio
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,6 +23,10 @@ from app.tinker.auth import TinkerTenantDep, tinker_key_hash, tinker_tenant
 from app.tinker.long_polls import LongPolls
 from app.tinker.models import TinkerFuture
 from app.tinker.schemas import (
+    MAX_ID_CHARS,
+    MAX_SAMPLER_ID_CHARS,
+    MAX_TINKER_PATH_CHARS,
+    PRINTABLE,
     CheckpointsOut,
     ClientConfig,
     CreateModelRequest,
@@ -43,6 +47,13 @@ from app.tinker.schemas import (
 
 # The Tinker SDK's surface (its own protocol, documented by the SDK): not in our OpenAPI documents.
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+
+# Path ids bounded as the bodies' are (app.tinker.schemas): a 422 naming the parameter, never a 404
+# that repeats an id of any length (hostile probe h1, finding 8).
+ModelIdPath = Annotated[str, Path(max_length=MAX_ID_CHARS, pattern=PRINTABLE)]
+SessionIdPath = Annotated[str, Path(max_length=MAX_ID_CHARS, pattern=PRINTABLE)]
+SamplerIdPath = Annotated[str, Path(max_length=MAX_SAMPLER_ID_CHARS, pattern=PRINTABLE)]
+CheckpointIdPath = Annotated[str, Path(max_length=MAX_TINKER_PATH_CHARS, pattern=PRINTABLE)]
 
 
 @router.get("/healthz", operation_id="tinkerHealthz")
@@ -89,7 +100,7 @@ def session_heartbeat(
     status_code=status.HTTP_204_NO_CONTENT,
     operation_id="tinkerFinishSession",
 )
-def finish_session(principal: TinkerTenantDep, session: SessionDep, session_id: str) -> Response:
+def finish_session(principal: TinkerTenantDep, session: SessionDep, session_id: SessionIdPath) -> Response:
     service.finish_session(session, tenant_id=principal.tenant_id, session_id=session_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
@@ -313,7 +324,7 @@ def create_sampling_session(
 
 
 @router.get("/samplers/{sampler_id}", operation_id="tinkerGetSampler")
-def get_sampler(principal: TinkerTenantDep, session: SessionDep, sampler_id: str) -> dict[str, str]:
+def get_sampler(principal: TinkerTenantDep, session: SessionDep, sampler_id: SamplerIdPath) -> dict[str, str]:
     sampler = sampling.get_sampling_session(session, tenant_id=principal.tenant_id, sampler_id=sampler_id)
     answer = {"sampler_id": sampler.id, "base_model": sampler.base_model}
     return answer if sampler.model_path is None else {**answer, "model_path": sampler.model_path}
@@ -336,7 +347,9 @@ def asample(
 
 @router.get("/loraloom/resolve", operation_id="tinkerResolvePath")
 def resolve_path(
-    principal: TinkerTenantDep, session: SessionDep, path: Annotated[str, Query(max_length=512)]
+    principal: TinkerTenantDep,
+    session: SessionDep,
+    path: Annotated[str, Query(max_length=MAX_TINKER_PATH_CHARS, pattern=PRINTABLE)],
 ) -> dict[str, Any]:
     """loraloom's own route: which run adapter a `tinker://` sampler path names, and where to
     download it (GET /v1/runs/{run_id}/adapters/{step}, with the tenant's Bearer key)."""
@@ -359,7 +372,9 @@ def list_training_runs(
 
 
 @router.get("/training_runs/{training_run_id}", operation_id="tinkerGetTrainingRun")
-def get_training_run(principal: TinkerTenantDep, session: SessionDep, training_run_id: str) -> TrainingRunOut:
+def get_training_run(
+    principal: TinkerTenantDep, session: SessionDep, training_run_id: ModelIdPath
+) -> TrainingRunOut:
     """Also what `get_training_run_by_tinker_path` asks for (the SDK parses the path itself)."""
     model, run = service.get_model(session, tenant_id=principal.tenant_id, model_id=training_run_id)
     return checkpoints.with_latest_checkpoints(
@@ -368,7 +383,9 @@ def get_training_run(principal: TinkerTenantDep, session: SessionDep, training_r
 
 
 @router.get("/training_runs/{training_run_id}/checkpoints", operation_id="tinkerListCheckpoints")
-def list_checkpoints(principal: TinkerTenantDep, session: SessionDep, training_run_id: str) -> CheckpointsOut:
+def list_checkpoints(
+    principal: TinkerTenantDep, session: SessionDep, training_run_id: ModelIdPath
+) -> CheckpointsOut:
     items = checkpoints.model_checkpoints(session, tenant_id=principal.tenant_id, model_id=training_run_id)
     return CheckpointsOut(checkpoints=items)
 
@@ -379,7 +396,10 @@ def list_checkpoints(principal: TinkerTenantDep, session: SessionDep, training_r
     operation_id="tinkerDeleteCheckpoint",
 )
 def delete_checkpoint(
-    principal: TinkerTenantDep, session: SessionDep, training_run_id: str, checkpoint_id: str
+    principal: TinkerTenantDep,
+    session: SessionDep,
+    training_run_id: ModelIdPath,
+    checkpoint_id: CheckpointIdPath,
 ) -> Response:
     """`checkpoint_id` is `weights/<name>` or `sampler_weights/<name>` (it holds a slash)."""
     if checkpoint_id.endswith("/publish"):

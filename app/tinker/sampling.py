@@ -15,6 +15,7 @@ A sampling client samples one of
 import base64
 import functools
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,17 @@ from app.runs.schemas import validation_problems
 from app.tinker import proto
 from app.tinker.finite import require_finite
 from app.tinker.models import TinkerBaseTurn, TinkerFuture, TinkerModel, TinkerSamplingSession
+from app.tinker.schemas import (
+    BASE_MODEL_PATTERN,
+    BASE_SAMPLER_PREFIX,
+    MAX_BASE_MODEL_CHARS,
+    MAX_SAMPLER_ID_CHARS,
+    CreateSamplingSessionRequest,
+    SampleRequest,
+    invalid,
+    parse_request,
+    shown,
+)
 from app.tinker.service import NotSupported, touch_model
 from app.tinker.work import (
     MAX_ITEMS,
@@ -50,7 +62,6 @@ from contracts.ids import new_id
 from contracts.status import MOVABLE_RUN_STATUSES
 from contracts.tinker_work import ManualWorkItem, SamplingSpec
 
-BASE_SAMPLER_PREFIX = "smpbase_"
 DEFAULT_MAX_TOKENS = 64
 UNSUPPORTED_OPTIONS = (
     "topk_prompt_logprobs",
@@ -76,14 +87,26 @@ def base_sampler_id(base_model: str) -> str:
     return BASE_SAMPLER_PREFIX + base64.urlsafe_b64encode(base_model.encode()).decode().rstrip("=")
 
 
+_BASE_MODEL_NAME = re.compile(BASE_MODEL_PATTERN)
+
+
 def _base_model_of(sampler_id: str) -> str | None:
-    if not sampler_id.startswith(BASE_SAMPLER_PREFIX):
-        return None
+    """The base model a base sampler id names; None for any other id, and for one that is not
+    `base_sampler_id` of a name a base model may have (`smpbase_AAAA`, three NUL characters, went to
+    Postgres as a pool's name: a vague 422, hostile probe h1, finding 7). Such an id is then looked
+    up as a stored sampling session, and not found (404)."""
+    if not sampler_id.startswith(BASE_SAMPLER_PREFIX) or len(sampler_id) > MAX_SAMPLER_ID_CHARS:
+        return None  # bounded before it is decoded
     encoded = sampler_id.removeprefix(BASE_SAMPLER_PREFIX)
     try:
-        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
-    except (ValueError, UnicodeDecodeError):
+        name = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except ValueError:  # binascii.Error (not base64), UnicodeDecodeError (not UTF-8)
         return None
+    if len(name) > MAX_BASE_MODEL_CHARS or not _BASE_MODEL_NAME.fullmatch(name):
+        return None
+    # The one spelling base_sampler_id gives: urlsafe_b64decode skips characters outside its
+    # alphabet, and a last character's spare bits are free, so other ids decode to the same name.
+    return name if base_sampler_id(name) == sampler_id else None
 
 
 def base_model_key(base_model: str) -> str:
@@ -94,8 +117,9 @@ def base_model_key(base_model: str) -> str:
 def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str, Any]) -> Sampler:
     """A sampling client for `tinker://` sampler weights of the tenant's own model, or for the
     base model of a live pool."""
-    path, base_model = body.get("model_path"), body.get("base_model")
-    if isinstance(path, str):
+    request = parse_request(CreateSamplingSessionRequest, body, call="create_sampling_session")
+    path, base_model = request.model_path, request.base_model
+    if path is not None:
         run_id, step = resolve_sampler_path(session, tenant_id=tenant_id, path=path)
         # A session samples nothing but (run, step, path), so one row serves every client of the
         # same weights: a new row per call let a tenant add rows without bound (hostile probe,
@@ -121,7 +145,7 @@ def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str,
         run = session.get(Run, run_id)
         assert run is not None  # resolve_sampler_path found it
         return Sampler(row.id, run.base_model, path, run_id, step)
-    if isinstance(base_model, str) and base_model:
+    if base_model is not None:
         if live_pool(session, base_model=base_model) is None:
             raise NotFound(f"no pool serves the base model {base_model!r}", code="pool_not_found")
         return Sampler(base_sampler_id(base_model), base_model, None)
@@ -138,7 +162,7 @@ def get_sampling_session(session: Session, *, tenant_id: str, sampler_id: str) -
     row = session.get(TinkerSamplingSession, sampler_id)
     run = None if row is None else session.get(Run, row.run_id)
     if row is None or run is None or row.tenant_id != tenant_id:
-        raise NotFound(f"sampling session {sampler_id} not found")
+        raise NotFound(f"sampling session {shown(sampler_id)} not found")
     if row.model_path is not None:
         # Deleting the saved weights retires the samplers made from them (app.tinker.checkpoints).
         try:
@@ -146,7 +170,7 @@ def get_sampling_session(session: Session, *, tenant_id: str, sampler_id: str) -
         except NotFound:
             step = None
         if step != row.step:  # deleted (a name saved again holds other weights)
-            raise NotFound(f"sampling session {sampler_id}: its weights {row.model_path} were deleted")
+            raise NotFound(f"sampling session {shown(sampler_id)}: its weights {row.model_path} were deleted")
     return Sampler(row.id, run.base_model, row.model_path, run.id, row.step)
 
 
@@ -181,15 +205,30 @@ def _stop(stop: Any) -> dict[str, Any]:
     raise ValidationFailed("sampling_params.stop must be a string, a list of strings or a list of token ids")
 
 
+_SPEC_FIELD_LOC = {
+    **{name: ("sampling_params", name) for name in ("max_tokens", "temperature", "top_k", "top_p", "seed")},
+    **{name: ("sampling_params", "stop") for name in ("stop_tokens", "stop_strings", "stop_at_eos")},
+}
+"""Where in the request a `SamplingSpec` field came from (the others are the request's own fields)."""
+
+
+def _spec_problems(exc: ValidationError) -> list[dict[str, Any]]:
+    """The SamplingSpec's errors, each at the request field it came from."""
+    problems = validation_problems(exc, prefix=())
+    for problem in problems:
+        field, *rest = problem["loc"] or [""]
+        problem["loc"] = [*_SPEC_FIELD_LOC.get(field, (field,)), *rest]
+    return problems
+
+
 def submit_sample(
     session: Session, *, tenant_id: str, body: dict[str, Any], settings: Settings
 ) -> TinkerFuture:
     """Queue a sample; its sequences may cost a pool round's tokens at most, num_samples × (prompt +
     max_tokens) (`Settings.tinker_max_tokens_per_round`: one request fits a round, as for
     forward_backward)."""
-    sampler = get_sampling_session(
-        session, tenant_id=tenant_id, sampler_id=str(body.get("sampling_session_id", ""))
-    )
+    request = parse_request(SampleRequest, body, call="sample")
+    sampler = get_sampling_session(session, tenant_id=tenant_id, sampler_id=request.sampling_session_id)
     run = None if sampler.run_id is None else session.get(Run, sampler.run_id)
     if run is not None and run.status not in MOVABLE_RUN_STATUSES:
         raise RunNotActive(
@@ -202,17 +241,17 @@ def submit_sample(
     for option in UNSUPPORTED_OPTIONS:
         if body.get(option):
             raise NotSupported(f"sample option {option}")
-    params = body.get("sampling_params") or {}
+    params = {} if request.sampling_params is None else request.sampling_params
     if not isinstance(params, dict):
         raise ValidationFailed("sampling_params must be an object")
     # Before the bounds: a NaN temperature fails them too, but as "should be less than or equal to 100".
     require_finite(params, loc=("sampling_params",))
-    prompt = _prompt_tokens(body.get("prompt"))
+    prompt = _prompt_tokens(request.prompt)
     max_tokens = params.get("max_tokens")
     try:
         spec = SamplingSpec(
             prompt=prompt,
-            num_samples=body.get("num_samples", 1),
+            num_samples=request.num_samples,
             max_tokens=max_tokens
             if max_tokens is not None
             else max(1, min(DEFAULT_MAX_TOKENS, max_seq_len - len(prompt))),
@@ -222,12 +261,12 @@ def submit_sample(
             seed=params.get("seed"),
             step=sampler.step,
             base_model=sampler.base_model if run is None else None,
-            prompt_logprobs=body.get("prompt_logprobs") or False,
-            prompt_logprobs_last_n=body.get("prompt_logprobs_last_n"),
+            prompt_logprobs=request.prompt_logprobs is True,
+            prompt_logprobs_last_n=request.prompt_logprobs_last_n,
             **_stop(params.get("stop")),
         )
     except ValidationError as exc:
-        raise ValidationFailed("invalid sample request", details=validation_problems(exc)) from exc
+        raise invalid("sample request", _spec_problems(exc)) from exc
     if spec.prompt_logprobs_last_n is not None and not (
         spec.prompt_logprobs and spec.prompt_logprobs_last_n <= len(prompt) - 1
     ):

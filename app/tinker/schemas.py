@@ -5,10 +5,21 @@ we use are bounded. Responses carry exactly the fields the SDK reads.
 """
 
 import json
-from typing import Annotated, Any, Literal
+import math
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
 
+from app.errors import ValidationFailed
+from app.runs.schemas import validation_problems
 from contracts.run_config import KNOWN_TARGET_MODULES
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -50,10 +61,90 @@ user_metadata_adapter: TypeAdapter[dict[str, Any] | None] = TypeAdapter(UserMeta
 
 MAX_TAG_CHARS = 256
 MAX_MODEL_SEQ_ID = 1_000_000
+MAX_SEQ_ID = 2**31 - 1
+"""A request's `seq_id` (the column is a 32-bit integer)."""
+
+# --- ids, paths and names: bounded where they enter ------------------------------------------
+
+MAX_ID_CHARS = 64
+"""The longest model, session or request id a Tinker body or path may carry: the bound of /v1's
+path ids (app.runs.deps.RunIdPath) and of the columns that hold them. The service's own ids are far
+shorter: `ses_`, `req_`, `smp_` + 12 hex digits, a model `{session}:train:{model_seq_id}` at most 30
+characters (model_seq_id <= MAX_MODEL_SEQ_ID). A longer one is a 422 naming the field: unbounded, a
+5000-character id came back whole in its 404 (hostile probe h1, finding 8)."""
+PRINTABLE = r"^[\x21-\x7e]+$"
+"""Every id and `tinker://` path the service makes is printable ASCII without spaces: anything else
+(a space, a control character) is a 422 naming the field, never a query."""
+TinkerId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS, pattern=PRINTABLE)]
+
+MAX_SAVE_NAME_CHARS = 128
+MAX_TINKER_PATH_CHARS = 256
+"""A `tinker://{model_id}/sampler_weights/{name}` path is at most 9 + 64 + 17 + 128 = 218
+characters; the column a sampling session keeps it in holds 256."""
+TinkerPath = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_TINKER_PATH_CHARS, pattern=PRINTABLE)
+]
+
+MAX_BASE_MODEL_CHARS = 256
+"""As `RunConfig.base_model` and the pools' column."""
+BASE_MODEL_PATTERN = r"^[^\x00-\x1f\x7f]+$"
+"""A base model's name has no control character (a NUL reached Postgres: hostile probe h1, finding 7)."""
+BaseModelName = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_BASE_MODEL_CHARS, pattern=BASE_MODEL_PATTERN)
+]
+
+BASE_SAMPLER_PREFIX = "smpbase_"
+MAX_SAMPLER_ID_CHARS = len(BASE_SAMPLER_PREFIX) + math.ceil(4 * (4 * MAX_BASE_MODEL_CHARS) / 3)
+"""A base model's sampling session id is its name (up to 4 bytes a character in UTF-8), base64
+without padding (app.tinker.sampling.base_sampler_id); any other is an id of MAX_ID_CHARS."""
+SamplerId = Annotated[
+    str, StringConstraints(min_length=1, max_length=MAX_SAMPLER_ID_CHARS, pattern=PRINTABLE)
+]
+
+SHOWN_CHARS = MAX_TINKER_PATH_CHARS
+"""The most of a client's id, path or key a message repeats (`shown`): every id and path the
+service makes is repeated whole."""
+
+
+def shown(value: str) -> str:
+    """`value` as an error message may repeat it: whole up to SHOWN_CHARS characters, else its
+    start and its length. Every id a route takes is bounded already; this bounds what a message
+    echoes whatever reached it (a base sampler id, a loss_fn_config key)."""
+    if len(value) <= SHOWN_CHARS:
+        return value
+    return f"{value[:SHOWN_CHARS]}... ({len(value)} characters)"
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    """A Tinker request body. Strict where the Tinker API is typed: a number field takes a JSON
+    number, never a boolean or a string (an int is a float: JSON has one number type), an int
+    field no float, a string field no number, a boolean no number or string. Lax, a save's
+    `"path": 0` took the default name and `NaN` the name "nan", and load_weights' `"optimizer": "no"`
+    loaded the optimizer state (hostile probe h1, finding 5). Fields we do not use are ignored (the
+    SDK adds optional ones between versions)."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+
+_R = TypeVar("_R", bound=_Request)
+
+
+def invalid(what: str, problems: list[dict[str, Any]], *, note: str = "") -> ValidationFailed:
+    """A 422 whose message names each field that is wrong (`loc: msg`, the first few): the SDK
+    shows users the message, not the details."""
+    said = "; ".join(f"{'.'.join(p['loc']) or 'body'}: {p['msg']}" for p in problems[:8])
+    return ValidationFailed(f"invalid {what}: {said}{note}", details=problems)
+
+
+def parse_request(model: type[_R], body: object, *, call: str) -> _R:
+    """`body` (a route's JSON object) as `model`, or a 422 naming the fields (`invalid`)."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise invalid(f"{call} request", validation_problems(exc, prefix=())) from exc
+
+
+SeqId = Annotated[int, Field(ge=0, le=MAX_SEQ_ID)]
 
 
 class CreateSessionRequest(_Request):
@@ -63,7 +154,7 @@ class CreateSessionRequest(_Request):
 
 
 class SessionHeartbeatRequest(_Request):
-    session_id: str = Field(max_length=64)
+    session_id: TinkerId
 
 
 class LoraConfig(_Request):
@@ -86,20 +177,76 @@ class OptimizerConfig(_Request):
 
 
 class CreateModelRequest(_Request):
-    session_id: str = Field(max_length=64)
+    session_id: TinkerId
     model_seq_id: int = Field(ge=0, le=MAX_MODEL_SEQ_ID)
-    base_model: str = Field(min_length=1, max_length=256)
+    base_model: BaseModelName
     user_metadata: UserMetadata = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = OptimizerConfig()
 
 
 class GetInfoRequest(_Request):
-    model_id: str = Field(max_length=64)
+    model_id: TinkerId
 
 
 class FutureRetrieveRequest(_Request):
-    request_id: str = Field(max_length=64)
+    request_id: TinkerId
+
+
+class OrderedRequest(_Request):
+    """A request in its model's order: `seq_id` numbers it (a retry with the same one is the same
+    request)."""
+
+    model_id: TinkerId
+    seq_id: SeqId
+
+
+class OptimStepRequest(OrderedRequest):
+    adam_params: object = None
+    """An object of AdamParams (contracts.tinker_work.AdamStep checks it, its numbers finite first:
+    app.tinker.finite)."""
+
+
+class SaveWeightsRequest(OrderedRequest):
+    path: str | None = None
+    """The name the weights are saved under (None: the default name; checked by
+    app.tinker.work.SAVE_NAME_RE)."""
+
+
+class SaveWeightsForSamplerRequest(SaveWeightsRequest):
+    kind: str = Field(default="snapshot", max_length=32)
+
+
+class LoadWeightsRequest(_Request):
+    """Into a new model (`session_id` + `model_seq_id`, the SDK's create-from-state) or into an
+    existing one (`model_id` + `seq_id`)."""
+
+    path: TinkerPath
+    optimizer: bool = False
+    model_id: TinkerId | None = None
+    seq_id: SeqId | None = None
+    session_id: TinkerId | None = None
+    model_seq_id: int | None = Field(default=None, ge=0, le=MAX_MODEL_SEQ_ID)
+    user_metadata: UserMetadata = None
+
+
+class CreateSamplingSessionRequest(_Request):
+    session_id: TinkerId | None = None
+    model_path: TinkerPath | None = None
+    base_model: BaseModelName | None = None
+
+
+class SampleRequest(_Request):
+    """The envelope of a sample request; its sampling parameters become a
+    contracts.tinker_work.SamplingSpec (strict too), its prompt tokens are read by
+    app.tinker.sampling."""
+
+    sampling_session_id: SamplerId
+    num_samples: int = 1
+    prompt: object = None
+    sampling_params: object = None
+    prompt_logprobs: bool | None = None
+    prompt_logprobs_last_n: int | None = None
 
 
 class UntypedAPIFuture(BaseModel):
@@ -218,7 +365,7 @@ class CheckpointsOut(BaseModel):
 
 
 class WeightsInfoRequest(_Request):
-    tinker_path: str = Field(max_length=512)
+    tinker_path: TinkerPath
 
 
 class WeightsInfoOut(BaseModel):

@@ -32,6 +32,7 @@ from app.tinker.schemas import (
     ModelData,
     SupportedModel,
     TrainingRunOut,
+    shown,
 )
 from contracts.ids import new_id
 from contracts.run_config import DEFAULT_BASE_MODEL, LoraSettings, RunConfig
@@ -124,7 +125,7 @@ def get_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerS
     """The tenant's session; another tenant's is reported exactly like a missing one."""
     row = session.get(TinkerSession, session_id)
     if row is None or row.tenant_id != tenant_id:
-        raise NotFound(f"session {session_id} not found")
+        raise NotFound(f"session {shown(session_id)} not found")
     return row
 
 
@@ -363,7 +364,7 @@ def get_model(session: Session, *, tenant_id: str, model_id: str) -> tuple[Tinke
     """The tenant's model and its run; another tenant's is reported exactly like a missing one."""
     model = session.get(TinkerModel, model_id)
     if model is None or model.tenant_id != tenant_id:
-        raise NotFound(f"model {model_id} not found")
+        raise NotFound(f"model {shown(model_id)} not found")
     return model, runs.get_run(session, run_id=model.run_id)
 
 
@@ -447,7 +448,7 @@ def get_future(session: Session, *, tenant_id: str, request_id: str) -> TinkerFu
     if future is None or future.tenant_id != tenant_id:
         # Done futures are deleted after the retention: say so, the likeliest reason for a known id.
         raise NotFound(
-            f"request {request_id} not found (done requests are kept "
+            f"request {shown(request_id)} not found (done requests are kept "
             f"LORALOOM_TINKER_FUTURE_TTL_SECONDS after they finish, then purged)"
         )
     return future

@@ -16,7 +16,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from pydantic import ValidationError
@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session, defer
 
 from app.config import Settings
 from app.db import utcnow
-from app.errors import AppError, NotFound, RateLimited, ValidationFailed
+from app.errors import AppError, RateLimited, ValidationFailed
 from app.pools.models import Pool
 from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
@@ -49,24 +49,36 @@ from app.tinker import checkpoints, leases, proto
 from app.tinker.finite import all_finite, require_finite
 from app.tinker.leases import request_cleared
 from app.tinker.models import REPLAYED_KINDS, TinkerFuture, TinkerModel, claimable, unfinished
-from app.tinker.schemas import MAX_MODEL_SEQ_ID, user_metadata_adapter
+from app.tinker.schemas import (
+    MAX_SAVE_NAME_CHARS,
+    LoadWeightsRequest,
+    OptimStepRequest,
+    OrderedRequest,
+    SaveWeightsForSamplerRequest,
+    SaveWeightsRequest,
+    invalid,
+    parse_request,
+    shown,
+)
 from app.tinker.service import NotSupported, get_model, get_session, new_model_run, touch_model
 from contracts.arrays import MAX_TOKEN_ID
 from contracts.ids import new_id
 from contracts.run_config import RunConfig
 from contracts.status import MOVABLE_RUN_STATUSES, RunStatus
 from contracts.tinker_work import (
+    LOSS_FN_CONFIG_KEYS,
     AdamStep,
+    ClipThresholds,
     ManualDatum,
     ManualResult,
     ManualWorkItem,
 )
 
 LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo")
-SAVE_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+SAVE_NAME_RE = re.compile(rf"[A-Za-z0-9_-][A-Za-z0-9._-]{{0,{MAX_SAVE_NAME_CHARS - 1}}}")
 PENDING, RUNNING = "pending", "running"
 MAX_LOSS_FN_CONFIG_KEYS = 32
-"""The loss functions read a handful (clip thresholds, KL coefficients)."""
+"""Counted before the keys are read (a loss reads two at most: LOSS_FN_CONFIG_KEYS)."""
 MAX_DATUMS_PER_REQUEST = 1024
 """Datums of one forward/forward_backward request: the SDK's own chunk length, which it is told
 (app.tinker.schemas.ClientConfig); its tokens are bounded by `Settings.tinker_max_tokens_per_round`."""
@@ -327,9 +339,9 @@ def submit_forward_backward(
         model_id, seq_id = proto.forward_backward_target(body)
     except proto.ProtoError as exc:
         raise ValidationFailed(f"malformed ForwardBackwardRequest: {exc}") from exc
-    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
-    _counter(seq_id, "forward_backward needs seq_id")
-    existing = _existing(session, model_id=model_id, seq_id=seq_id)
+    # The same checks as a JSON body's (a 1 KiB model_id came back whole in its 404).
+    target = parse_request(OrderedRequest, {"model_id": model_id, "seq_id": seq_id}, call="forward_backward")
+    run, existing = _in_order(session, tenant_id=tenant_id, body=target)
     if existing is not None:
         return existing
     try:
@@ -343,13 +355,7 @@ def submit_forward_backward(
     _check_request_size(req.data, max_tokens=settings.tinker_max_tokens_per_round)
     max_len, pool = _datum_bound(session, run)
     _check_lengths(req.data, max_len=max_len, pool=pool)
-    numbers = {k: v for k, v in req.loss_fn_config.items() if isinstance(v, float)}
-    if len(numbers) != len(req.loss_fn_config):
-        raise NotSupported("text values in loss_fn_config")
-    if len(numbers) > MAX_LOSS_FN_CONFIG_KEYS:
-        raise ValidationFailed(f"loss_fn_config has {len(numbers)} keys; at most {MAX_LOSS_FN_CONFIG_KEYS}")
-    if not all(np.isfinite(list(numbers.values()))):
-        raise ValidationFailed("loss_fn_config values must be finite (no NaN or infinity)")
+    numbers = _loss_fn_config(req.loss_fn, req.loss_fn_config)
     data = [_datum(i, d, req.loss_fn) for i, d in enumerate(req.data)]
     _check_vocabulary(pool, data)
     item = ManualWorkItem(
@@ -364,37 +370,78 @@ def submit_forward_backward(
     return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item, settings=settings)
 
 
-def _in_order(
-    session: Session, *, tenant_id: str, body: dict[str, Any], call: str
-) -> tuple[str, Run, int, TinkerFuture | None]:
-    """(model id, its run, the request's seq_id, the future an earlier request with that seq_id made)."""
-    model_id = str(body.get("model_id", ""))
-    _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
-    seq_id = _counter(body.get("seq_id"), f"{call} needs seq_id")
-    return model_id, run, seq_id, _existing(session, model_id=model_id, seq_id=seq_id)
+def _loss_fn_config(loss_fn: str, config: dict[str, float | str]) -> dict[str, float]:
+    """The request's loss_fn_config, as the loss reads it: numbers only, finite, keys the loss
+    reads (`LOSS_FN_CONFIG_KEYS`: any other is refused by name, not ignored: a misspelt bound
+    trained with the default), and clip bounds that make an interval around 1 (`ClipThresholds`)."""
+    numbers = {k: v for k, v in config.items() if isinstance(v, float)}
+    if len(numbers) != len(config):
+        raise NotSupported("text values in loss_fn_config")
+    if len(numbers) > MAX_LOSS_FN_CONFIG_KEYS:
+        raise ValidationFailed(f"loss_fn_config has {len(numbers)} keys; at most {MAX_LOSS_FN_CONFIG_KEYS}")
+    if not all(np.isfinite(list(numbers.values()))):
+        raise ValidationFailed("loss_fn_config values must be finite (no NaN or infinity)")
+    known = LOSS_FN_CONFIG_KEYS[loss_fn]
+    unknown = [key for key in numbers if key not in known]
+    if unknown:
+        reads = f"it reads {', '.join(known)}" if known else "it reads none"
+        problem = f"not a key {loss_fn} reads ({reads})"
+        raise invalid(
+            "loss_fn_config",
+            [
+                {"loc": ["loss_fn_config", shown(key)], "msg": problem, "type": "extra_forbidden"}
+                for key in unknown
+            ],
+        )
+    if known:
+        try:
+            ClipThresholds.model_validate(numbers)
+        except ValidationError as exc:
+            raise invalid(
+                "loss_fn_config",
+                validation_problems(exc, prefix=("loss_fn_config",)),
+                note=" (the clip bounds: 0 <= clip_low_threshold <= 1 <= clip_high_threshold)",
+            ) from exc
+    return numbers
 
 
-def _counter(value: object, what: str, *, most: int = 2**31 - 1) -> int:
-    """A request counter (seq_id, model_seq_id): an int in [0, most]; booleans are not numbers here."""
-    if type(value) is not int or not 0 <= value <= most:
-        raise ValidationFailed(f"{what}: an integer in [0, {most}]")
+def _in_order(session: Session, *, tenant_id: str, body: OrderedRequest) -> tuple[Run, TinkerFuture | None]:
+    """(the model's run, the future an earlier request with the request's seq_id made)."""
+    _, run = get_model(session, tenant_id=tenant_id, model_id=body.model_id)
+    return run, _existing(session, model_id=body.model_id, seq_id=body.seq_id)
+
+
+_T = TypeVar("_T")
+
+
+def _needed(value: _T | None, field: str, *, when: str) -> _T:
+    """`value`, a field load_weights needs `when` it is given another (a 422 naming it if absent)."""
+    if value is None:
+        raise invalid("load_weights request", [{"loc": [field], "msg": f"needed {when}", "type": "missing"}])
     return value
 
 
-def _save_name(body: dict[str, Any], default: str) -> str:
-    name = str(body.get("path") or default)
+def _save_name(path: str | None, default: str) -> str:
+    """The name weights are saved under: the request's `path`, or `default` when it sends none (an
+    empty name is refused, not taken as none)."""
+    name = default if path is None else path
     if not SAVE_NAME_RE.fullmatch(name):
-        raise ValidationFailed("the weights' name must be 1-128 of [A-Za-z0-9._-], not starting with a dot")
+        problem = (
+            f"the weights' name must be 1-{MAX_SAVE_NAME_CHARS} of [A-Za-z0-9._-], not starting with a dot"
+        )
+        raise invalid("name", [{"loc": ["path"], "msg": problem, "type": "value_error"}])
     return name
 
 
 def submit_optim_step(
     session: Session, *, tenant_id: str, body: dict[str, Any], settings: Settings
 ) -> TinkerFuture:
-    model_id, run, seq_id, existing = _in_order(session, tenant_id=tenant_id, body=body, call="optim_step")
+    request = parse_request(OptimStepRequest, body, call="optim_step")
+    model_id, seq_id = request.model_id, request.seq_id
+    run, existing = _in_order(session, tenant_id=tenant_id, body=request)
     if existing is not None:
         return existing
-    params = body.get("adam_params")
+    params = request.adam_params
     if not isinstance(params, dict):
         raise NotSupported("optimizers other than Adam (send adam_params)")
     # Before the bounds: a NaN fails them too, but as "should be less than or equal to 1".
@@ -403,9 +450,7 @@ def submit_optim_step(
     try:
         adam = AdamStep.model_validate({"grad_clip_norm": 0.0, **defaults, **params})
     except ValidationError as exc:
-        raise ValidationFailed(
-            "invalid adam_params", details=validation_problems(exc, prefix=("adam_params",))
-        ) from exc
+        raise invalid("adam_params", validation_problems(exc, prefix=("adam_params",))) from exc
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="optim_step", adam=adam
     )
@@ -415,14 +460,14 @@ def submit_optim_step(
 def submit_save_for_sampler(
     session: Session, *, tenant_id: str, body: dict[str, Any], settings: Settings
 ) -> TinkerFuture:
-    model_id, run, seq_id, existing = _in_order(
-        session, tenant_id=tenant_id, body=body, call="save_weights_for_sampler"
-    )
+    request = parse_request(SaveWeightsForSamplerRequest, body, call="save_weights_for_sampler")
+    model_id, seq_id = request.model_id, request.seq_id
+    run, existing = _in_order(session, tenant_id=tenant_id, body=request)
     if existing is not None:
         return existing
-    if body.get("kind", "snapshot") != "snapshot":
-        raise NotSupported(f"save_weights_for_sampler kind {body.get('kind')!r}")
-    name = _save_name(body, "sampler")
+    if request.kind != "snapshot":
+        raise NotSupported(f"save_weights_for_sampler kind {request.kind!r}")
+    name = _save_name(request.path, "sampler")
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights_for_sampler", name=name
     )
@@ -433,10 +478,12 @@ def submit_save_weights(
     session: Session, *, tenant_id: str, body: dict[str, Any], settings: Settings
 ) -> TinkerFuture:
     """save_state: the adapter and optimizer state, by name, at this point of the request order."""
-    model_id, run, seq_id, existing = _in_order(session, tenant_id=tenant_id, body=body, call="save_weights")
+    request = parse_request(SaveWeightsRequest, body, call="save_weights")
+    model_id, seq_id = request.model_id, request.seq_id
+    run, existing = _in_order(session, tenant_id=tenant_id, body=request)
     if existing is not None:
         return existing
-    name = _save_name(body, "state")
+    name = _save_name(request.path, "state")
     checkpoints.check_save_quota(
         session,
         tenant_id=tenant_id,
@@ -454,22 +501,10 @@ def weights_path(model_id: str, name: str) -> str:
 
 
 def _saved_state(session: Session, *, tenant_id: str, path: str) -> tuple[Run, str]:
-    """`tinker://{model_id}/weights/{name}` saved by the tenant → (its run, the name)."""
-    parts = path.removeprefix("tinker://").split("/")
-    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
-        raise ValidationFailed(f"not a saved weights path: {path!r}")
-    _, run = get_model(session, tenant_id=tenant_id, model_id=parts[0])
-    saved = session.scalars(
-        select(TinkerFuture).where(
-            TinkerFuture.model_id == parts[0],
-            TinkerFuture.kind == "save_weights",
-            TinkerFuture.status == "complete",
-            checkpoints.saved_path() == path,  # the model's saves of this path only, not all of them
-        )
-    )
-    if not any(f.saved_path() == path for f in saved):
-        raise NotFound(f"weights {path} not found")
-    return run, parts[2]
+    """`tinker://{model_id}/weights/{name}`, a live training checkpoint of the tenant
+    (`checkpoints.live_saves`) → (its run, the name)."""
+    _, run, _ = checkpoints.live_saves(session, tenant_id=tenant_id, path=path, kind="save_weights")
+    return run, path.rsplit("/", 1)[1]
 
 
 def submit_load_weights(
@@ -477,21 +512,12 @@ def submit_load_weights(
 ) -> TinkerFuture:
     """Load saved weights (and optimizer state) into a new model (the SDK's create-from-state:
     session_id + model_seq_id, same LoRA as the source) or into an existing one (model_id + seq_id)."""
-    path = str(body.get("path", ""))
-    source, name = _saved_state(session, tenant_id=tenant_id, path=path)
-    if body.get("session_id") is not None:
-        owner = get_session(session, tenant_id=tenant_id, session_id=str(body["session_id"]))
-        model_seq_id = _counter(
-            body.get("model_seq_id"),
-            "load_weights with session_id needs model_seq_id",
-            most=MAX_MODEL_SEQ_ID,
-        )
-        try:
-            user_metadata = user_metadata_adapter.validate_python(body.get("user_metadata"))
-        except ValidationError as exc:
-            raise ValidationFailed(
-                "invalid user_metadata", details=validation_problems(exc, prefix=("user_metadata",))
-            ) from exc
+    request = parse_request(LoadWeightsRequest, body, call="load_weights")
+    source, name = _saved_state(session, tenant_id=tenant_id, path=request.path)
+    if request.session_id is not None:
+        owner = get_session(session, tenant_id=tenant_id, session_id=request.session_id)
+        model_seq_id = _needed(request.model_seq_id, "model_seq_id", when="with session_id")
+        user_metadata = request.user_metadata
         model_id = f"{owner.id}:train:{model_seq_id}"
         if session.get(TinkerModel, model_id) is not None:
             existing = _existing(session, model_id=model_id, seq_id=0)
@@ -517,9 +543,9 @@ def submit_load_weights(
             raise
         seq_id = 0
     else:
-        model_id = str(body.get("model_id", ""))
+        model_id = _needed(request.model_id, "model_id", when="without session_id")
         _, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
-        seq_id = _counter(body.get("seq_id"), "load_weights with model_id needs seq_id")
+        seq_id = _needed(request.seq_id, "seq_id", when="with model_id")
         existing = _existing(session, model_id=model_id, seq_id=seq_id)
         if existing is not None:
             return existing
@@ -532,7 +558,7 @@ def submit_load_weights(
         kind="load_weights",
         name=name,
         source_run_id=source.id,
-        with_optimizer=bool(body.get("optimizer")),
+        with_optimizer=request.optimizer,
     )
     return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item, settings=settings)
 
@@ -542,27 +568,14 @@ def sampler_path(model_id: str, name: str) -> str:
 
 
 def resolve_sampler_path(session: Session, *, tenant_id: str, path: str) -> tuple[str, int]:
-    """`tinker://{model_id}/sampler_weights/{name}` → (run id, adapter step), the tenant's only."""
-    parts = path.removeprefix("tinker://").split("/")
-    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "sampler_weights":
-        raise ValidationFailed(f"not a sampler weights path: {path!r}")
-    _, run = get_model(session, tenant_id=tenant_id, model_id=parts[0])
-    saved = session.scalars(
-        select(TinkerFuture)
-        .where(
-            TinkerFuture.model_id == parts[0],
-            TinkerFuture.kind == "save_weights_for_sampler",
-            TinkerFuture.status == "complete",
-            # This path's saves only: every sample of a sampling client resolves its path
-            # (app.tinker.sampling), and a model saves sampler weights at every step of a loop.
-            checkpoints.saved_path() == path,
-        )
-        .order_by(TinkerFuture.seq_id.desc())
+    """`tinker://{model_id}/sampler_weights/{name}`, a live sampler checkpoint of the tenant
+    (`checkpoints.live_saves`) → (run id, the adapter step its newest save named). Every sample of a
+    sampling client resolves its path again (app.tinker.sampling): the query reads this path's
+    saves only, not the model's every step."""
+    _, run, saves = checkpoints.live_saves(
+        session, tenant_id=tenant_id, path=path, kind="save_weights_for_sampler"
     )
-    for future in saved:
-        if future.saved_path() == path:
-            return run.id, int((future.result or {})["loraloom_step"])
-    raise NotFound(f"weights {path} not found")
+    return run.id, int((saves[0].result or {})["loraloom_step"])
 
 
 # --- the pool's side ----------------------------------------------------------------------------
