@@ -28,6 +28,7 @@ from tests.app.api import (
     register,
 )
 from tests.app.factories import Seeded, batch_states, committed, rollout_files, row_counts, run_row
+from tests.app.tinker_calls import new_model, run_of
 
 
 @pytest.fixture(params=["documented", "fast"])
@@ -45,21 +46,9 @@ def server(request: pytest.FixtureRequest, settings: Settings) -> Iterator[httpx
 
 def _tinker_model_run(client: httpx.Client, tenant: TenantHandle) -> str:
     """A Tinker training model made through the Tinker API; its run's id (from GET /v1/runs)."""
-    headers = {"X-API-Key": "tml-" + tenant.key}
-    session = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "test"}, headers=headers)
-    assert session.status_code == 200, session.text
-    body = {
-        "session_id": session.json()["session_id"],
-        "model_seq_id": 0,
-        "base_model": "loraloom-tiny",
-        "lora_config": {"rank": 4, "train_unembed": False, "train_mlp": False},
-    }
-    created = client.post("/api/v1/create_model", json=body, headers=headers)
-    assert created.status_code == 200, created.text
-    runs = client.get("/v1/runs", headers=tenant.headers).json()["items"]
-    (run,) = runs
+    run_id = run_of(client, tenant, new_model(client, tenant))
+    run = client.get(f"/v1/runs/{run_id}", headers=tenant.headers).json()
     assert run["config"]["mode"] == "manual" and run["status"] == "active"
-    run_id: str = run["id"]
     return run_id
 
 

@@ -16,6 +16,7 @@ from app.tinker import service as tinker_service
 from app.tinker.models import TinkerFuture
 from app.tinker.proto import decode_forward_backward_request, encode_forward_backward_output
 from tests.app.api import WORKER_HEADERS, TenantHandle, register
+from tests.app.tinker_calls import new_model, tinker_headers
 
 pytestmark = pytest.mark.postgres_only
 
@@ -73,18 +74,7 @@ def test_codec_reads_the_sdks_requests_and_writes_what_the_sdk_reads():
 
 
 def _model(client: TestClient, tenant: TenantHandle) -> tuple[str, dict[str, str]]:
-    headers = {"X-API-Key": "tml-" + tenant.key}
-    session = client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "test"}, headers=headers)
-    assert session.status_code == 200, session.text
-    body = {
-        "session_id": session.json()["session_id"],
-        "model_seq_id": 0,
-        "base_model": "loraloom-tiny",
-        "lora_config": {"rank": 4, "train_unembed": False, "train_mlp": False},
-    }
-    created = client.post("/api/v1/create_model", json=body, headers=headers)
-    assert created.status_code == 200, created.text
-    return created.json()["model_id"], headers
+    return new_model(client, tenant), tinker_headers(tenant)
 
 
 # What the SDK sends with a protobuf body (tinker/resources/training.py).
