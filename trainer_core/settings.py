@@ -108,6 +108,16 @@ class WorkerSettings(BaseSettings):
     """An OpenAI-compatible server with LoRA hot-loading (vLLM, `--enable-lora`) that serves Tinker
     `sample` instead of the pool's own layers; it must serve the base model under `base_model`'s
     name and read the pool's checkpoint directory at the same path (trainer_core.external_sampler)."""
+    sampler_deadline: float = Field(default=600.0, gt=0, le=86_400)
+    """Seconds one exchange with `sampler_url` may take in all (connect, the generation, the whole
+    answer, however slowly it trickles); past it that request fails alone. The server answers a
+    completion only once all its samples are done, so this bounds a request's whole decoding: raise
+    it for long generations on a large model. At most a day: a bound that still ends a hung server."""
+    sampler_max_response_bytes: int = Field(default=256 * 1024**2, ge=1024, le=16 * 1024**3)
+    """The largest answer read from `sampler_url` (bytes); a larger one fails its request alone. About
+    100 bytes a sampled token with its logprob, and prompt logprobs, which vLLM repeats in every
+    sample. Memory holds up to this much per answer, so it is capped at 16 GiB (and at least 1 KiB,
+    below which no completion fits)."""
 
     # -- loop -----------------------------------------------------------------------------------
     pack_timeout: float = Field(default=2.0, ge=0)

@@ -56,6 +56,7 @@ from transformers import PreTrainedModel
 from contracts.http import ApiError, RetryStopped
 from contracts.pool_api import ClaimedBatchStruct, PoolRegister
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES, RunConfig
+from contracts.tinker_work import ManualResult, ManualWorkItem
 from trainer_core.critic import ValueHeads, uses_critic
 from trainer_core.directory_source import DirectoryRunSource
 from trainer_core.dist import (
@@ -132,6 +133,10 @@ class WorkerArgs:
     """Touched after every accepted heartbeat (the container healthcheck reads its age)."""
     sampler_url: str | None = None
     """Tinker `sample` served by this OpenAI-compatible server (trainer_core.external_sampler)."""
+    sampler_deadline_s: float = 600.0
+    """Seconds one exchange with `sampler_url` may take in all (`ExternalSampler.deadline_s`)."""
+    sampler_max_response_bytes: int = 256 * 1024**2
+    """The largest answer read from `sampler_url` (`ExternalSampler.max_response_bytes`)."""
 
     @classmethod
     def from_settings(cls, s: WorkerSettings) -> "WorkerArgs":
@@ -156,6 +161,8 @@ class WorkerArgs:
             exit_when_idle_s=s.exit_when_idle,
             heartbeat_file=s.heartbeat_file,
             sampler_url=s.sampler_url,
+            sampler_deadline_s=s.sampler_deadline,
+            sampler_max_response_bytes=s.sampler_max_response_bytes,
         )
 
     @property
@@ -198,6 +205,20 @@ def make_source(args: WorkerArgs, *, stop: Callable[[], bool] | None = None) -> 
         raise ValueError("the service needs the worker token (WorkerArgs.token)")
     client = PoolServiceClient(args.url, args.token, stop=stop)
     return HttpRunSource(client, heartbeat_file=args.heartbeat_file)
+
+
+def external_sampler(args: WorkerArgs) -> ExternalSampler | None:
+    """The server that decodes Tinker `sample` (`--sampler-url`) with the operator's bounds on each
+    exchange; None when the pool decodes them itself."""
+    if args.sampler_url is None:
+        return None
+    return ExternalSampler(
+        args.sampler_url,
+        args.checkpoint_home,
+        args.base_model,
+        deadline_s=args.sampler_deadline_s,
+        max_response_bytes=args.sampler_max_response_bytes,
+    )
 
 
 @dataclass
@@ -247,6 +268,24 @@ class _Master:
     packer: Packer
     publisher: Publisher
     idle_since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _ClaimsUntilStop:
+    """Master: the service's manual work, none claimed once the pool is stopping. A round that claims
+    nothing runs nothing on any rank (they follow the master's broadcast claim), so the loop goes on
+    to the plan, whose broadcast carries the stop to every rank: under a steady Tinker load the pool
+    still stops after the round in progress, with no collective added to the rounds. What it leaves
+    unclaimed stays queued at the service for the next pool."""
+
+    client: ManualWorkClient
+    stopping: Callable[[], bool]
+
+    def claim_manual(self, max_items: int) -> list[ManualWorkItem]:
+        return [] if self.stopping() else self.client.claim_manual(max_items)
+
+    def report_manual(self, results: list[ManualResult]) -> None:
+        self.client.report_manual(results)  # the round in progress still answers what it ran
 
 
 class PoolTrainer:
@@ -316,15 +355,15 @@ class PoolTrainer:
         client = getattr(self.master.source, "client", None) if self.master else None
         if broadcast_from_master(isinstance(client, ManualWorkClient) if self.master else None, world):
             self.manual = ManualExecutor(
-                client if isinstance(client, ManualWorkClient) else None,
+                _ClaimsUntilStop(client, stopping=lambda: self.stop_requested)
+                if isinstance(client, ManualWorkClient)
+                else None,
                 seq_len=args.seq_len,
                 checkpoint_dir=args.checkpoint_home,
                 world=world,
                 vocab_size=self.vocab_size,
                 text_decoder=partial(load_text_decoder, args.base_model, args.model_cache_dir),
-                external_sampler=None
-                if args.sampler_url is None
-                else ExternalSampler(args.sampler_url, args.checkpoint_home, args.base_model),
+                external_sampler=external_sampler(args),
             )
         self.runs = MultiRunManager(
             self.master.source if self.master else None,
@@ -488,6 +527,8 @@ class PoolTrainer:
         while True:
             began = time.perf_counter()
             self._sync_slots()
+            # A stopping master claims no manual work (`_ClaimsUntilStop`): this returns False on
+            # every rank then, and the plan below stops them all together.
             if self._serve_manual():
                 continue
             # The master decides; every rank follows the same plan, so collectives stay matched.

@@ -118,6 +118,22 @@ def worker(
             "[LORALOOM_SAMPLER_URL] (unset: the pool serves it).",
         ),
     ] = None,
+    sampler_deadline: Annotated[
+        float | None,
+        _opt(
+            POOL,
+            "Seconds one request to the sampler may take in all, its whole generation included "
+            "[LORALOOM_SAMPLER_DEADLINE] (600).",
+        ),
+    ] = None,
+    sampler_max_response_bytes: Annotated[
+        int | None,
+        _opt(
+            POOL,
+            "Largest answer read from the sampler, in bytes [LORALOOM_SAMPLER_MAX_RESPONSE_BYTES] "
+            "(268435456: 256 MiB).",
+        ),
+    ] = None,
     pack_timeout: Annotated[
         float | None, _opt(LOOP, "Seconds buffered work waits for a full pack [LORALOOM_PACK_TIMEOUT] (2).")
     ] = None,
@@ -153,6 +169,8 @@ def worker(
     settings = build_settings(flags)
     if dry_run:
         shown = settings.model_dump(mode="json", exclude={"worker_token"})
+        # Where checkpoints really go (unset, the field said null; with --runs-dir, not it at all).
+        shown["checkpoint_dir"] = str(settings.checkpoint_home)
         shown["token"] = _token_source(
             settings, token_flag=token is not None, file_flag=token_file is not None
         )
