@@ -529,13 +529,24 @@ class PoolTrainer:
             self._sync_slots()
             # A stopping master claims no manual work (`_ClaimsUntilStop`): this returns False on
             # every rank then, and the plan below stops them all together.
-            if self._serve_manual():
-                continue
-            # The master decides; every rank follows the same plan, so collectives stay matched.
+            served = self._serve_manual()
+            if served and self.master:
+                self.master.idle_since = time.monotonic()  # serving Tinker work is not idling
+            # The plan follows every round, manual work or not: a steady Tinker load (a round after
+            # round) must not hold off the rollout runs' steps, another tenant's, for as long as it
+            # lasts. The master decides; every rank follows the same plan, so collectives stay matched.
             plan, my_micro_batches = self._distribute(self._plan(self.master) if self.master else None)
             if plan.kind == "stop":
+                if served:
+                    # One more round, as the loop's next turn ran before the plan followed every
+                    # round: it claims nothing (stopping or lost) and, on a pool the service declared
+                    # lost, drops the Tinker state every rank holds (trainer_core.manual).
+                    self._serve_manual()
                 break
             if plan.kind == "idle":
+                if served:  # more Tinker work may be waiting: no poll interval's sleep
+                    self.loop_time.add(busy=time.perf_counter() - began)
+                    continue
                 time.sleep(self.args.poll_interval_s)
                 self.loop_time.add(idle=time.perf_counter() - began, has_runs=bool(self.slots))
                 continue

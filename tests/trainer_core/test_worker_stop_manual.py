@@ -1,8 +1,8 @@
 """A stop request ends the pool under a steady Tinker load. `run()` went back to the top of its loop
 after every round that ran manual work, past the one place that checks the stop (the plan), so while
-each round found work, Ctrl-C / SIGTERM never stopped the pool. Now a stopping master claims nothing
-more: the round in progress finishes and is reported, the next one runs nothing on any rank, and the
-plan's broadcast stops every rank at that same point (no collective added to the rounds).
+each round found work, Ctrl-C / SIGTERM never stopped the pool. Now the plan follows every round and
+a stopping master claims nothing more: the round in progress finishes and is reported, and the plan's
+broadcast after it stops every rank at that same point (after one more round, without work).
 
 The real PoolTrainer fed from memory, one manual run, a request in every claim; the stop is set as the
 signal handler sets it, from inside a chosen round (no sleeps, no threads). A pool that kept claiming
@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from contracts.pool_api import PoolRunState
 from contracts.run_config import RunConfig
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
-from tests.e2e.helpers import MODEL_CACHE, run_config
+from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch
 from tests.trainer_core.manual_ranks import on_two_ranks
 from trainer_core.dist import World
 from trainer_core.http_source import HttpRunSource
@@ -137,6 +138,53 @@ def test_every_rank_stops_after_the_same_round(tmp_path: Path) -> None:
     master, other = on_two_ranks(_stop_on_two_ranks, tmp_path)
     assert master["claims"] == STOP_IN_ROUND
     assert master["answered"] == [f"req_{n}" for n in range(1, STOP_IN_ROUND + 1)]
-    # Each rank ran the same rounds (the work of each, then one without, which let the plan stop them).
+    # Each rank ran the same rounds: the work of each, then the plan's stop and one round without
+    # work (which drops a lost pool's Tinker state on every rank).
     assert master["rounds with work"] == other["rounds with work"] == STOP_IN_ROUND
     assert master["rounds"] == other["rounds"] == STOP_IN_ROUND + 1
+
+
+ROLLOUT = "run_000000000001"
+STARVED = 200
+"""Tinker rounds after which the rollout run counts as starved (it needs a handful)."""
+
+
+class TinkerLoadBesideARolloutRun(SteadyTinkerLoad):
+    """The manual run's steady load (a request in every claim), and beside it a rollout run of
+    another tenant with two steps' batches waiting; the pool is asked to stop once that run has
+    trained both."""
+
+    def __init__(self) -> None:
+        super().__init__(stop_in_round=STARVED + 1)  # the stop is this class's own (claim_manual)
+        rollout = RunConfig.model_validate(run_config(max_steps=2, seed=5)).model_dump(mode="json")
+        self.manual_config, self.config = self.config, rollout
+        batches = [synthetic_batch(s, n_samples=4, rollout_step=s) for s in range(2)]
+        MemoryPoolClient.__init__(self, [batches, batches], rollout)
+        self.pending = [c for c in self.pending if c.run_id == ROLLOUT]  # the manual run takes none
+
+    def state(self) -> list[PoolRunState]:
+        return [
+            s.model_copy(update={"config": self.manual_config}) if s.run_id == RUN else s
+            for s in super().state()
+        ]
+
+    def claim_manual(self, max_items: int) -> list[ManualWorkItem]:
+        assert self.trainer is not None
+        if self.runs[ROLLOUT].step >= 2:
+            self.trainer.stop_requested = True
+        assert self.claims < STARVED, "the rollout run never trained while Tinker work kept coming"
+        return super().claim_manual(max_items)
+
+
+def test_a_steady_tinker_load_does_not_starve_another_tenants_rollout_run(tmp_path: Path) -> None:
+    client = TinkerLoadBesideARolloutRun()
+    trainer = PoolTrainer(
+        _args(tmp_path), world=World(), device=torch.device("cpu"), source=HttpRunSource(client)
+    )
+    client.trainer = trainer
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    assert client.runs[ROLLOUT].step == 2 and ROLLOUT not in client.evictions
+    assert len(client.answered) == client.claims  # every Tinker round was served meanwhile
