@@ -108,8 +108,11 @@ def _reason(exc: BaseException, roots: tuple[Path, ...]) -> str:
     message = str(exc)
     for root in roots:
         for spelling in {str(root), str(root.resolve())}:
-            # The root whole (not /tmp in /tmpfoo), then the rest of the path up to a quote or a space.
-            under = re.compile(re.escape(spelling.rstrip("/")) + r"(?:/[^\s'\":]*)?(?![^/\s'\":])")
+            # The root whole (not /tmp in /tmpfoo nor in /var/tmp), then the rest of the path up to a
+            # quote or a space.
+            under = re.compile(
+                r"(?<![^\s'\"=(])" + re.escape(spelling.rstrip("/")) + r"(?:/[^\s'\":]*)?(?![^/\s'\":])"
+            )
             message = under.sub(lambda m: m.group(0).rstrip("/").rpartition("/")[2], message)
     return f"{type(exc).__name__}: {message}"
 

@@ -58,6 +58,7 @@ from contracts.pool_api import ClaimedBatchStruct, PoolRegister
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES, RunConfig
 from contracts.tinker_work import ManualResult, ManualWorkItem
 from trainer_core.critic import ValueHeads, uses_critic
+from trainer_core.device_errors import is_fatal_device_error
 from trainer_core.directory_source import DirectoryRunSource
 from trainer_core.dist import (
     World,
@@ -783,7 +784,9 @@ def main(argv: list[str] | None = None) -> None:
         # Another rank, stopping too: the master left (above) while this one waited in a collective
         # for its plan, so the collective broke. That is the stop, not a failure of this rank (gloo's
         # message says "typically caused by a remote worker crashing": only for --debug eyes).
-        if not trainer.stop_requested or world.is_master:
+        # A device's own error (CUDA, out of memory) is no broken collective: it shows, stop or not.
+        device_error = is_fatal_device_error(exc) or isinstance(exc, torch.OutOfMemoryError)
+        if not trainer.stop_requested or world.is_master or device_error:
             raise
         log.info("rank %d: the master rank stopped first; stopping with it", world.rank)
         log.debug("rank %d: the collective it broke: %s", world.rank, exc)

@@ -218,6 +218,28 @@ def test_a_step_published_again_after_its_rows_went_keeps_its_files(
     assert r.status_code == 200, r.text
 
 
+def test_a_step_published_again_after_the_run_went_back_is_kept(
+    client: TestClient, tenant: TenantHandle, keep: Settings, factory: sessionmaker[Session]
+) -> None:
+    """A run whose steps went back (a Tinker load_state of step 2) publishes step 3 again: it is the
+    newest published, so it stays, though the abandoned branch holds higher step numbers."""
+    run_id = create_run(client, tenant)["id"]
+    publish(client, run_id, *range(1, 11))
+    assert sweeper.sweep_once(factory, settings=keep).errors == []
+    assert steps_in_db(keep, run_id) == [8, 9, 10]
+    publish(client, run_id, 3)
+    assert sweeper.sweep_once(factory, settings=keep).errors == []
+    assert steps_in_db(keep, run_id) == steps_on_disk(keep, run_id) == [3, 8, 9, 10]
+    # The newest by step and the newest published are kept (at most twice the bound while they
+    # differ); once the new branch passes the old one's steps, the old one goes.
+    publish(client, run_id, 4, 5)
+    assert sweeper.sweep_once(factory, settings=keep).errors == []
+    assert steps_in_db(keep, run_id) == [3, 4, 5, 8, 9, 10]
+    publish(client, run_id, *range(6, 12))
+    assert sweeper.sweep_once(factory, settings=keep).errors == []
+    assert steps_in_db(keep, run_id) == steps_on_disk(keep, run_id) == [9, 10, 11]
+
+
 def test_a_chunk_deletes_at_most_its_size_and_the_scan_goes_on(
     settings: Settings, factory: sessionmaker[Session]
 ) -> None:

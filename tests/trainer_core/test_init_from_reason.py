@@ -10,7 +10,7 @@ from contracts.http import NotFound, RetryExhausted
 from contracts.pool_api import InitFrom
 from contracts.run_config import LoraSettings, RunConfig
 from trainer_core.dist import World
-from trainer_core.init_from import load_initial_weights
+from trainer_core.init_from import _reason, load_initial_weights
 from trainer_core.lora import MultiLoRA, apply_multi_lora
 from trainer_core.models.tiny import build_model
 
@@ -89,3 +89,15 @@ def test_a_route_in_the_reason_is_kept_whole(lora, tmp_path):
     )
     error = _error(lora, _Source(InitFrom(run_id="run_00000000000a", step=3), files=gave_up), tmp_path)
     assert error == f"RetryExhausted: {gave_up}"
+
+
+def test_only_paths_under_the_pools_roots_are_cut() -> None:
+    root = (Path("/tmp"),)
+    # A root inside a longer path is no root of the pool's.
+    assert _reason(OSError("cannot read /var/tmp/x/a.safetensors"), root) == (
+        "OSError: cannot read /var/tmp/x/a.safetensors"
+    )
+    assert (
+        _reason(OSError("No such file: '/tmp/run_a-init-x1/a.json'"), root)
+        == "OSError: No such file: 'a.json'"
+    )
