@@ -120,7 +120,8 @@ class Settings(BaseSettings):
 
     run_adapters_kept: int = Field(default=64, ge=0, le=10_000_000)
     """Step adapters (the PEFT directory the trainer publishes at each step, GET /v1/runs/{id}/adapters)
-    one run keeps: its newest this many (the newest always). The sweeper deletes older ones, row and
+    one run keeps: its newest this many, by step and by publication (the newest always; a run whose
+    steps went back keeps what it published last too). The sweeper deletes older ones, row and
     files, except a step a queued or active run starts from (`init_from`) or a live Tinker sampler
     checkpoint names (app/adapters/pruning.py); a download of a deleted step is a 404 that says it was
     pruned. 0: keep all (every step's adapter stays on disk until its run is deleted)."""
