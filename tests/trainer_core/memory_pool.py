@@ -16,7 +16,19 @@ from trainer_core.worker import PoolTrainer, WorkerArgs
 def memory_trainer(client: MemoryPoolClient, tmp_path: Path, **settings: Any) -> PoolTrainer:
     """A 2-slot CPU pool fed by `client` that exits after 0.3 s idle; `settings`: further `WorkerArgs`.
     The caller runs it and closes it."""
-    args = WorkerArgs(
+    return PoolTrainer(
+        memory_pool_args(tmp_path, **settings),
+        world=World(),
+        device=torch.device("cpu"),
+        source=HttpRunSource(client),
+    )
+
+
+def memory_pool_args(tmp_path: Path, **settings: Any) -> WorkerArgs:
+    """`memory_trainer`'s settings, for a trainer built otherwise (another rank's, one that runs
+    until stopped: `exit_when_idle_s=None`)."""
+    defaults: dict[str, Any] = {"pack_timeout_s": 0.05, "poll_interval_s": 0.01, "exit_when_idle_s": 0.3}
+    return WorkerArgs(
         url="memory",
         token="memory",
         slots=2,
@@ -24,12 +36,8 @@ def memory_trainer(client: MemoryPoolClient, tmp_path: Path, **settings: Any) ->
         max_rank=8,
         checkpoint_dir=tmp_path / "ckpt",
         model_cache_dir=MODEL_CACHE,
-        pack_timeout_s=0.05,
-        poll_interval_s=0.01,
-        exit_when_idle_s=0.3,
-        **settings,
+        **(defaults | settings),
     )
-    return PoolTrainer(args, world=World(), device=torch.device("cpu"), source=HttpRunSource(client))
 
 
 def train_in_memory(client: MemoryPoolClient, tmp_path: Path, **settings: Any) -> PoolTrainer:

@@ -16,8 +16,9 @@ import torch
 from contracts.pool_api import PoolRunState
 from contracts.run_config import RunConfig
 from contracts.tinker_work import ManualDatum, ManualResult, ManualWorkItem
-from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch
+from tests.e2e.helpers import run_config, synthetic_batch
 from tests.trainer_core.manual_ranks import on_two_ranks
+from tests.trainer_core.memory_pool import memory_pool_args
 from trainer_core.dist import World
 from trainer_core.http_source import HttpRunSource
 from trainer_core.memory_client import MemoryPoolClient
@@ -66,22 +67,11 @@ class SteadyTinkerLoad(MemoryPoolClient):
 
 
 def _args(tmp_path: Path) -> WorkerArgs:
-    return WorkerArgs(
-        url="memory",
-        token="memory",
-        slots=2,
-        seq_len=64,
-        max_rank=8,
-        checkpoint_dir=tmp_path / "ckpt",
-        model_cache_dir=MODEL_CACHE,
-        pack_timeout_s=0.05,
-        poll_interval_s=0.01,
-    )  # no exit_when_idle: only the stop ends these loops
+    return memory_pool_args(tmp_path, exit_when_idle_s=None)  # only the stop ends these loops
 
 
-@pytest.mark.parametrize("stop_in_round", [1, 3])
-def test_a_stop_during_a_tinker_round_ends_the_loop_after_it(tmp_path: Path, stop_in_round: int) -> None:
-    client = SteadyTinkerLoad(stop_in_round)
+def _run_until_stopped(client: SteadyTinkerLoad, tmp_path: Path) -> PoolTrainer:
+    """A one-rank pool fed by `client`, which sets its stop."""
     trainer = PoolTrainer(
         _args(tmp_path), world=World(), device=torch.device("cpu"), source=HttpRunSource(client)
     )
@@ -90,6 +80,13 @@ def test_a_stop_during_a_tinker_round_ends_the_loop_after_it(tmp_path: Path, sto
         trainer.run()
     finally:
         trainer.close()
+    return trainer
+
+
+@pytest.mark.parametrize("stop_in_round", [1, 3])
+def test_a_stop_during_a_tinker_round_ends_the_loop_after_it(tmp_path: Path, stop_in_round: int) -> None:
+    client = SteadyTinkerLoad(stop_in_round)
+    trainer = _run_until_stopped(client, tmp_path)
     # The round the stop arrived in ran and was answered; nothing was claimed after it.
     assert client.claims == stop_in_round
     assert client.answered == [f"req_{n}" for n in range(1, stop_in_round + 1)]
@@ -178,13 +175,6 @@ class TinkerLoadBesideARolloutRun(SteadyTinkerLoad):
 
 def test_a_steady_tinker_load_does_not_starve_another_tenants_rollout_run(tmp_path: Path) -> None:
     client = TinkerLoadBesideARolloutRun()
-    trainer = PoolTrainer(
-        _args(tmp_path), world=World(), device=torch.device("cpu"), source=HttpRunSource(client)
-    )
-    client.trainer = trainer
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
+    _run_until_stopped(client, tmp_path)
     assert client.runs[ROLLOUT].step == 2 and ROLLOUT not in client.evictions
     assert len(client.answered) == client.claims  # every Tinker round was served meanwhile
