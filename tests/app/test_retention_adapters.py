@@ -10,7 +10,7 @@ nothing); the tests sweep with a bound (`keep`), calling the sweep themselves.""
 import json
 import threading
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import torch
@@ -55,6 +55,16 @@ def factory(settings: Settings) -> Iterator[sessionmaker[Session]]:
     engine = make_engine(settings.database_url)
     yield make_session_factory(engine)
     engine.dispose()
+
+
+def _row(run_id: str, step: int) -> Adapter:
+    """An adapter row as a trainer leaves it, published in step order: rows added in one transaction
+    would otherwise share their publication time to the microsecond, and the newest published are
+    kept as well as the newest steps."""
+    published = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=step)
+    return Adapter(
+        run_id=run_id, step=step, path=f"x/{step}", size_bytes=1, sha256="0" * 64, created_at=published
+    )
 
 
 def _adapter(step: int) -> bytes:
@@ -250,9 +260,7 @@ def test_a_chunk_deletes_at_most_its_size_and_the_scan_goes_on(
         session.flush()
         for run_id in runs:
             for step in range(1, 7):
-                session.add(
-                    Adapter(run_id=run_id, step=step, path=f"x/{step}", size_bytes=1, sha256="0" * 64)
-                )
+                session.add(_row(run_id, step))
     scan = AdapterScan()
     deleted = []
     for _ in range(10):
@@ -283,7 +291,7 @@ def test_the_scan_reads_only_new_rows_until_its_rescan(
         session.flush()
         child.init_from = {"run_id": source, "step": 1}
         for step in range(1, 6):
-            session.add(Adapter(run_id=source, step=step, path=f"x/{step}", size_bytes=1, sha256="0" * 64))
+            session.add(_row(source, step))
     keep = settings.model_copy(update={"run_adapters_kept": KEPT})
     scan = AdapterScan()
     start = utcnow()
@@ -308,7 +316,7 @@ def test_a_run_created_from_a_step_while_it_is_pruned_keeps_it(
         tenant, _ = make_tenant(session)
         source = make_run(session, tenant).id
         for step in range(1, 6):
-            session.add(Adapter(run_id=source, step=step, path=f"x/{step}", size_bytes=1, sha256="0" * 64))
+            session.add(_row(source, step))
     creating = factory()
     watcher = factory()
     try:
