@@ -126,18 +126,10 @@ def _beyond(run_id: str, kept: int) -> ColumnElement[bool]:
     steps went back (a Tinker `load_state`, a pool resumed from an older checkpoint) publishes low
     step numbers again, and the one it just published must stay (its row's `created_at` is set at
     each publication, the upsert's too). So up to twice `kept` stay while the two orders differ."""
-    published_floor = (
-        select(Adapter.created_at)
-        .where(Adapter.run_id == run_id)
-        .order_by(Adapter.created_at.desc())
-        .offset(kept - 1)
-        .limit(1)
-        .scalar_subquery()
-    )
     return (
         (Adapter.run_id == run_id)
         & (Adapter.step < newest_kept_floor(run_id, kept))
-        & (Adapter.created_at < published_floor)
+        & (Adapter.created_at < newest_kept_floor(run_id, kept, by=Adapter.created_at))
     )
 
 

@@ -170,13 +170,14 @@ def list_adapters(session: Session, *, run_id: str) -> list[Adapter]:
     return list(session.scalars(select(Adapter).where(Adapter.run_id == run_id).order_by(Adapter.step)).all())
 
 
-def newest_kept_floor(run_id: str, kept: int) -> ScalarSelect[int]:
-    """The oldest step of the run's newest `kept` adapters (NULL while it has fewer): the steps below
-    it are pruned but for those still referred to (app/adapters/pruning.py)."""
+def newest_kept_floor(run_id: str, kept: int, by: Any = Adapter.step) -> ScalarSelect[Any]:
+    """The oldest `by` (the step; or `created_at`, the publication) of the run's newest `kept`
+    adapters in that order (NULL while it has fewer): the rows below it are pruned but for those
+    still referred to (app/adapters/pruning.py)."""
     return (
-        select(Adapter.step)
+        select(by)
         .where(Adapter.run_id == run_id)
-        .order_by(Adapter.step.desc())
+        .order_by(by.desc())
         .offset(kept - 1)
         .limit(1)
         .scalar_subquery()
