@@ -208,6 +208,14 @@ class Settings(BaseSettings):
     saving a kept name again overwrites it. A deleted checkpoint still counts (the pool keeps its
     state until the run is deleted), and its name may be saved again."""
 
+    tinker_max_sampler_checkpoints_per_tenant: int = Field(default=256, ge=1, le=1_000_000)
+    """Live sampler checkpoints (`save_weights_for_sampler` names) one tenant keeps at once, over all
+    its models whose runs are not deleted, pending saves included: each pins its adapter step from
+    the pruning (`run_adapters_kept`) and has a copy on the pool's disk. Past it, a save under a new
+    name is a 403 `save_quota` and nothing is stored; saving a kept name again replaces it. Deleting
+    a sampler checkpoint (DELETE /api/v1/training_runs/{id}/checkpoints/sampler_weights/{name})
+    frees its place."""
+
     tinker_session_retention_seconds: float = Field(default=86_400.0, ge=0, le=MAX_RETENTION_SECONDS)
     """Finished Tinker sessions (and ones without a heartbeat this long) that own no model, and
     sampling sessions of runs that left, are deleted this long after (0: kept for ever;

@@ -11,9 +11,10 @@ name: its path no longer lists, loads, resolves or samples; the run's adapters s
 Deleting the model's run forgets all its checkpoints the same way (`live_saves` decides, for every
 call). Another tenant's models and paths are reported exactly like missing ones (404).
 
-A tenant keeps at most `Settings.tinker_max_saves_per_tenant` training states (`check_save_quota`:
-403 `save_quota` past it). The listings are built in SQL from the columns they show, a page at a
-time; no save row is read whole.
+A tenant keeps at most `Settings.tinker_max_saves_per_tenant` training states (`check_save_quota`)
+and `Settings.tinker_max_sampler_checkpoints_per_tenant` live sampler checkpoints
+(`check_sampler_quota`): 403 `save_quota` past either. The listings are built in SQL from the
+columns they show, a page at a time; no save row is read whole.
 """
 
 from typing import Any, Literal
@@ -34,7 +35,7 @@ from app.tinker.schemas import (
     WeightsInfoOut,
     shown,
 )
-from app.tinker.service import get_model
+from app.tinker.service import get_listed_model, get_model
 from contracts.status import RunStatus
 
 CheckpointType = Literal["training", "sampler"]
@@ -131,8 +132,9 @@ def _page(
 
 
 def model_checkpoints(session: Session, *, tenant_id: str, model_id: str) -> list[CheckpointOut]:
-    """The model's checkpoints, newest first (404 for a model that is not the tenant's)."""
-    get_model(session, tenant_id=tenant_id, model_id=model_id)
+    """The model's checkpoints, newest first (404 for a model that is not the tenant's, or whose run
+    is deleted: `get_listed_model`)."""
+    get_listed_model(session, tenant_id=tenant_id, model_id=model_id)
     return _page(session, _newest_per_path(tenant_id, model_id=model_id), limit=None, offset=0)[0]
 
 
@@ -270,7 +272,9 @@ def with_latest_checkpoints(session: Session, *, tenant_id: str, run_out: Traini
 
 
 class SaveQuota(AppError):
-    """403: the tenant keeps `Settings.tinker_max_saves_per_tenant` training states already.
+    """403: the tenant keeps `Settings.tinker_max_saves_per_tenant` training states, or
+    `Settings.tinker_max_sampler_checkpoints_per_tenant` live sampler checkpoints, already
+    (`details.kind`: `saved_states` or `sampler_checkpoints`).
 
     Not a 409: the official SDK retries every 408, 409, 429 and 5xx of a submission for 5 minutes
     (`InternalClientHolder.execute_with_retries`, which reads the status alone, not the
@@ -321,4 +325,58 @@ def check_save_quota(session: Session, *, tenant_id: str, path: str, most: int) 
         "overwrites it (a deleted checkpoint's name too: its state stays on the pool until its run "
         "is deleted), or delete a model's run (DELETE /v1/runs/{id}), whose states go with it",
         details={"kind": "saved_states", "kept": len(kept), "limit": most},
+    )
+
+
+# --- the quota on live sampler checkpoints --------------------------------------------------------
+
+SAMPLER_KIND = "save_weights_for_sampler"
+
+
+def live_sampler_checkpoints(session: Session, *, tenant_id: str) -> set[str]:
+    """The `tinker://.../sampler_weights/<name>` paths of the tenant's live sampler checkpoints: the
+    paths its completed save_weights_for_sampler named, not deleted, of models whose runs are not
+    deleted (what lists and resolves: `_live_saves`), and those of the ones it has pending or running
+    for such runs (each is one once the pool runs it). Each pins its step's adapter from the pruning
+    (app/adapters/pruning.py) until it is deleted, so deleting one frees its place. Saves of one path
+    count once: saved again, a path names only its newest save."""
+    live = set(
+        session.scalars(
+            _joined(select(saved_path()).distinct()).where(*_live_saves(tenant_id, kinds=(SAMPLER_KIND,)))
+        )
+    )
+    unfinished = session.execute(
+        select(TinkerFuture.model_id, TinkerFuture.request["name"].as_string())
+        .join(Run, Run.id == TinkerFuture.run_id)
+        .where(
+            TinkerFuture.tenant_id == tenant_id,
+            TinkerFuture.status.in_(("pending", "running")),
+            TinkerFuture.kind == SAMPLER_KIND,
+            Run.status != RunStatus.DELETED,
+        )
+    )
+    live.update(f"tinker://{model_id}/sampler_weights/{name or 'sampler'}" for model_id, name in unfinished)
+    return live
+
+
+def check_sampler_quota(session: Session, *, tenant_id: str, path: str, most: int) -> None:
+    """403 `save_quota` when a save of `path` would be a live sampler checkpoint past the tenant's
+    `most` (saving a live path again replaces it: always room). Counted in the transaction that
+    stores the save, with the tenant's row locked until its commit (`lock_tenant`; SQLite serialises
+    writes already), as `check_save_quota`: two saves at once cannot both take the last place.
+
+    A 403, as `check_save_quota`'s, not the 409 of /v1's `adapter_quota` nor a 429: the SDK retries
+    a 409 or 429 of a submission for 5 minutes, and only the user can make room."""
+    lock_tenant(session, tenant_id=tenant_id)
+    live = live_sampler_checkpoints(session, tenant_id=tenant_id)
+    if path in live or len(live) < most:
+        return
+    raise SaveQuota(
+        f"this tenant keeps {len(live)} live sampler checkpoints (save_weights_for_sampler), the most "
+        f"it may (LORALOOM_TINKER_MAX_SAMPLER_CHECKPOINTS_PER_TENANT = {most}); delete one to free its "
+        "place (RestClient.delete_checkpoint_from_tinker_path, or DELETE "
+        "/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/{name}), delete a model's run "
+        "(DELETE /v1/runs/{id}), whose checkpoints go with it, or save under a name already kept, "
+        "which replaces it",
+        details={"kind": "sampler_checkpoints", "kept": len(live), "limit": most},
     )

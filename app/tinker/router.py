@@ -289,7 +289,9 @@ def save_weights_for_sampler(
     principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
 ) -> UntypedAPIFuture:
     """Names the adapter of the model's step at this point of its request order (every
-    optim_step publishes one): `tinker://{model_id}/sampler_weights/{name}`."""
+    optim_step publishes one): `tinker://{model_id}/sampler_weights/{name}`. A tenant keeps at most
+    `Settings.tinker_max_sampler_checkpoints_per_tenant` of them live (403 `save_quota` past it:
+    `checkpoints.check_sampler_quota`)."""
     future = work.submit_save_for_sampler(
         session, tenant_id=principal.tenant_id, body=body, settings=settings
     )
@@ -375,8 +377,9 @@ def list_training_runs(
 def get_training_run(
     principal: TinkerTenantDep, session: SessionDep, training_run_id: ModelIdPath
 ) -> TrainingRunOut:
-    """Also what `get_training_run_by_tinker_path` asks for (the SDK parses the path itself)."""
-    model, run = service.get_model(session, tenant_id=principal.tenant_id, model_id=training_run_id)
+    """Also what `get_training_run_by_tinker_path` asks for (the SDK parses the path itself). A
+    model whose run is deleted is a 404, as an unknown one (`service.get_listed_model`)."""
+    model, run = service.get_listed_model(session, tenant_id=principal.tenant_id, model_id=training_run_id)
     return checkpoints.with_latest_checkpoints(
         session, tenant_id=principal.tenant_id, run_out=service.training_run_out(model, run)
     )

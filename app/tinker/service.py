@@ -368,6 +368,18 @@ def get_model(session: Session, *, tenant_id: str, model_id: str) -> tuple[Tinke
     return model, runs.get_run(session, run_id=model.run_id)
 
 
+def get_listed_model(session: Session, *, tenant_id: str, model_id: str) -> tuple[TinkerModel, Run]:
+    """`get_model` for the reads of a model (its training run, its checkpoints, get_info): a model
+    whose run is deleted is reported exactly like a missing one, as the listings leave it out and
+    its saved paths are gone (`checkpoints.live_saves`). The reads answered 200 for it until the
+    retention purge removed its row. Submissions keep `get_model`: they say the run is deleted
+    (400 `run_not_active`), which tells a client still driving it why it stopped."""
+    model, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+    if run.status == RunStatus.DELETED:
+        raise NotFound(f"model {shown(model_id)} not found")
+    return model, run
+
+
 def tokenizer_id(base_model: str, *, settings: Settings) -> str:
     """What the SDK's `AutoTokenizer.from_pretrained` loads offline for `base_model`: for the
     built-in model, its character tokenizer as Hugging Face files in the data directory (written
@@ -378,7 +390,7 @@ def tokenizer_id(base_model: str, *, settings: Settings) -> str:
 
 
 def model_info(session: Session, *, tenant_id: str, model_id: str, settings: Settings) -> GetInfoResponse:
-    model, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
+    model, run = get_listed_model(session, tenant_id=tenant_id, model_id=model_id)
     rank = int(run.config["lora"]["rank"])
     return GetInfoResponse(
         model_data=ModelData(

@@ -468,6 +468,12 @@ def submit_save_for_sampler(
     if request.kind != "snapshot":
         raise NotSupported(f"save_weights_for_sampler kind {request.kind!r}")
     name = _save_name(request.path, "sampler")
+    checkpoints.check_sampler_quota(
+        session,
+        tenant_id=tenant_id,
+        path=sampler_path(model_id, name),
+        most=settings.tinker_max_sampler_checkpoints_per_tenant,
+    )
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="save_weights_for_sampler", name=name
     )
