@@ -302,8 +302,8 @@ async def _load_final_adapters(loops: Sequence[SystemLoop], steps: int, timeout_
             target = min(steps, loop.runs[run_id].rollout_step)
             deadline = time.monotonic() + timeout_s
             while True:
-                adapters = await loop.client.list_adapters(run_id)
-                newest = max((a.step for a in adapters), default=0)
+                latest = await loop.client.latest_adapter(run_id)
+                newest = latest.step if latest is not None else 0
                 if newest >= target:
                     break
                 if time.monotonic() > deadline:

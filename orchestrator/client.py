@@ -86,6 +86,8 @@ DEFAULT_MAX_RESPONSE_BYTES = 64 * 1024**2
 """The largest answer held in memory: pages of runs, batches and metrics are far smaller."""
 DEFAULT_MAX_DOWNLOAD_BYTES = DEFAULT_MAX_BYTES
 """The largest adapter archive downloaded (to disk): what `extract_adapter` lets one expand to."""
+ADAPTER_PAGE_SIZE = 200
+"""Adapters per request of `list_adapters` (the service's largest page: some 40 KB of JSON)."""
 
 
 def check_run_id(run_id: str) -> str:
@@ -145,7 +147,7 @@ def _unquote_etag(value: str | None) -> str | None:
 
 _RUN_PAGE = TypeAdapter(Page[Run])
 _BATCH_PAGE = TypeAdapter(Page[BatchInfo])
-_ADAPTERS = TypeAdapter(list[AdapterInfo])
+_ADAPTER_PAGE = TypeAdapter(Page[AdapterInfo])
 _METRICS = TypeAdapter(list[StepMetrics])
 
 
@@ -249,8 +251,34 @@ class _Ops:
 
     @staticmethod
     def list_adapters(run_id: str) -> _Op[list[AdapterInfo]]:
-        response = yield _Request("GET", f"/v1/runs/{check_run_id(run_id)}/adapters")
-        return _ADAPTERS.validate_python(response.json()["items"])
+        """Every adapter of the run, oldest step first, following the service's pages."""
+        path = f"/v1/runs/{check_run_id(run_id)}/adapters"
+        items: list[AdapterInfo] = []
+        cursor: str | None = None
+        while True:
+            response = yield _Request(
+                "GET", path, params=_clean_params(limit=ADAPTER_PAGE_SIZE, cursor=cursor)
+            )
+            page = _ADAPTER_PAGE.validate_python(response.json())
+            items += page.items
+            if page.next_cursor is None:
+                return items
+            if page.next_cursor == cursor:  # would ask for the same page forever
+                raise ApiError(f"GET {path} answered the cursor it was sent as the next one")
+            cursor = page.next_cursor
+
+    @staticmethod
+    def latest_adapter(run_id: str) -> _Op[AdapterInfo | None]:
+        """The run's newest adapter (highest step) in one request; None while it has none."""
+        response = yield _Request(
+            "GET",
+            f"/v1/runs/{check_run_id(run_id)}/adapters",
+            params={"newest_first": "true", "limit": 1},
+        )
+        items = _ADAPTER_PAGE.validate_python(response.json()).items
+        # The highest step, not the first item: a service from before paging ignores both parameters
+        # and answers every adapter, oldest first.
+        return max(items, key=lambda a: a.step, default=None)
 
     @staticmethod
     def fetch_adapter(run_id: str, step: AdapterStep, dest_dir: Path) -> _Op[AdapterDownload]:
@@ -557,7 +585,13 @@ class LoraloomClient:
         return self._run(_Ops.list_batches(run_id, state, limit, cursor))
 
     def list_adapters(self, run_id: str) -> list[AdapterInfo]:
+        """Every adapter of the run, oldest step first (as many requests as pages of 200)."""
         return self._run(_Ops.list_adapters(run_id))
+
+    def latest_adapter(self, run_id: str) -> AdapterInfo | None:
+        """The run's newest adapter, or None while it has none: one request, however many it keeps.
+        `fetch_adapter(run_id, info.step, ...)` downloads it."""
+        return self._run(_Ops.latest_adapter(run_id))
 
     def fetch_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> AdapterDownload:
         """Download and extract an adapter; skipped (304) when `dest_dir` already holds it."""
@@ -689,7 +723,12 @@ class AsyncLoraloomClient:
         return await self._run(_Ops.list_batches(run_id, state, limit, cursor))
 
     async def list_adapters(self, run_id: str) -> list[AdapterInfo]:
+        """As `LoraloomClient.list_adapters`."""
         return await self._run(_Ops.list_adapters(run_id))
+
+    async def latest_adapter(self, run_id: str) -> AdapterInfo | None:
+        """As `LoraloomClient.latest_adapter`."""
+        return await self._run(_Ops.latest_adapter(run_id))
 
     async def fetch_adapter(self, run_id: str, step: AdapterStep, dest_dir: str | Path) -> AdapterDownload:
         return await self._run(_Ops.fetch_adapter(run_id, step, Path(dest_dir)))

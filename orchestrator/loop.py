@@ -14,8 +14,8 @@ Each iteration, for every run the engine's agents map to:
    generating (not only before submitting) keeps samples as fresh as the
    contract allows;
 4. load the newest adapter into the run's sampler(s) when a newer step appears
-   (`list_adapters`, then download to `adapter_dir/<run>/step_N`, kept until
-   `keep_adapters` newer ones exist: a vLLM server may read it lazily); when the
+   (`latest_adapter`, one request, then download to `adapter_dir/<run>/step_N`,
+   kept until `keep_adapters` newer ones exist: a vLLM server may read it lazily); when the
    newest one is still more than max_async_level steps behind the trained step
    (its upload trails the step), wait for a fresher one;
 5. generate the step's rollouts, compute rewards, filter, advantages
@@ -66,7 +66,7 @@ class LoopClient(Protocol):
 
     async def heartbeat(self, run_id: str) -> Heartbeat: ...
 
-    async def list_adapters(self, run_id: str) -> list[AdapterInfo]: ...
+    async def latest_adapter(self, run_id: str) -> AdapterInfo | None: ...
 
     async def fetch_adapter(self, run_id: str, step: int, dest_dir: Path) -> AdapterDownload: ...
 
@@ -280,10 +280,10 @@ class RolloutLoop:
     # ---- adapters -----------------------------------------------------------------------------
 
     async def _load_newest_adapter(self, state: RunProgress) -> None:
-        adapters = await self.client.list_adapters(state.run_id)
-        if not adapters:
+        latest = await self.client.latest_adapter(state.run_id)  # one request, however many are kept
+        if latest is None:
             return
-        newest = max(a.step for a in adapters)
+        newest = latest.step
         if state.adapter_step is not None and newest <= state.adapter_step:
             return
         run_dir = self.config.adapter_dir / state.run_id

@@ -14,9 +14,10 @@ from app.adapters.schemas import AdapterList, AdapterOut, MetricsList
 from app.auth import SettingsDep
 from app.db import SessionDep
 from app.errors import RangeNotSatisfiable, ValidationFailed, raises
-from app.pagination import MAX_LIMIT, LimitQuery
+from app.pagination import MAX_LIMIT, CursorQuery, LimitQuery, decode_id_cursor, encode_id_cursor
 from app.runs.deps import OwnedRunDep
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
+from contracts.pool_api import INT32_MAX
 
 # Tags per route: metrics are their own group in the document (and in generated clients).
 router = APIRouter()
@@ -100,15 +101,37 @@ def _adapter_headers(adapter: Adapter, etag: str | None) -> dict[str, str]:
     return headers
 
 
+NewestFirstQuery = Annotated[
+    bool,
+    Query(
+        description="Newest step first (`newest_first=true&limit=1`: the newest adapter's metadata, "
+        "where `GET .../adapters/latest` downloads it); oldest first by default."
+    ),
+]
+
+
 @router.get(
     "/v1/runs/{run_id}/adapters", response_model=AdapterList, operation_id="listAdapters", tags=["adapters"]
 )
-def list_adapters(run: OwnedRunDep, session: SessionDep) -> AdapterList:
+def list_adapters(
+    run: OwnedRunDep,
+    session: SessionDep,
+    limit: LimitQuery = MAX_LIMIT,
+    cursor: CursorQuery = None,
+    newest_first: NewestFirstQuery = False,
+) -> AdapterList:
+    """The run's adapters by step, a page at a time. The default page (200) holds every adapter a run
+    keeps by default (LORALOOM_RUN_ADAPTERS_KEPT, 64); follow `next_cursor` for the rest."""
+    after = None if cursor is None else decode_id_cursor(cursor, max_id=INT32_MAX)
+    rows, next_step = service.adapters_page(
+        session, run_id=run.id, limit=limit, after_step=after, newest_first=newest_first
+    )
     return AdapterList(
         items=[
             AdapterOut(step=a.step, size_bytes=a.size_bytes, sha256=a.sha256, created_at=a.created_at)
-            for a in service.list_adapters(session, run_id=run.id)
-        ]
+            for a in rows
+        ],
+        next_cursor=None if next_step is None else encode_id_cursor(next_step),
     )
 
 

@@ -17,7 +17,12 @@ class AdapterOut(AdapterStored):
 
 
 class AdapterList(BaseModel):
+    """A page of a run's adapters, in step order (ascending, or descending with `newest_first`)."""
+
     items: list[AdapterOut]
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` (with the same `newest_first`) for the next page; null on the last one."
+    )
 
 
 class Aggregate(BaseModel):

@@ -167,7 +167,28 @@ def _refuse_if_deleted(run: Run, settings: Settings) -> None:
 
 
 def list_adapters(session: Session, *, run_id: str) -> list[Adapter]:
+    """Every adapter of the run, by step (the dashboard's run page; the API pages: `adapters_page`)."""
     return list(session.scalars(select(Adapter).where(Adapter.run_id == run_id).order_by(Adapter.step)).all())
+
+
+def adapters_page(
+    session: Session, *, run_id: str, limit: int, after_step: int | None, newest_first: bool = False
+) -> tuple[list[Adapter], int | None]:
+    """Up to `limit` of the run's adapters by step, ascending (descending when `newest_first`), past
+    `after_step` in that order; returns (page, the step to go on after, or None on the last page).
+
+    Keyset on the (run_id, step) unique index: an adapter published or pruned between two pages
+    neither shifts nor repeats the others, and `newest_first` with limit 1 is the newest adapter in
+    one index probe."""
+    stmt = select(Adapter).where(Adapter.run_id == run_id)
+    if after_step is not None:
+        stmt = stmt.where(Adapter.step < after_step if newest_first else Adapter.step > after_step)
+    order = Adapter.step.desc() if newest_first else Adapter.step.asc()
+    rows = list(session.scalars(stmt.order_by(order).limit(limit + 1)))
+    if len(rows) <= limit:
+        return rows, None
+    rows = rows[:limit]
+    return rows, rows[-1].step
 
 
 def newest_kept_floor(run_id: str, kept: int, by: Any = Adapter.step) -> ScalarSelect[Any]:

@@ -39,10 +39,21 @@ METRIC_COLUMNS = ("loss", "entropy", "grad_norm", "lr", "tokens", "samples", "st
 
 @adapters_cli.command("list")
 def adapters_list(
-    run_id: RunIdArg, url: UrlOpt = DEFAULT_URL, key: KeyOpt = None, as_json: JsonOpt = False
+    run_id: RunIdArg,
+    limit: Annotated[int, typer.Option(help="Page size (1..200).")] = 200,
+    cursor: Annotated[str | None, typer.Option(help="Continue from a previous page.")] = None,
+    newest_first: Annotated[bool, typer.Option("--newest-first", help="Newest step first.")] = False,
+    url: UrlOpt = DEFAULT_URL,
+    key: KeyOpt = None,
+    as_json: JsonOpt = False,
 ) -> None:
-    """List a run's adapters, one per published step."""
-    data = api("GET", f"/v1/runs/{run_id}/adapters", url=url, key=key)
+    """List a run's adapters, one per published step, a page at a time (oldest step first)."""
+    params: dict[str, Any] = {"limit": limit}
+    if cursor is not None:
+        params["cursor"] = cursor
+    if newest_first:
+        params["newest_first"] = "true"
+    data = api("GET", f"/v1/runs/{run_id}/adapters", url=url, key=key, params=params)
     if as_json:
         echo_json(data)
         return
@@ -50,6 +61,10 @@ def adapters_list(
         data["items"],
         [("STEP", "step"), ("BYTES", "size_bytes"), ("SHA256", "sha256"), ("CREATED", "created_at")],
     )
+    if data.get("next_cursor"):
+        # The same continuation `runs list` prints; --newest-first must be given again with it.
+        again = " --newest-first" if newest_first else ""
+        typer.echo(f"more: --cursor {data['next_cursor']}{again}")
 
 
 @adapters_cli.command("download")

@@ -170,7 +170,10 @@ def test_an_adapter_published_for_a_run_deleted_meanwhile_is_refused_and_leaves_
     error = r.json()["error"]
     assert error["code"] == "run_not_trainable" and error["details"]["status"] == "deleted"
     _assert_run_dir_gone(settings, run_id)
-    assert client.get(f"/v1/runs/{run_id}/adapters", headers=tenant.headers).json() == {"items": []}
+    assert client.get(f"/v1/runs/{run_id}/adapters", headers=tenant.headers).json() == {
+        "items": [],
+        "next_cursor": None,
+    }
 
 
 def _deleting_after_headers(app: ASGIApp, *, path: str, delete: Callable[[], None]) -> ASGIApp:

@@ -300,7 +300,10 @@ def test_bad_uploads_are_rejected_and_nothing_is_stored(
     db.commit()  # end the read: on SQLite an open transaction holds the write lock
     broadcast = settings.runs_dir / run["id"] / "broadcast"
     assert list(broadcast.iterdir()) == []  # no step_5, no staging leftovers
-    assert client.get(f"/v1/runs/{run['id']}/adapters", headers=tenant.headers).json() == {"items": []}
+    assert client.get(f"/v1/runs/{run['id']}/adapters", headers=tenant.headers).json() == {
+        "items": [],
+        "next_cursor": None,
+    }
     # A "./" prefix, as `tar -C dir .` writes it, is fine.
     ok = tar_bytes({"./" + n: (peft_dir / n).read_bytes() for n in FILES})
     assert upload(client, run["id"], 5, ok).status_code == 201

@@ -100,7 +100,7 @@ def test_adapters_list_and_download(svc: Service, tmp_path: Path) -> None:
     )
     assert r.status_code == 201, r.text
     listing = svc.ok("adapters", "list", run_id)
-    assert "STEP" in listing and "\n1 " in listing
+    assert "STEP" in listing and "\n1 " in listing and "more:" not in listing
     dest = tmp_path / "got"
     out = svc.ok("adapters", "download", run_id, "--output", str(dest), "--json", json_out=True)
     assert isinstance(out, dict) and out["step"] == 1
@@ -118,6 +118,26 @@ def test_adapters_list_and_download(svc: Service, tmp_path: Path) -> None:
     assert refused.exit_code == 2, refused.output
     assert "notes.txt" in refused.output and "new or empty directory" in refused.output
     assert sorted(p.name for p in project.iterdir()) == ["notes.txt"]
+
+
+def test_adapters_list_pages_and_says_how_to_go_on(svc: Service, tmp_path: Path) -> None:
+    run_id = svc.create_run("paged", max_steps=5)
+    tar = _peft_tar(tmp_path)
+    for step in (1, 2, 3):
+        r = svc.pool.put(
+            f"/v1/pool/runs/{run_id}/adapters/{step}",
+            content=tar,
+            headers={"Content-Type": "application/x-tar"},
+        )
+        assert r.status_code == 201, r.text
+    first = str(svc.ok("adapters", "list", run_id, "--limit", "2", "--newest-first"))
+    assert [line.split()[0] for line in first.splitlines()[1:3]] == ["3", "2"]
+    more = first.splitlines()[-1].split()
+    assert more[:2] == ["more:", "--cursor"] and more[3] == "--newest-first"
+    rest = str(svc.ok("adapters", "list", run_id, "--limit", "2", "--newest-first", "--cursor", more[2]))
+    assert [line.split()[0] for line in rest.splitlines()[1:]] == ["1"]
+    bad = runner.invoke(cli, ["adapters", "list", run_id, "--limit", "0"], env=svc.env)
+    assert bad.exit_code != 0 and "limit" in bad.output
 
 
 def test_metrics_table_json_and_plot(svc: Service, tmp_path: Path) -> None:

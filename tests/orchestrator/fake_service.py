@@ -266,7 +266,14 @@ class FakeService:
 
     # ---- adapters and metrics -----------------------------------------------------------------
 
-    async def list_adapters(self, request: Request, run_id: str) -> dict[str, Any]:
+    async def list_adapters(
+        self,
+        request: Request,
+        run_id: str,
+        limit: int = 200,
+        cursor: str | None = None,
+        newest_first: bool = False,
+    ) -> dict[str, Any]:
         self._auth(request)
         self._run(run_id)
         items = [
@@ -276,9 +283,9 @@ class FakeService:
                 "sha256": hashlib.sha256(data).hexdigest(),
                 "created_at": _now(),
             }
-            for step, data in sorted(self.adapters.get(run_id, {}).items())
+            for step, data in sorted(self.adapters.get(run_id, {}).items(), reverse=newest_first)
         ]
-        return {"items": items}
+        return _page(items, limit=limit, cursor=cursor)
 
     async def get_adapter(self, request: Request, run_id: str, step: str) -> Response:
         self._auth(request)

@@ -132,6 +132,11 @@ class FakeLoopClient:
             AdapterInfo(step=s, size_bytes=1, sha256=f"sha{s}") for s in sorted(self._get(run_id).adapters)
         ]
 
+    async def latest_adapter(self, run_id: str) -> AdapterInfo | None:
+        self.calls.append("latest_adapter")
+        steps = self._get(run_id).adapters
+        return AdapterInfo(step=max(steps), size_bytes=1, sha256=f"sha{max(steps)}") if steps else None
+
     async def fetch_adapter(self, run_id: str, step: int, dest_dir: Path) -> AdapterDownload:
         self.calls.append("fetch_adapter")
         dest_dir.mkdir(parents=True, exist_ok=True)

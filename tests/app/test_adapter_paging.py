@@ -1,0 +1,221 @@
+"""GET /v1/runs/{run_id}/adapters pages by step (app/pagination.py's id cursor, as the batches list
+does): every adapter exactly once across pages, past the default page of 200 when the run keeps
+every adapter (LORALOOM_RUN_ADAPTERS_KEPT=0); adapters published or pruned between pages neither
+shift nor repeat the others; `newest_first=true&limit=1` is the newest adapter; a bad limit or
+cursor is the uniform 422; another tenant's run is the 404 of a missing one, whatever the query."""
+
+import base64
+import json
+import random
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import save
+from sqlalchemy import delete
+
+from app.adapters.models import Adapter
+from app.config import Settings
+from app.pagination import MAX_LIMIT
+from tests.app.api import WORKER_HEADERS, Client, TenantHandle, create_run
+from tests.app.factories import committed
+from tests.app.test_adapters import FILES, tar_bytes
+
+MANY = MAX_LIMIT + 5
+"""More adapters than the default (and largest) page."""
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    """The suite's settings, keeping every adapter: the listing is as long as the run's history."""
+    return settings.model_copy(update={"run_adapters_kept": 0})
+
+
+def add_adapters(settings: Settings, run_id: str, steps: list[int]) -> None:
+    """Adapter rows as the trainer leaves them (the listing reads rows only), added in a shuffled
+    order with publication times unrelated to the steps: the pages follow the step alone."""
+    shuffled = random.Random(7).sample(steps, len(steps))
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    with committed(settings) as session:
+        for i, step in enumerate(shuffled):
+            session.add(
+                Adapter(
+                    run_id=run_id,
+                    step=step,
+                    path=f"x/{step}",
+                    size_bytes=step + 1,
+                    sha256=f"{step:064x}",
+                    created_at=start + timedelta(seconds=i),
+                )
+            )
+
+
+def pages(client: TestClient, tenant: TenantHandle, run_id: str, **params: Any) -> Iterator[dict[str, Any]]:
+    """Every page of the run's adapters, following `next_cursor`."""
+    cursor = None
+    while True:
+        query = params | ({"cursor": cursor} if cursor else {})
+        r = client.get(f"/v1/runs/{run_id}/adapters", params=query, headers=tenant.headers)
+        assert r.status_code == 200, r.text
+        page = r.json()
+        yield page
+        if page["next_cursor"] is None:
+            return
+        cursor = page["next_cursor"]
+
+
+def walk(client: TestClient, tenant: TenantHandle, run_id: str, **params: Any) -> list[list[int]]:
+    return [[a["step"] for a in page["items"]] for page in pages(client, tenant, run_id, **params)]
+
+
+STEPS = [3 * i + 1 for i in range(MANY)]  # not 0..n-1: nothing can pass for an offset
+
+
+@pytest.mark.parametrize(
+    ("params", "sizes"),
+    [
+        ({}, [MAX_LIMIT, MANY - MAX_LIMIT]),
+        ({"limit": 7}, [7] * (MANY // 7) + [MANY % 7]),
+        ({"limit": MAX_LIMIT}, [MAX_LIMIT, MANY - MAX_LIMIT]),
+    ],
+    ids=["default-limit", "limit-7", "limit-max"],
+)
+def test_pages_walk_every_adapter_once_by_step(
+    client: TestClient, tenant: TenantHandle, settings: Settings, params: dict[str, Any], sizes: list[int]
+) -> None:
+    run_id = create_run(client, tenant)["id"]
+    add_adapters(settings, run_id, STEPS)
+    walked = walk(client, tenant, run_id, **params)
+    assert [len(p) for p in walked] == sizes
+    assert [s for page in walked for s in page] == STEPS  # each once, ascending
+
+    newest_first = walk(client, tenant, run_id, newest_first="true", **params)
+    assert [len(p) for p in newest_first] == sizes
+    assert [s for page in newest_first for s in page] == STEPS[::-1]
+
+
+def test_an_item_is_the_adapter_and_the_cursor_is_opaque(
+    client: TestClient, tenant: TenantHandle, settings: Settings
+) -> None:
+    run_id = create_run(client, tenant)["id"]
+    add_adapters(settings, run_id, [4, 9])
+    page = client.get(f"/v1/runs/{run_id}/adapters?limit=1", headers=tenant.headers).json()
+    [item] = page["items"]
+    assert item == {
+        "step": 4,
+        "size_bytes": 5,
+        "sha256": f"{4:064x}",
+        "created_at": item["created_at"],
+    }
+    assert not page["next_cursor"].isdigit()  # opaque, as the runs and batches cursors
+    last = client.get(
+        f"/v1/runs/{run_id}/adapters", params={"cursor": page["next_cursor"]}, headers=tenant.headers
+    ).json()
+    assert ([a["step"] for a in last["items"]], last["next_cursor"]) == ([9], None)
+
+
+def test_publishing_and_pruning_between_pages_shift_nothing(
+    client: TestClient, tenant: TenantHandle, settings: Settings
+) -> None:
+    """Keyset, not offset: after the first page a step on it is pruned and a newer one published;
+    the walk goes on with the next step, and ends with the new one."""
+    run_id = create_run(client, tenant)["id"]
+    add_adapters(settings, run_id, [1, 2, 3, 4, 5, 6])
+    walker = pages(client, tenant, run_id, limit=3)
+    assert [a["step"] for a in next(walker)["items"]] == [1, 2, 3]
+    with committed(settings) as session:
+        session.execute(delete(Adapter).where(Adapter.run_id == run_id, Adapter.step.in_([1, 2])))
+    add_adapters(settings, run_id, [7])
+    assert [[a["step"] for a in page["items"]] for page in walker] == [[4, 5, 6], [7]]
+
+
+def test_newest_first_with_limit_1_is_the_newest_adapter(
+    client: TestClient, tenant: TenantHandle, settings: Settings
+) -> None:
+    run_id = create_run(client, tenant)["id"]
+    newest = f"/v1/runs/{run_id}/adapters?newest_first=true&limit=1"
+    assert client.get(newest, headers=tenant.headers).json() == {"items": [], "next_cursor": None}
+    add_adapters(settings, run_id, STEPS)
+    page = client.get(newest, headers=tenant.headers).json()
+    assert [a["step"] for a in page["items"]] == [STEPS[-1]]
+    assert page["next_cursor"] is not None
+    # What the tar.gz route sends for `latest` is that step.
+    publish_adapter(client, run_id, STEPS[-1] + 1)
+    page = client.get(newest, headers=tenant.headers).json()
+    assert [a["step"] for a in page["items"]] == [STEPS[-1] + 1]
+    download = client.get(f"/v1/runs/{run_id}/adapters/latest", headers=tenant.headers)
+    assert download.status_code == 200, download.text
+    assert download.headers["x-adapter-step"] == str(STEPS[-1] + 1)
+    assert download.headers["etag"] == f'"{page["items"][0]["sha256"]}"'
+
+
+def publish_adapter(client: Client, run_id: str, step: int) -> None:
+    """A real adapter through the pool's route (its rows and files, as the trainer publishes)."""
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
+    tensors = {f"{q_proj}.lora_A.weight": torch.ones(4, 32), f"{q_proj}.lora_B.weight": torch.ones(32, 4)}
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    r = client.put(
+        f"/v1/pool/runs/{run_id}/adapters/{step}",
+        content=tar_bytes({FILES[0]: json.dumps(config).encode(), FILES[1]: save(tensors)}),
+        headers=WORKER_HEADERS | {"Content-Type": "application/x-tar"},
+    )
+    assert r.status_code == 201, r.text
+
+
+def _b64(value: object) -> str:
+    return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+
+BAD_QUERIES = [
+    ("limit=0", "query.limit"),
+    ("limit=201", "query.limit"),
+    ("limit=-1", "query.limit"),
+    ("limit=ten", "query.limit"),
+    ("cursor=%25%25", "query.cursor"),  # not base64url
+    ("cursor=" + "A" * 513, "query.cursor"),
+    ("cursor=bm90LWpzb24", "query.cursor"),  # "not-json"
+    ("cursor=" + _b64(["2026-01-01T00:00:00+00:00", "run_x"]), "query.cursor"),  # a runs cursor
+    ("cursor=" + _b64(["id", 2**31]), "query.cursor"),  # past the 32-bit step column
+    ("cursor=" + _b64(["id", -1]), "query.cursor"),
+    ("cursor=" + _b64(["id", True]), "query.cursor"),
+    ("cursor=" + _b64(["id", "3"]), "query.cursor"),
+    ("newest_first=maybe", "query.newest_first"),
+]
+
+
+@pytest.mark.parametrize(("query", "field"), BAD_QUERIES, ids=[q[:40] for q, _ in BAD_QUERIES])
+def test_a_bad_limit_or_cursor_is_the_uniform_422(
+    client: TestClient, tenant: TenantHandle, settings: Settings, query: str, field: str
+) -> None:
+    run_id = create_run(client, tenant)["id"]
+    add_adapters(settings, run_id, [1, 2])
+    r = client.get(f"/v1/runs/{run_id}/adapters?{query}", headers=tenant.headers)
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "details"}
+    assert body["error"]["code"] == "validation_error"
+    assert [".".join(d["loc"]) for d in body["error"]["details"]] == [field]
+    assert all(set(d) == {"loc", "msg", "type"} for d in body["error"]["details"])
+
+
+def test_another_tenants_run_is_a_404_whatever_the_query(
+    client: TestClient, tenant: TenantHandle, other_tenant: TenantHandle, settings: Settings
+) -> None:
+    run_id = create_run(client, tenant)["id"]
+    add_adapters(settings, run_id, [1, 2, 3])
+    mine = client.get(f"/v1/runs/{run_id}/adapters?limit=1", headers=tenant.headers).json()
+    for query in (
+        "",
+        "?newest_first=true&limit=1",
+        f"?cursor={mine['next_cursor']}",
+        "?limit=0",
+        "?cursor=%25",
+    ):
+        theirs = client.get(f"/v1/runs/{run_id}/adapters{query}", headers=other_tenant.headers)
+        missing = client.get(f"/v1/runs/run_000000000000/adapters{query}", headers=other_tenant.headers)
+        assert theirs.status_code == missing.status_code == 404, (query, theirs.text)
+        assert theirs.json()["error"]["code"] == missing.json()["error"]["code"] == "not_found"
+        assert theirs.json()["error"]["message"] == f"run {run_id} not found"
