@@ -1,7 +1,8 @@
 """Background sweeper: lease expiry, pool liveness, run heartbeats, Tinker futures that can no
 longer be served (failed), done Tinker futures, expired dashboard sessions, deleted runs and
-events past their retention (purged), and runs' step adapters past their newest
-`settings.run_adapters_kept` (pruned, app/adapters/pruning.py).
+events past their retention (purged), runs' step adapters past their newest
+`settings.run_adapters_kept` (pruned, app/adapters/pruning.py), and adapter files no row refers to,
+with trash a removal left (reconciled, a page a sweep: app/adapters/reconcile.py).
 
 Each sweep runs in a worker thread (the database calls block) with its own sessions; each
 of its jobs commits on its own, so one failing never holds back the others, and no
@@ -20,6 +21,7 @@ from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.adapters.pruning import AdapterScan, prune_step_adapters, remove_pruned_files
+from app.adapters.reconcile import ReconcileScan, reconcile_adapter_files
 from app.batches.leases import expire_leases
 from app.config import Settings
 from app.db import utcnow
@@ -69,6 +71,13 @@ class SweepResult:
     """Step adapters (rows) past their run's newest settings.run_adapters_kept, deleted."""
     pruned_adapter_files: int = 0
     """Their files (step directories and cached archives) removed, with any left without a row."""
+    reconciled_run_files: int = 0
+    """Runs' step directories and cached archives no row refers to (a crash between a commit and the
+    files' removal, or their move into place and the commit), and staging leftovers, removed."""
+    reconciled_uploads: int = 0
+    """Uploaded adapters' directories no row names, and upload staging leftovers, removed."""
+    emptied_trash_entries: int = 0
+    """Entries of runs/.trash a removal cut short left, deleted."""
     errors: list[str] = field(default_factory=list)
     """The jobs that failed (logged with their traceback)."""
 
@@ -114,6 +123,7 @@ def sweep_once(
     now: datetime | None = None,
     purge_chunk: int = PURGE_CHUNK,
     adapter_scan: AdapterScan | None = None,
+    reconcile_scan: ReconcileScan | None = None,
 ) -> SweepResult:
     """One pass: expired leases → pending; silent pools → dead (their batches → pending);
     runs whose orchestrator went silent → evicted; Tinker futures that can no longer be served →
@@ -122,7 +132,8 @@ def sweep_once(
     older than theirs → deleted; finished Tinker sessions and sampling sessions of runs that left,
     after theirs → deleted (`purge_chunk` rows a transaction); step adapters past their run's
     newest kept → deleted, rows then files (`adapter_scan`: where the last sweep left the adapters;
-    None reads them all)."""
+    None reads them all); adapter files no row refers to, and stale trash → deleted
+    (`reconcile_scan`: where the pass stands; None begins one)."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -188,6 +199,8 @@ def sweep_once(
         chunk=purge_chunk,
         result=result,
     )
+    # After the pruning: what it removed itself is not looked at again.
+    _reconcile(factory, settings=settings, now=now, scan=reconcile_scan or ReconcileScan(), result=result)
     return result
 
 
@@ -221,14 +234,40 @@ def _prune_adapters(
             return
 
 
+def _reconcile(
+    factory: sessionmaker[Session],
+    *,
+    settings: Settings,
+    now: datetime,
+    scan: ReconcileScan,
+    result: SweepResult,
+) -> None:
+    """This sweep's page of the reconcile pass (its own short transactions); a failure is logged and
+    named in `result`, as any job's."""
+    name = "reconcile_adapter_files"
+    try:
+        done = reconcile_adapter_files(factory, settings=settings, scan=scan, now=now)
+    except Exception:
+        log.exception("sweeper: %s failed", name)
+        result.errors.append(name)
+        return
+    result.reconciled_run_files = done.run_files
+    result.reconciled_uploads = done.uploads
+    result.emptied_trash_entries = done.trash_entries
+    if done.failed:
+        result.errors.append(name)
+
+
 async def run_sweeper(app: FastAPI) -> None:
     """Sweep every settings.sweep_interval_seconds until cancelled (at shutdown)."""
     settings: Settings = app.state.settings
     factory: sessionmaker[Session] = app.state.session_factory
-    scan = AdapterScan()
+    scan, reconcile = AdapterScan(), ReconcileScan()
     while True:
         try:
-            await asyncio.to_thread(sweep_once, factory, settings=settings, adapter_scan=scan)
+            await asyncio.to_thread(
+                sweep_once, factory, settings=settings, adapter_scan=scan, reconcile_scan=reconcile
+            )
         except Exception:  # sweep_once catches its jobs' errors; this is the last guard
             log.exception("sweeper: sweep failed")
         await asyncio.sleep(settings.sweep_interval_seconds)

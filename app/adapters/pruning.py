@@ -37,7 +37,9 @@ Crash-safe order: the rows are deleted and committed first, then the files go (a
 is harmless, a row without its files a 404 download). The files are renamed into runs/.trash under
 the lock and deleted there after the commit (the start-up empties the trash, app/projection.py). A
 removal takes every step directory and cached archive of the run without a row, so what a crash (or a
-download building an archive of a step as it went) left behind goes at the run's next removal.
+download building an archive of a step as it went) left behind goes at the run's next removal, or
+at the latest with the sweeper's reconcile pass (app/adapters/reconcile.py), which also empties
+trash entries a crash left.
 
 Finding what to prune: the sweeper reads the adapter rows added since its last look (by id, a chunk
 at a time; `AdapterScan`) and prunes their runs, so a sweep costs what was published since the last
@@ -81,10 +83,11 @@ log = logging.getLogger(__name__)
 RESCAN_SECONDS = 3600.0
 """How often the scan starts again from the first adapter row (see the module's docstring)."""
 
-_STEP_DIR = re.compile(r"^step_([0-9]+)$")
+STEP_DIR = re.compile(r"^step_([0-9]+)$")
 """A published step's directory under broadcast/ (staging and replaced ones start with a dot)."""
-_ARCHIVE = re.compile(r"^adapter_step_([0-9]+)_[0-9a-f]+\.tar\.gz$")
-"""A step's cached download under cache/ (`service._archive_path`; temporary ones start with a dot)."""
+ARCHIVE = re.compile(r"^adapter_step_([0-9]+)_([0-9a-f]+)\.tar\.gz$")
+"""A step's cached download under cache/, with its step and the start of its weights' sha256
+(`service._archive_path`; temporary ones start with a dot)."""
 
 
 @dataclass
@@ -229,24 +232,33 @@ def remove_pruned_files(session: Session, *, run_id: str, settings: Settings) ->
     root = run_dir(settings, run_id)
     doomed = [
         path
-        for folder, pattern in ((root / BROADCAST_DIR, _STEP_DIR), (root / ARCHIVE_CACHE_DIR, _ARCHIVE))
+        for folder, pattern in ((root / BROADCAST_DIR, STEP_DIR), (root / ARCHIVE_CACHE_DIR, ARCHIVE))
         for path, step in _entries(folder, pattern)
         if step not in kept
     ]
-    if not doomed:
-        return 0
+    moved = trash_after_commit(session, run_id=run_id, paths=doomed, settings=settings)
+    if moved:
+        log.info("retention: removed the files of %s pruned step adapter(s) of run %s", moved, run_id)
+    return moved
+
+
+def trash_after_commit(session: Session, *, run_id: str, paths: Iterable[Path], settings: Settings) -> int:
+    """Rename `paths` (files or directories of the run) into runs/.trash now, and delete them there
+    once the session's transaction commits; the caller holds the run's row lock. Returns how many
+    were moved (one gone already, by another sweeper's removal, is skipped). Never commits."""
     trash = settings.runs_dir / TRASH_DIR
-    trash.mkdir(parents=True, exist_ok=True)
     moved: list[Path] = []
-    for path in doomed:
+    for path in paths:
+        if not moved:
+            trash.mkdir(parents=True, exist_ok=True)
         target = trash / f"{run_id}.{path.name}.{uuid.uuid4().hex[:8]}"
         try:
             os.rename(path, target)
         except FileNotFoundError:
-            continue  # gone already (another sweeper's removal)
+            continue
         moved.append(target)
-    call_after_commit(session, lambda: _discard(moved))
-    log.info("retention: removed the files of %s pruned step adapter(s) of run %s", len(moved), run_id)
+    if moved:
+        call_after_commit(session, lambda: _discard(moved))
     return len(moved)
 
 
