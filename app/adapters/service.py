@@ -166,11 +166,6 @@ def _refuse_if_deleted(run: Run, settings: Settings) -> None:
 # ---------------------------------------------------------------- adapter download
 
 
-def list_adapters(session: Session, *, run_id: str) -> list[Adapter]:
-    """Every adapter of the run, by step (the dashboard's run page; the API pages: `adapters_page`)."""
-    return list(session.scalars(select(Adapter).where(Adapter.run_id == run_id).order_by(Adapter.step)).all())
-
-
 def adapters_page(
     session: Session, *, run_id: str, limit: int, after_step: int | None, newest_first: bool = False
 ) -> tuple[list[Adapter], int | None]:

@@ -238,10 +238,18 @@ def runs_page(
     )
 
 
+RUN_PAGE_ADAPTERS = 50
+
+
 @router.get("/runs/{run_id}")
 def run_page(request: Request, viewer: ViewerDep, run: OwnedRun, session: SessionDep) -> Response:
     data = views.run_page_data(session, run=run)
     events = data.pop("events")
+    # The newest few, as the page's one query: a run that keeps every step (LORALOOM_RUN_ADAPTERS_KEPT=0)
+    # may hold thousands; the page says where the older ones are listed.
+    shown, older = adapters.adapters_page(
+        session, run_id=run.id, limit=RUN_PAGE_ADAPTERS, after_step=None, newest_first=True
+    )
     return render(
         request,
         "run.html",
@@ -250,7 +258,8 @@ def run_page(request: Request, viewer: ViewerDep, run: OwnedRun, session: Sessio
         data=data,
         events=events,
         config=json.dumps(run.config, indent=2, sort_keys=True),
-        adapters=adapters.list_adapters(session, run_id=run.id),
+        adapters=shown,
+        older_adapters=older is not None,
         movable=run.status in (RunStatus.QUEUED, RunStatus.ACTIVE),
     )
 

@@ -7,12 +7,14 @@ cursor is the uniform 422; another tenant's run is the 404 of a missing one, wha
 import base64
 import json
 import random
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 import torch
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from safetensors.torch import save
 from sqlalchemy import delete
@@ -20,9 +22,11 @@ from sqlalchemy import delete
 from app.adapters.models import Adapter
 from app.config import Settings
 from app.pagination import MAX_LIMIT
+from app.ui.router import RUN_PAGE_ADAPTERS
 from tests.app.api import WORKER_HEADERS, Client, TenantHandle, create_run
 from tests.app.factories import committed
 from tests.app.test_adapters import FILES, tar_bytes
+from tests.app.test_ui import sign_in
 
 MANY = MAX_LIMIT + 5
 """More adapters than the default (and largest) page."""
@@ -219,3 +223,22 @@ def test_another_tenants_run_is_a_404_whatever_the_query(
         assert theirs.status_code == missing.status_code == 404, (query, theirs.text)
         assert theirs.json()["error"]["code"] == missing.json()["error"]["code"] == "not_found"
         assert theirs.json()["error"]["message"] == f"run {run_id} not found"
+
+
+def test_the_dashboards_run_page_shows_the_newest_and_says_where_the_rest_are(
+    app: FastAPI, client: TestClient, settings: Settings, tenant: TenantHandle
+) -> None:
+    """The run page reads one page, newest first, not the run's whole history."""
+    few, many = create_run(client, tenant)["id"], create_run(client, tenant)["id"]
+    add_adapters(settings, few, [1, 2])
+    add_adapters(settings, many, STEPS)
+    with TestClient(app) as ui:
+        sign_in(ui, tenant.key)
+        page = ui.get(f"/ui/runs/{many}")
+        assert page.status_code == 200
+        shown = [int(s) for s in re.findall(rf'href="/ui/runs/{many}/adapters/(\d+)"', page.text)]
+        assert shown == sorted(STEPS, reverse=True)[:RUN_PAGE_ADAPTERS]
+        assert 'id="older-adapters"' in page.text and f"loraloom adapters list {many}" in page.text
+        page = ui.get(f"/ui/runs/{few}")
+        assert re.findall(rf'href="/ui/runs/{few}/adapters/(\d+)"', page.text) == ["2", "1"]
+        assert 'id="older-adapters"' not in page.text
