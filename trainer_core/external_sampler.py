@@ -17,11 +17,20 @@ directory at the same path. Its logprobs are its own (vLLM's default: of the mod
 before temperature), so they equal a `forward` of the same tokens only as far as its numerics match
 the trainer's.
 
-Bounds, as the SDK's client has (orchestrator.bounded, which the pool may not import): each
-exchange has a total deadline (`deadline_s`: connect, send, the whole answer; httpx's `timeout_s`
-is per socket operation, which a server trickling bytes never trips) and its answer is read chunk
-by chunk under `max_response_bytes` (refused unread when its Content-Length says so). The exchange
-runs under asyncio for that: `asyncio.timeout` cancels a read a trickle keeps alive, which httpx's
+A round's requests go to the server together, at most `concurrency` at a time (vLLM batches the
+ones it has, so a round costs about ceil(N / concurrency) generations, not N), each answered into
+its own result. One client serves every round of the pool's life, its connections kept alive
+between rounds and as many as the requests in flight (`close` at the pool's stop releases them);
+it lives on an event loop of its own for the same reason, which each `serve` runs until its round
+is done.
+
+Bounds, as the SDK's client has (orchestrator.bounded, which the pool may not import): a round has
+a total deadline (`deadline_s` from its start: every exchange of it, connect, send and the whole
+answer, ends by then, and a request still waiting for its turn then fails without being sent; so a
+hung server costs a round one deadline, not one per request; httpx's `timeout_s` is per socket
+operation, which a server trickling bytes never trips) and each answer is read chunk by chunk
+under `max_response_bytes` (refused unread when its Content-Length says so). The exchanges run
+under asyncio for that: `asyncio.timeout_at` cancels a read a trickle keeps alive, which httpx's
 sync client cannot. The answer is checked before use: anything missing, of the wrong type, not
 strict JSON (NaN / Infinity) or non-finite fails the request alone, naming the field at fault.
 """
@@ -29,13 +38,14 @@ strict JSON (NaN / Infinity) or non-finite fails the request alone, naming the f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, cast
 
 import httpx
 
@@ -77,42 +87,113 @@ class ExternalSampler:
     timeout_s: float = 300.0
     """httpx's timeout, per socket operation (connect, each read, each write)."""
     deadline_s: float = 600.0
-    """Seconds one exchange may take in all. The server answers a completion only once all its
-    samples are done, so this bounds a whole request's decoding."""
+    """Seconds a round of requests may take in all, from its start. The server answers a completion
+    only once all its samples are done, so this bounds a whole request's decoding, and the queue
+    of a round with more requests than `concurrency`."""
     max_response_bytes: int = 256 * 1024**2
     """The largest answer read: about 100 bytes a sampled token with its logprob (64 samples of 4,096
     tokens: some 26 MB), and prompt logprobs, which vLLM repeats in every sample."""
+    concurrency: int = 8
+    """Requests of a round in flight at once, and the client's connections to the server."""
     _loaded: set[str] = field(default_factory=set, init=False)
     """Adapter names this pool has hot-loaded into the server."""
+    _loading: dict[str, asyncio.Lock] = field(default_factory=dict, init=False, repr=False)
+    """Held while an adapter is loaded: the round's other requests for it wait instead of loading it
+    again."""
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
+    """The loop `_http` lives on (its connections belong to it), from the first `serve` to `close`."""
+    _http: httpx.AsyncClient | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"ExternalSampler.concurrency must be at least 1, not {self.concurrency}")
 
     def serve(self, work: Sequence[tuple[int, ManualWorkItem, int | None]]) -> dict[int, ManualResult]:
-        """Each `sample` request (index in the claim, item, slot: unused) decoded by the server."""
-        return asyncio.run(self._serve(work))
+        """Each `sample` request (index in the claim, item, slot: unused) decoded by the server, by index."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(self._serve(work))
 
     def close(self) -> None:
-        """Nothing to release: each `serve` opens its connections and closes them."""
+        """Release the client's connections and its loop (at the pool's stop); a later `serve` opens
+        new ones."""
+        loop, http = self._loop, self._http
+        self._loop, self._http = None, None
+        self._loading.clear()  # its locks belong to the loop closed here
+        if loop is None:
+            return
+        try:
+            # A round an interrupt (Ctrl-C) left unfinished ends here, not in the next run of the loop.
+            leftovers = asyncio.all_tasks(loop)
+            if leftovers:
+                for task in leftovers:
+                    task.cancel()
+                loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+            if http is not None:
+                loop.run_until_complete(http.aclose())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                base_url=self.url.rstrip("/"),
+                timeout=self.timeout_s,
+                limits=httpx.Limits(
+                    max_connections=self.concurrency, max_keepalive_connections=self.concurrency
+                ),
+            )
+        return self._http
 
     async def _serve(self, work: Sequence[tuple[int, ManualWorkItem, int | None]]) -> dict[int, ManualResult]:
-        results: dict[int, ManualResult] = {}
-        async with httpx.AsyncClient(base_url=self.url.rstrip("/"), timeout=self.timeout_s) as http:
-            for index, item, _ in work:
-                try:
-                    results[index] = await self._sample(http, item)
-                except _Refused as exc:
-                    results[index] = ManualResult(request_id=item.request_id, error=str(exc))
-        return results
+        http = self._client()
+        deadline = asyncio.get_running_loop().time() + self.deadline_s
+        turns = asyncio.Semaphore(self.concurrency)
+
+        async def answer(item: ManualWorkItem) -> ManualResult:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await turns.acquire()
+            except TimeoutError:
+                return ManualResult(request_id=item.request_id, error=self._no_turn(len(work)))
+            try:
+                return await self._sample(http, item, deadline)
+            except _Refused as exc:
+                return ManualResult(request_id=item.request_id, error=str(exc))
+            finally:
+                turns.release()
+
+        # Anything but a refusal is a fault of ours: it cancels the round's other requests and fails
+        # them all (Manual's catch), as it did when they went one by one.
+        try:
+            async with asyncio.TaskGroup() as group:
+                answers = {index: group.create_task(answer(item)) for index, item, _ in work}
+        except ExceptionGroup as faults:
+            raise faults.exceptions[0] from None
+        return {index: task.result() for index, task in answers.items()}
+
+    def _no_turn(self, requests: int) -> str:
+        return (
+            f"the external sampler did not get to this request within the deadline of {self.deadline_s:g}s "
+            f"of its round: its {requests} requests go {self.concurrency} at a time "
+            "(ExternalSampler.deadline_s, ExternalSampler.concurrency)"
+        )
 
     # -- one exchange, bounded -------------------------------------------------------------------
 
-    async def _post(self, http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> _Answer:
+    async def _post(
+        self, http: httpx.AsyncClient, path: str, body: dict[str, Any], deadline: float
+    ) -> _Answer:
+        """One exchange, ended at `deadline` (the loop's time: its round's)."""
         what = f"POST {self.url.rstrip('/')}{path}"
         try:
-            async with asyncio.timeout(self.deadline_s), http.stream("POST", path, json=body) as response:
+            async with asyncio.timeout_at(deadline), http.stream("POST", path, json=body) as response:
                 return _Answer(response.status_code, await self._read(response, what))
         except TimeoutError as exc:  # asyncio.timeout's (httpx's own are httpx.TimeoutException)
             raise _Refused(
                 f"the external sampler did not answer {what} in full within the deadline of "
-                f"{self.deadline_s:g}s (ExternalSampler.deadline_s)"
+                f"{self.deadline_s:g}s of its round (ExternalSampler.deadline_s)"
             ) from exc
         except httpx.HTTPError as exc:
             raise _Refused(f"the external sampler at {self.url} did not answer {path}: {exc}") from exc
@@ -125,11 +206,14 @@ class ExternalSampler:
             raise self._too_large(what, f"its Content-Length is {declared} bytes")
         chunks: list[bytes] = []
         size = 0
-        async for chunk in response.aiter_bytes():
-            size += len(chunk)
-            if size > self.max_response_bytes:
-                raise self._too_large(what, "it kept coming")
-            chunks.append(chunk)
+        # Closed here when refused: left to the garbage collector, it would be closed by a later
+        # round on the pool's loop, or never. (httpx's is an async generator, typed as an iterator.)
+        async with contextlib.aclosing(cast(AsyncGenerator[bytes, None], response.aiter_bytes())) as body:
+            async for chunk in body:
+                size += len(chunk)
+                if size > self.max_response_bytes:
+                    raise self._too_large(what, "it kept coming")
+                chunks.append(chunk)
         return b"".join(chunks)
 
     def _too_large(self, what: str, said: str) -> _Refused:
@@ -140,7 +224,9 @@ class ExternalSampler:
 
     # -- one request -----------------------------------------------------------------------------
 
-    async def _model_name(self, http: httpx.AsyncClient, item: ManualWorkItem, spec: SamplingSpec) -> str:
+    async def _model_name(
+        self, http: httpx.AsyncClient, item: ManualWorkItem, spec: SamplingSpec, deadline: float
+    ) -> str:
         """The server's model for the request: the base model, or the step's adapter (loaded now
         if the server does not have this copy yet)."""
         if spec.step is None:
@@ -155,25 +241,29 @@ class ExternalSampler:
         copy_id = (peft / COPY_ID_FILE).read_text(encoding="utf-8").strip()
         name = f"{item.run_id}-step{spec.step}-{copy_id}"
         if name not in self._loaded:
-            answer = await self._post(
-                http, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(peft)}
-            )
-            # A server restarted under us forgets; one that kept it says so: both are fine to use.
-            if answer.status != 200 and "already" not in answer.text:
-                raise _Refused(
-                    f"the external sampler refused the adapter of step {spec.step}: "
-                    f"{answer.status} {answer.text[:500]}"
-                )
-            self._loaded.add(name)
-            log.info("external sampler: adapter %s loaded from %s", name, peft)
+            async with self._loading.setdefault(name, asyncio.Lock()):
+                if name not in self._loaded:  # not loaded meanwhile by another request of the round
+                    await self._load(http, name, peft, spec.step, deadline)
         return name
 
-    async def _sample(self, http: httpx.AsyncClient, item: ManualWorkItem) -> ManualResult:
+    async def _load(self, http: httpx.AsyncClient, name: str, peft: Path, step: int, deadline: float) -> None:
+        answer = await self._post(
+            http, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(peft)}, deadline
+        )
+        # A server restarted under us forgets; one that kept it says so: both are fine to use.
+        if answer.status != 200 and "already" not in answer.text:
+            raise _Refused(
+                f"the external sampler refused the adapter of step {step}: {answer.status} {answer.text[:500]}"
+            )
+        self._loaded.add(name)
+        log.info("external sampler: adapter %s loaded from %s", name, peft)
+
+    async def _sample(self, http: httpx.AsyncClient, item: ManualWorkItem, deadline: float) -> ManualResult:
         spec = item.sampling
         if spec is None:
             raise _Refused("sample without sampling parameters")
         body: dict[str, Any] = {
-            "model": await self._model_name(http, item, spec),
+            "model": await self._model_name(http, item, spec, deadline),
             "prompt": list(spec.prompt),
             "n": spec.num_samples,
             "max_tokens": spec.max_tokens,
@@ -193,7 +283,7 @@ class ExternalSampler:
             body["seed"] = spec.seed
         if spec.prompt_logprobs:
             body["prompt_logprobs"] = 0
-        answer = await self._post(http, "/v1/completions", body)
+        answer = await self._post(http, "/v1/completions", body, deadline)
         if answer.status != 200:
             raise _Refused(f"the external sampler answered {answer.status}: {answer.text[:500]}")
         try:

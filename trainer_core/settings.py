@@ -109,10 +109,14 @@ class WorkerSettings(BaseSettings):
     `sample` instead of the pool's own layers; it must serve the base model under `base_model`'s
     name and read the pool's checkpoint directory at the same path (trainer_core.external_sampler)."""
     sampler_deadline: float = Field(default=600.0, gt=0, le=86_400)
-    """Seconds one exchange with `sampler_url` may take in all (connect, the generation, the whole
-    answer, however slowly it trickles); past it that request fails alone. The server answers a
-    completion only once all its samples are done, so this bounds a request's whole decoding: raise
-    it for long generations on a large model. At most a day: a bound that still ends a hung server."""
+    """Seconds a round of requests to `sampler_url` may take in all, from its start (connect, the
+    generation, the whole answer, however slowly it trickles); a request not answered by then fails
+    alone, one still waiting for its turn (`sampler_concurrency`) too. The server answers a completion
+    only once all its samples are done, so this bounds a request's whole decoding: raise it for long
+    generations on a large model. At most a day: a bound that still ends a hung server."""
+    sampler_concurrency: int = Field(default=8, ge=1, le=1024)
+    """Requests of a round in flight at once to `sampler_url` (and the pool's connections to it): the
+    server batches those it has, so a round of N requests costs about N / this generations."""
     sampler_max_response_bytes: int = Field(default=256 * 1024**2, ge=1024, le=16 * 1024**3)
     """The largest answer read from `sampler_url` (bytes); a larger one fails its request alone. About
     100 bytes a sampled token with its logprob, and prompt logprobs, which vLLM repeats in every

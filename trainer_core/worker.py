@@ -135,9 +135,11 @@ class WorkerArgs:
     sampler_url: str | None = None
     """Tinker `sample` served by this OpenAI-compatible server (trainer_core.external_sampler)."""
     sampler_deadline_s: float = 600.0
-    """Seconds one exchange with `sampler_url` may take in all (`ExternalSampler.deadline_s`)."""
+    """Seconds a round of exchanges with `sampler_url` may take in all (`ExternalSampler.deadline_s`)."""
     sampler_max_response_bytes: int = 256 * 1024**2
     """The largest answer read from `sampler_url` (`ExternalSampler.max_response_bytes`)."""
+    sampler_concurrency: int = 8
+    """Requests in flight at once to `sampler_url` (`ExternalSampler.concurrency`)."""
 
     @classmethod
     def from_settings(cls, s: WorkerSettings) -> "WorkerArgs":
@@ -164,6 +166,7 @@ class WorkerArgs:
             sampler_url=s.sampler_url,
             sampler_deadline_s=s.sampler_deadline,
             sampler_max_response_bytes=s.sampler_max_response_bytes,
+            sampler_concurrency=s.sampler_concurrency,
         )
 
     @property
@@ -219,6 +222,7 @@ def external_sampler(args: WorkerArgs) -> ExternalSampler | None:
         args.base_model,
         deadline_s=args.sampler_deadline_s,
         max_response_bytes=args.sampler_max_response_bytes,
+        concurrency=args.sampler_concurrency,
     )
 
 

@@ -122,9 +122,13 @@ def worker(
         float | None,
         _opt(
             POOL,
-            "Seconds one request to the sampler may take in all, its whole generation included "
+            "Seconds a round of requests to the sampler may take in all, their generations included "
             "[LORALOOM_SAMPLER_DEADLINE] (600).",
         ),
+    ] = None,
+    sampler_concurrency: Annotated[
+        int | None,
+        _opt(POOL, "Requests in flight at once to the sampler [LORALOOM_SAMPLER_CONCURRENCY] (8)."),
     ] = None,
     sampler_max_response_bytes: Annotated[
         int | None,

@@ -6,7 +6,7 @@ logprobs, stop reasons and prompt logprobs; what the server cannot serve fails a
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -30,12 +30,25 @@ BASE = "loraloom-tiny"
 
 class FakeVllm:
     """Records what it is sent; answers completions with tokens prompt[-1] + 1, + 2, ... and
-    logprob -0.25 each, `finish_reason` "length", and prompt logprobs -1.0 per position."""
+    logprob -0.25 each, `finish_reason` "length", and prompt logprobs -1.0 per position. Served
+    (`serving_fake_vllm`) over HTTP/1.1 with keep-alive, as vLLM is, it also records the connection
+    each request came on and how many were in flight at once, and calls `hold` (a test's pause
+    point) with each completions body before answering it."""
 
     def __init__(self) -> None:
         self.loads: list[dict[str, Any]] = []
         self.completions: list[dict[str, Any]] = []
         self.adapters: set[str] = set()
+        self.changed = threading.Condition()
+        """Guards the counts below; notified whenever one changes."""
+        self.peers: list[tuple[str, int]] = []
+        """The client's address of each request: one per connection."""
+        self.open_connections = 0
+        self.in_flight = 0
+        """Requests arrived and not yet answered."""
+        self.arrived = 0
+        self.most_in_flight = 0
+        self.hold: Callable[[dict[str, Any]], None] | None = None
 
     def handle(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any] | str]:
         if path == "/v1/load_lora_adapter":
@@ -76,9 +89,37 @@ def serving_fake_vllm() -> Iterator[tuple[str, FakeVllm]]:
     fake = FakeVllm()
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: a client that keeps its connections is seen to
+
+        def setup(self) -> None:
+            super().setup()
+            with fake.changed:
+                fake.open_connections += 1
+                fake.changed.notify_all()
+
+        def finish(self) -> None:
+            super().finish()
+            with fake.changed:
+                fake.open_connections -= 1
+                fake.changed.notify_all()
+
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            status, answer = fake.handle(self.path, body)
+            with fake.changed:
+                fake.peers.append(self.client_address)
+                fake.in_flight += 1
+                fake.arrived += 1
+                fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
+                fake.changed.notify_all()
+            try:
+                if fake.hold is not None and self.path == "/v1/completions":
+                    fake.hold(body)
+                status, answer = fake.handle(self.path, body)
+            finally:
+                # Before the answer goes out: the client may send its next request once it has it.
+                with fake.changed:
+                    fake.in_flight -= 1
+                    fake.changed.notify_all()
             raw = (answer if isinstance(answer, str) else json.dumps(answer)).encode()
             self.send_response(status)
             self.send_header("Content-Length", str(len(raw)))
@@ -142,7 +183,9 @@ def test_samples_are_served_by_the_external_server_with_the_kept_adapter_hot_loa
     assert [load["lora_path"] for load in fake.loads] == [str(peft)]
     adapter_name = fake.loads[0]["lora_name"]
     assert adapter_name.startswith("run_a-step1-")
-    sent = fake.completions[0]
+    # The round's requests went together: each is found by its prompt, not by its place.
+    sent = next(c for c in fake.completions if c["prompt"] == [5, 6, 7])
+    base_sent = next(c for c in fake.completions if c["prompt"] == [8, 9])
     assert {k: sent[k] for k in ("model", "prompt", "n", "max_tokens", "temperature", "top_k", "top_p")} == {
         "model": adapter_name,
         "prompt": [5, 6, 7],
@@ -154,7 +197,7 @@ def test_samples_are_served_by_the_external_server_with_the_kept_adapter_hot_loa
     }
     assert (sent["seed"], sent["stop_token_ids"], sent["stop"], sent["ignore_eos"]) == (11, [2], ["ab"], True)
     assert sent["return_tokens_as_token_ids"] is True and "prompt_logprobs" not in sent
-    assert fake.completions[1]["model"] == BASE and fake.completions[1]["prompt_logprobs"] == 0
+    assert base_sent["model"] == BASE and base_sent["prompt_logprobs"] == 0
 
     first = results[0]
     assert first.error is None and first.sequences is not None
@@ -184,8 +227,9 @@ def test_a_server_that_refuses_or_is_down_fails_the_request_alone(tmp_path, fake
     save_sampler_weights(tmp_path, run, lora)  # no PEFT copy: not kept for an external sampler
     down = ExternalSampler("http://127.0.0.1:9", tmp_path, BASE, timeout_s=2.0)
     result = down.serve([(3, item("base", None, [1, 2]), None)])[3]
+    down.close()
     assert result.error is not None and "did not answer /v1/completions" in result.error
-    refused = ExternalSampler(url, tmp_path, "a-model-it-does-not-serve").serve(
-        [(0, item("x", None, [1]), None)]
-    )
+    refusing = ExternalSampler(url, tmp_path, "a-model-it-does-not-serve")
+    refused = refusing.serve([(0, item("x", None, [1]), None)])
+    refusing.close()
     assert refused[0].error is not None and refused[0].error.startswith("the external sampler answered 404")

@@ -1,5 +1,5 @@
 """The external sampler's bounds are the operator's (`--sampler-deadline`,
-`--sampler-max-response-bytes`): a generation on a large model may need more than the 600 s
+`--sampler-max-response-bytes`, `--sampler-concurrency`): a generation on a large model may need more than the 600 s
 `ExternalSampler` defaults to, and the pool built it with its defaults whatever was set. Out-of-range
 values are refused by both entries, naming what the user set; the values given reach the
 `ExternalSampler` the ranks build, through the flags `loraloom worker` hands them. And `--dry-run`
@@ -40,8 +40,10 @@ def test_the_defaults_are_the_samplers() -> None:
     settings = WorkerSettings.model_construct()
     assert settings.sampler_deadline == _default("deadline_s") == 600.0
     assert settings.sampler_max_response_bytes == _default("max_response_bytes") == 256 * 1024**2
+    assert settings.sampler_concurrency == _default("concurrency") == 8
     args = WorkerArgs()
     assert (args.sampler_deadline_s, args.sampler_max_response_bytes) == (600.0, 256 * 1024**2)
+    assert args.sampler_concurrency == 8
 
 
 def test_the_values_given_reach_the_sampler_the_ranks_build(clean_env, tmp_path: Path) -> None:
@@ -52,20 +54,22 @@ def test_the_values_given_reach_the_sampler_the_ranks_build(clean_env, tmp_path:
             "sampler_url": "http://vllm:8000",
             "sampler_deadline": 1800.0,
             "sampler_max_response_bytes": 1024**3,
+            "sampler_concurrency": 32,
         }
     )
     sampler = external_sampler(parse_args(settings.flags()))
     assert isinstance(sampler, ExternalSampler)
-    assert (sampler.deadline_s, sampler.max_response_bytes) == (1800.0, 1024**3)
+    assert (sampler.deadline_s, sampler.max_response_bytes, sampler.concurrency) == (1800.0, 1024**3, 32)
     assert (sampler.url, sampler.checkpoint_dir) == ("http://vllm:8000", tmp_path / "runs")
 
 
 def test_the_variables_reach_the_sampler(clean_env, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LORALOOM_SAMPLER_DEADLINE", "3600")
     monkeypatch.setenv("LORALOOM_SAMPLER_MAX_RESPONSE_BYTES", "4096")
+    monkeypatch.setenv("LORALOOM_SAMPLER_CONCURRENCY", "1")
     sampler = external_sampler(parse_args(["--runs-dir", "runs", "--sampler-url", "http://vllm:8000"]))
     assert sampler is not None
-    assert (sampler.deadline_s, sampler.max_response_bytes) == (3600.0, 4096)
+    assert (sampler.deadline_s, sampler.max_response_bytes, sampler.concurrency) == (3600.0, 4096, 1)
 
 
 def test_no_sampler_url_no_sampler(clean_env) -> None:
@@ -79,8 +83,15 @@ BAD = [
     ("--sampler-deadline", "inf", "less than or equal to 86400"),
     ("--sampler-max-response-bytes", "1023", "greater than or equal to 1024"),
     ("--sampler-max-response-bytes", str(16 * 1024**3 + 1), "less than or equal to 17179869184"),
+    ("--sampler-concurrency", "0", "greater than or equal to 1"),
+    ("--sampler-concurrency", "-2", "greater than or equal to 1"),
+    ("--sampler-concurrency", "1025", "less than or equal to 1024"),
 ]
-NOT_NUMBERS = [("--sampler-deadline", "soon", "float"), ("--sampler-max-response-bytes", "1.5", "int")]
+NOT_NUMBERS = [
+    ("--sampler-deadline", "soon", "float"),
+    ("--sampler-max-response-bytes", "1.5", "int"),
+    ("--sampler-concurrency", "many", "int"),
+]
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), BAD)
@@ -104,6 +115,7 @@ def test_the_cli_refuses_a_bound_that_is_no_number(clean_env, flag: str, value: 
         *BAD,
         ("--sampler-deadline", "soon", "valid number"),
         ("--sampler-max-response-bytes", "1.5", "valid integer"),
+        ("--sampler-concurrency", "many", "valid integer"),
     ],
 )
 def test_the_torchrun_entry_refuses_a_bad_bound_naming_the_variable(
@@ -128,11 +140,19 @@ def test_dry_run_shows_the_bounds_and_the_checkpoint_directory(clean_env, tmp_pa
     default = shown()
     assert default["checkpoint_dir"] == str(tmp_path / ".loraloom" / "data" / "runs")  # was null
     assert (default["sampler_deadline"], default["sampler_max_response_bytes"]) == (600.0, 256 * 1024**2)
+    assert default["sampler_concurrency"] == 8
     assert shown("--data-dir", "data")["checkpoint_dir"] == str(tmp_path / "data" / "runs")
     assert shown(LORALOOM_CHECKPOINT_DIR="/ckpt")["checkpoint_dir"] == "/ckpt"
     # With --runs-dir the checkpoints go into the run directories themselves, whatever else is set.
     assert shown("--runs-dir", "runs", "--checkpoint-dir", "/ckpt")["checkpoint_dir"] == str(
         tmp_path / "runs"
     )
-    given = shown("--sampler-deadline", "1200", LORALOOM_SAMPLER_MAX_RESPONSE_BYTES="65536")
+    given = shown(
+        "--sampler-deadline",
+        "1200",
+        "--sampler-concurrency",
+        "2",
+        LORALOOM_SAMPLER_MAX_RESPONSE_BYTES="65536",
+    )
     assert (given["sampler_deadline"], given["sampler_max_response_bytes"]) == (1200.0, 65536)
+    assert given["sampler_concurrency"] == 2

@@ -44,6 +44,7 @@ CASES: dict[str, tuple[str, str, str, object]] = {
     ),
     "sampler_deadline": ("LORALOOM_SAMPLER_DEADLINE", "1800", "900.5", 900.5),
     "sampler_max_response_bytes": ("LORALOOM_SAMPLER_MAX_RESPONSE_BYTES", "1048576", "2048", 2048),
+    "sampler_concurrency": ("LORALOOM_SAMPLER_CONCURRENCY", "32", "2", 2),
     "pack_timeout": ("LORALOOM_PACK_TIMEOUT", "5", "0.3", 0.3),
     "poll_interval": ("LORALOOM_POLL_INTERVAL", "1", "0.05", 0.05),
     "max_claim": ("LORALOOM_MAX_CLAIM", "8", "16", 16),
