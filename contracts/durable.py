@@ -8,6 +8,8 @@ leaves either the old state or the new one, never half a file.
 
 import os
 import shutil
+import stat
+import time
 import uuid
 from pathlib import Path
 
@@ -51,13 +53,22 @@ def atomic_replace_dir(staging: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
-def remove_stale_temporaries(root: Path) -> int:
-    """Delete leftovers of interrupted atomic writes (start-up clean-up). Returns how many."""
-    removed = 0
+def remove_stale_temporaries(root: Path, *, idle_seconds: float, now: float | None = None) -> int:
+    """Delete leftovers of interrupted atomic writes (start-up clean-up): temporary files untouched
+    (mtime and ctime) for `idle_seconds`. Returns how many.
+
+    Only idle ones: another process sharing the directory (a second service replica) may be writing
+    one right now, and removing it would fail that write's rename."""
     if not root.exists():
         return 0
+    cutoff = (time.time() if now is None else now) - idle_seconds
+    removed = 0
     for p in root.rglob(f"*{TMP_SUFFIX}"):
-        if p.is_file():
+        try:
+            st = p.lstat()
+        except FileNotFoundError:
+            continue  # renamed into place meanwhile
+        if stat.S_ISREG(st.st_mode) and max(st.st_mtime, st.st_ctime) < cutoff:
             p.unlink(missing_ok=True)
             removed += 1
     return removed
