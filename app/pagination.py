@@ -1,7 +1,8 @@
 """Cursor pagination, newest first.
 
-A cursor is opaque to clients: base64url of the last item's (created_at, id). Keyset
-pagination, unlike offsets, neither skips nor repeats rows when rows are added between pages.
+A cursor is opaque to clients: base64url of the last item's (created_at, id), or, for a list paged
+by an integer key alone, of `[kind, key]` (encode_id_cursor). Keyset pagination, unlike offsets,
+neither skips nor repeats rows when rows are added between pages.
 """
 
 import base64
@@ -36,10 +37,9 @@ def encode_cursor(created_at: datetime, item_id: str | int) -> str:
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
-def _bad_cursor() -> ValidationFailed:
+def _bad_cursor(msg: str = "not a cursor from this API") -> ValidationFailed:
     return ValidationFailed(
-        "invalid cursor",
-        details=[{"loc": ["query", "cursor"], "msg": "not a cursor from this API", "type": "cursor"}],
+        "invalid cursor", details=[{"loc": ["query", "cursor"], "msg": msg, "type": "cursor"}]
     )
 
 
@@ -63,25 +63,26 @@ def decode_cursor(cursor: str, id_type: type = str) -> tuple[datetime, str | int
         raise _bad_cursor() from exc
 
 
-def encode_id_cursor(item_id: int) -> str:
-    """The cursor of a list paged by an increasing integer id alone (batches, in training order)."""
-    raw = json.dumps(["id", item_id], separators=(",", ":"))
+def encode_id_cursor(item_id: int, kind: str = "id") -> str:
+    """The cursor of a list paged by an increasing integer key alone: `[kind, key]`. `kind` names
+    the list (and its order) the cursor walks, so that another list's cursor, or one of the same list
+    in the other order, is refused rather than read as a key of this one. The batches list, in
+    training order, is the plain `"id"`."""
+    raw = json.dumps([kind, item_id], separators=(",", ":"))
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
-def decode_id_cursor(cursor: str, *, max_id: int = 2**63 - 1) -> int:
+def decode_id_cursor(cursor: str, *, kind: str = "id", max_id: int = 2**63 - 1) -> int:
+    """The key of a cursor `encode_id_cursor(key, kind)` wrote; a 422 for any other."""
     try:
-        kind, item_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-        if (
-            kind != "id"
-            or not isinstance(item_id, int)
-            or isinstance(item_id, bool)
-            or not 0 <= item_id <= max_id
-        ):
+        written_kind, item_id = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        if not isinstance(item_id, int) or isinstance(item_id, bool) or not 0 <= item_id <= max_id:
             raise ValueError("not an id cursor")
-        return item_id
     except (binascii.Error, ValueError, TypeError, UnicodeDecodeError) as exc:
         raise _bad_cursor() from exc
+    if written_kind != kind:
+        raise _bad_cursor("a cursor of another list, or of this one in the other order")
+    return item_id
 
 
 def paginate(

@@ -101,13 +101,33 @@ def _adapter_headers(adapter: Adapter, etag: str | None) -> dict[str, str]:
     return headers
 
 
-NewestFirstQuery = Annotated[
-    bool,
+AdaptersLimitQuery = Annotated[
+    int | None,
     Query(
-        description="Newest step first (`newest_first=true&limit=1`: the newest adapter's metadata, "
-        "where `GET .../adapters/latest` downloads it); oldest first by default."
+        ge=1,
+        le=MAX_LIMIT,
+        description="Page size (1..200); 200 when omitted but `cursor` or `newest_first` is given. "
+        "A request with none of the three gets the whole list on one page (the form from "
+        "before paging).",
     ),
 ]
+NewestFirstQuery = Annotated[
+    bool | None,
+    Query(
+        description="Newest step first (`newest_first=true&limit=1`: the newest adapter's metadata, "
+        "where `GET .../adapters/latest` downloads it); oldest first when omitted or false."
+    ),
+]
+WHOLE_LIST = INT32_MAX + 1
+"""The page of a request without paging parameters: more adapters than a run can have (one per
+32-bit step), so one page holds them all."""
+
+
+def _cursor_kind(newest_first: bool) -> str:
+    """What an adapters cursor names (app/pagination.py's id cursors): this list and its order, so
+    that a batches cursor, or one of the other order (its step would bound the wrong side), is a 422
+    rather than a page of the wrong rows."""
+    return "adapters_newest_first" if newest_first else "adapters_oldest_first"
 
 
 @router.get(
@@ -116,22 +136,28 @@ NewestFirstQuery = Annotated[
 def list_adapters(
     run: OwnedRunDep,
     session: SessionDep,
-    limit: LimitQuery = MAX_LIMIT,
+    limit: AdaptersLimitQuery = None,
     cursor: CursorQuery = None,
-    newest_first: NewestFirstQuery = False,
+    newest_first: NewestFirstQuery = None,
 ) -> AdapterList:
-    """The run's adapters by step, a page at a time. The default page (200) holds every adapter a run
-    keeps by default (LORALOOM_RUN_ADAPTERS_KEPT, 64); follow `next_cursor` for the rest."""
-    after = None if cursor is None else decode_id_cursor(cursor, max_id=INT32_MAX)
+    """The run's adapters by step, a page at a time; follow `next_cursor` (with the same
+    `newest_first`) for the rest. The default page (200) holds every adapter a run keeps by default
+    (LORALOOM_RUN_ADAPTERS_KEPT, 64). Without `limit`, `cursor` and `newest_first` the answer is
+    every adapter, oldest first, on one page: clients from before paging read that whole and take
+    the highest step as the newest."""
+    if limit is None:
+        limit = WHOLE_LIST if cursor is None and newest_first is None else MAX_LIMIT
+    kind = _cursor_kind(bool(newest_first))
+    after = None if cursor is None else decode_id_cursor(cursor, kind=kind, max_id=INT32_MAX)
     rows, next_step = service.adapters_page(
-        session, run_id=run.id, limit=limit, after_step=after, newest_first=newest_first
+        session, run_id=run.id, limit=limit, after_step=after, newest_first=bool(newest_first)
     )
     return AdapterList(
         items=[
             AdapterOut(step=a.step, size_bytes=a.size_bytes, sha256=a.sha256, created_at=a.created_at)
             for a in rows
         ],
-        next_cursor=None if next_step is None else encode_id_cursor(next_step),
+        next_cursor=None if next_step is None else encode_id_cursor(next_step, kind),
     )
 
 

@@ -17,11 +17,13 @@ class AdapterOut(AdapterStored):
 
 
 class AdapterList(BaseModel):
-    """A page of a run's adapters, in step order (ascending, or descending with `newest_first`)."""
+    """A page of a run's adapters, in step order (ascending, or descending with `newest_first`); the
+    whole list when the request has no paging parameter (no `limit`, `cursor` or `newest_first`)."""
 
     items: list[AdapterOut]
     next_cursor: str | None = Field(
-        description="Pass as `cursor` (with the same `newest_first`) for the next page; null on the last one."
+        description="Pass as `cursor` (with the same `newest_first`) for the next page; null on the last "
+        "one. A cursor of the other order, or of another list, is a 422."
     )
 
 

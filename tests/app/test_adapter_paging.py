@@ -1,8 +1,10 @@
 """GET /v1/runs/{run_id}/adapters pages by step (app/pagination.py's id cursor, as the batches list
 does): every adapter exactly once across pages, past the default page of 200 when the run keeps
 every adapter (LORALOOM_RUN_ADAPTERS_KEPT=0); adapters published or pruned between pages neither
-shift nor repeat the others; `newest_first=true&limit=1` is the newest adapter; a bad limit or
-cursor is the uniform 422; another tenant's run is the 404 of a missing one, whatever the query."""
+shift nor repeat the others; `newest_first=true&limit=1` is the newest adapter; a request with no
+paging parameter at all is the whole list on one page, as before paging (what older SDKs read);
+a cursor names its list and order, so one of the other order or of the batches list is the uniform
+422, as is a bad limit; another tenant's run is the 404 of a missing one, whatever the query."""
 
 import base64
 import json
@@ -23,8 +25,8 @@ from app.adapters.models import Adapter
 from app.config import Settings
 from app.pagination import MAX_LIMIT
 from app.ui.router import RUN_PAGE_ADAPTERS
-from tests.app.api import WORKER_HEADERS, Client, TenantHandle, create_run
-from tests.app.factories import committed
+from tests.app.api import WORKER_HEADERS, Client, TenantHandle, batch_body, create_run, post_batch
+from tests.app.factories import committed, seed_run
 from tests.app.test_adapters import FILES, tar_bytes
 from tests.app.test_ui import sign_in
 
@@ -81,7 +83,7 @@ STEPS = [3 * i + 1 for i in range(MANY)]  # not 0..n-1: nothing can pass for an 
 @pytest.mark.parametrize(
     ("params", "sizes"),
     [
-        ({}, [MAX_LIMIT, MANY - MAX_LIMIT]),
+        ({"newest_first": "false"}, [MAX_LIMIT, MANY - MAX_LIMIT]),  # a paging parameter, no limit
         ({"limit": 7}, [7] * (MANY // 7) + [MANY % 7]),
         ({"limit": MAX_LIMIT}, [MAX_LIMIT, MANY - MAX_LIMIT]),
     ],
@@ -96,7 +98,7 @@ def test_pages_walk_every_adapter_once_by_step(
     assert [len(p) for p in walked] == sizes
     assert [s for page in walked for s in page] == STEPS  # each once, ascending
 
-    newest_first = walk(client, tenant, run_id, newest_first="true", **params)
+    newest_first = walk(client, tenant, run_id, **(params | {"newest_first": "true"}))
     assert [len(p) for p in newest_first] == sizes
     assert [s for page in newest_first for s in page] == STEPS[::-1]
 
@@ -119,6 +121,98 @@ def test_an_item_is_the_adapter_and_the_cursor_is_opaque(
         f"/v1/runs/{run_id}/adapters", params={"cursor": page["next_cursor"]}, headers=tenant.headers
     ).json()
     assert ([a["step"] for a in last["items"]], last["next_cursor"]) == ([9], None)
+
+
+def test_no_paging_parameter_is_the_whole_list_as_before_paging(
+    client: TestClient, tenant: TenantHandle, settings: Settings
+) -> None:
+    """What an SDK from before paging sends and reads whole, taking the highest step as the newest:
+    past the largest page it still sees every adapter, the newest included. Any one paging
+    parameter gives pages of 200."""
+    run_id = create_run(client, tenant)["id"]
+    add_adapters(settings, run_id, STEPS)
+    url = f"/v1/runs/{run_id}/adapters"
+    whole = client.get(url, headers=tenant.headers).json()
+    assert [a["step"] for a in whole["items"]] == STEPS and len(STEPS) > MAX_LIMIT
+    assert whole["next_cursor"] is None
+    assert max(a["step"] for a in whole["items"]) == STEPS[-1]  # what an old SDK's latest_adapter took
+
+    first = client.get(url, params={"limit": MAX_LIMIT}, headers=tenant.headers).json()
+    assert [a["step"] for a in first["items"]] == STEPS[:MAX_LIMIT] and first["next_cursor"]
+    for params, steps in (
+        ({"newest_first": "false"}, STEPS[:MAX_LIMIT]),
+        ({"newest_first": "true"}, STEPS[::-1][:MAX_LIMIT]),
+        (
+            {"cursor": client.get(url, params={"limit": 1}, headers=tenant.headers).json()["next_cursor"]},
+            STEPS[1 : MAX_LIMIT + 1],
+        ),
+    ):
+        page = client.get(url, params=params, headers=tenant.headers).json()
+        assert [a["step"] for a in page["items"]] == steps, params
+        assert page["next_cursor"] is not None
+
+
+def test_a_cursor_of_the_other_order_is_a_422(
+    client: TestClient, tenant: TenantHandle, settings: Settings
+) -> None:
+    """An oldest-first cursor read as a newest-first one would answer the steps below it, which
+    that walk has already passed (and the other way round): the cursor says its order."""
+    run_id = create_run(client, tenant)["id"]
+    add_adapters(settings, run_id, [1, 2, 3, 4])
+    url = f"/v1/runs/{run_id}/adapters"
+    oldest_first = client.get(url, params={"limit": 2}, headers=tenant.headers).json()["next_cursor"]
+    newest_first = client.get(
+        url, params={"limit": 2, "newest_first": "true"}, headers=tenant.headers
+    ).json()["next_cursor"]
+    assert oldest_first and newest_first
+    for params in (
+        {"cursor": oldest_first, "newest_first": "true"},
+        {"cursor": oldest_first, "newest_first": "true", "limit": 2},
+        {"cursor": newest_first},
+        {"cursor": newest_first, "newest_first": "false", "limit": 2},
+    ):
+        r = client.get(url, params=params, headers=tenant.headers)
+        assert_uniform_422(r, "query.cursor")
+        assert "other order" in r.json()["error"]["details"][0]["msg"]
+    # Each with its own order goes on.
+    for params, steps in (
+        ({"cursor": oldest_first, "newest_first": "false"}, [3, 4]),
+        ({"cursor": newest_first, "newest_first": "true"}, [2, 1]),
+    ):
+        page = client.get(url, params=params, headers=tenant.headers).json()
+        assert [a["step"] for a in page["items"]] == steps
+
+
+def test_a_batches_cursor_is_a_422_and_the_batches_list_refuses_an_adapters_one(
+    client: TestClient, settings: Settings
+) -> None:
+    """Both lists page by an integer key: without its list's name in it a batches cursor (a batch
+    id) would be read as a step."""
+    seeded = seed_run(settings)
+    for i in range(2):
+        assert post_batch(client, seeded, batch_body(1, seed=i)).status_code == 201
+    add_adapters(settings, seeded.run_id, [1, 2, 3])
+    batches_url = f"/v1/runs/{seeded.run_id}/batches"
+    adapters_url = f"/v1/runs/{seeded.run_id}/adapters"
+    batches_cursor = client.get(batches_url, params={"limit": 1}, headers=seeded.headers).json()[
+        "next_cursor"
+    ]
+    adapters_cursor = client.get(adapters_url, params={"limit": 1}, headers=seeded.headers).json()[
+        "next_cursor"
+    ]
+    assert batches_cursor and adapters_cursor
+    for params in ({"cursor": batches_cursor}, {"cursor": batches_cursor, "newest_first": "true"}):
+        r = client.get(adapters_url, params=params, headers=seeded.headers)
+        assert_uniform_422(r, "query.cursor")
+    assert_uniform_422(
+        client.get(batches_url, params={"cursor": adapters_cursor}, headers=seeded.headers), "query.cursor"
+    )
+    # Each list takes its own.
+    assert (
+        client.get(batches_url, params={"cursor": batches_cursor}, headers=seeded.headers).status_code == 200
+    )
+    page = client.get(adapters_url, params={"cursor": adapters_cursor}, headers=seeded.headers).json()
+    assert [a["step"] for a in page["items"]] == [2, 3]
 
 
 def test_publishing_and_pruning_between_pages_shift_nothing(
@@ -182,10 +276,13 @@ BAD_QUERIES = [
     ("cursor=" + "A" * 513, "query.cursor"),
     ("cursor=bm90LWpzb24", "query.cursor"),  # "not-json"
     ("cursor=" + _b64(["2026-01-01T00:00:00+00:00", "run_x"]), "query.cursor"),  # a runs cursor
-    ("cursor=" + _b64(["id", 2**31]), "query.cursor"),  # past the 32-bit step column
-    ("cursor=" + _b64(["id", -1]), "query.cursor"),
-    ("cursor=" + _b64(["id", True]), "query.cursor"),
-    ("cursor=" + _b64(["id", "3"]), "query.cursor"),
+    ("cursor=" + _b64(["id", 3]), "query.cursor"),  # a batches cursor
+    ("cursor=" + _b64(["adapters_newest_first", 3]), "query.cursor"),  # the other order's
+    ("cursor=" + _b64(["adapters_oldest_first", 3]) + "&newest_first=true", "query.cursor"),
+    ("cursor=" + _b64(["adapters_oldest_first", 2**31]), "query.cursor"),  # past the 32-bit step column
+    ("cursor=" + _b64(["adapters_oldest_first", -1]), "query.cursor"),
+    ("cursor=" + _b64(["adapters_oldest_first", True]), "query.cursor"),
+    ("cursor=" + _b64(["adapters_oldest_first", "3"]), "query.cursor"),
     ("newest_first=maybe", "query.newest_first"),
 ]
 
@@ -196,7 +293,10 @@ def test_a_bad_limit_or_cursor_is_the_uniform_422(
 ) -> None:
     run_id = create_run(client, tenant)["id"]
     add_adapters(settings, run_id, [1, 2])
-    r = client.get(f"/v1/runs/{run_id}/adapters?{query}", headers=tenant.headers)
+    assert_uniform_422(client.get(f"/v1/runs/{run_id}/adapters?{query}", headers=tenant.headers), field)
+
+
+def assert_uniform_422(r: Any, field: str) -> None:
     assert r.status_code == 422, r.text
     body = r.json()
     assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "details"}
