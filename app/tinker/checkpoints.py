@@ -19,13 +19,20 @@ columns they show, a page at a time; no save row is read whole.
 
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy import ColumnElement, Select, String, case, distinct, func, literal, select, text, union_all
 from sqlalchemy.orm import Session
 
 from app.errors import AppError, NotFound, ValidationFailed
 from app.runs.models import Run
 from app.tenants.service import lock_tenant
-from app.tinker.models import CHECKPOINT_DELETED, TinkerFuture, TinkerModel
+from app.tinker.models import (
+    CHECKPOINT_DELETED,
+    SAVE_KINDS,
+    TinkerFuture,
+    TinkerModel,
+    current_saves,
+    unfinished,
+)
 from app.tinker.schemas import (
     ATTN_MODULES,
     MLP_MODULES,
@@ -285,98 +292,115 @@ class SaveQuota(AppError):
     code = "save_quota"
 
 
-def kept_states(session: Session, *, tenant_id: str) -> set[str]:
-    """The `tinker://.../weights/<name>` paths of the training states the tenant keeps on the pool's
-    disk: its completed save_weights of models whose runs are not deleted — deleted checkpoints
-    included, since the pool keeps a state until its run is deleted (were they not counted, saving,
-    deleting and saving again would fill the disk under the quota) — and the save_weights it has
-    pending or running."""
-    saved = (
+STATE_KIND, SAMPLER_KIND = SAVE_KINDS
+DEFAULT_SAVE_NAME = {STATE_KIND: "state", SAMPLER_KIND: "sampler"}
+"""The name a save of each kind is stored under when its request names none (`app.tinker.work`)."""
+
+
+def _unfinished_path(kind: str) -> ColumnElement[str]:
+    """The path a pending or running save of `kind` will name once the pool runs it (the one
+    `app.tinker.work` stores in its result), built in SQL from the model and the request's name."""
+    name = func.coalesce(func.nullif(TinkerFuture.request["name"].as_string(), ""), DEFAULT_SAVE_NAME[kind])
+    segment = literal(f"/{SEGMENT_OF_KIND[kind]}/", String)
+    path: ColumnElement[str] = literal("tinker://", String) + TinkerFuture.model_id + segment + name
+    return path
+
+
+def kept_query(tenant_id: str, *, kind: str, path: str, deleted_kept: bool) -> Select[int, int]:
+    """One row: how many paths of `kind` the tenant keeps, and 1 if `path` is one of them (else 0).
+    A kept path is one a completed save named, of a model whose run is not deleted, its checkpoint
+    not deleted (or deleted too, with `deleted_kept`), or one a pending or running save of such a
+    model will name (each is one once the pool runs it). Saves of one path count once.
+
+    Completed saves are never purged: a tenant saving under one name at every step leaves a row per
+    step, and counting them all took 207 ms at 50,000, on every save, under the tenant's lock. A
+    path is live while its newest save is (deleting a checkpoint marks every save of its path), so
+    the completed saves are read from the newest of each path alone, the partial index
+    `ix_tinker_futures_current_saves`, and the unfinished ones from `ix_tinker_futures_unfinished`:
+    both predicates said literally, for a generic plan (`app.tinker.models.CLAIMABLE`). The count
+    is by path, so an older save left unmarked (recorded by a process from before migration 0021)
+    costs a row read, never a place."""
+    table = TinkerFuture.__tablename__
+    tenant_saves = (
         TinkerFuture.tenant_id == tenant_id,
-        TinkerFuture.kind == "save_weights",
-        TinkerFuture.status == "complete",
-        TinkerFuture.completed_at.is_not(None),
+        TinkerFuture.kind == kind,
         Run.status != RunStatus.DELETED,
+    )
+    completed = _joined(select(saved_path().label("path"))).where(
+        *tenant_saves,
+        text(f"({current_saves(table)})"),
+        TinkerFuture.completed_at.is_not(None),
         saved_path().is_not(None),
+        *(() if deleted_kept else (_not_deleted(),)),
     )
-    kept = set(session.scalars(_joined(select(saved_path()).distinct()).where(*saved)))
-    unfinished = session.execute(
-        select(TinkerFuture.model_id, TinkerFuture.request["name"].as_string()).where(
-            TinkerFuture.tenant_id == tenant_id,
-            TinkerFuture.status.in_(("pending", "running")),
-            TinkerFuture.kind == "save_weights",
-        )
+    pending = _joined(select(_unfinished_path(kind).label("path"))).where(
+        *tenant_saves, text(f"({unfinished(table)})")
     )
-    kept.update(f"tinker://{model_id}/weights/{name or 'state'}" for model_id, name in unfinished)
-    return kept
+    kept = union_all(completed, pending).subquery()
+    return select(
+        func.count(distinct(kept.c.path)),
+        func.coalesce(func.max(case((kept.c.path == path, 1), else_=0)), 0),
+    )
+
+
+def _kept_count(
+    session: Session, *, tenant_id: str, kind: str, path: str, deleted_kept: bool
+) -> tuple[int, bool]:
+    """(how many paths of `kind` the tenant keeps, whether `path` is one of them): `kept_query`."""
+    count, has_path = session.execute(
+        kept_query(tenant_id, kind=kind, path=path, deleted_kept=deleted_kept)
+    ).one()
+    return int(count), bool(has_path)
 
 
 def check_save_quota(session: Session, *, tenant_id: str, path: str, most: int) -> None:
     """403 `save_quota` when a save of `path` would be a training state past the tenant's `most`
     (saving a kept path again overwrites it: always room). Exact under concurrent saves: the
-    tenant's row is locked until the commit (`lock_tenant`; SQLite serialises writes already)."""
+    tenant's row is locked until the commit (`lock_tenant`; SQLite serialises writes already).
+
+    The states counted are the `tinker://.../weights/<name>` paths the pool keeps on its disk
+    (`_kept_count`): deleted checkpoints included, since the pool keeps a state until its run is
+    deleted (were they not counted, saving, deleting and saving again would fill the disk under the
+    quota)."""
     lock_tenant(session, tenant_id=tenant_id)
-    kept = kept_states(session, tenant_id=tenant_id)
-    if path in kept or len(kept) < most:
+    kept, is_kept = _kept_count(session, tenant_id=tenant_id, kind=STATE_KIND, path=path, deleted_kept=True)
+    if is_kept or kept < most:
         return
     raise SaveQuota(
-        f"this tenant keeps {len(kept)} saved training states (save_state), the most it may "
+        f"this tenant keeps {kept} saved training states (save_state), the most it may "
         f"(LORALOOM_TINKER_MAX_SAVES_PER_TENANT = {most}); save under a name already kept, which "
         "overwrites it (a deleted checkpoint's name too: its state stays on the pool until its run "
         "is deleted), or delete a model's run (DELETE /v1/runs/{id}), whose states go with it",
-        details={"kind": "saved_states", "kept": len(kept), "limit": most},
+        details={"kind": "saved_states", "kept": kept, "limit": most},
     )
 
 
 # --- the quota on live sampler checkpoints --------------------------------------------------------
 
-SAMPLER_KIND = "save_weights_for_sampler"
-
-
-def live_sampler_checkpoints(session: Session, *, tenant_id: str) -> set[str]:
-    """The `tinker://.../sampler_weights/<name>` paths of the tenant's live sampler checkpoints: the
-    paths its completed save_weights_for_sampler named, not deleted, of models whose runs are not
-    deleted (what lists and resolves: `_live_saves`), and those of the ones it has pending or running
-    for such runs (each is one once the pool runs it). Each pins its step's adapter from the pruning
-    (app/adapters/pruning.py) until it is deleted, so deleting one frees its place. Saves of one path
-    count once: saved again, a path names only its newest save."""
-    live = set(
-        session.scalars(
-            _joined(select(saved_path()).distinct()).where(*_live_saves(tenant_id, kinds=(SAMPLER_KIND,)))
-        )
-    )
-    unfinished = session.execute(
-        select(TinkerFuture.model_id, TinkerFuture.request["name"].as_string())
-        .join(Run, Run.id == TinkerFuture.run_id)
-        .where(
-            TinkerFuture.tenant_id == tenant_id,
-            TinkerFuture.status.in_(("pending", "running")),
-            TinkerFuture.kind == SAMPLER_KIND,
-            Run.status != RunStatus.DELETED,
-        )
-    )
-    live.update(f"tinker://{model_id}/sampler_weights/{name or 'sampler'}" for model_id, name in unfinished)
-    return live
-
 
 def check_sampler_quota(session: Session, *, tenant_id: str, path: str, most: int) -> None:
     """403 `save_quota` when a save of `path` would be a live sampler checkpoint past the tenant's
-    `most` (saving a live path again replaces it: always room). Counted in the transaction that
-    stores the save, with the tenant's row locked until its commit (`lock_tenant`; SQLite serialises
-    writes already), as `check_save_quota`: two saves at once cannot both take the last place.
+    `most` (saving a live path again replaces it: always room). The live ones are what lists and
+    resolves (`_live_saves`) and the pending or running saves of models whose runs are not deleted
+    (`kept_query`): each pins its step's adapter from the pruning (app/adapters/pruning.py) until it
+    is deleted, so deleting one frees its place. Counted in the transaction that stores the save,
+    with the tenant's row locked until its commit (`lock_tenant`; SQLite serialises writes already),
+    as `check_save_quota`: two saves at once cannot both take the last place.
 
     A 403, as `check_save_quota`'s, not the 409 of /v1's `adapter_quota` nor a 429: the SDK retries
     a 409 or 429 of a submission for 5 minutes, and only the user can make room."""
     lock_tenant(session, tenant_id=tenant_id)
-    live = live_sampler_checkpoints(session, tenant_id=tenant_id)
-    if path in live or len(live) < most:
+    live, is_live = _kept_count(
+        session, tenant_id=tenant_id, kind=SAMPLER_KIND, path=path, deleted_kept=False
+    )
+    if is_live or live < most:
         return
     raise SaveQuota(
-        f"this tenant keeps {len(live)} live sampler checkpoints (save_weights_for_sampler), the most "
+        f"this tenant keeps {live} live sampler checkpoints (save_weights_for_sampler), the most "
         f"it may (LORALOOM_TINKER_MAX_SAMPLER_CHECKPOINTS_PER_TENANT = {most}); delete one to free its "
         "place (RestClient.delete_checkpoint_from_tinker_path, or DELETE "
         "/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/{name}), delete a model's run "
         "(DELETE /v1/runs/{id}), whose checkpoints go with it, or save under a name already kept, "
         "which replaces it",
-        details={"kind": "sampler_checkpoints", "kept": len(live), "limit": most},
+        details={"kind": "sampler_checkpoints", "kept": live, "limit": most},
     )

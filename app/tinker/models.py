@@ -46,6 +46,19 @@ def unfinished(table: str = "") -> str:
     return f"{t}status IN ('pending', 'running')"
 
 
+SAVE_KINDS = ("save_weights", "save_weights_for_sampler")
+"""Requests whose completed result names a checkpoint path (app.tinker.checkpoints)."""
+
+
+def current_saves(table: str = "") -> str:
+    """The predicate of the partial index `ix_tinker_futures_current_saves`: completed saves no newer
+    save of their path has superseded, the newest save of each path (`TinkerFuture.superseded_at`).
+    Said literally in the queries that read the index, as `CLAIMABLE` is."""
+    t = f"{table}." if table else ""
+    kinds = ", ".join(f"'{k}'" for k in SAVE_KINDS)
+    return f"{t}kind IN ({kinds}) AND {t}status = 'complete' AND {t}superseded_at IS NULL"
+
+
 CLAIMABLE = claimable()
 """The futures a pool's claim can take (app.tinker.work.claim): pending work, and done work whose kept
 request another pool may replay. A partial index holds only these, so the claim, which every pool polls
@@ -134,6 +147,16 @@ class TinkerFuture(Base):
         # A tenant's saves (checkpoint listings, the saved-states quota: app.tinker.checkpoints)
         # without reading the rest of its retained futures.
         Index("ix_tinker_futures_tenant_kind", "tenant_id", "kind"),
+        # A tenant's newest save of each path, for the quotas on saves (app.tinker.checkpoints
+        # `kept_query`): a tenant saving under one name at every step leaves a row per step, which
+        # the quotas read, under the tenant's lock, on every save (207 ms at 50,000 of one name).
+        Index(
+            "ix_tinker_futures_current_saves",
+            "tenant_id",
+            "kind",
+            postgresql_where=text(current_saves()),
+            sqlite_where=text(current_saves()),
+        ),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
@@ -171,6 +194,10 @@ class TinkerFuture(Base):
     error_category: Mapped[str | None] = mapped_column(String(16), default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     completed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None, index=True)
+    superseded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
+    """A completed save: when a newer save of its path completed (`app.tinker.work.record_results`);
+    None while it is its path's newest. The quotas on saves count paths by their newest saves alone
+    (`current_saves`); everything else reads a path's saves whatever this says."""
 
     def saved_path(self) -> str | None:
         """The `tinker://` path a completed save names; None for other futures and once the user

@@ -48,7 +48,15 @@ from app.runs.schemas import validation_problems
 from app.tinker import checkpoints, leases, proto
 from app.tinker.finite import all_finite, require_finite
 from app.tinker.leases import request_cleared
-from app.tinker.models import REPLAYED_KINDS, TinkerFuture, TinkerModel, claimable, unfinished
+from app.tinker.models import (
+    REPLAYED_KINDS,
+    SAVE_KINDS,
+    TinkerFuture,
+    TinkerModel,
+    claimable,
+    current_saves,
+    unfinished,
+)
 from app.tinker.schemas import (
     MAX_SAVE_NAME_CHARS,
     LoadWeightsRequest,
@@ -282,6 +290,12 @@ def check_pending_room(session: Session, *, tenant_id: str, request_bytes: int, 
         )
 
 
+def require_active(run: Run, *, model_id: str) -> None:
+    """400 `run_not_active` unless the model's run takes requests (queued or active)."""
+    if run.status not in MOVABLE_RUN_STATUSES:
+        raise RunNotActive(f"model {model_id}: its run {run.id} is {run.status}; it takes no more requests")
+
+
 def _submit(
     session: Session,
     *,
@@ -294,8 +308,7 @@ def _submit(
 ) -> TinkerFuture:
     """Store the work as a pending future. `ordered`: it takes its model's seq_id (sampling
     requests do not: they are numbered per sampling client, and order among them is free)."""
-    if run.status not in MOVABLE_RUN_STATUSES:
-        raise RunNotActive(f"model {model_id}: its run {run.id} is {run.status}; it takes no more requests")
+    require_active(run, model_id=model_id)
     size = request_json_bytes(item)
     check_pending_room(session, tenant_id=tenant_id, request_bytes=size, settings=settings)
     future = TinkerFuture(
@@ -467,7 +480,10 @@ def submit_save_for_sampler(
         return existing
     if request.kind != "snapshot":
         raise NotSupported(f"save_weights_for_sampler kind {request.kind!r}")
-    name = _save_name(request.path, "sampler")
+    name = _save_name(request.path, checkpoints.DEFAULT_SAVE_NAME["save_weights_for_sampler"])
+    # Before the quota: a save to a model whose run left is refused for that, not for want of room
+    # that deleting a checkpoint would not make usable.
+    require_active(run, model_id=model_id)
     checkpoints.check_sampler_quota(
         session,
         tenant_id=tenant_id,
@@ -489,7 +505,8 @@ def submit_save_weights(
     run, existing = _in_order(session, tenant_id=tenant_id, body=request)
     if existing is not None:
         return existing
-    name = _save_name(request.path, "state")
+    name = _save_name(request.path, checkpoints.DEFAULT_SAVE_NAME["save_weights"])
+    require_active(run, model_id=model_id)  # before the quota, as in `submit_save_for_sampler`
     checkpoints.check_save_quota(
         session,
         tenant_id=tenant_id,
@@ -834,12 +851,12 @@ def _result_json(future: TinkerFuture, result: ManualResult) -> dict[str, Any]:
         sequences = [seq.model_dump(mode="json") for seq in result.sequences or []]
         return {"sequences": sequences, "prompt_logprobs": result.prompt_logprobs}
     if future.kind == "save_weights":
-        name = str((future.request or {}).get("name") or "state")
+        name = str((future.request or {}).get("name") or checkpoints.DEFAULT_SAVE_NAME[future.kind])
         return {"path": weights_path(str(future.model_id), name), "type": "save_weights"}
     if future.kind == "load_weights":
         return {"model_id": future.model_id, "type": "load_weights"}
     if future.kind == "save_weights_for_sampler":
-        name = str((future.request or {}).get("name") or "sampler")
+        name = str((future.request or {}).get("name") or checkpoints.DEFAULT_SAVE_NAME[future.kind])
         return {
             "path": sampler_path(str(future.model_id), name),
             "type": "save_weights_for_sampler",
@@ -865,6 +882,29 @@ def _step_checkpointed(session: Session, *, step: TinkerFuture) -> None:
             TinkerFuture.seq_id < step.seq_id,
         )
         .values(request=null())
+        .execution_options(synchronize_session=False)
+    )
+
+
+def _supersede_older_saves(session: Session, *, save: TinkerFuture, path: str) -> None:
+    """`save` completed: the older completed saves of its path are no longer its newest
+    (`TinkerFuture.superseded_at`), so the quotas on saves read one row per path, not one per save
+    (app.tinker.checkpoints `kept_query`). Found through the same partial index, among the tenant's
+    newest saves of that kind; a deleted checkpoint's saves too (a save under its name makes it live
+    again). A model's saves are recorded one at a time, in order: its newest completes last (the
+    UPDATE flushes the session first, so a save completed earlier in the same post is seen)."""
+    table = TinkerFuture.__tablename__
+    session.execute(
+        update(TinkerFuture)
+        .where(
+            TinkerFuture.tenant_id == save.tenant_id,
+            TinkerFuture.kind == save.kind,
+            text(f"({current_saves(table)})"),
+            TinkerFuture.model_id == save.model_id,
+            checkpoints.saved_path() == path,
+            TinkerFuture.id != save.id,
+        )
+        .values(superseded_at=utcnow())
         .execution_options(synchronize_session=False)
     )
 
@@ -920,6 +960,8 @@ def record_results(session: Session, *, pool_id: str, results: list[ManualResult
             )
         else:
             future.status, future.result = "complete", _result_json(future, result)
+            if future.kind in SAVE_KINDS and (path := future.saved_path()) is not None:
+                _supersede_older_saves(session, save=future, path=path)
         if future.status == "failed" or future.kind not in REPLAYED_KINDS:
             future.request = None
         if future.kind == "optim_step":

@@ -11,9 +11,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event, func, select
 
 from app.config import Settings
+from app.tinker import checkpoints
 from app.tinker.models import TinkerFuture
 from tests.app.api import WORKER_HEADERS, new_tenant, register
 from tests.app.test_tinker_work import _model
+from tests.app.tinker_calls import run_of
 
 MOST = 3
 
@@ -149,3 +151,67 @@ def test_checkpoints_are_paged_in_sql_without_loading_the_saves(client, tenant, 
     (run,) = runs["training_runs"]
     assert run["last_checkpoint"]["checkpoint_id"] == "weights/a"
     assert run["last_sampler_checkpoint"]["checkpoint_id"] == "sampler_weights/d"
+
+
+@pytest.mark.parametrize("leaves_by", ["evict", "delete"])
+def test_at_the_quota_a_save_to_a_model_whose_run_left_is_refused_for_that(client, tenant, db, leaves_by):
+    """The run's status is checked before the quota: a save_state to a model whose run left answers
+    400 `run_not_active` (it was the 403 `save_quota`), while one to a model whose run is active
+    still gets the 403."""
+    full, headers = _model(client, tenant)
+    for seq_id in range(1, MOST + 1):
+        assert _save(client, full, headers, seq_id, f"s{seq_id}").status_code == 200
+    gone, _ = _model(client, tenant)
+    run_id = run_of(client, tenant, gone)
+    if leaves_by == "evict":
+        left = client.post(f"/v1/runs/{run_id}/evict", json={"reason": "done here"}, headers=tenant.headers)
+    else:
+        left = client.delete(f"/v1/runs/{run_id}", headers=tenant.headers)
+    assert left.status_code == 200, left.text
+
+    refused = _save(client, gone, headers, 1, "new")
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "run_not_active"
+    assert run_id in refused.json()["error"]["message"]
+    at_quota = _save(client, full, headers, MOST + 1, "new")
+    assert at_quota.status_code == 403 and at_quota.json()["error"]["code"] == "save_quota", at_quota.text
+    assert _state_saves(db) == MOST  # nothing stored
+
+
+def test_states_are_counted_by_each_paths_newest_save(client, tenant, db):
+    """A state saved again leaves its older save, marked superseded when the newer completes; the
+    quota counts each path once, from its newest save, a deleted checkpoint's too (its state stays
+    on the pool), and the pending saves by the path their request names."""
+    pool_id = register(client)
+    model_id, headers = _model(client, tenant)
+    for seq_id, name in enumerate(["a", "a", "b", "a"], start=1):
+        assert _save(client, model_id, headers, seq_id, name).status_code == 200
+        _complete_all(client, pool_id)
+    assert _save(client, model_id, headers, 5, "c").status_code == 200  # left pending
+    gone = client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/weights/b", headers=headers)
+    assert gone.status_code == 204, gone.text
+
+    db.expire_all()
+    current = db.scalars(
+        select(TinkerFuture.seq_id).where(
+            TinkerFuture.model_id == model_id,
+            TinkerFuture.kind == "save_weights",
+            TinkerFuture.status == "complete",
+            TinkerFuture.superseded_at.is_(None),
+        )
+    ).all()
+    db.rollback()
+    assert sorted(current) == [3, 4]  # b's save and a's newest
+
+    def kept(name: str) -> tuple[int, int]:
+        path = f"tinker://{model_id}/weights/{name}"
+        count, has_path = db.execute(
+            checkpoints.kept_query(tenant.id, kind="save_weights", path=path, deleted_kept=True)
+        ).one()
+        db.rollback()
+        return int(count), int(has_path)
+
+    assert [kept(name) for name in ("a", "b", "c", "d")] == [(3, 1), (3, 1), (3, 1), (3, 0)]
+    refused = _save(client, model_id, headers, 6, "d")
+    assert refused.status_code == 403 and refused.json()["error"]["details"]["kept"] == MOST, refused.text
+    assert _save(client, model_id, headers, 6, "b").status_code == 200  # the deleted name: overwrites
