@@ -16,7 +16,9 @@ stale directory is repaired by a restart.
 import logging
 import os
 import shutil
+import stat
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from sqlalchemy.orm import Session
 
 from app.config import Settings
 from app.runs.models import Run
-from contracts.durable import atomic_write_text, fsync_path
+from contracts.durable import atomic_write_text, fsync_path, untouched
 from contracts.ids import is_run_id
 from contracts.layout import (
     BROADCAST_DIR,
@@ -101,7 +103,8 @@ def project_run(run: Run, settings: Settings) -> None:
 
 
 TRASH_DIR = ".trash"
-"""Under runs_dir: run directories being removed (emptied at start-up if a removal was cut short)."""
+"""Under runs_dir: run directories, and pruned steps' files, being removed (what a removal cut short
+left, the start-up empties, and the sweeper's reconcile pass: app/adapters/reconcile.py)."""
 
 
 def remove_run_dir(run_id: str, settings: Settings) -> None:
@@ -128,28 +131,53 @@ def remove_run_dir(run_id: str, settings: Settings) -> None:
     else:
         doomed = root  # the trash keeps going (it should not): remove the tree where it is
     fsync_path(root.parent)
-    _remove_tree(doomed)
+    remove_tree(doomed)
 
 
-def _remove_tree(path: Path) -> None:
-    """rmtree, where an entry already gone (another process emptying the trash) is no error."""
+def names_in(folder: Path) -> list[str]:
+    """The names in `folder`; none when it does not exist."""
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
+
+
+def remove_tree(path: Path) -> bool:
+    """Delete a file or a tree; whether this call removed it (False: gone already). An entry gone
+    meanwhile (another process emptying the trash too) is no error; any other failure is raised."""
+    top, top_gone = os.fspath(path), False
 
     def gone_is_fine(
-        _function: object, _path: str, exc_info: tuple[type[BaseException], BaseException, object]
+        _function: object, failed: str, exc_info: tuple[type[BaseException], BaseException, object]
     ) -> None:
+        nonlocal top_gone
         if not isinstance(exc_info[1], FileNotFoundError):
             raise exc_info[1]
+        top_gone = top_gone or failed == top
 
-    shutil.rmtree(path, onerror=gone_is_fine)
+    try:
+        if not stat.S_ISDIR(os.lstat(top).st_mode):
+            os.unlink(top)
+            return True
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(top, onerror=gone_is_fine)
+    return not top_gone
 
 
-def empty_trash(settings: Settings) -> None:
-    """Finish removals a crash cut short. Entries, not the trash itself: another process of the
-    service may be renaming a run's directory into it right now."""
+def empty_trash(
+    settings: Settings, *, names: Iterable[str] | None = None, untouched_since: float | None = None
+) -> int:
+    """Delete entries of the trash, removals a crash cut short: all of them, or those of `names`; with
+    `untouched_since` (seconds since the epoch), only those untouched since (`durable.untouched`):
+    one touched later may be a removal under way in another process. Entries, not the trash itself:
+    another process may be renaming a run's directory into it right now. Returns how many this call
+    removed."""
     trash = settings.runs_dir / TRASH_DIR
-    if trash.is_dir():
-        for entry in trash.iterdir():
-            _remove_tree(entry)
+    doomed = [trash / name for name in (names_in(trash) if names is None else names)]
+    if untouched_since is not None:
+        doomed = [path for path in doomed if untouched(path, since=untouched_since)]
+    return sum(remove_tree(path) for path in doomed)
 
 
 def rebuild_all(session: Session, settings: Settings) -> None:

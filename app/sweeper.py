@@ -2,7 +2,7 @@
 longer be served (failed), done Tinker futures, expired dashboard sessions, deleted runs and
 events past their retention (purged), runs' step adapters past their newest
 `settings.run_adapters_kept` (pruned, app/adapters/pruning.py), and adapter files no row refers to,
-with trash a removal left (reconciled, a page a sweep: app/adapters/reconcile.py).
+with trash a removal left (reconciled, a bounded share a sweep: app/adapters/reconcile.py).
 
 Each sweep runs in a worker thread (the database calls block) with its own sessions; each
 of its jobs commits on its own, so one failing never holds back the others, and no
@@ -242,8 +242,8 @@ def _reconcile(
     scan: ReconcileScan,
     result: SweepResult,
 ) -> None:
-    """This sweep's page of the reconcile pass (its own short transactions); a failure is logged and
-    named in `result`, as any job's."""
+    """This sweep's share of the reconcile pass (its own short transactions, within
+    reconcile.BUDGET_SECONDS); a failure is logged and named in `result`, as any job's."""
     name = "reconcile_adapter_files"
     try:
         done = reconcile_adapter_files(factory, settings=settings, scan=scan, now=now)

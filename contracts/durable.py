@@ -7,6 +7,7 @@ leaves either the old state or the new one, never half a file.
 """
 
 import os
+import re
 import shutil
 import stat
 import time
@@ -14,6 +15,22 @@ import uuid
 from pathlib import Path
 
 TMP_SUFFIX = ".tmp"
+OLD_SUFFIX = ".old"
+"""A directory's copy that `atomic_replace_dir` replaced (deleted right after the move)."""
+_UNIQUE_HEX = 8
+_BESIDE = re.compile(rf"\.(.+)\.[0-9a-f]{{{_UNIQUE_HEX}}}(?:{re.escape(TMP_SUFFIX)}|{re.escape(OLD_SUFFIX)})")
+
+
+def beside(final: Path, suffix: str = TMP_SUFFIX) -> Path:
+    """A new name next to `final` for what is written before it moves there (or, `OLD_SUFFIX`, what it
+    replaced): hidden, unique, and telling whose it is (`final_name_of`)."""
+    return final.with_name(f".{final.name}.{uuid.uuid4().hex[:_UNIQUE_HEX]}{suffix}")
+
+
+def final_name_of(name: str) -> str | None:
+    """The name of the file or directory a name made by `beside` stands next to; None for any other."""
+    match = _BESIDE.fullmatch(name)
+    return match[1] if match else None
 
 
 def fsync_path(path: Path) -> None:
@@ -27,7 +44,7 @@ def fsync_path(path: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    tmp = beside(path)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -44,7 +61,7 @@ def atomic_replace_dir(staging: Path, final: Path) -> None:
     """Move a fully written staging directory to `final`, replacing what was there."""
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists():
-        trash = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.old")
+        trash = beside(final, OLD_SUFFIX)
         os.replace(final, trash)
         os.replace(staging, final)
         shutil.rmtree(trash, ignore_errors=True)
@@ -72,3 +89,24 @@ def remove_stale_temporaries(root: Path, *, idle_seconds: float, now: float | No
             p.unlink(missing_ok=True)
             removed += 1
     return removed
+
+
+_ENTRIES_LOOKED_AT = 64
+"""Entries of a directory whose times `untouched` reads (a staging directory holds a handful)."""
+
+
+def untouched(path: Path, *, since: float) -> bool:
+    """Whether nothing of `path` changed after `since` (seconds since the epoch): its mtime and ctime
+    and, a directory, those of its first entries (a rename sets the ctime: an entry just moved in
+    counts as touched). False when it is gone or cannot be read: then it is left alone."""
+    try:
+        own = os.lstat(path)
+        newest = max(own.st_mtime, own.st_ctime)
+        if stat.S_ISDIR(own.st_mode):
+            with os.scandir(path) as entries:
+                for _, entry in zip(range(_ENTRIES_LOOKED_AT), entries, strict=False):
+                    inner = entry.stat(follow_symlinks=False)
+                    newest = max(newest, inner.st_mtime, inner.st_ctime)
+    except OSError:
+        return False
+    return newest <= since

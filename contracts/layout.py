@@ -11,6 +11,8 @@ A run directory, in the layout of the source documents:
     └── checkpoints/step_N/                  trainer checkpoints
 """
 
+from contracts.pool_api import INT32_MAX
+
 CONTROL_DIR = "control"
 ORCH_CONFIG_FILE = "orch.toml"
 EVICTED_FILE = "evicted.txt"
@@ -27,5 +29,18 @@ ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 """A PEFT adapter directory holds exactly these two files."""
 
 
+_STEP_PREFIX = "step_"
+
+
 def step_dir_name(step: int) -> str:
-    return f"step_{step}"
+    return f"{_STEP_PREFIX}{step}"
+
+
+def step_of_dir_name(name: str) -> int | None:
+    """The step a directory named by `step_dir_name` holds; None for any other name, `step_007` or
+    a step past INT32_MAX (a step's bound on the wire and in the database) too: none of ours."""
+    digits = name.removeprefix(_STEP_PREFIX)
+    if digits == name or not (digits.isascii() and digits.isdigit()) or len(digits) > len(str(INT32_MAX)):
+        return None
+    step = int(digits)
+    return step if step <= INT32_MAX and step_dir_name(step) == name else None

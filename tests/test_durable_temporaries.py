@@ -4,7 +4,15 @@ files idle for its grace: a second replica sharing the data directory may be wri
 import time
 from pathlib import Path
 
-from contracts.durable import TMP_SUFFIX, atomic_write_bytes, remove_stale_temporaries
+from contracts.durable import (
+    OLD_SUFFIX,
+    TMP_SUFFIX,
+    atomic_write_bytes,
+    beside,
+    final_name_of,
+    remove_stale_temporaries,
+    untouched,
+)
 
 
 def test_only_idle_temporary_files_go(tmp_path: Path) -> None:
@@ -27,3 +35,28 @@ def test_only_idle_temporary_files_go(tmp_path: Path) -> None:
 
 def test_a_missing_root_is_nothing_to_do(tmp_path: Path) -> None:
     assert remove_stale_temporaries(tmp_path / "absent", idle_seconds=0) == 0
+
+
+def test_a_name_beside_a_file_says_whose_it_is(tmp_path: Path) -> None:
+    """The reconcile pass (app/adapters/reconcile.py) finds the staging directories, replaced copies
+    and temporaries it may remove by the names `beside` makes: one definition for both ends."""
+    for final in (tmp_path / "step_3", tmp_path / "adapter_step_3_0123456789abcdef.tar.gz"):
+        for suffix in (TMP_SUFFIX, OLD_SUFFIX):
+            assert final_name_of(beside(final, suffix).name) == final.name
+    for other in (
+        "step_3",
+        ".step_3.tmp",
+        ".step_3.DEADBEEF.tmp",
+        ".step_3.deadbeef.bak",
+        ".step_3.deadbeef.tmp\n",
+    ):
+        assert final_name_of(other) is None
+
+
+def test_untouched_is_false_for_what_changed_since_or_is_gone(tmp_path: Path) -> None:
+    staging = tmp_path / ".step_3.deadbeef.tmp"
+    staging.mkdir()
+    (staging / "adapter_model.safetensors").write_bytes(b"\0")
+    now = time.time()
+    assert untouched(staging, since=now + 10) and not untouched(staging, since=now - 10)
+    assert not untouched(tmp_path / "gone", since=now + 10)  # gone: left alone

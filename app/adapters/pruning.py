@@ -36,10 +36,10 @@ Races:
 Crash-safe order: the rows are deleted and committed first, then the files go (a file without a row
 is harmless, a row without its files a 404 download). The files are renamed into runs/.trash under
 the lock and deleted there after the commit (the start-up empties the trash, app/projection.py). A
-removal takes every step directory and cached archive of the run without a row, so what a crash (or a
-download building an archive of a step as it went) left behind goes at the run's next removal, or
-at the latest with the sweeper's reconcile pass (app/adapters/reconcile.py), which also empties
-trash entries a crash left.
+removal takes every step directory and cached archive of the run no row refers to (an archive of an
+earlier publication of its step too), so what a crash (or a download building an archive of a step
+as it went) left behind goes at the run's next removal, or at the latest with the sweeper's
+reconcile pass (app/adapters/reconcile.py), which also empties trash entries a crash left.
 
 Finding what to prune: the sweeper reads the adapter rows added since its last look (by id, a chunk
 at a time; `AdapterScan`) and prunes their runs, so a sweep costs what was published since the last
@@ -53,11 +53,9 @@ A download of a pruned step is a 404 `adapter_not_found` saying so (`service.get
 
 import logging
 import os
-import re
-import shutil
 import uuid
 from collections import defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -66,28 +64,22 @@ from sqlalchemy import ColumnElement, Select, exists, func, select
 from sqlalchemy.orm import Session
 
 from app.adapters.models import Adapter
-from app.adapters.service import ARCHIVE_CACHE_DIR, newest_kept_floor
+from app.adapters.service import ARCHIVE_CACHE_DIR, archive_of, newest_kept_floor
 from app.config import Settings
 from app.events.after_commit import call_after_commit
-from app.projection import TRASH_DIR, run_dir
+from app.projection import TRASH_DIR, empty_trash, names_in, run_dir
 from app.retention import PURGE_CHUNK, delete_some
 from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.tinker.checkpoints import saved_path
 from app.tinker.models import CHECKPOINT_DELETED, TinkerFuture
-from contracts.layout import BROADCAST_DIR
+from contracts.layout import BROADCAST_DIR, step_of_dir_name
 from contracts.status import MOVABLE_RUN_STATUSES, RunStatus
 
 log = logging.getLogger(__name__)
 
 RESCAN_SECONDS = 3600.0
 """How often the scan starts again from the first adapter row (see the module's docstring)."""
-
-STEP_DIR = re.compile(r"^step_([0-9]+)$")
-"""A published step's directory under broadcast/ (staging and replaced ones start with a dot)."""
-ARCHIVE = re.compile(r"^adapter_step_([0-9]+)_([0-9a-f]+)\.tar\.gz$")
-"""A step's cached download under cache/, with its step and the start of its weights' sha256
-(`service._archive_path`; temporary ones start with a dot)."""
 
 
 @dataclass
@@ -221,28 +213,66 @@ def _live_sampler_steps(run_ids: Iterable[str]) -> Select[str | None, int | None
     return select(saves.c.run_id, saves.c.step).where(saves.c.newest == 1)
 
 
-def remove_pruned_files(session: Session, *, run_id: str, settings: Settings) -> int:
-    """Move every step directory and cached archive of the run whose step has no row out of the run's
-    directory, under the run's row lock, into runs/.trash; they are deleted there once the
-    transaction commits. Returns how many. Never commits."""
+@dataclass(frozen=True)
+class StepFile:
+    """A step directory, or a step's cached archive, of a run."""
+
+    path: Path
+    step: int
+    sha256: str | None
+    """An archive's: the start of the weights' sha256 its name holds (None: a step directory)."""
+
+
+def step_files(root: Path) -> list[StepFile]:
+    """The step directories (broadcast/) and cached archives (cache/) in the run directory `root`,
+    named as the service names them (any other name is not the service's to remove)."""
+    files = [
+        StepFile(root / BROADCAST_DIR / name, step, None)
+        for name in names_in(root / BROADCAST_DIR)
+        if (step := step_of_dir_name(name)) is not None
+    ]
+    return files + [
+        StepFile(root / ARCHIVE_CACHE_DIR / name, *archive)
+        for name in names_in(root / ARCHIVE_CACHE_DIR)
+        if (archive := archive_of(name)) is not None
+    ]
+
+
+def published_steps(session: Session, *, run_id: str) -> dict[int, str]:
+    """The run's steps that have a row, with their weights' sha256."""
+    rows = session.execute(select(Adapter.step, Adapter.sha256).where(Adapter.run_id == run_id))
+    return {step: sha for step, sha in rows}
+
+
+def unreferenced(files: Iterable[StepFile], published: Mapping[int, str]) -> list[Path]:
+    """Of `files`, in step order, those no row refers to: a step without a row, and an archive of an
+    earlier publication of its step (another sha256)."""
+    doomed = [
+        f
+        for f in files
+        if f.step not in published or (f.sha256 is not None and not published[f.step].startswith(f.sha256))
+    ]
+    return [f.path for f in sorted(doomed, key=lambda f: f.step)]
+
+
+def remove_pruned_files(
+    session: Session, *, run_id: str, settings: Settings, limit: int | None = None
+) -> int:
+    """Move the run's step directories and cached archives no row refers to (`unreferenced`; the first
+    `limit` by step, None: all) out of the run's directory, under the run's row lock, into
+    runs/.trash; they are deleted there once the transaction commits. Returns how many. Never commits."""
     run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
     if run is None or run.status == RunStatus.DELETED:
         return 0  # its directory goes whole (app/projection.py)
-    kept = set(session.scalars(select(Adapter.step).where(Adapter.run_id == run_id)))
-    root = run_dir(settings, run_id)
-    doomed = [
-        path
-        for folder, pattern in ((root / BROADCAST_DIR, STEP_DIR), (root / ARCHIVE_CACHE_DIR, ARCHIVE))
-        for path, step in _entries(folder, pattern)
-        if step not in kept
-    ]
-    moved = trash_after_commit(session, run_id=run_id, paths=doomed, settings=settings)
+    files = step_files(run_dir(settings, run_id))
+    doomed = unreferenced(files, published_steps(session, run_id=run_id))[:limit] if files else []
+    moved = _trash_after_commit(session, run_id=run_id, paths=doomed, settings=settings)
     if moved:
-        log.info("retention: removed the files of %s pruned step adapter(s) of run %s", moved, run_id)
+        log.info("retention: removed the files of %s step adapter(s) of run %s without a row", moved, run_id)
     return moved
 
 
-def trash_after_commit(session: Session, *, run_id: str, paths: Iterable[Path], settings: Settings) -> int:
+def _trash_after_commit(session: Session, *, run_id: str, paths: Iterable[Path], settings: Settings) -> int:
     """Rename `paths` (files or directories of the run) into runs/.trash now, and delete them there
     once the session's transaction commits; the caller holds the run's row lock. Returns how many
     were moved (one gone already, by another sweeper's removal, is skipped). Never commits."""
@@ -257,23 +287,10 @@ def trash_after_commit(session: Session, *, run_id: str, paths: Iterable[Path], 
         except FileNotFoundError:
             continue
         moved.append(target)
+
+    def discard() -> None:  # what a failure leaves, the reconcile pass empties
+        empty_trash(settings, names=[target.name for target in moved])
+
     if moved:
-        call_after_commit(session, lambda: _discard(moved))
+        call_after_commit(session, discard)
     return len(moved)
-
-
-def _entries(folder: Path, pattern: re.Pattern[str]) -> list[tuple[Path, int]]:
-    """The entries of `folder` named as `pattern` says, with the step the name holds."""
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return []
-    return [(folder / name, int(match[1])) for name in names if (match := pattern.match(name))]
-
-
-def _discard(paths: list[Path]) -> None:
-    for path in paths:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)

@@ -9,9 +9,9 @@ old adapter or the new one, never half of one.
 import gzip
 import logging
 import os
+import re
 import shutil
 import tarfile
-import uuid
 from pathlib import Path
 from typing import IO, Any, BinaryIO, TypeVar
 
@@ -28,8 +28,8 @@ from app.projection import remove_run_dir, run_dir
 from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.runs.service import complete_run, evict_run, get_run
-from contracts.durable import TMP_SUFFIX, atomic_replace_dir
-from contracts.layout import ADAPTER_FILES, BROADCAST_DIR, step_dir_name
+from contracts.durable import atomic_replace_dir, beside
+from contracts.layout import ADAPTER_FILES, BROADCAST_DIR, step_dir_name, step_of_dir_name
 from contracts.pool_api import StepReport
 from contracts.run_config import RunConfig
 from contracts.status import RunStatus
@@ -41,6 +41,21 @@ _NO_ARTIFACTS_STATUSES = (RunStatus.QUEUED, RunStatus.DELETED)
 
 ARCHIVE_CACHE_DIR = "cache"
 """Under a run's directory: its adapters' tar.gz archives, built on the first download."""
+_ARCHIVE_SHA_CHARS = 16
+_ARCHIVE = re.compile(rf"adapter_(.+)_([0-9a-f]{{{_ARCHIVE_SHA_CHARS}}})\.tar\.gz")
+
+
+def archive_name(step: int, sha256: str) -> str:
+    """A step's cached archive: the sha256 in the name gives a step published again a new archive,
+    so a stale one is never served."""
+    return f"adapter_{step_dir_name(step)}_{sha256[:_ARCHIVE_SHA_CHARS]}.tar.gz"
+
+
+def archive_of(name: str) -> tuple[int, str] | None:
+    """(step, start of the weights' sha256) of a name `archive_name` makes; None for any other."""
+    match = _ARCHIVE.fullmatch(name)
+    step = step_of_dir_name(match[1]) if match else None
+    return None if match is None or step is None else (step, match[2])
 
 
 # ---------------------------------------------------------------- helpers
@@ -147,7 +162,7 @@ def _stage_adapter(parent: Path, step: int, body: IO[bytes], *, settings: Settin
     the move into place is one rename); returns (bytes, sha256 of the weights, the staging
     directory). Removes the staging directory if it fails."""
     parent.mkdir(parents=True, exist_ok=True)
-    staging = parent / f".step_{step}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+    staging = beside(parent / step_dir_name(step))
     staging.mkdir()
     try:
         size, sha = extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
@@ -276,12 +291,7 @@ def _write_archive(directory: Path, out: IO[bytes]) -> None:
 
 
 def _archive_path(adapter: Adapter, settings: Settings) -> Path:
-    # The name carries the sha256, so a re-uploaded step gets a new archive and a stale one is never served.
-    return (
-        run_dir(settings, adapter.run_id)
-        / ARCHIVE_CACHE_DIR
-        / f"adapter_step_{adapter.step}_{adapter.sha256[:16]}.tar.gz"
-    )
+    return run_dir(settings, adapter.run_id) / ARCHIVE_CACHE_DIR / archive_name(adapter.step, adapter.sha256)
 
 
 def open_adapter_archive(adapter: Adapter, *, settings: Settings) -> BinaryIO:
@@ -307,7 +317,7 @@ def open_adapter_archive(adapter: Adapter, *, settings: Settings) -> BinaryIO:
 
 def _build_archive(directory: Path, archive: Path, *, step: int) -> BinaryIO:
     archive.parent.mkdir(exist_ok=True)  # not parents=True: a deleted run's directory stays gone
-    tmp = archive.with_name(f".{archive.name}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    tmp = beside(archive)
     out = open(tmp, "w+b")  # noqa: SIM115 - returned open, to be read from the start once written
     try:
         _write_archive(directory, out)
@@ -318,8 +328,9 @@ def _build_archive(directory: Path, archive: Path, *, step: int) -> BinaryIO:
         out.close()
         tmp.unlink(missing_ok=True)
         raise
-    for old in archive.parent.glob(f"adapter_step_{step}_*.tar.gz"):
-        if old != archive:
+    for old in archive.parent.iterdir():  # the step's archives of an older publication
+        other = archive_of(old.name)
+        if old != archive and other is not None and other[0] == step:
             old.unlink(missing_ok=True)
     out.seek(0)
     return out

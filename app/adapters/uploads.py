@@ -26,6 +26,7 @@ from app.config import Settings
 from app.errors import Conflict, NotFound, ValidationFailed
 from app.events.after_commit import call_after_commit
 from app.pools.models import Pool
+from app.projection import remove_tree
 from app.runs.admission import live_pool
 from app.tenants.service import lock_tenant
 from contracts.ids import new_id
@@ -278,40 +279,54 @@ def remove_upload_dirs(adapter_ids: list[str], settings: Settings) -> None:
         shutil.rmtree(uploads_dir(settings) / adapter_id, ignore_errors=True)
 
 
+def is_upload_dir_name(name: str) -> bool:
+    """Whether a name under `{data_dir}/adapters/` is an upload's: an adapter's directory (its id),
+    or a staging one (`_locked_staging`)."""
+    return _ADAPTER_ID.fullmatch(name) is not None or name.startswith(STAGING_PREFIX)
+
+
 def remove_orphan_uploads(session: Session, *, settings: Settings) -> int:
     """Delete the directories under `{data_dir}/adapters/` no row references (start-up clean-up):
     staging leftovers, and uploads moved into place whose commit never came (a crash in between),
-    but never one an upload in progress holds, in this process or another (see `_locked_staging`).
-    Returns how many were removed."""
+    but never one an upload in progress holds (`remove_if_unheld`). Returns how many were removed."""
     root = uploads_dir(settings)
     if not root.is_dir():
         return 0
     kept = set(session.scalars(select(TenantAdapter.id)))
+    names = sorted(n for n in os.listdir(root) if is_upload_dir_name(n) and n not in kept)
     removed = 0
-    for path in sorted(root.iterdir()):
-        is_upload = _ADAPTER_ID.fullmatch(path.name) is not None
-        if path.name in kept or not (is_upload or path.name.startswith(STAGING_PREFIX)):
-            continue
+    for name in names:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        except OSError:  # gone meanwhile, or not a directory
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # an upload holds it: its row is being committed
-            # Unlocked: its upload's transaction has ended. Ask again (a fresh statement): it may
-            # have committed since the set above was read.
-            if is_upload and session.scalar(select(exists().where(TenantAdapter.id == path.name))):
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed += 1
-        finally:
-            os.close(fd)
+            removed += remove_if_unheld(session, root / name)
+        except OSError:  # the start-up goes on; the sweeper's reconcile pass tries again
+            log.exception("could not remove the uploaded adapter directory %s", root / name)
     if removed:
         log.info("removed %d uploaded adapter directories without a row under %s", removed, root)
     return removed
+
+
+def remove_if_unheld(session: Session, path: Path) -> bool:
+    """Delete an upload's directory found without a row, unless an upload holds it (its flock), in
+    this process or another (see `_locked_staging`), or, asked again once none can, its row has been
+    committed meanwhile. Returns whether this call removed it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone meanwhile, or not a directory
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # an upload holds it: its row is being committed
+        # Unlocked: its upload's transaction has ended. Ask again (a fresh statement): it may have
+        # committed since the caller found no row.
+        if _ADAPTER_ID.fullmatch(path.name) and session.scalar(
+            select(exists().where(TenantAdapter.id == path.name))
+        ):
+            return False
+        return remove_tree(path)
+    finally:
+        os.close(fd)
 
 
 def _kept_of(session: Session, tenant_id: str) -> tuple[int, int]:

@@ -27,25 +27,26 @@ from safetensors.torch import save
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from app import sweeper
+from app import projection, sweeper
 from app.adapters import reconcile, service, uploads
 from app.adapters.models import Adapter, TenantAdapter
-from app.adapters.pruning import prune_step_adapters
+from app.adapters.pruning import prune_step_adapters, remove_pruned_files
 from app.adapters.reconcile import (
     ORPHAN_GRACE_SECONDS,
     RECONCILE_SECONDS,
     Reconciled,
     ReconcileScan,
     reconcile_adapter_files,
-    remove_unheld_upload,
 )
 from app.adapters.upload import extract_adapter_tar
 from app.config import Settings
 from app.db import make_engine, make_session_factory, utcnow
 from app.main import create_app
-from app.projection import TRASH_DIR
+from app.projection import TRASH_DIR, remove_tree
+from contracts import durable
 from contracts.durable import atomic_replace_dir
-from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, step_dir_name, step_of_dir_name
+from contracts.pool_api import INT32_MAX
 from tests.app.api import POOL_SPEC, TenantHandle, register
 from tests.app.factories import committed, make_run, make_tenant
 from tests.common import wait_for_a_lock_waiter
@@ -303,6 +304,91 @@ def test_a_step_moved_into_place_before_its_commit_is_kept(
     assert _steps_on_disk(settings, run_id) == _steps_in_db(settings, run_id) == [2]
 
 
+def test_the_names_a_writer_makes_are_the_names_the_pass_reads() -> None:
+    """Built and read from one definition (contracts/layout.py, service.archive_name): a writer's new
+    name cannot silently stop the clean-up. Only those: `step_007` is not step 7's directory."""
+    sha = "0123456789abcdef" * 4
+    for step in (0, 7, INT32_MAX):
+        assert step_of_dir_name(step_dir_name(step)) == step
+        assert service.archive_of(service.archive_name(step, sha)) == (step, sha[:16])
+    for name in ("step_007", "step_00", "step_", "step_-1", "step_+1", "step_1 ", "step_\u0661", "notes"):
+        assert step_of_dir_name(name) is None
+    for step in (INT32_MAX + 1, 10**20):
+        assert step_of_dir_name(f"step_{step}") is None
+        assert service.archive_of(f"adapter_step_{step}_{sha[:16]}.tar.gz") is None
+    assert service.archive_of(f"adapter_step_007_{sha[:16]}.tar.gz") is None
+    assert service.archive_of(f"adapter_step_7_{sha[:15]}.tar.gz") is None
+
+
+def test_a_step_name_past_int32_max_is_left_alone_and_its_run_reconciled(
+    settings: Settings, factory: sessionmaker[Session]
+) -> None:
+    """A step past INT32_MAX (a step's bound) made the run's row query overflow (SQLite's integers,
+    Postgres's column): that run's pass failed on every pass, its real leftovers never went."""
+    run_id = _new_run(settings)
+    broadcast = _broadcast(settings, run_id)
+    strangers = [_leftover(broadcast / f"step_{step}") for step in (10**20, INT32_MAX + 1)]
+    orphans = [_leftover(broadcast / "step_3"), _leftover(broadcast / f"step_{INT32_MAX}")]
+
+    done = _reconcile(factory, settings, at=utcnow() + LATER)
+    assert (done.run_files, done.failed) == (2, [])
+    assert not any(path.exists() for path in orphans) and all(path.exists() for path in strangers)
+
+
+def test_a_step_name_with_leading_zeros_is_not_that_step_s(
+    settings: Settings, factory: sessionmaker[Session]
+) -> None:
+    """`step_007` is no name the service writes (step 7's is `step_7`): read as step 7, a step
+    without a row, its archive's namesake went, and the pruning's removal took the directory. Both
+    are left alone, by the pass and by the pruning's removal; the run's leftovers go."""
+    run_id = _new_run(settings)
+    _publish(factory, settings, run_id, 8)
+    broadcast, cache = _broadcast(settings, run_id), _cache(settings, run_id)
+    strangers = [_leftover(broadcast / "step_007"), _leftover(broadcast / "step_00")]
+    cache.mkdir()
+    strangers.append(cache / "adapter_step_007_0123456789abcdef.tar.gz")
+    strangers[-1].write_bytes(b"not ours")
+    orphans = [_leftover(broadcast / "step_3"), _leftover(broadcast / "step_0")]
+
+    done = _reconcile(factory, settings, at=utcnow() + LATER)
+    assert (done.run_files, done.failed) == (2, [])
+    with factory() as session:
+        assert remove_pruned_files(session, run_id=run_id, settings=settings) == 0
+        session.commit()
+    assert not any(path.exists() for path in orphans) and all(path.exists() for path in strangers)
+    assert _steps_in_db(settings, run_id) == [8] and (broadcast / "step_8").is_dir()
+
+
+def test_a_run_whose_files_fail_is_passed_over_and_tried_again_at_the_next_pass(
+    settings: Settings, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run failing (a directory the service may not delete) holds back neither the runs after it
+    nor the other parts; the next pass tries it again."""
+    runs = sorted(_new_run(settings) for _ in range(3))
+    for run_id in runs:
+        _leftover(_broadcast(settings, run_id) / "step_1")
+    _leftover(_trash(settings) / "run_0123456789ab.step_1.0badf00d")
+    real = reconcile.reconcile_run
+
+    def failing_for_the_first(factory: sessionmaker[Session], *, run_id: str, **kwargs: Any) -> int:
+        if run_id == runs[0]:
+            raise PermissionError(f"{run_id}: not ours to delete")
+        return real(factory, run_id=run_id, **kwargs)
+
+    monkeypatch.setattr(reconcile, "reconcile_run", failing_for_the_first)
+    scan, now = ReconcileScan(), utcnow() + LATER
+    done = reconcile_adapter_files(factory, settings=settings, scan=scan, now=now)
+    assert (done.run_files, done.trash_entries, done.failed) == (2, 1, [runs[0]])
+    assert [_steps_on_disk(settings, run_id) for run_id in runs] == [[1], [], []]
+    assert scan.caught_up  # passed over: the next pass, not the next sweep
+
+    monkeypatch.setattr(reconcile, "reconcile_run", real)
+    later = now + timedelta(seconds=RECONCILE_SECONDS)
+    done = reconcile_adapter_files(factory, settings=settings, scan=scan, now=later)
+    assert (done.run_files, done.failed) == (1, [])
+    assert _steps_on_disk(settings, runs[0]) == []
+
+
 # --------------------------------------------------------------------------- uploaded adapters
 
 
@@ -369,7 +455,8 @@ def test_an_upload_directory_is_asked_about_again_under_its_flock(
 ) -> None:
     """Found without a row, its row committed before the flock was taken: it stays."""
     kept = _upload(factory, settings, tenant.id)
-    assert not remove_unheld_upload(factory, uploads.uploads_dir(settings) / kept)
+    with factory() as session:
+        assert not uploads.remove_if_unheld(session, uploads.uploads_dir(settings) / kept)
     assert _uploads_on_disk(settings) == [kept]
 
 
@@ -463,6 +550,36 @@ def test_trash_a_removal_left_is_emptied_after_the_grace(
     assert trash.is_dir() and _names(trash) == []
 
 
+def test_an_entry_another_process_removed_meanwhile_is_not_counted(
+    settings: Settings, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas empty the trash at once: the entry each finds idle, only one removes; the other
+    counts nothing and fails nothing."""
+    entries = [_leftover(_trash(settings) / f"run_0123456789ab.step_{n}.0badf00d") for n in (1, 2)]
+    real = durable.untouched
+
+    def the_other_replica_removes_the_first(path: Path, *, since: float) -> bool:
+        idle = real(path, since=since)
+        if path == entries[0]:
+            assert remove_tree(path)  # the other replica's removal, between the look and this one's
+        return idle
+
+    monkeypatch.setattr(projection, "untouched", the_other_replica_removes_the_first)
+    done = _reconcile(factory, settings, at=utcnow() + LATER)
+    assert (done.trash_entries, done.failed) == (1, [])
+    assert _names(_trash(settings)) == []
+
+
+def test_remove_tree_says_whether_this_call_removed_it(tmp_path: Path) -> None:
+    tree, file = _leftover(tmp_path / "tree"), tmp_path / "file"
+    file.write_bytes(b"x")
+    (tmp_path / "link").symlink_to(tree)
+    assert remove_tree(tmp_path / "link") and tree.is_dir()  # the link, never what it points to
+    assert remove_tree(tree) and remove_tree(file)
+    assert not remove_tree(tree) and not remove_tree(file)
+    assert _names(tmp_path) == []
+
+
 # --------------------------------------------------------------------------- the sweeper
 
 
@@ -471,6 +588,7 @@ def test_the_sweeper_reconciles_a_page_a_sweep_and_begins_again_later(
 ) -> None:
     monkeypatch.setattr(reconcile, "RUN_PAGE", 2)
     monkeypatch.setattr(reconcile, "PAGE", 2)
+    monkeypatch.setattr(reconcile, "TRASH_PAGE", 2)
     runs = sorted(_new_run(settings) for _ in range(5))
     for run_id in runs:
         _leftover(_broadcast(settings, run_id) / "step_1")  # a publish's crash: no row
@@ -495,6 +613,78 @@ def test_the_sweeper_reconciles_a_page_a_sweep_and_begins_again_later(
     later = now + timedelta(seconds=RECONCILE_SECONDS)
     again = sweeper.sweep_once(factory, settings=settings, now=later, reconcile_scan=scan)
     assert (again.reconciled_run_files, again.errors) == (1, [])
+
+
+class _Clock:
+    """A monotonic clock that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_sweep_stops_the_pass_when_its_time_is_spent_and_the_next_goes_on(
+    settings: Settings, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run and each trash entry takes 0.4 s of the sweep's BUDGET_SECONDS (1 s): a sweep stops
+    after the entry that spent it, and the next one goes on from there, nothing skipped."""
+    clock = _Clock()
+    real_run, real_trash = reconcile.reconcile_run, projection.empty_trash
+
+    def slow_run(*args: Any, **kwargs: Any) -> int:
+        clock.now += 0.4
+        return real_run(*args, **kwargs)
+
+    def slow_trash(*args: Any, **kwargs: Any) -> int:
+        clock.now += 0.4
+        return real_trash(*args, **kwargs)
+
+    monkeypatch.setattr(reconcile, "reconcile_run", slow_run)
+    monkeypatch.setattr(reconcile, "empty_trash", slow_trash)
+    runs = sorted(_new_run(settings) for _ in range(4))
+    for run_id in runs:
+        _leftover(_broadcast(settings, run_id) / "step_1")
+    for n in range(3):
+        _leftover(_trash(settings) / f"run_0123456789ab.step_{n}.0badf00d")
+
+    scan, now = ReconcileScan(), utcnow() + LATER
+    sweeps = []
+    for _ in range(4):
+        done = reconcile_adapter_files(factory, settings=settings, scan=scan, now=now, clock=clock)
+        sweeps.append((done.run_files, done.trash_entries, done.failed))
+    assert sweeps == [(3, 0, []), (1, 2, []), (0, 1, []), (0, 0, [])]
+    assert scan.caught_up and all(_steps_on_disk(settings, run_id) == [] for run_id in runs)
+    assert _names(_trash(settings)) == []
+
+
+def test_a_part_that_fails_holds_back_neither_the_others_nor_their_counts(
+    settings: Settings, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The uploads' directory cannot be listed: the runs and the trash are reconciled all the same,
+    and counted; the uploads' cursor stays, and the next sweep goes through them."""
+    run_id = _new_run(settings)
+    _leftover(_broadcast(settings, run_id) / "step_1")
+    _leftover(_trash(settings) / "run_0123456789ab.step_1.0badf00d")
+    crashed = _leftover(uploads.uploads_dir(settings) / ".upload_crashed")
+    real = projection.names_in
+
+    def unreadable_uploads(folder: Path) -> list[str]:
+        if folder == uploads.uploads_dir(settings):
+            raise PermissionError(f"{folder}: unreadable")
+        return real(folder)
+
+    monkeypatch.setattr(reconcile, "names_in", unreadable_uploads)
+    scan, now = ReconcileScan(), utcnow() + LATER
+    done = reconcile_adapter_files(factory, settings=settings, scan=scan, now=now)
+    assert (done.run_files, done.uploads, done.trash_entries, done.failed) == (1, 0, 1, ["uploads"])
+    assert (scan.runs.done, scan.uploads, scan.trash.done) == (True, reconcile.Cursor(), True)
+
+    monkeypatch.setattr(reconcile, "names_in", real)
+    done = reconcile_adapter_files(factory, settings=settings, scan=scan, now=now)
+    assert (done.run_files, done.uploads, done.trash_entries, done.failed) == (0, 1, 0, [])
+    assert not crashed.exists() and scan.caught_up
 
 
 def test_the_first_sweep_after_a_start_reconciles(
