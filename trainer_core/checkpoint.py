@@ -26,7 +26,6 @@ the history past it is no longer the run's: restoring it would bring back weight
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -38,14 +37,13 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from contracts.durable import fsync_path
-from contracts.layout import STABLE_MARKER, step_dir_name
+from contracts.layout import STABLE_MARKER, step_dir_name, step_of_dir_name
 from contracts.progress import Progress
 
 ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 PROGRESS_FILE = "progress.json"
 EXTRA_FILE = "extra.pt"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_"
 _TRASH_PREFIX = ".trash_"
 
@@ -86,9 +84,9 @@ def _step_dirs(ckpt_root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in ckpt_root.iterdir():
-        m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir():
-            found.append((int(m.group(1)), entry))
+        step = step_of_dir_name(entry.name)
+        if step is not None and entry.is_dir():
+            found.append((step, entry))
     return sorted(found)
 
 
@@ -121,7 +119,7 @@ def _is_debris(entry: Path) -> bool:
     """A temporary/trash directory, or a ``step_N`` directory without STABLE: a crashed save."""
     if entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
         return True
-    return bool(_STEP_DIR.match(entry.name)) and entry.is_dir() and not is_stable(entry)
+    return step_of_dir_name(entry.name) is not None and entry.is_dir() and not is_stable(entry)
 
 
 def _clean_leftovers(ckpt_root: Path) -> None:

@@ -31,7 +31,6 @@ import logging
 import re
 import shutil
 import tomllib
-import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from typing import Any
 import msgspec
 
 from contracts.arrays import array_batch_decoder, to_lists
-from contracts.durable import atomic_replace_dir, atomic_write_bytes, atomic_write_text, fsync_path
+from contracts.durable import atomic_replace_dir, atomic_write_bytes, atomic_write_text, beside, fsync_path
 from contracts.ids import is_valid_run_id, validate_run_id
 from contracts.layout import (
     ADAPTER_FILES,
@@ -354,7 +353,7 @@ class DirectoryRunSource:
             return
         broadcast = run_dir / BROADCAST_DIR
         broadcast.mkdir(exist_ok=True)
-        staging = broadcast / f".{step_dir_name(step)}.{uuid.uuid4().hex[:8]}.tmp"
+        staging = beside(broadcast / step_dir_name(step))
         staging.mkdir()
         try:
             # A GAE run's critic (value_head.safetensors) travels with its adapter.
