@@ -7,7 +7,6 @@ import gc
 
 from fastapi import FastAPI
 
-from app.adapters.reconcile import ORPHAN_GRACE_SECONDS
 from app.adapters.uploads import remove_orphan_uploads
 from app.batches.storage import remove_orphan_payloads
 from app.config import Settings
@@ -19,8 +18,7 @@ from contracts.durable import remove_stale_temporaries
 async def on_startup(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     settings.runs_dir.mkdir(parents=True, exist_ok=True)
-    # Only idle ones: another replica sharing the data directory may be writing one now.
-    remove_stale_temporaries(settings.runs_dir, idle_seconds=ORPHAN_GRACE_SECONDS)
+    remove_stale_temporaries(settings.runs_dir)
     with app.state.session_factory() as session:
         rebuild_all(session, settings)
         # Payload files of requests that crashed between the file and the commit: never served, so drop them.

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import stat
-import time
 import uuid
 from pathlib import Path
 
@@ -70,22 +69,22 @@ def atomic_replace_dir(staging: Path, final: Path) -> None:
     fsync_path(final.parent)
 
 
-def remove_stale_temporaries(root: Path, *, idle_seconds: float, now: float | None = None) -> int:
-    """Delete leftovers of interrupted atomic writes (start-up clean-up): temporary files untouched
-    (mtime and ctime) for `idle_seconds`. Returns how many.
+def remove_stale_temporaries(root: Path) -> int:
+    """Delete leftovers of interrupted atomic writes (start-up clean-up): every temporary file under
+    `root`, so a crash leaves nothing half-written behind a restart. Returns how many.
 
-    Only idle ones: another process sharing the directory (a second service replica) may be writing
-    one right now, and removing it would fail that write's rename."""
+    Every one, not only idle ones: a replica sharing the data directory that is writing one at this
+    moment fails that request's rename (a 5xx, nothing committed), and the client's retry stores it;
+    the idle-only clean-up of temporary directories is the adapters' reconcile's."""
     if not root.exists():
         return 0
-    cutoff = (time.time() if now is None else now) - idle_seconds
     removed = 0
     for p in root.rglob(f"*{TMP_SUFFIX}"):
         try:
             st = p.lstat()
         except FileNotFoundError:
             continue  # renamed into place meanwhile
-        if stat.S_ISREG(st.st_mode) and max(st.st_mtime, st.st_ctime) < cutoff:
+        if stat.S_ISREG(st.st_mode):
             p.unlink(missing_ok=True)
             removed += 1
     return removed
