@@ -41,12 +41,19 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
+# Tests run in TEST_WORKERS processes (pytest-xdist), a test file each at a time: much of a test's time
+# is waiting on the processes it starts (service, torchrun ranks, browser), so two workers on two
+# cores took 14 min where one took 24. Each worker migrates its own database (tests/conftest.py).
+# TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test-postgres: install postgres
-	LORALOOM_TEST_DB=postgres $(VENV)/bin/pytest -q
+	LORALOOM_TEST_DB=postgres $(VENV)/bin/pytest -q $(XDIST)
 
 # The control plane again on the embedded default (SQLite); Postgres-only tests skip themselves.
 test-sqlite: install
-	LORALOOM_TEST_DB=sqlite $(VENV)/bin/pytest -q tests/app
+	LORALOOM_TEST_DB=sqlite $(VENV)/bin/pytest -q $(XDIST) tests/app
 
 # The dashboard's browser test (tests/e2e/test_dashboard_browser.py) drives Debian's chromium through
 # chromium-driver; apt runs only when they are missing (the test skips, saying why, if this fails).
