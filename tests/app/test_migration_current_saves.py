@@ -16,19 +16,13 @@ from sqlalchemy import inspect, text
 
 from app import migrate
 from app.db import make_engine
-from tests import common
+from tests.app.migration_db import empty_database, insert_tenant
 
 
 @pytest.fixture
 def url_at_0020(tmp_path: Path) -> Iterator[str]:
     """An empty database migrated to 0020, the revision before."""
-    if common.backend_under_test() == "postgres":
-        url = common.create_postgres_database()
-        migrate.upgrade(url, "0020")
-        yield url
-        common.drop_postgres_database(url)
-    else:
-        url = f"sqlite:///{tmp_path / 'at_0020.db'}"
+    with empty_database(tmp_path) as url:
         migrate.upgrade(url, "0020")
         yield url
 
@@ -83,12 +77,7 @@ def test_older_saves_of_a_path_are_marked_superseded(url_at_0020: str) -> None:
     engine = make_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(
-                text(
-                    "INSERT INTO tenants (id, name, max_concurrent_runs, created_at) "
-                    "VALUES ('t', 't', 4, CURRENT_TIMESTAMP)"
-                )
-            )
+            insert_tenant(conn)
             conn.execute(
                 text(
                     "INSERT INTO tinker_futures (id, tenant_id, kind, model_id, seq_id, status, result, "

@@ -18,19 +18,13 @@ from app.config import Settings
 from app.db import make_engine, make_session_factory
 from contracts.ids import new_id
 from contracts.layout import step_dir_name
-from tests import common
+from tests.app.migration_db import empty_database, insert_tenant
 
 
 @pytest.fixture
 def url_at_0019(tmp_path: Path) -> Iterator[str]:
     """An empty database migrated to 0019, the revision before."""
-    if common.backend_under_test() == "postgres":
-        url = common.create_postgres_database()
-        migrate.upgrade(url, "0019")
-        yield url
-        common.drop_postgres_database(url)
-    else:
-        url = f"sqlite:///{tmp_path / 'at_0019.db'}"
+    with empty_database(tmp_path) as url:
         migrate.upgrade(url, "0019")
         yield url
 
@@ -40,12 +34,7 @@ def _insert(url: str, runs: dict[str, dict[str, object]], batches: list[dict[str
     engine = make_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(
-                text(
-                    "INSERT INTO tenants (id, name, max_concurrent_runs, created_at) "
-                    "VALUES ('t', 't', 4, CURRENT_TIMESTAMP)"
-                )
-            )
+            insert_tenant(conn)
             conn.execute(
                 text(
                     "INSERT INTO runs (id, tenant_id, name, config, base_model, status, step, total_tokens, "

@@ -13,17 +13,13 @@ from sqlalchemy import inspect, text
 from app import migrate
 from app.db import make_engine
 from app.models import Base
-from tests import common
+from tests.app.migration_db import empty_database, insert_tenant
 
 
 @pytest.fixture
 def empty_database_url(tmp_path) -> Iterator[str]:
-    if common.backend_under_test() == "postgres":
-        url = common.create_postgres_database()
+    with empty_database(tmp_path) as url:
         yield url
-        common.drop_postgres_database(url)
-    else:
-        yield f"sqlite:///{tmp_path / 'empty.db'}"
 
 
 def _tables(url: str) -> set[str]:
@@ -117,12 +113,7 @@ def test_tokens_of_stored_requests_are_counted_on_upgrade(empty_database_url):
     engine = make_engine(url)
     try:
         with engine.begin() as conn:
-            conn.execute(
-                text(
-                    "INSERT INTO tenants (id, name, max_concurrent_runs, created_at) "
-                    "VALUES ('t', 't', 4, CURRENT_TIMESTAMP)"
-                )
-            )
+            insert_tenant(conn)
             conn.execute(
                 text(
                     "INSERT INTO tinker_futures (id, tenant_id, kind, status, request, created_at) "
