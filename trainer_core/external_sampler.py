@@ -244,6 +244,10 @@ class ExternalSampler:
             async with self._loading.setdefault(name, asyncio.Lock()):
                 if name not in self._loaded:  # not loaded meanwhile by another request of the round
                     await self._load(http, name, peft, spec.step, deadline)
+            # Waiters hold the lock itself, and find the name loaded: one lock per step for the
+            # pool's life would be a slow leak.
+            if name in self._loaded:
+                self._loading.pop(name, None)
         return name
 
     async def _load(self, http: httpx.AsyncClient, name: str, peft: Path, step: int, deadline: float) -> None:

@@ -81,6 +81,7 @@ def test_a_rounds_requests_go_together_each_answer_in_its_own_result(tmp_path: P
     assert len(fake.loads) == 1
     name = fake.loads[0]["lora_name"]
     assert sorted(c["prompt"] for c in fake.completions if c["model"] == name) == [[20], [40]]
+    assert sampler._loading == {}  # its lock went with the load: none kept per step for the pool's life
 
 
 def test_no_more_requests_are_in_flight_than_the_concurrency(tmp_path: Path, fake_vllm) -> None:
