@@ -71,7 +71,7 @@ from app.projection import TRASH_DIR, empty_trash, names_in, run_dir
 from app.retention import PURGE_CHUNK, delete_some
 from app.runs.admission import lock_admission
 from app.runs.models import Run
-from app.tinker.checkpoints import saved_path
+from app.tinker.checkpoints import newest_saves_only, saved_path
 from app.tinker.models import CHECKPOINT_DELETED, TinkerFuture
 from contracts.layout import BROADCAST_DIR, step_of_dir_name
 from contracts.status import MOVABLE_RUN_STATUSES, RunStatus
@@ -207,6 +207,7 @@ def _live_sampler_steps(run_ids: Iterable[str]) -> Select[str | None, int | None
             TinkerFuture.completed_at.is_not(None),
             saved_path().is_not(None),
             TinkerFuture.result[CHECKPOINT_DELETED].as_string().is_(None),
+            newest_saves_only(),  # through the partial index: not every save a path ever had
         )
         .subquery()
     )

@@ -11,15 +11,39 @@ name: its path no longer lists, loads, resolves or samples; the run's adapters s
 Deleting the model's run forgets all its checkpoints the same way (`live_saves` decides, for every
 call). Another tenant's models and paths are reported exactly like missing ones (404).
 
+Completed saves are never purged: a tenant saving under one name at every step leaves a row per
+step. What a path names is its newest save, so every read here (the checkpoint a call names, the
+listings, the quotas) reads the newest save of each path alone, through the partial index
+`ix_tinker_futures_current_saves` (`_current`): reading a name's whole history took 1.3 s a sample
+and 6 s a delete at 50,000 saves of one name (bench/tinker_newest_saves.py). A path is live while
+its newest save is, since deleting a checkpoint marks every save of its path (`delete_checkpoint`).
+
 A tenant keeps at most `Settings.tinker_max_saves_per_tenant` training states (`check_save_quota`)
 and `Settings.tinker_max_sampler_checkpoints_per_tenant` live sampler checkpoints
 (`check_sampler_quota`): 403 `save_quota` past either. The listings are built in SQL from the
 columns they show, a page at a time; no save row is read whole.
 """
 
+import json
 from typing import Any, Literal
 
-from sqlalchemy import ColumnElement, Select, String, case, distinct, func, literal, select, text, union_all
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    Select,
+    String,
+    TextClause,
+    case,
+    cast,
+    distinct,
+    func,
+    literal,
+    select,
+    text,
+    union_all,
+    update,
+)
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
 from app.errors import AppError, NotFound, ValidationFailed
@@ -62,22 +86,44 @@ def _not_deleted() -> ColumnElement[bool]:
     return absent
 
 
-def _live_saves(
-    tenant_id: str, *, model_id: str | None = None, kinds: tuple[str, ...] = tuple(TYPE_OF_KIND)
+def newest_saves_only() -> TextClause:
+    """The newest save of each path (`TinkerFuture.superseded_at`): the predicate of the partial index
+    `ix_tinker_futures_current_saves` said literally, as `app.tinker.models.CLAIMABLE` is, so that
+    Postgres reads the index in a generic plan too (bound parameters it cannot look into). An older
+    save left unmarked (recorded by a process from before migration 0021) is still read: a path's
+    reads rank its unmarked saves, a handful, as they ranked all of them."""
+    return text(f"({current_saves(TinkerFuture.__tablename__)})")
+
+
+def _saves_of(
+    tenant_id: str, *, model_id: str | None, kinds: tuple[str, ...]
 ) -> tuple[ColumnElement[bool], ...]:
-    """The tenant's completed saves (of one model, or of all its models whose runs are not
-    deleted) whose checkpoint was not deleted: what lists, loads and resolves. The query joins
-    TinkerModel and Run (`_joined`)."""
+    """The tenant's completed saves of `kinds` (of one model, or of all its models), their
+    checkpoints not deleted, whether superseded or not."""
     where = (
         TinkerFuture.tenant_id == tenant_id,
         TinkerFuture.kind.in_(kinds),
         TinkerFuture.status == "complete",
         TinkerFuture.completed_at.is_not(None),
-        Run.status != RunStatus.DELETED,
         saved_path().is_not(None),
         _not_deleted(),
     )
     return where if model_id is None else (*where, TinkerFuture.model_id == model_id)
+
+
+def _live_saves(
+    tenant_id: str, *, model_id: str | None = None, kinds: tuple[str, ...] = tuple(TYPE_OF_KIND)
+) -> tuple[ColumnElement[bool] | TextClause, ...]:
+    """The newest completed save of each of the tenant's paths (of one model, or of all its models
+    whose runs are not deleted), its checkpoint not deleted: what lists, loads and resolves. The
+    query joins TinkerModel and Run (`_joined`). Read from the newest saves alone (`_current`): a
+    path whose newest save is deleted has every save deleted (`delete_checkpoint`), and the newest
+    live save of a path is its newest save."""
+    return (
+        *_saves_of(tenant_id, model_id=model_id, kinds=kinds),
+        Run.status != RunStatus.DELETED,
+        newest_saves_only(),
+    )
 
 
 def _joined(query: Select[Any]) -> Select[Any]:
@@ -89,7 +135,8 @@ def _joined(query: Select[Any]) -> Select[Any]:
 def _newest_per_path(tenant_id: str, *, model_id: str | None = None) -> Select[Any]:
     """One row per live checkpoint path, its newest save (a name saved again lists once): kind,
     completed_at, path and id. Done in SQL: reading every save row of the tenant (its request and
-    result JSON) took 247 ms at 300 saves, on every call (hostile probe, finding 6)."""
+    result JSON) took 247 ms at 300 saves, on every call (hostile probe, finding 6). The window
+    ranks the newest saves alone (`_live_saves`): one per path, but for an older one left unmarked."""
     ranked = _joined(
         select(
             TinkerFuture.id,
@@ -117,24 +164,33 @@ def _out(kind: str, completed_at: Any, path: str) -> CheckpointOut:
     )
 
 
-def _page(
-    session: Session, query: Select[Any], *, limit: int | None, offset: int
-) -> tuple[list[CheckpointOut], int]:
-    """A page of `query`'s checkpoints, newest first, and how many there are in all: one statement
-    (the count is a window over the same rows; a second query only for a page past the end)."""
-    sub = query.subquery()
+def page_query(
+    tenant_id: str, *, model_id: str | None = None, limit: int | None = None, offset: int = 0
+) -> Select[Any]:
+    """A page of the live checkpoints (of one model, or of all the tenant's models), newest first:
+    kind, completed_at, path, and how many there are in all (a window over the same rows)."""
+    sub = _newest_per_path(tenant_id, model_id=model_id).subquery()
     ordered = select(sub.c.kind, sub.c.completed_at, sub.c.path, func.count().over().label("total")).order_by(
         sub.c.completed_at.desc(), sub.c.id.desc()
     )
     if limit is not None:
         ordered = ordered.limit(limit)
-    if offset:
-        ordered = ordered.offset(offset)
-    rows = session.execute(ordered).all()
+    return ordered.offset(offset) if offset else ordered
+
+
+def _page(
+    session: Session, tenant_id: str, *, model_id: str | None = None, limit: int | None, offset: int
+) -> tuple[list[CheckpointOut], int]:
+    """A page of the checkpoints, newest first, and how many there are in all: one statement
+    (`page_query`; a second one only for a page past the end)."""
+    rows = session.execute(page_query(tenant_id, model_id=model_id, limit=limit, offset=offset)).all()
     if rows:
         total = int(rows[0].total)
+    elif offset:
+        everything = _newest_per_path(tenant_id, model_id=model_id).subquery()
+        total = int(session.scalar(select(func.count()).select_from(everything)) or 0)
     else:
-        total = int(session.scalar(select(func.count()).select_from(sub)) or 0) if offset else 0
+        total = 0
     return [_out(kind, at, path) for kind, at, path, _ in rows], total
 
 
@@ -142,7 +198,7 @@ def model_checkpoints(session: Session, *, tenant_id: str, model_id: str) -> lis
     """The model's checkpoints, newest first (404 for a model that is not the tenant's, or whose run
     is deleted: `get_listed_model`)."""
     get_listed_model(session, tenant_id=tenant_id, model_id=model_id)
-    return _page(session, _newest_per_path(tenant_id, model_id=model_id), limit=None, offset=0)[0]
+    return _page(session, tenant_id, model_id=model_id, limit=None, offset=0)[0]
 
 
 def user_checkpoints(
@@ -150,7 +206,7 @@ def user_checkpoints(
 ) -> tuple[list[CheckpointOut], int]:
     """A page of the checkpoints of all the tenant's models, newest first, and their total (in SQL:
     the page's rows are the only ones read)."""
-    return _page(session, _newest_per_path(tenant_id), limit=limit, offset=offset)
+    return _page(session, tenant_id, limit=limit, offset=offset)
 
 
 SEGMENT_OF_KIND = {kind: segment for segment, kind in KIND_OF_SEGMENT.items()}
@@ -173,40 +229,66 @@ def _parse(path: str, *, kind: str | None = None) -> tuple[str, str, str]:
     return parts[0], KIND_OF_SEGMENT[parts[1]], path
 
 
+def newest_save_query(tenant_id: str, *, model_id: str, kind: str, path: str) -> Select[TinkerFuture]:
+    """The newest live save of the model's checkpoint `path` (of `kind`), whole (`live_saves`)."""
+    return (
+        _joined(select(TinkerFuture))
+        .where(*_live_saves(tenant_id, model_id=model_id, kinds=(kind,)), saved_path() == path)
+        # Saves are ordered requests of one model: the highest seq_id is the newest.
+        .order_by(TinkerFuture.seq_id.desc(), TinkerFuture.completed_at.desc())
+        .limit(1)
+    )
+
+
 def live_saves(
     session: Session, *, tenant_id: str, path: str, kind: str | None = None
 ) -> tuple[TinkerModel, Run, list[TinkerFuture]]:
-    """The tenant's model a checkpoint path names, its run, and the live saves that named the path,
-    the newest first; 404 `checkpoint ... not found` when there are none: never saved, its
-    checkpoint deleted, its model's run deleted, or another tenant's. The one place that decides
-    whether a saved path is live, for every call that takes one: weights_info, delete_checkpoint,
+    """The tenant's model a checkpoint path names, its run, and the path's newest save (a list of
+    that one); 404 `checkpoint ... not found` when it is not live: never saved, its checkpoint
+    deleted, its model's run deleted, or another tenant's. The one place that decides whether a
+    saved path is live, for every call that takes one: weights_info, delete_checkpoint,
     load_weights, create_sampling_session, a sampling client's every sample and
     /api/v1/loraloom/resolve (load_weights and the samplers read the save's row alone, and took a
     deleted run's path: hostile probe h1, finding 3). `kind`: only a path of that kind (422 for
-    the other)."""
+    the other).
+
+    One row read, among the tenant's newest saves of that kind (`_live_saves`): this path's older
+    saves are not (every sample read them all, 1.3 s at 50,000 saves of one name)."""
     model_id, kind, path = _parse(path, kind=kind)
     model, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
-    saves = list(
-        session.scalars(
-            _joined(select(TinkerFuture))
-            .where(*_live_saves(tenant_id, model_id=model_id, kinds=(kind,)), saved_path() == path)
-            # Saves are ordered requests of one model: the highest seq_id is the newest.
-            .order_by(TinkerFuture.seq_id.desc(), TinkerFuture.completed_at.desc())
-        )
-    )
+    newest = session.scalar(newest_save_query(tenant_id, model_id=model_id, kind=kind, path=path))
     # The path's own check too: a save's stored path and its kind agree by construction.
-    saves = [f for f in saves if f.saved_path() == path]
-    if not saves:
+    if newest is None or newest.saved_path() != path:
         raise NotFound(f"checkpoint {shown(path)} not found")
-    return model, run, saves
+    return model, run, [newest]
+
+
+def _marked_deleted(session: Session) -> ColumnElement[Any]:
+    """A save's result with the deleted mark added, in SQL (`result` is JSON on both backends)."""
+    if session.get_bind().dialect.name == "postgresql":
+        mark = cast(literal(json.dumps({CHECKPOINT_DELETED: True}), String), JSONB)
+        return cast(cast(TinkerFuture.result, JSONB).op("||")(mark), JSON)
+    return func.json_set(TinkerFuture.result, f"$.{CHECKPOINT_DELETED}", func.json("true"))
 
 
 def delete_checkpoint(session: Session, *, tenant_id: str, model_id: str, checkpoint_id: str) -> None:
-    """Forget `tinker://<model_id>/<checkpoint_id>` (404 when it does not name a live checkpoint)."""
-    _, _, saves = live_saves(session, tenant_id=tenant_id, path=f"tinker://{model_id}/{checkpoint_id}")
-    for future in saves:
-        # A new dict: the JSON column sees a replaced value, not an in-place change.
-        future.result = {**(future.result or {}), CHECKPOINT_DELETED: True}
+    """Forget `tinker://<model_id>/<checkpoint_id>` (404 when it does not name a live checkpoint).
+
+    Every save of the path not yet marked deleted is marked, the superseded ones too: the pruning
+    pins the step of each sampler path's newest save not deleted, reading them all
+    (app/adapters/pruning.py `_live_sampler_steps`), and the newest-save reads here rely on a
+    deleted path having no live save left. One UPDATE in SQL, nothing read back: it still visits
+    the path's history (the first delete of a name saved at every step marks them all), once per
+    delete, where the reads above visit one row per call."""
+    path = f"tinker://{model_id}/{checkpoint_id}"
+    _, _, (newest,) = live_saves(session, tenant_id=tenant_id, path=path)
+    session.execute(
+        update(TinkerFuture)
+        .where(*_saves_of(tenant_id, model_id=model_id, kinds=(newest.kind,)), saved_path() == path)
+        .values(result=_marked_deleted(session))
+        .execution_options(synchronize_session=False)
+    )
+    session.expire(newest, ["result"])  # the UPDATE wrote it in SQL
 
 
 def weights_info(session: Session, *, tenant_id: str, path: str) -> WeightsInfoOut:
@@ -222,12 +304,9 @@ def weights_info(session: Session, *, tenant_id: str, path: str) -> WeightsInfoO
     )
 
 
-def _latest(
-    session: Session, *, tenant_id: str, model_ids: list[str]
-) -> dict[tuple[str, str], CheckpointOut]:
-    """The newest live checkpoint of each kind of each model, by (model id, kind), in one query."""
-    if not model_ids:
-        return {}
+def latest_query(tenant_id: str, *, model_ids: list[str]) -> Select[Any]:
+    """The newest live checkpoint of each kind of each model: model id, kind, completed_at, path.
+    The window ranks the newest save of each path alone (`_live_saves`)."""
     ranked = (
         _joined(
             select(
@@ -246,11 +325,18 @@ def _latest(
         .where(*_live_saves(tenant_id), TinkerFuture.model_id.in_(model_ids))
         .subquery()
     )
-    rows = session.execute(
-        select(ranked.c.model_id, ranked.c.kind, ranked.c.completed_at, ranked.c.path).where(
-            ranked.c.newest == 1
-        )
+    return select(ranked.c.model_id, ranked.c.kind, ranked.c.completed_at, ranked.c.path).where(
+        ranked.c.newest == 1
     )
+
+
+def _latest(
+    session: Session, *, tenant_id: str, model_ids: list[str]
+) -> dict[tuple[str, str], CheckpointOut]:
+    """The newest live checkpoint of each kind of each model, by (model id, kind), in one query."""
+    if not model_ids:
+        return {}
+    rows = session.execute(latest_query(tenant_id, model_ids=model_ids))
     return {(str(model_id), kind): _out(kind, at, path) for model_id, kind, at, path in rows}
 
 
@@ -328,7 +414,7 @@ def kept_query(tenant_id: str, *, kind: str, path: str, deleted_kept: bool) -> S
     )
     completed = _joined(select(saved_path().label("path"))).where(
         *tenant_saves,
-        text(f"({current_saves(table)})"),
+        newest_saves_only(),
         TinkerFuture.completed_at.is_not(None),
         saved_path().is_not(None),
         *(() if deleted_kept else (_not_deleted(),)),
