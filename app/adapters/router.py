@@ -107,8 +107,8 @@ AdaptersLimitQuery = Annotated[
         ge=1,
         le=MAX_LIMIT,
         description="Page size (1..200); 200 when omitted but `cursor` or `newest_first` is given. "
-        "A request with none of the three gets the whole list on one page (the form from "
-        "before paging).",
+        "A request with none of the three gets the whole list on one page, oldest first (the form "
+        "from before paging; its newest 1,000 if the run keeps more).",
     ),
 ]
 NewestFirstQuery = Annotated[
@@ -118,9 +118,11 @@ NewestFirstQuery = Annotated[
         "where `GET .../adapters/latest` downloads it); oldest first when omitted or false."
     ),
 ]
-WHOLE_LIST = INT32_MAX + 1
-"""The page of a request without paging parameters: more adapters than a run can have (one per
-32-bit step), so one page holds them all."""
+UNPAGED_MOST = 1000
+"""The most adapters a request without paging parameters gets: its newest, oldest first. Clients
+from before paging read that list whole and take its highest step as the newest, which this keeps
+right; a run keeping every step (LORALOOM_RUN_ADAPTERS_KEPT=0) would otherwise answer megabytes a
+call, and a tenant could tie the service up with them."""
 
 
 def _cursor_kind(newest_first: bool) -> str:
@@ -143,22 +145,30 @@ def list_adapters(
     """The run's adapters by step, a page at a time; follow `next_cursor` (with the same
     `newest_first`) for the rest. The default page (200) holds every adapter a run keeps by default
     (LORALOOM_RUN_ADAPTERS_KEPT, 64). Without `limit`, `cursor` and `newest_first` the answer is
-    every adapter, oldest first, on one page: clients from before paging read that whole and take
-    the highest step as the newest."""
-    if limit is None:
-        limit = WHOLE_LIST if cursor is None and newest_first is None else MAX_LIMIT
+    every adapter, oldest first, on one page (its newest UNPAGED_MOST if it keeps more): clients
+    from before paging read that whole and take the highest step as the newest."""
+    if limit is None and cursor is None and newest_first is None:
+        newest, _ = service.adapters_page(
+            session, run_id=run.id, limit=UNPAGED_MOST, after_step=None, newest_first=True
+        )
+        return AdapterList(items=[_adapter_out(a) for a in reversed(newest)], next_cursor=None)
     kind = _cursor_kind(bool(newest_first))
     after = None if cursor is None else decode_id_cursor(cursor, kind=kind, max_id=INT32_MAX)
     rows, next_step = service.adapters_page(
-        session, run_id=run.id, limit=limit, after_step=after, newest_first=bool(newest_first)
+        session,
+        run_id=run.id,
+        limit=MAX_LIMIT if limit is None else limit,
+        after_step=after,
+        newest_first=bool(newest_first),
     )
     return AdapterList(
-        items=[
-            AdapterOut(step=a.step, size_bytes=a.size_bytes, sha256=a.sha256, created_at=a.created_at)
-            for a in rows
-        ],
+        items=[_adapter_out(a) for a in rows],
         next_cursor=None if next_step is None else encode_id_cursor(next_step, kind),
     )
+
+
+def _adapter_out(a: Adapter) -> AdapterOut:
+    return AdapterOut(step=a.step, size_bytes=a.size_bytes, sha256=a.sha256, created_at=a.created_at)
 
 
 @router.get(

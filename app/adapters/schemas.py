@@ -18,7 +18,8 @@ class AdapterOut(AdapterStored):
 
 class AdapterList(BaseModel):
     """A page of a run's adapters, in step order (ascending, or descending with `newest_first`); the
-    whole list when the request has no paging parameter (no `limit`, `cursor` or `newest_first`)."""
+    whole list (its newest 1,000 at most, oldest first) when the request has no paging parameter (no
+    `limit`, `cursor` or `newest_first`)."""
 
     items: list[AdapterOut]
     next_cursor: str | None = Field(

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save
 from sqlalchemy import delete
 
+from app.adapters import router as adapters_router
 from app.adapters.models import Adapter
 from app.config import Settings
 from app.pagination import MAX_LIMIT
@@ -342,3 +343,16 @@ def test_the_dashboards_run_page_shows_the_newest_and_says_where_the_rest_are(
         page = ui.get(f"/ui/runs/{few}")
         assert re.findall(rf'href="/ui/runs/{few}/adapters/(\d+)"', page.text) == ["2", "1"]
         assert 'id="older-adapters"' not in page.text
+
+
+def test_the_unpaged_form_is_the_newest_at_most(
+    client: TestClient, tenant: TenantHandle, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run keeping every step would answer its whole history to each unpaged call (megabytes, and
+    a tenant could tie the service up with them): the unpaged form is its newest UNPAGED_MOST,
+    oldest first, so an old client's highest step is still the newest."""
+    monkeypatch.setattr(adapters_router, "UNPAGED_MOST", 50)
+    run_id = create_run(client, tenant)["id"]
+    add_adapters(settings, run_id, STEPS)
+    whole = client.get(f"/v1/runs/{run_id}/adapters", headers=tenant.headers).json()
+    assert [a["step"] for a in whole["items"]] == STEPS[-50:] and whole["next_cursor"] is None
