@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import tempfile
 import time
@@ -260,11 +261,15 @@ class _Ops:
                 "GET", path, params=_clean_params(limit=ADAPTER_PAGE_SIZE, cursor=cursor)
             )
             page = _ADAPTER_PAGE.validate_python(response.json())
+            # Pages are keyed on the step: each must go on past the one before, or a service
+            # answering cursors in a cycle (or empty pages with a cursor) would hold this call, and
+            # its growing list, for ever.
+            steps = [items[-1].step if items else -1] + [a.step for a in page.items]
+            if any(a >= b for a, b in itertools.pairwise(steps)) or (page.next_cursor and not page.items):
+                raise ApiError(f"GET {path} answered a page that does not go on past step {steps[0]}")
             items += page.items
             if page.next_cursor is None:
                 return items
-            if page.next_cursor == cursor:  # would ask for the same page forever
-                raise ApiError(f"GET {path} answered the cursor it was sent as the next one")
             cursor = page.next_cursor
 
     @staticmethod

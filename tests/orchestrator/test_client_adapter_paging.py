@@ -186,7 +186,36 @@ def test_a_cursor_answered_back_unchanged_is_an_error_not_an_endless_walk() -> N
     transport = _answering({"items": ITEMS, "next_cursor": "c2FtZQ"}, seen)
     with (
         LoraloomClient("http://service", "key", transport=transport) as client,
-        pytest.raises(ApiError, match="answered the cursor it was sent"),
+        pytest.raises(ApiError, match="does not go on past step 9"),
     ):
         client.list_adapters(RUN)
     assert [r.url.params.get("cursor") for r in seen] == [None, "c2FtZQ"]
+
+
+@pytest.mark.parametrize(
+    "pages",
+    [
+        # Cursors in a cycle, each page the same steps: a guard on the cursor alone never stops it.
+        [({"items": ITEMS, "next_cursor": "QQ"}), ({"items": ITEMS, "next_cursor": "Qg"})],
+        # Empty pages that always say there is more.
+        [({"items": [], "next_cursor": "QQ"}), ({"items": [], "next_cursor": "Qg"})],
+        # A page out of step order.
+        [({"items": ITEMS[::-1], "next_cursor": None})],
+    ],
+    ids=["cycling-cursors", "empty-pages-with-a-cursor", "out-of-order"],
+)
+def test_pages_that_do_not_go_on_by_step_are_an_error_not_an_endless_walk(
+    pages: list[dict[str, Any]],
+) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=pages[(len(seen) - 1) % len(pages)])
+
+    with (
+        LoraloomClient("http://service", "key", transport=httpx.MockTransport(handler)) as client,
+        pytest.raises(ApiError, match="does not go on past step"),
+    ):
+        client.list_adapters(RUN)
+    assert len(seen) <= 2
