@@ -902,7 +902,9 @@ def _supersede_older_saves(session: Session, *, save: TinkerFuture, path: str) -
             text(f"({current_saves(table)})"),
             TinkerFuture.model_id == save.model_id,
             checkpoints.saved_path() == path,
-            TinkerFuture.id != save.id,
+            # Older by the model's request number, as a path's reads pick its save: one recorded out
+            # of order leaves the newer current (the reads take the highest of those left).
+            TinkerFuture.seq_id < save.seq_id,
         )
         .values(superseded_at=utcnow())
         .execution_options(synchronize_session=False)

@@ -56,7 +56,7 @@ def _future(
 
 FUTURES = [
     # m1's sampler checkpoint "a", saved three times: the newest stays current. The last two
-    # completed at the same time: the higher id is the newer, as the listings order them.
+    # completed at the same time: the higher request number is the newer.
     _future("a1", "m1", 1, second=1),
     _future("a2", "m1", 2, second=2),
     _future("a3", "m1", 3, second=2),
@@ -65,6 +65,10 @@ FUTURES = [
     _future("w1", "m1", 5, kind=STATE, second=4),
     _future("w2", "m1", 6, kind=STATE, second=5),
     _future("o1", "m2", 1, second=1),
+    # Completion times that disagree with the request numbers (a tie broken the other way, or a
+    # clock skew): the higher request number is the save a path's reads take, so it stays current.
+    _future("zc", "m1", 10, name="c", second=7),
+    _future("c2", "m1", 11, name="c", second=6),
     # A pending save, a completed save without a completion time, another kind: untouched.
     _future("p1", "m1", 7, name=None, second=None, status="pending"),
     _future("n1", "m1", 8, second=None),
@@ -91,7 +95,7 @@ def test_older_saves_of_a_path_are_marked_superseded(url_at_0020: str) -> None:
             superseded = conn.execute(
                 text("SELECT id FROM tinker_futures WHERE superseded_at IS NOT NULL ORDER BY id")
             ).scalars()
-            assert list(superseded) == ["a1", "a2", "w1"]
+            assert list(superseded) == ["a1", "a2", "w1", "zc"]
 
         migrate.downgrade(url, "0020")
         columns = {c["name"] for c in inspect(engine).get_columns("tinker_futures")}

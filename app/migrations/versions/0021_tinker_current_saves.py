@@ -37,11 +37,13 @@ SAVED_PATH = {
 
 
 def _superseded(dialect: str) -> str:
-    """The ids of the completed saves a newer save of their path superseded. A save without a
+    """The ids of the completed saves a newer save of their path superseded: newer by the model's
+    request number first, as a path's reads pick its save (`checkpoints.newest_save_query`), so a
+    tie or a skew of completion times cannot leave an older step current. A save without a
     completion time is left alone: nothing counts or lists it (the backends order NULLs apart)."""
     return (
         "SELECT id FROM (SELECT id, row_number() OVER ("
-        f"PARTITION BY model_id, kind, {SAVED_PATH[dialect]} ORDER BY completed_at DESC, id DESC"
+        f"PARTITION BY model_id, kind, {SAVED_PATH[dialect]} ORDER BY seq_id DESC, completed_at DESC, id DESC"
         f") AS newest FROM tinker_futures WHERE kind IN ({SAVE_KINDS}) AND status = 'complete' "
         "AND completed_at IS NOT NULL) AS ranked WHERE newest > 1"
     )
