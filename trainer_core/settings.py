@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES
@@ -42,6 +42,10 @@ def threads_per_rank(nproc_per_node: int) -> int:
     on (its affinity: a container pinned to 2 of 64 CPUs has 2), split between the ranks."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // nproc_per_node)
+
+
+MAX_SAMPLER_ROUND_BYTES = 16 * 1024**3
+"""The most answer bytes one round of external sampling may hold in memory at once."""
 
 
 class WorkerSettings(BaseSettings):
@@ -120,8 +124,8 @@ class WorkerSettings(BaseSettings):
     sampler_max_response_bytes: int = Field(default=256 * 1024**2, ge=1024, le=16 * 1024**3)
     """The largest answer read from `sampler_url` (bytes); a larger one fails its request alone. About
     100 bytes a sampled token with its logprob, and prompt logprobs, which vLLM repeats in every
-    sample. Memory holds up to this much per answer, so it is capped at 16 GiB (and at least 1 KiB,
-    below which no completion fits)."""
+    sample. Memory holds up to this much per answer, `sampler_concurrency` answers at once, so the two
+    multiplied are capped at 16 GiB (and this is at least 1 KiB, below which no completion fits)."""
 
     # -- loop -----------------------------------------------------------------------------------
     pack_timeout: float = Field(default=2.0, ge=0)
@@ -142,6 +146,18 @@ class WorkerSettings(BaseSettings):
     """Ranks (processes) on this machine; on GPUs, one per GPU."""
     master_port: int | None = Field(default=None, ge=1, le=65535)
     """Port the ranks meet on (one pool per port; default 29517 with several ranks)."""
+
+    @field_validator("sampler_max_response_bytes")
+    @classmethod
+    def _round_fits_in_memory(cls, value: int, info: ValidationInfo) -> int:
+        # A field validator, not a model one: its error names this setting (settings_problems).
+        concurrency = info.data.get("sampler_concurrency")
+        if concurrency is not None and value * concurrency > MAX_SAMPLER_ROUND_BYTES:
+            raise ValueError(
+                f"{value} bytes × sampler_concurrency {concurrency} = {value * concurrency} bytes of "
+                f"answers read at once, over {MAX_SAMPLER_ROUND_BYTES} (16 GiB): lower one of the two"
+            )
+        return value
 
     @field_validator("target_modules", mode="before")
     @classmethod

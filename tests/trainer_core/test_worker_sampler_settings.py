@@ -54,12 +54,12 @@ def test_the_values_given_reach_the_sampler_the_ranks_build(clean_env, tmp_path:
             "sampler_url": "http://vllm:8000",
             "sampler_deadline": 1800.0,
             "sampler_max_response_bytes": 1024**3,
-            "sampler_concurrency": 32,
+            "sampler_concurrency": 16,
         }
     )
     sampler = external_sampler(parse_args(settings.flags()))
     assert isinstance(sampler, ExternalSampler)
-    assert (sampler.deadline_s, sampler.max_response_bytes, sampler.concurrency) == (1800.0, 1024**3, 32)
+    assert (sampler.deadline_s, sampler.max_response_bytes, sampler.concurrency) == (1800.0, 1024**3, 16)
     assert (sampler.url, sampler.checkpoint_dir) == ("http://vllm:8000", tmp_path / "runs")
 
 
@@ -156,3 +156,17 @@ def test_dry_run_shows_the_bounds_and_the_checkpoint_directory(clean_env, tmp_pa
     )
     assert (given["sampler_deadline"], given["sampler_max_response_bytes"]) == (1200.0, 65536)
     assert given["sampler_concurrency"] == 2
+
+
+def test_answers_read_at_once_are_bounded_over_the_round(clean_env) -> None:
+    """Each of `--sampler-concurrency` requests may hold `--sampler-max-response-bytes` in memory at
+    once: their product is what the 16 GiB bound is about."""
+    args = ["worker", "--runs-dir", "runs", "--dry-run", "--sampler-concurrency", "1024"]
+    refused = runner.invoke(
+        cli, [*args, "--sampler-max-response-bytes", str(16 * 1024**2 + 1)], env=clean_env
+    )
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.startswith("error: invalid worker settings: --sampler-max-response-bytes: ")
+    assert "sampler_concurrency 1024" in refused.output and "16 GiB" in refused.output
+    accepted = runner.invoke(cli, [*args, "--sampler-max-response-bytes", str(16 * 1024**2)], env=clean_env)
+    assert accepted.exit_code == 0, accepted.output
