@@ -112,9 +112,9 @@ def wait_for_adapter(client: LoraloomClient, run_id: str, step: int, timeout_s: 
     """Wait until run `run_id` has published its adapter of `step` (or a later one); its step."""
     deadline = time.monotonic() + timeout_s
     while True:
-        newest = max((a.step for a in client.list_adapters(run_id)), default=-1)
-        if newest >= step:
-            return newest
+        latest = client.latest_adapter(run_id)  # one request, however many steps the run keeps
+        if latest is not None and latest.step >= step:
+            return latest.step
         if time.monotonic() > deadline:
             raise TimeoutError(f"run {run_id}: no adapter of step {step} after {timeout_s:.0f} s")
         time.sleep(0.2)

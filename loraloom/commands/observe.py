@@ -62,8 +62,8 @@ def adapters_list(
         [("STEP", "step"), ("BYTES", "size_bytes"), ("SHA256", "sha256"), ("CREATED", "created_at")],
     )
     if data.get("next_cursor"):
-        # The same continuation `runs list` prints; --newest-first must be given again with it.
-        again = " --newest-first" if newest_first else ""
+        # As `runs list` says how to go on, with the options the next page must be asked with again.
+        again = (f" --limit {limit}" if limit != 200 else "") + (" --newest-first" if newest_first else "")
         typer.echo(f"more: --cursor {data['next_cursor']}{again}")
 
 

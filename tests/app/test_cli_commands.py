@@ -133,8 +133,8 @@ def test_adapters_list_pages_and_says_how_to_go_on(svc: Service, tmp_path: Path)
     first = str(svc.ok("adapters", "list", run_id, "--limit", "2", "--newest-first"))
     assert [line.split()[0] for line in first.splitlines()[1:3]] == ["3", "2"]
     more = first.splitlines()[-1].split()
-    assert more[:2] == ["more:", "--cursor"] and more[3] == "--newest-first"
-    rest = str(svc.ok("adapters", "list", run_id, "--limit", "2", "--newest-first", "--cursor", more[2]))
+    assert more[:2] == ["more:", "--cursor"] and more[3:] == ["--limit", "2", "--newest-first"]
+    rest = str(svc.ok("adapters", "list", run_id, "--cursor", more[2], *more[3:]))
     assert [line.split()[0] for line in rest.splitlines()[1:]] == ["1"]
     bad = runner.invoke(cli, ["adapters", "list", run_id, "--limit", "0"], env=svc.env)
     assert bad.exit_code != 0 and "limit" in bad.output
