@@ -314,7 +314,7 @@ def test_an_upload_whose_commit_fails_leaves_no_files(
 
 
 @contextmanager
-def _held(path: Path) -> Iterator[None]:
+def upload_lock_held(path: Path) -> Iterator[None]:
     """A shared flock on `path`, as an upload in progress (in another process) holds on its directory."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -341,7 +341,7 @@ def test_start_up_removes_upload_directories_without_a_row(
         for file, data in _adapter_files().items():
             (root / name / file).write_bytes(data)
 
-    with _held(root / "adp_00000000000f"), _held(root / ".upload_busy"):
+    with upload_lock_held(root / "adp_00000000000f"), upload_lock_held(root / ".upload_busy"):
         assert uploads.remove_orphan_uploads(db, settings=settings) == 2
         db.commit()
         assert _on_disk(settings) == sorted([kept, "adp_00000000000f", ".upload_busy", "not-an-upload"])

@@ -8,14 +8,12 @@ point (a publish or an upload stopped mid-way, in a thread), or by a flock as an
 process holds it. Ages are the pass's `now`: an hour and a minute on (LATER), what was just written
 is past the grace period."""
 
-import fcntl
 import io
 import json
 import os
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, step_dir_name, ste
 from contracts.pool_api import INT32_MAX
 from tests.app.api import POOL_SPEC, TenantHandle, register
 from tests.app.factories import committed, make_run, make_tenant
+from tests.app.test_adapter_deletion_races import upload_lock_held
 from tests.common import wait_for_a_lock_waiter
 
 LATER = timedelta(seconds=ORPHAN_GRACE_SECONDS + 60)
@@ -417,17 +416,6 @@ def _uploads_on_disk(settings: Settings) -> list[str]:
     return _names(uploads.uploads_dir(settings))
 
 
-@contextmanager
-def _held(path: Path) -> Iterator[None]:
-    """A shared flock on `path`, as an upload in progress in another process holds on its directory."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)
-
-
 def test_upload_directories_without_a_row_go_unless_an_upload_holds_them(
     settings: Settings, factory: sessionmaker[Session], tenant: TenantHandle, pool: None
 ) -> None:
@@ -440,7 +428,7 @@ def test_upload_directories_without_a_row_go_unless_an_upload_holds_them(
 
     done = _reconcile(factory, settings, at=utcnow())
     assert (done.uploads, done.failed) == (0, [])  # within the grace
-    with _held(root / held[0]), _held(root / held[1]):
+    with upload_lock_held(root / held[0]), upload_lock_held(root / held[1]):
         done = _reconcile(factory, settings, at=utcnow() + LATER)
         assert (done.uploads, done.failed) == (2, [])
         assert _uploads_on_disk(settings) == sorted([kept, *held, "not-an-upload"])
