@@ -14,7 +14,7 @@ call). Another tenant's models and paths are reported exactly like missing ones 
 Completed saves are never purged: a tenant saving under one name at every step leaves a row per
 step. What a path names is its newest save, so every read here (the checkpoint a call names, the
 listings, the quotas) reads the newest save of each path alone, through the partial index
-`ix_tinker_futures_current_saves` (`_current`): reading a name's whole history took 1.3 s a sample
+`ix_tinker_futures_current_saves` (`newest_saves_only`): reading a name's whole history took 1.3 s a sample
 and 6 s a delete at 50,000 saves of one name (bench/tinker_newest_saves.py). A path is live while
 its newest save is, since deleting a checkpoint marks every save of its path (`delete_checkpoint`).
 
@@ -116,7 +116,7 @@ def _live_saves(
 ) -> tuple[ColumnElement[bool] | TextClause, ...]:
     """The newest completed save of each of the tenant's paths (of one model, or of all its models
     whose runs are not deleted), its checkpoint not deleted: what lists, loads and resolves. The
-    query joins TinkerModel and Run (`_joined`). Read from the newest saves alone (`_current`): a
+    query joins TinkerModel and Run (`_joined`). Read from the newest saves alone (`newest_saves_only`): a
     path whose newest save is deleted has every save deleted (`delete_checkpoint`), and the newest
     live save of a path is its newest save."""
     return (
@@ -146,7 +146,12 @@ def _newest_per_path(tenant_id: str, *, model_id: str | None = None) -> Select[A
             func.row_number()
             .over(
                 partition_by=saved_path(),
-                order_by=(TinkerFuture.completed_at.desc(), TinkerFuture.id.desc()),
+                # The save a path's reads resolve to (`newest_save_query`): by request number first.
+                order_by=(
+                    TinkerFuture.seq_id.desc(),
+                    TinkerFuture.completed_at.desc(),
+                    TinkerFuture.id.desc(),
+                ),
             )
             .label("newest"),
         )
@@ -274,10 +279,10 @@ def _marked_deleted(session: Session) -> ColumnElement[Any]:
 def delete_checkpoint(session: Session, *, tenant_id: str, model_id: str, checkpoint_id: str) -> None:
     """Forget `tinker://<model_id>/<checkpoint_id>` (404 when it does not name a live checkpoint).
 
-    Every save of the path not yet marked deleted is marked, the superseded ones too: the pruning
-    pins the step of each sampler path's newest save not deleted, reading them all
-    (app/adapters/pruning.py `_live_sampler_steps`), and the newest-save reads here rely on a
-    deleted path having no live save left. One UPDATE in SQL, nothing read back: it still visits
+    Every save of the path not yet marked deleted is marked, the superseded ones too: the
+    newest-save reads here and the pruning's pins (app/adapters/pruning.py `_live_sampler_steps`)
+    rely on a deleted path having no live save left, and a save recorded out of request order leaves
+    an older one current beside the newest. One UPDATE in SQL, nothing read back: it still visits
     the path's history (the first delete of a name saved at every step marks them all), once per
     delete, where the reads above visit one row per call."""
     path = f"tinker://{model_id}/{checkpoint_id}"

@@ -197,8 +197,8 @@ class TinkerFuture(Base):
     superseded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), default=None)
     """A completed save: when a newer save of its path completed (`app.tinker.work.record_results`);
     None while it is its path's newest. The quotas on saves, the checkpoint listings and every call
-    that takes a path read the newest saves alone (`current_saves`); a checkpoint's deletion marks
-    all its path's saves, and the pruning reads them all (app/adapters/pruning.py)."""
+    that takes a path, and the pruning's pins (app/adapters/pruning.py), read the newest saves alone
+    (`current_saves`); a checkpoint's deletion marks all its path's saves."""
 
     def saved_path(self) -> str | None:
         """The `tinker://` path a completed save names; None for other futures and once the user

@@ -891,8 +891,9 @@ def _supersede_older_saves(session: Session, *, save: TinkerFuture, path: str) -
     (`TinkerFuture.superseded_at`), so the quotas on saves read one row per path, not one per save
     (app.tinker.checkpoints `kept_query`). Found through the same partial index, among the tenant's
     newest saves of that kind; a deleted checkpoint's saves too (a save under its name makes it live
-    again). A model's saves are recorded one at a time, in order: its newest completes last (the
-    UPDATE flushes the session first, so a save completed earlier in the same post is seen)."""
+    again). Only saves of a lower request number: one recorded out of order leaves the newer
+    current beside it, and the reads take the highest (the UPDATE flushes the session first, so a
+    save completed earlier in the same post is seen)."""
     table = TinkerFuture.__tablename__
     session.execute(
         update(TinkerFuture)

@@ -5,7 +5,7 @@ the listings ranked them all in a window: 1.3 s a sample at 50,000 saves of one 
 (bench/tinker_newest_saves.py). They now read the newest save of each path through the partial index
 `ix_tinker_futures_current_saves` (its predicate said literally), with the same answers: checked here
 with 2,000 superseded saves of each name inserted directly, on both databases, and the plans on
-Postgres. A delete still marks every save of its path (the pruning reads them all), in one UPDATE.
+Postgres. A delete still marks every save of its path, in one UPDATE.
 """
 
 import re
@@ -278,9 +278,9 @@ def test_a_delete_marks_every_save_of_its_path_in_one_statement(
     reads: Callable[[Callable[[], Any]], Reads],
     db: Session,
 ) -> None:
-    """Deleting a checkpoint marks every save of its path, the superseded ones too, since the
-    pruning pins the step of each path's newest save not deleted, reading them all: one UPDATE, no
-    row of the history fetched. Saved again, the name is live with the new save alone."""
+    """Deleting a checkpoint marks every save of its path, the superseded ones too (a deleted
+    path must have no live save left for the newest-save reads and the pruning's pins): one UPDATE,
+    no row of the history fetched. Saved again, the name is live with the new save alone."""
     headers = tinker_headers(tenant)
     assert _pinned(db, saved.run_id) == [(saved.run_id, 1)]
     url = f"/api/v1/training_runs/{saved.model_id}/checkpoints/sampler_weights/s"
