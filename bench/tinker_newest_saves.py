@@ -18,7 +18,6 @@ import argparse
 import statistics
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from app import migrate
 from app.config import Settings
 from app.main import create_app
 from app.tinker import checkpoints, sampling, service, work
+from bench.ingest import create_database, drop_database
 from tests.app.api import new_tenant, register
 from tests.app.tinker_calls import answer_work, new_model, tinker_headers
 from tests.common import ADMIN_KEY, WORKER_TOKEN
@@ -138,14 +138,8 @@ def main() -> None:
     p.add_argument("--pg-admin-url", default="postgresql+psycopg://root@127.0.0.1:5432/postgres")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
-        if args.sqlite:
-            url, admin = f"sqlite:///{scratch}/bench.db", None
-        else:
-            name = f"loraloom_bench_{uuid.uuid4().hex[:10]}"
-            admin = create_engine(args.pg_admin_url, isolation_level="AUTOCOMMIT")
-            with admin.connect() as conn:
-                conn.execute(text(f'CREATE DATABASE "{name}"'))
-            url = args.pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
+        # A scratch database, as bench.ingest makes and drops one.
+        url = f"sqlite:///{scratch}/bench.db" if args.sqlite else create_database(args.pg_admin_url)
         try:
             migrate.upgrade(url)
             ids = seed(url, Path(scratch) / "data", args.saves)
@@ -159,10 +153,8 @@ def main() -> None:
                 print(f"| {label} | {median_ms(engine, call, args.repeats):.2f} |")
             engine.dispose()
         finally:
-            if admin is not None:
-                with admin.connect() as conn:
-                    conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-                admin.dispose()
+            if not args.sqlite:
+                drop_database(args.pg_admin_url, url)
 
 
 if __name__ == "__main__":
