@@ -16,7 +16,8 @@ step. What a path names is its newest save, so every read here (the checkpoint a
 listings, the quotas) reads the newest save of each path alone, through the partial index
 `ix_tinker_futures_current_saves` (`newest_saves_only`): reading a name's whole history took 1.3 s a sample
 and 6 s a delete at 50,000 saves of one name (bench/tinker_newest_saves.py). A path is live while
-its newest save is, since deleting a checkpoint marks every save of its path (`delete_checkpoint`).
+its newest save is, since deleting a checkpoint marks every save of its path (`delete_checkpoint`);
+a save recorded out of request order after that delete is live again (`_live_saves`).
 
 A tenant keeps at most `Settings.tinker_max_saves_per_tenant` training states (`check_save_quota`)
 and `Settings.tinker_max_sampler_checkpoints_per_tenant` live sampler checkpoints
@@ -116,9 +117,12 @@ def _live_saves(
 ) -> tuple[ColumnElement[bool] | TextClause, ...]:
     """The newest completed save of each of the tenant's paths (of one model, or of all its models
     whose runs are not deleted), its checkpoint not deleted: what lists, loads and resolves. The
-    query joins TinkerModel and Run (`_joined`). Read from the newest saves alone (`newest_saves_only`): a
-    path whose newest save is deleted has every save deleted (`delete_checkpoint`), and the newest
-    live save of a path is its newest save."""
+    query joins TinkerModel and Run (`_joined`). Read from the newest saves alone (`newest_saves_only`):
+    a save is superseded only by a newer one completed after it, which a delete of the path marks
+    too (`delete_checkpoint`), so a path's newest live save is never superseded. It is the path's
+    newest save but where results came out of request order: a newer save deleted before an older
+    one completed stays current beside it, and the reads take the highest live one (migration
+    0022 made the rows 0021 ranked agree)."""
     return (
         *_saves_of(tenant_id, model_id=model_id, kinds=kinds),
         Run.status != RunStatus.DELETED,
