@@ -126,6 +126,29 @@ def version() -> None:
 
 
 @cli.command()
+def tokenizer(
+    directory: Annotated[
+        Path, typer.Argument(help="Where to write it; its name is what get_tokenizer() loads.")
+    ] = Path("loraloom-tiny"),
+) -> None:
+    """Write the built-in model's character tokenizer as Hugging Face files.
+
+    For the Tinker SDK's get_tokenizer() against the built-in model: get_info names the base model
+    ("loraloom-tiny", never a path on the service's machine) and the SDK loads that name with
+    AutoTokenizer.from_pretrained on your machine, so run this once in the directory your script
+    runs from. Hub and local models need nothing of the kind."""
+    from contracts.tokenizer_files import save_char_tokenizer
+
+    if directory.exists() and not directory.is_dir():
+        raise CliError(f"{directory} exists and is not a directory", kind=ExitCode.USAGE)
+    try:
+        save_char_tokenizer(directory)
+    except OSError as exc:
+        raise CliError(f"cannot write the tokenizer into {directory}: {exc.strerror or exc}") from None
+    typer.echo(f"wrote the built-in tokenizer into {directory}/ (tokenizer.json, tokenizer_config.json)")
+
+
+@cli.command()
 def serve(
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,

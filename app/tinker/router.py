@@ -121,12 +121,8 @@ def create_model(
 
 
 @router.post("/get_info", operation_id="tinkerGetInfo")
-def get_info(
-    principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: GetInfoRequest
-) -> GetInfoResponse:
-    return service.model_info(
-        session, tenant_id=principal.tenant_id, model_id=body.model_id, settings=settings
-    )
+def get_info(principal: TinkerTenantDep, session: SessionDep, body: GetInfoRequest) -> GetInfoResponse:
+    return service.model_info(session, tenant_id=principal.tenant_id, model_id=body.model_id)
 
 
 LONG_POLL_S = 2.0
@@ -197,6 +193,7 @@ def _retrieve_once(factory: sessionmaker[Session], *, request: Request, request_
         tenant_id = tinker_tenant(session, request).tenant_id
         future = service.get_future(session, tenant_id=tenant_id, request_id=request_id)
         work.fail_if_run_left(session, future=future)
+        service.check_named_model(session, future=future)  # a deleted model's save: 404, no path
         return _answer(future)
 
 
@@ -220,8 +217,10 @@ async def _check(
 @router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
 async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Response:
     """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` if it
-    is still pending after a short long-poll (the SDK then polls again). Each check is its own
-    short transaction in the threadpool; the wait between checks holds no thread.
+    is still pending after a short long-poll (the SDK then polls again); 404 `model ... not found`
+    for a save (or a model's creation or load) whose model's run is deleted
+    (`service.check_named_model`). Each check is its own short transaction in the threadpool; the
+    wait between checks holds no thread.
 
     At most `Settings.tinker_max_long_polls_per_tenant` polls of a tenant check at once (the
     others wait in line for a place, on the event loop only: app.tinker.long_polls), and each check

@@ -23,7 +23,7 @@ from app.runs import service as runs
 from app.runs.admission import admission_problems, live_pool
 from app.runs.models import Run
 from app.runs.schemas import RunCreate
-from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession
+from app.tinker.models import SAVE_KINDS, TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession
 from app.tinker.schemas import (
     TINKER_LORA_ALPHA,
     CreateModelRequest,
@@ -35,9 +35,8 @@ from app.tinker.schemas import (
     shown,
 )
 from contracts.ids import new_id
-from contracts.run_config import DEFAULT_BASE_MODEL, LoraSettings, RunConfig
+from contracts.run_config import LoraSettings, RunConfig
 from contracts.status import MOVABLE_RUN_STATUSES, PoolStatus, RunStatus
-from contracts.tokenizer_files import save_char_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -380,22 +379,18 @@ def get_listed_model(session: Session, *, tenant_id: str, model_id: str) -> tupl
     return model, run
 
 
-def tokenizer_id(base_model: str, *, settings: Settings) -> str:
-    """What the SDK's `AutoTokenizer.from_pretrained` loads offline for `base_model`: for the
-    built-in model, its character tokenizer as Hugging Face files in the data directory (written
-    on first use); a local model's directory and a hub id name their own tokenizer."""
-    if base_model != DEFAULT_BASE_MODEL:
-        return base_model
-    return str(save_char_tokenizer(settings.data_dir.resolve() / "tokenizers" / base_model))
-
-
-def model_info(session: Session, *, tenant_id: str, model_id: str, settings: Settings) -> GetInfoResponse:
+def model_info(session: Session, *, tenant_id: str, model_id: str) -> GetInfoResponse:
+    """get_info. Its `tokenizer_id` is the base model's name as the user gave it (a hub id, or the
+    built-in model's name), which the SDK's `get_tokenizer()` loads with
+    `AutoTokenizer.from_pretrained` on the user's machine, as on Tinker. It was a path on the
+    service's machine for the built-in model: that told every tenant the server's layout (an
+    absolute path into the data directory), and a client on another machine could not load it
+    anyway. The built-in model is on no hub: a client loads its character tokenizer from a directory
+    of that name in its working directory (`contracts.tokenizer_files.save_char_tokenizer`)."""
     model, run = get_listed_model(session, tenant_id=tenant_id, model_id=model_id)
     rank = int(run.config["lora"]["rank"])
     return GetInfoResponse(
-        model_data=ModelData(
-            model_name=run.base_model, tokenizer_id=tokenizer_id(run.base_model, settings=settings)
-        ),
+        model_data=ModelData(model_name=run.base_model, tokenizer_id=run.base_model),
         model_id=model.id,
         lora_rank=rank,
         model_name=run.base_model,
@@ -464,6 +459,26 @@ def get_future(session: Session, *, tenant_id: str, request_id: str) -> TinkerFu
             f"LORALOOM_TINKER_FUTURE_TTL_SECONDS after they finish, then purged)"
         )
     return future
+
+
+RESULT_NAMES_MODEL = ("create_model", "load_weights", *SAVE_KINDS)
+"""Futures whose result names their model (create_model, load_weights) or one of its checkpoint
+paths (the saves: `tinker://<model>/...`)."""
+
+
+def check_named_model(session: Session, *, future: TinkerFuture) -> None:
+    """404 `model ... not found` for a completed future whose result names a model whose run is
+    deleted (`RESULT_NAMES_MODEL`), the answer every read of such a model gets (`get_listed_model`).
+    retrieve_future answered such a save 200 with its `tinker://` path until the retention purge
+    took the future, and the SDK handed that path to the user as a fine result while it no longer
+    loads, resolves or samples (`checkpoints.live_saves`). On the 404 the SDK's `result()` raises
+    at once (a ValueError carrying the message; it retries no 404).
+
+    Only these: a failed future keeps its answer (the reason it failed, such as its run leaving),
+    and the other completed work (forward, forward_backward, optim_step, samples) its result,
+    computed numbers that stay true and name nothing gone; all of it goes with the run's purge."""
+    if future.status == "complete" and future.kind in RESULT_NAMES_MODEL and future.model_id is not None:
+        get_listed_model(session, tenant_id=future.tenant_id, model_id=future.model_id)
 
 
 def touch_model(session: Session, *, model_id: str, now: datetime | None = None) -> None:

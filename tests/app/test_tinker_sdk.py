@@ -8,6 +8,7 @@ import tinker
 from tinker import types
 
 from contracts.tokenizer import CharTokenizer
+from contracts.tokenizer_files import save_char_tokenizer
 from tests.app.api import TenantHandle, new_tenant
 
 BASE_MODEL = "loraloom-tiny"
@@ -115,7 +116,7 @@ def test_keys_are_checked_and_tenants_see_only_their_own_models(http):
 
 
 def test_sdk_defaults_create_a_model_with_the_unembedding_and_a_tokenizer_that_loads_offline(
-    http, monkeypatch
+    http, monkeypatch, tmp_path, settings
 ):
     tenant = new_tenant(http, quota=2)
     service = _service_client(http, tenant)
@@ -128,10 +129,29 @@ def test_sdk_defaults_create_a_model_with_the_unembedding_and_a_tokenizer_that_l
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"
         ]  # fmt: skip
 
-        # get_tokenizer() loads the tokenizer_id with AutoTokenizer, here without the network.
+        # get_info names the tokenizer by the base model's name, as the user gave it: no path of the
+        # service's machine (it showed its data directory), and the service writes no file for it.
+        info = http.post(
+            "/api/v1/get_info",
+            json={"model_id": training.model_id},
+            headers={"X-API-Key": "tml-" + tenant.key},
+        )
+        assert info.status_code == 200, info.text
+        assert info.json()["model_data"] == {
+            "arch": None,
+            "model_name": BASE_MODEL,
+            "tokenizer_id": BASE_MODEL,
+        }
+        assert str(settings.data_dir) not in info.text
+        assert training.get_info().model_data.tokenizer_id == BASE_MODEL
+        assert not (settings.data_dir / "tokenizers").exists()
+
+        # get_tokenizer() is AutoTokenizer.from_pretrained(tokenizer_id) on the user's machine; the
+        # built-in model is on no hub, so its character tokenizer is a directory of that name in the
+        # working directory, written by the user's side (here the test's), loaded without the network.
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-        tokenizer_id = training.get_info().model_data.tokenizer_id
-        assert tokenizer_id != BASE_MODEL and tokenizer_id.startswith("/")
+        monkeypatch.chdir(tmp_path)
+        save_char_tokenizer(tmp_path / BASE_MODEL)
         tokenizer = training.get_tokenizer()
         chars = CharTokenizer()
         text = "12+34=46 ok?\nHello, World!"

@@ -4,6 +4,9 @@ peft, `get_tokenizer()` loads offline, and the RestClient lists, describes and d
 tenant's checkpoints while another tenant gets 404s."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -45,7 +48,15 @@ def test_sdk_defaults_train_the_unembedding_and_its_tokenizer_loads_offline(
             assert run["config"]["lora"]["rank"] == 32
             assert sorted(run["config"]["lora"]["target_modules"]) == sorted(EVERY_MODULE)
 
-            # get_tokenizer() is AutoTokenizer.from_pretrained(tokenizer_id): a local directory.
+            # get_tokenizer() is AutoTokenizer.from_pretrained(tokenizer_id) on the user's machine;
+            # tokenizer_id is the base model's name, and for the built-in model (on no hub) a
+            # directory of that name in the working directory, written by `loraloom tokenizer`.
+            assert training.get_info().model_data.tokenizer_id == BASE_MODEL
+            workdir = tmp_path / "client"
+            workdir.mkdir()
+            loraloom = Path(sys.executable).with_name("loraloom")
+            subprocess.run([str(loraloom), "tokenizer"], cwd=workdir, check=True, capture_output=True)
+            monkeypatch.chdir(workdir)
             monkeypatch.setenv("HF_HUB_OFFLINE", "1")
             tokenizer = training.get_tokenizer()
             chars = CharTokenizer()
