@@ -13,7 +13,8 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES
@@ -46,6 +47,8 @@ def threads_per_rank(nproc_per_node: int) -> int:
 
 MAX_SAMPLER_ROUND_BYTES = 16 * 1024**3
 """The most answer bytes one round of external sampling may hold in memory at once."""
+_ROUND_BYTES = "sampler_round_bytes"
+"""The type of the error of a `sampler_concurrency` × `sampler_max_response_bytes` over that."""
 
 
 class WorkerSettings(BaseSettings):
@@ -147,17 +150,25 @@ class WorkerSettings(BaseSettings):
     master_port: int | None = Field(default=None, ge=1, le=65535)
     """Port the ranks meet on (one pool per port; default 29517 with several ranks)."""
 
-    @field_validator("sampler_max_response_bytes")
-    @classmethod
-    def _round_fits_in_memory(cls, value: int, info: ValidationInfo) -> int:
-        # A field validator, not a model one: its error names this setting (settings_problems).
-        concurrency = info.data.get("sampler_concurrency")
-        if concurrency is not None and value * concurrency > MAX_SAMPLER_ROUND_BYTES:
-            raise ValueError(
-                f"{value} bytes × sampler_concurrency {concurrency} = {value * concurrency} bytes of "
-                f"answers read at once, over {MAX_SAMPLER_ROUND_BYTES} (16 GiB): lower one of the two"
+    @model_validator(mode="after")
+    def _round_fits_in_memory(self) -> "WorkerSettings":
+        # On the model, not on either field: the bound is the pair's, and either may be the one the
+        # user set (LORALOOM_SAMPLER_CONCURRENCY alone, over the default answer size). The error says
+        # both values; `settings_problems` names each as it was given (`_ROUND_BYTES`).
+        concurrency, each = self.sampler_concurrency, self.sampler_max_response_bytes
+        if concurrency * each > MAX_SAMPLER_ROUND_BYTES:
+            raise PydanticCustomError(
+                _ROUND_BYTES,
+                "sampler_concurrency {concurrency} × sampler_max_response_bytes {each} = {total} bytes "
+                "of answers read at once, over {bound} (16 GiB): lower one of the two",
+                {
+                    "concurrency": concurrency,
+                    "each": each,
+                    "total": concurrency * each,
+                    "bound": MAX_SAMPLER_ROUND_BYTES,
+                },
             )
-        return value
+        return self
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -249,13 +260,35 @@ def settings_problems(
     """Every problem of `exc` (from building `WorkerSettings`), each setting named as the user gave it:
     its flag when `given` (the fields passed as flags) holds it, spelt as `flags` says when not as
     `flag_name` does; else the LORALOOM_* variable set in `environ`. For both entry points: a
-    traceback naming pydantic's alias was what `python -m trainer_core.worker` printed."""
-    named = []
-    for error in exc.errors():
-        field, variable = _setting_variable(str(error["loc"][0]), environ)
+    traceback naming pydantic's alias was what `python -m trainer_core.worker` printed. A bound on two
+    settings together names both, with their values and where each came from (flag, variable or
+    default): the one the user set may be either."""
+
+    def named(field: str) -> tuple[str, str | None]:
+        """`field` as the user gave it, and the variable it came from (None: a flag or the default)."""
+        field, variable = _setting_variable(field, environ)
         if variable is not None and field not in given:
-            name = variable  # the LORALOOM_* variable set
+            return variable, variable  # the LORALOOM_* variable set
+        return (flags or {}).get(field, flag_name(field)), None
+
+    def with_source(field: str, value: object) -> str:
+        name, variable = named(field)
+        if variable is not None:
+            return f"{name}={value} (environment)"
+        return f"{name} {value} ({'flag' if field in given else 'default'})"
+
+    problems = []
+    for error in exc.errors():
+        if error["type"] == _ROUND_BYTES:
+            ctx = error.get("ctx", {})
+            problems.append(
+                f"{with_source('sampler_concurrency', ctx['concurrency'])} × "
+                f"{with_source('sampler_max_response_bytes', ctx['each'])} = {ctx['total']} bytes of "
+                f"answers read at once, over the bound of {ctx['bound']} (16 GiB): lower one of the two"
+            )
+        elif not error["loc"]:
+            problems.append(error["msg"])  # about the whole model: its message says what
         else:
-            name = (flags or {}).get(field, flag_name(field))
-        named.append(f"{'.'.join([name, *map(str, error['loc'][1:])])}: {error['msg']}")
-    return "; ".join(named)
+            name, _ = named(str(error["loc"][0]))
+            problems.append(f"{'.'.join([name, *map(str, error['loc'][1:])])}: {error['msg']}")
+    return "; ".join(problems)

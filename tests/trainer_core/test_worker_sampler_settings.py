@@ -166,7 +166,10 @@ def test_answers_read_at_once_are_bounded_over_the_round(clean_env) -> None:
         cli, [*args, "--sampler-max-response-bytes", str(16 * 1024**2 + 1)], env=clean_env
     )
     assert refused.exit_code == 2, refused.output
-    assert refused.output.startswith("error: invalid worker settings: --sampler-max-response-bytes: ")
-    assert "sampler_concurrency 1024" in refused.output and "16 GiB" in refused.output
+    assert refused.output.startswith(
+        "error: invalid worker settings: --sampler-concurrency 1024 (flag) × "
+        f"--sampler-max-response-bytes {16 * 1024**2 + 1} (flag) = "
+    )
+    assert "16 GiB" in refused.output
     accepted = runner.invoke(cli, [*args, "--sampler-max-response-bytes", str(16 * 1024**2)], env=clean_env)
     assert accepted.exit_code == 0, accepted.output
