@@ -19,12 +19,16 @@ import logging
 import math
 import os
 import random
+import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from contracts.durable import atomic_replace_dir, beside, final_name_of, fsync_path, untouched
 
 # The tokenizer is the SDK's character tokenizer: the model and the envs must share one vocabulary.
 from contracts.tokenizer import CharTokenizer
@@ -167,6 +171,18 @@ def cached_path(cache_dir: Path) -> Path:
     return cache_dir / f"{NAME}-v{VERSION}"
 
 
+BUILT_FILE = "BUILT"
+"""Written last into a build's directory: the directory under its final name is complete."""
+
+STALE_TEMPORARY_S = 600.0
+"""A build's temporary directory untouched this long is a dead build's (its process was killed while
+saving: the save takes seconds) and goes; a younger one may be a live build's and is left alone."""
+
+_LEGACY_TEMPORARY = re.compile(r"\.(.+)\.[0-9]+\.tmp")
+"""Temporaries of builds before `beside` named them (`.loraloom-tiny-vN.<pid>.tmp`): the loser of a
+race left its own behind, which a cache still holds."""
+
+
 def load(
     cache_dir: Path, *, dtype: torch.dtype = torch.float32, attn_implementation: str = PACKED_ATTENTION
 ) -> PreTrainedModel:
@@ -174,22 +190,66 @@ def load(
 
     The weights are built and cached in fp32 with eager attention (the warm-up's padded batches); the
     copy returned is in ``dtype`` with ``attn_implementation`` (see `trainer_core.models.precision`).
+    Processes that find no cache at once (the demo and a pool, pytest-xdist workers) each build it;
+    all of them end up loading the one complete directory (`_publish`), and none leaves its
+    temporary behind.
     """
     path = cached_path(cache_dir)
-    marker = path / "BUILT"
-    if not marker.exists():
+    _remove_dead_temporaries(path)
+    if not (path / BUILT_FILE).exists():
         log.info("building %s (one-off warm-up of %d steps, cached in %s)", NAME, WARMUP_STEPS, path)
-        model = build()
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        model.save_pretrained(tmp)
-        (tmp / "BUILT").write_text(json.dumps({"name": NAME, "version": VERSION}))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # If another process finished first, theirs is identical (seeded): keep it.
-        with contextlib.suppress(OSError):
-            os.replace(tmp, path)
+        _publish(build(), path)
     if not (path / TOKENIZER_FILE).exists():
         # Beside the weights (caches built before it was written get it now): the directory loads
         # in transformers as a whole, model and tokenizer.
         with contextlib.suppress(OSError):
             save_char_tokenizer(path, TOKENIZER)
     return LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+
+
+def _publish(model: PreTrainedModel, path: Path) -> None:
+    """Save `model` whole (weights, tokenizer, `BUILT_FILE`) into a temporary of its own beside `path`,
+    then rename it to `path`. A rename is atomic, so `path` is either absent or complete. If another
+    build got there first, its directory is identical (the build is seeded): the rename fails
+    (`path` is a non-empty directory) and this build's temporary is removed, whatever happened."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = beside(path)  # unique per build: two threads of one process too (a pid is not)
+    try:
+        model.save_pretrained(tmp)
+        save_char_tokenizer(tmp, TOKENIZER)
+        (tmp / BUILT_FILE).write_text(json.dumps({"name": NAME, "version": VERSION}))
+        # On disk before the rename: a crash must not leave a marked directory of partial files,
+        # which no later start would rebuild.
+        for file in tmp.iterdir():
+            fsync_path(file)
+        fsync_path(tmp)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if (path / BUILT_FILE).exists():
+                return  # another build's complete directory is there: keep it (the same weights)
+            # Not a build's (those are complete): what a hand left there goes. Should another build
+            # move in meanwhile, this one fails; loading then finds theirs.
+            with contextlib.suppress(OSError):
+                atomic_replace_dir(tmp, path)
+            return
+        fsync_path(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the loser's, or a failed save's
+
+
+def _remove_dead_temporaries(path: Path) -> None:
+    """Remove the temporaries of builds of `path` that died while saving (killed; before this module
+    named them with `beside`, also the ones the loser of a race left). Only those untouched for
+    `STALE_TEMPORARY_S`: a live build's is seconds old. Best effort, like the cache itself."""
+    cutoff = time.time() - STALE_TEMPORARY_S
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return  # no cache yet
+    for name in names:
+        legacy = _LEGACY_TEMPORARY.fullmatch(name)
+        whose = final_name_of(name) or (legacy[1] if legacy else None)
+        if whose == path.name and untouched(path.parent / name, since=cutoff):
+            log.info("removing %s, left by a build that did not finish", path.parent / name)
+            shutil.rmtree(path.parent / name, ignore_errors=True)
