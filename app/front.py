@@ -43,11 +43,14 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.error_guard import REQUEST_ID_HEADER, error_response
-from app.request_guard import BodyGuard
+from app.request_guard import CLIENT_GONE, BodyGuard
 from app.telemetry.http import UNMATCHED, HttpMetrics
 from app.ui.security import HEADERS as DASHBOARD_HEADERS
 
 _REQUEST_ID_NAME = REQUEST_ID_HEADER.lower().encode()
+
+CLIENT_CLOSED_REQUEST = 499
+"""The status recorded (never sent) for a request whose client left before its body's end."""
 
 FastHandler = Callable[[Request, bytes], Awaitable[Response | None]]
 """A route's fast path: its response, or None when the request must take the whole stack."""
@@ -126,6 +129,8 @@ class Front:
                 raise
             await error_response(exc, scope, request_id)(scope, receive, send_out)
         finally:
+            if not started and scope.get(CLIENT_GONE):
+                status = CLIENT_CLOSED_REQUEST
             route: BaseRoute | None = scope.get("route")  # set by the router (or the hot route) once matched
             template = getattr(route, "path", None) or UNMATCHED
             method = scope.get("method", "GET")

@@ -27,7 +27,7 @@ and so before any database session opens.
   (`max_buffered_body_bytes`, `BodyBudget`): a body that would take the total past it gets a 503
   with Retry-After (a body alone is always taken), so stalled bodies cannot pile up in memory
   without bound. A body stops counting once it arrived whole, or when its request ends (408, 413,
-  a disconnect). A body whose tenant the credential check above found (a tenants' or Tinker bulk
+  a disconnect: a request whose client left before its body's end is not run at all). A body whose tenant the credential check above found (a tenants' or Tinker bulk
   route with a valid key) also counts against its tenant's share of the budget
   (`tenant_max_buffered_body_bytes`, half by default): past it that tenant gets a 429 of its own,
   so one tenant's stalled uploads (nine 60 MB batches held nearly whole, again each body deadline)
@@ -109,6 +109,9 @@ round's tokens, over 1 MiB as JSON; limited to what such a prompt takes: `SAMPLE
 The pool's and the Tinker API's other routes (sessions, models, optimizer steps, saves,
 registration, heartbeats, claims, acks, step reports) take small JSON documents."""
 
+TAR_UPLOAD_ROUTE = "/v1/adapters"
+"""The tenants' adapter upload: its body is an uncompressed tar (app/adapters/tenant_router.py)."""
+
 SAMPLE_ROUTE = "/api/v1/asample"
 SAMPLE_BYTES_PER_TOKEN = 16
 """JSON bytes a sampling prompt's token may take: an id below 10,000,000 (the largest vocabulary a
@@ -132,6 +135,10 @@ thread): stalled, it holds at most this much of the body budget (8192 of them fi
 512 MiB; per-address connection limits belong to the proxy in front)."""
 
 BUSY_RETRY_AFTER_SECONDS = 1
+
+CLIENT_GONE = "loraloom.client_gone"
+"""Set in the request's scope when its client disconnected before its body's end (nothing was run
+for it): the front layer records it as 499, nginx's "client closed request", not as an error."""
 
 
 Refused = Literal["tenant", "service"]
@@ -245,7 +252,20 @@ class BodyGuard:
         if refusal is not None:
             await _refuse(send, *refusal)
             return None
-        content_type = headers.get(b"content-type", b"")
+        if disconnected:
+            # The client left before its body's end: an aborted request, answered by nothing (no
+            # answer reaches it). What arrived is only a prefix of what was sent, and a prefix can
+            # still parse as something else than what was meant (a TOML config cut at a line, a JSON
+            # body whose declared length was longer): the request is not run, nothing is stored.
+            scope[CLIENT_GONE] = True
+            return None
+        # The adapter upload's body is a tar whatever its declared type (curl's --data-binary says
+        # form-urlencoded, a bare client nothing, which counts as JSON): never checked as JSON.
+        content_type = (
+            b"application/x-tar"
+            if scope.get("path") == TAR_UPLOAD_ROUTE
+            else headers.get(b"content-type", b"")
+        )
         check_depth = not _TYPED_BATCH_ROUTE.match(scope.get("path", ""))
         if len(body) > _LARGE_BODY_BYTES and _is_json(content_type):
             problem = await run_in_threadpool(_json_problem, content_type, body, check_depth=check_depth)
@@ -262,8 +282,6 @@ class BodyGuard:
             if not replayed:
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
-            if disconnected:
-                return {"type": "http.disconnect"}
             return await receive()  # waits for the disconnect, as a real receive would
 
         return body, replay
@@ -271,7 +289,7 @@ class BodyGuard:
     async def _read_body(
         self, receive: Receive, limit: int, budget: BodyBudget | None, tenant_id: str | None
     ) -> tuple[bytes, bool, tuple[int, dict[str, Any]] | None]:
-        """(body, client disconnected, refusal or None). The bytes read are counted against `budget`
+        """(body, client disconnected before the body's end, refusal or None). The bytes read are counted against `budget`
         (and `tenant_id`'s share of it, when known) while the body arrives, and given back however
         the reading ends."""
         chunks: list[bytes] = []
