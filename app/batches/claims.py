@@ -245,6 +245,12 @@ def restart_run_from_checkpoint(
     run.step = checkpoint_step
     run.total_samples = total_samples
     run.total_tokens = total_tokens
+    restored = {"step": checkpoint_step, "total_samples": total_samples, "total_tokens": total_tokens}
+    if not returned and previous == restored:
+        # The pool calls this on every admission: a run that starts fresh, or resumes exactly where it
+        # stood with nothing in flight, restarts nothing, and its feed should not say it did.
+        session.flush()
+        return returned
     record_event(
         session,
         action="run.restart_from_checkpoint",
