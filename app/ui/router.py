@@ -36,6 +36,7 @@ from app.events.router import LastEventId, event_stream, start_of
 from app.runs import service as runs
 from app.runs.models import Run
 from app.runs.schemas import REASON_CHARS
+from app.serving import proxy_headers_configured
 from app.ui import sessions, views
 from app.ui.login_limits import LoginFailures, client_address
 from app.ui.sessions import COOKIE, Viewer, still_signed_in
@@ -140,11 +141,15 @@ def login_page(request: Request, viewer: Annotated[Viewer | None, Depends(option
 
 def _cross_site(request: Request) -> bool:
     """Whether the request's Origin (when the browser sent one) is another site than this service: its
-    host is neither the Host header nor, behind a proxy that rewrites Host, X-Forwarded-Host."""
+    host is neither the Host header nor, behind a proxy that rewrites Host, X-Forwarded-Host. That one
+    is read only when the deployment names its proxies (`FORWARDED_ALLOW_IPS`), as the X-Forwarded-For
+    and -Proto headers are: without a proxy any client could name the Origin's host in it."""
     origin = request.headers.get("origin")
     if origin is None:
         return False
-    hosts = {request.headers.get("host", ""), *request.headers.get("x-forwarded-host", "").split(",")}
+    hosts = {request.headers.get("host", "")}
+    if proxy_headers_configured():
+        hosts.update(request.headers.get("x-forwarded-host", "").split(","))
     return origin.split("://", 1)[-1].rstrip("/").lower() not in {h.strip().lower() for h in hosts if h}
 
 

@@ -60,8 +60,16 @@ def test_a_sign_in_posted_from_another_site_is_refused(app: FastAPI, tenant: Ten
         # This service's own page (a browser's Origin), also behind a proxy that rewrites Host.
         own = client.post("/ui/login", data={"key": tenant.key}, headers={"Origin": "http://testserver"})
         assert own.status_code == 200 and COOKIE in client.cookies
+        # X-Forwarded-Host is a proxy's word only when the deployment names its proxies; without
+        # FORWARDED_ALLOW_IPS any client could name the Origin's host in it.
         proxied = {"Origin": "https://loraloom.example", "X-Forwarded-Host": "loraloom.example"}
-        assert client.post("/ui/login", data={"key": tenant.key}, headers=proxied).status_code == 200
+        client.cookies.clear()
+        unproxied = client.post("/ui/login", data={"key": tenant.key}, headers=proxied)
+        assert unproxied.status_code == 403 and unproxied.json()["error"]["code"] == "csrf_failed"
+        assert COOKIE not in client.cookies
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("FORWARDED_ALLOW_IPS", "127.0.0.1")
+            assert client.post("/ui/login", data={"key": tenant.key}, headers=proxied).status_code == 200
 
 
 def test_secure_cookie_over_https(app: FastAPI, tenant: TenantHandle) -> None:
