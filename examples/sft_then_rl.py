@@ -41,7 +41,6 @@ from typer import echo as say  # flushes: progress shows when stdout is a file
 
 from contracts.tokenizer import CharTokenizer
 from loraloom.embedded import embedded_stack
-from loraloom.launch import free_port
 from orchestrator.client import AsyncLoraloomClient, LoraloomClient
 from orchestrator.engine import AgentPolicy, EngineConfig, MultiAgentEngine
 from orchestrator.envs import Env, Episode, Problem, StepResult, register_env, score_answer
@@ -355,7 +354,7 @@ def main() -> None:
         rl_lr=args.rl_lr,
         output_dir=args.output_dir,
         state_dir=args.state_dir,
-        port=args.port or free_port(),
+        port=args.port,  # 0: any free port, held by the service's parent from its pick
         seed=args.seed,
     )
 

@@ -1,6 +1,7 @@
 """Child processes of the product: the service under uvicorn and the worker pool under torchrun
 (for the CLI, the demo, the end-to-end tests and the benchmarks)."""
 
+import errno
 import os
 import signal
 import socket
@@ -48,29 +49,53 @@ def absolute_sqlite_url(url: str, cwd: Path | None = None) -> str:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now, and that anyone may take before the
+    caller binds it (another test process did: a flake). Where the caller can retry, or a person
+    picks a port; a service child takes `start_service_process(port=0)`, which holds its port from
+    the start, and a pool `launch_pool(master_port=0)`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _listening(port: int) -> bool:
-    """Whether something accepts connections on 127.0.0.1:`port`."""
-    with socket.socket() as s:
-        s.settimeout(1.0)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+def service_socket(port: int = 0) -> socket.socket:
+    """A socket listening on 127.0.0.1:`port` (0: any free port), for a service child to serve on
+    (uvicorn's --fd). Bound here, so the port is ours from this call on: a port picked free and
+    closed for the child to bind later could be taken meanwhile (by another test process), and a
+    port another server holds fails here, before a child is started. Raises RuntimeError if the
+    port is in use."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        # Accepted connections inherit it. uvicorn wraps an --fd socket as AF_UNIX, so asyncio does
+        # not set it on them, and a response's body waited for the ACK of its head (Nagle): 24 ms a
+        # request against 0.8 ms on loopback.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(2048)  # uvicorn's backlog
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise RuntimeError(
+                f"cannot listen on 127.0.0.1:{port}: the port is in use (choose another)"
+            ) from None
+        raise
+    return sock
 
 
 def start_service_process(
     *,
     env: Mapping[str, str],
-    port: int,
+    port: int = 0,
     log_path: Path | None = None,
     workers: int = 1,
     timeout_s: float = 60.0,
     app_dir: Path = _ROOT,
+    factory: str = "app.main:create_app",
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start uvicorn on 127.0.0.1:`port` in its own process group; return once /readyz answers.
+    """Start uvicorn on 127.0.0.1:`port` (0: any free port) in its own process group; return it and
+    its URL once /readyz answers. This process binds the port and hands the listening socket to the
+    child (`service_socket`): nothing can take the port between the two.
 
     The service stops (SIGTERM) when this process dies, as the pool does (`launch_pool`), and is
     killed if anything (a Ctrl-C included) interrupts the wait for it: a demo stopped either way
@@ -79,33 +104,33 @@ def start_service_process(
     `env` is the child's whole environment (LORALOOM_* settings included). Raises RuntimeError,
     with the end of the log when there is one, if the service exits or is not ready in time.
     `app_dir`: the source tree the service's `app` package is imported from (benchmarks start
-    another checkout's service beside this one's).
+    another checkout's service beside this one's); `factory`: the app's factory there.
     """
     # The protocol and limits `loraloom serve` uses (app/serving.py), so the demo, the end-to-end
     # tests and the benchmarks run what production runs.
     from app.serving import uvicorn_cli_args
 
-    # Another server on the port would answer /readyz before our child failed to bind it: the demo
-    # then drove that one (with its own keys).
-    if _listening(port):
-        raise RuntimeError(f"cannot listen on 127.0.0.1:{port}: the port is in use (choose another)")
-
+    # Before anything starts: a port another server holds fails here (that server would have answered
+    # /readyz before our child failed to bind, and the demo drove it with its own keys).
+    sock = service_socket(port)
     log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child inherits it
-    try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "app.main:create_app", "--host", "127.0.0.1"]
-            + ["--port", str(port), "--workers", str(workers), "--log-level", "warning", "--no-access-log"]
-            + [*uvicorn_cli_args(env), "--app-dir", str(app_dir)],
-            env=absolute_env(env),
-            stdout=log,
-            stderr=subprocess.STDOUT if log else None,
-            start_new_session=True,
-            preexec_fn=_dies_with_this_thread(),
-        )
-    finally:
-        if log is not None:
-            log.close()
-    url = f"http://127.0.0.1:{port}"
+    with sock:  # closed here once the child has its copy: the port is free again when it stops
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "--factory", factory, "--fd", str(sock.fileno())]
+                + ["--workers", str(workers), "--log-level", "warning", "--no-access-log"]
+                + [*uvicorn_cli_args(env), "--app-dir", str(app_dir)],
+                env=absolute_env(env),
+                stdout=log,
+                stderr=subprocess.STDOUT if log else None,
+                pass_fds=(sock.fileno(),),
+                start_new_session=True,
+                preexec_fn=_dies_with_this_thread(),
+            )
+        finally:
+            if log is not None:
+                log.close()
     try:
         _wait_ready(process, url, timeout_s, log_path)
     except BaseException:
@@ -146,7 +171,9 @@ DEFAULT_MASTER_PORT = 29517
 
 def rendezvous_port(nproc_per_node: int, master_port: int | None) -> int | None:
     """The loopback port the ranks meet on: fixed with several ranks (one pool per machine unless a
-    port is given); None for one rank without a port (torchrun then picks a free one)."""
+    port is given); None where torchrun picks a free one itself: one rank without a port, or port 0."""
+    if master_port == 0:
+        return None
     if nproc_per_node > 1 or master_port is not None:
         return master_port or DEFAULT_MASTER_PORT
     return None
@@ -155,11 +182,16 @@ def rendezvous_port(nproc_per_node: int, master_port: int | None) -> int | None:
 def torchrun_command(
     *, nproc_per_node: int, worker_args: Sequence[str], master_port: int | None = None
 ) -> list[str]:
+    """`master_port`: see `rendezvous_port` (0: any free port)."""
     # torchrun, less its traceback when a rank fails (loraloom.torchrun).
     cmd = [sys.executable, "-m", "loraloom.torchrun", "--nproc-per-node", str(nproc_per_node)]
     port = rendezvous_port(nproc_per_node, master_port)
     if port is not None:
         cmd += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    else:
+        # torchrun's own rendezvous store, bound to port 0 by torchrun itself and handed to the
+        # ranks as MASTER_PORT: no port is picked free and closed for someone else to take first.
+        cmd += ["--standalone"]
     return [*cmd, "-m", "trainer_core.worker", *worker_args]
 
 
@@ -181,7 +213,8 @@ def launch_pool(
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start the pool in its own process group; its ranks die with it (see trainer_core.parent_death),
+    """Start the pool (`master_port`: see `rendezvous_port`; 0: any free port, which torchrun binds
+    itself) in its own process group; its ranks die with it (see trainer_core.parent_death),
     and, when called from the main thread, it stops (SIGTERM: each rank finishes its step) when this
     process dies — a `loraloom worker` killed or whose terminal closed left its pool training under
     PID 1. (From another thread it would stop when that thread ends: not asked for then.)"""

@@ -147,8 +147,9 @@ class WorkerSettings(BaseSettings):
         validation_alias=AliasChoices("LORALOOM_NPROC_PER_NODE", "LORALOOM_WORKER_RANKS"),
     )
     """Ranks (processes) on this machine; on GPUs, one per GPU."""
-    master_port: int | None = Field(default=None, ge=1, le=65535)
-    """Port the ranks meet on (one pool per port; default 29517 with several ranks)."""
+    master_port: int | None = Field(default=None, ge=0, le=65535)
+    """Port the ranks meet on (one pool per port; default 29517 with several ranks; 0: any free port,
+    which torchrun binds itself: `--standalone`, so no other pool can take it between pick and use)."""
 
     @model_validator(mode="after")
     def _round_fits_in_memory(self) -> "WorkerSettings":
