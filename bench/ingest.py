@@ -51,7 +51,7 @@ from contracts.arrays import to_arrays
 from contracts.ids import new_id
 from contracts.run_config import RunConfig
 from contracts.wire import TrainingBatch, TrainingSample, json_encoder, msgpack_encoder
-from loraloom.launch import free_port, start_service_process
+from loraloom.launch import start_service_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -210,7 +210,7 @@ def start_service(
         "LORALOOM_ADMIN_KEY": "bench-admin",
         "LORALOOM_WORKER_TOKEN": "bench-worker",
     }
-    return start_service_process(env=env, port=free_port(), log_path=log_path, workers=workers)
+    return start_service_process(env=env, log_path=log_path, workers=workers)  # any free port
 
 
 def stop_service(proc: subprocess.Popen[bytes]) -> None:

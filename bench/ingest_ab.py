@@ -38,7 +38,7 @@ from bench.ingest import (
     stop_service,
     tree_cpu_seconds,
 )
-from loraloom.launch import free_port, start_service_process
+from loraloom.launch import start_service_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,7 +52,7 @@ def start(database_url: str, data_dir: Path, log: Path, app_dir: Path) -> tuple[
         "LORALOOM_RUN_MAX_PENDING_BATCHES": "1000000",
         "LORALOOM_RUN_MAX_PENDING_BYTES": str(1 << 50),
     }
-    return start_service_process(env=env, port=free_port(), log_path=log, app_dir=app_dir)
+    return start_service_process(env=env, log_path=log, app_dir=app_dir)  # any free port
 
 
 def main(argv: list[str] | None = None) -> None:

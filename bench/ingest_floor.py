@@ -23,16 +23,12 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psycopg
 
-from app.serving import uvicorn_cli_args
 from bench.ingest import (
     Result,
     create_database,
@@ -45,7 +41,7 @@ from bench.ingest import (
     table,
 )
 from contracts.durable import atomic_write_bytes
-from loraloom.launch import free_port
+from loraloom.launch import start_service_process
 
 _INSERT = (
     "INSERT INTO floor_batches (run_id, idempotency_key, sha256, payload_path, payload_bytes) "
@@ -114,27 +110,11 @@ def create_floor_app() -> Any:
 
 
 def _start(database_url: str, data_dir: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
     env = os.environ | {_DB_ENV: database_url, _DIR_ENV: str(data_dir)}
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "bench.ingest_floor:create_floor_app"]
-            + ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-access-log"]
-            + uvicorn_cli_args(env),
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(log_path.read_text()[-2000:])
+    # As the service is started (its protocol and limits; a port bound before the child starts).
+    return start_service_process(
+        env=env, log_path=log_path, factory="bench.ingest_floor:create_floor_app", timeout_s=30
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from loraloom.launch import free_port
-
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +87,8 @@ def _stack_waiting_for_its_service(tmp_path: Path) -> tuple[subprocess.Popen[byt
     """A process in `embedded_stack`'s wait for its service, and the service's pid (listening)."""
     marker = tmp_path / "service-answers"
     parent = subprocess.Popen(
-        [sys.executable, "-c", STACK_STUCK_STARTING, str(tmp_path / "state"), str(free_port()), str(marker)],
+        # Port 0: the stack's service takes any free port, held from its pick (loraloom/launch.py).
+        [sys.executable, "-c", STACK_STUCK_STARTING, str(tmp_path / "state"), "0", str(marker)],
         cwd=ROOT,
         stdout=(tmp_path / "stack.log").open("wb"),
         stderr=subprocess.STDOUT,

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from loraloom.launch import free_port
-
 pytestmark = pytest.mark.slow
 
 RANK = """
@@ -36,7 +34,8 @@ def _start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path, list[int]
     script, log = tmp_path / "rank.py", tmp_path / "pool.log"
     script.write_text(RANK)
     command = [sys.executable, "-m", "loraloom.torchrun", "--nproc-per-node", "2"]
-    command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    # A rendezvous on a port torchrun binds itself: one picked free here could be taken meanwhile.
+    command += ["--standalone"]
     pool = subprocess.Popen(
         [*command, str(script), str(tmp_path), mode],
         stdout=log.open("wb"),

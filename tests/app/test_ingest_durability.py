@@ -20,7 +20,7 @@ from app.batches.models import Batch
 from app.runs.models import Run
 from contracts.durable import TMP_SUFFIX
 from contracts.run_config import RunConfig
-from loraloom.launch import free_port, start_service_process
+from loraloom.launch import start_service_process
 from tests.app.api import as_plain, stored_plain
 from tests.app.factories import Seeded, committed, seed_run
 from tests.common import ADMIN_KEY, WORKER_TOKEN
@@ -44,7 +44,8 @@ class Service:
             "LORALOOM_ADMIN_KEY": ADMIN_KEY,
             "LORALOOM_WORKER_TOKEN": WORKER_TOKEN,
         }
-        self.proc, self.url = start_service_process(env=env, port=free_port(), log_path=self.log_path)
+        # Any free port, held from its pick (a restart gets a new one: the test reads `url` after it).
+        self.proc, self.url = start_service_process(env=env, log_path=self.log_path)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -2,9 +2,6 @@
 workload; labels stay bounded; the optional token; several uvicorn workers (multiprocess mode)."""
 
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +12,7 @@ from pydantic import SecretStr
 
 from app.config import Settings
 from app.main import create_app
+from loraloom.launch import start_service_process
 from tests.app.api import (
     WORKER_HEADERS,
     TenantHandle,
@@ -149,23 +147,12 @@ def test_several_uvicorn_workers_sum_their_requests(settings: Settings, tmp_path
         "LORALOOM_DATABASE_URL": settings.database_url,
         "LORALOOM_DATA_DIR": str(settings.data_dir),
     }
-    port = _free_port()
-    cmd = [sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--workers", "2"]
-    proc = subprocess.Popen([*cmd, "--port", str(port), "--log-level", "warning"], env=env)
+    # On a port bound before the service starts (a port picked free and closed for uvicorn to bind
+    # could be taken by the other xdist worker first); returns once the service is ready.
+    proc, url = start_service_process(env=env, workers=2, log_path=tmp_path / "service.log")
     try:
-        url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=url, timeout=10) as c:
             answered = 0
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if c.get("/healthz").status_code == 200:
-                        answered += 1
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "uvicorn did not start"
-                time.sleep(0.2)
             # Fresh connections until both workers have answered some (each keeps its own file).
             while len(list(prom_dir.glob("counter_*.db"))) < 2 and answered < 500:
                 with httpx.Client(base_url=url, timeout=10) as one:
@@ -181,11 +168,3 @@ def test_several_uvicorn_workers_sum_their_requests(settings: Settings, tmp_path
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

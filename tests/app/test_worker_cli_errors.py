@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from loraloom.cli import cli
-from loraloom.launch import free_port
+from tests.e2e.helpers import TORCHRUN_PICKS_THE_PORT
 from trainer_core.models.tiny import build_model
 
 runner = CliRunner()
@@ -179,8 +179,9 @@ def test_target_modules_the_model_lacks_are_one_line_naming_those_it_has(tmp_pat
     traceback (its ChildFailedError) and no summary per rank."""
     (tmp_path / "runs").mkdir()
     args = ["--runs-dir", "runs", "--base-model", str(saved_model), "--target-modules", "q_proj,qkv"]
-    args += ["--nproc-per-node", "2", "--master-port", str(free_port())]
-    done = _loraloom_worker(args, {"OMP_NUM_THREADS": "1", "LORALOOM_EXIT_WHEN_IDLE": "0"}, tmp_path)
+    args += ["--nproc-per-node", "2"]
+    env = {"OMP_NUM_THREADS": "1", "LORALOOM_EXIT_WHEN_IDLE": "0", **TORCHRUN_PICKS_THE_PORT}
+    done = _loraloom_worker(args, env, tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if "ERROR cannot start the worker pool" in line]
     assert len(errors) == 1, done.stderr[-3000:]
@@ -204,8 +205,9 @@ def test_a_model_directory_transformers_cannot_load_is_one_line_from_the_rank(tm
     (tmp_path / "bogus" / "config.json").write_text("{}")
     args = ["--runs-dir", "runs", "--base-model", "./bogus"]
     if ranks > 1:
-        args += ["--nproc-per-node", str(ranks), "--master-port", str(free_port())]
-    done = _loraloom_worker(args, {"OMP_NUM_THREADS": "1", "LORALOOM_EXIT_WHEN_IDLE": "0"}, tmp_path)
+        args += ["--nproc-per-node", str(ranks)]
+    env = {"OMP_NUM_THREADS": "1", "LORALOOM_EXIT_WHEN_IDLE": "0", **TORCHRUN_PICKS_THE_PORT}
+    done = _loraloom_worker(args, env, tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if "ERROR cannot start the worker pool" in line]
     assert len(errors) == 1, done.stderr[-3000:]

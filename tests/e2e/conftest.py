@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraloom.launch import free_port, start_service_process
+from loraloom.launch import start_service_process
 from tests.common import ADMIN_KEY, WORKER_TOKEN
 
 
@@ -42,8 +42,9 @@ class LiveService:
 
 
 def start_service(
-    *, database_url: str, data_dir: Path, port: int, extra_env: dict | None = None
+    *, database_url: str, data_dir: Path, port: int = 0, extra_env: dict | None = None
 ) -> LiveService:
+    """`port` 0: any free port, held from its pick to the service's start (loraloom/launch.py)."""
     env = {
         **os.environ,
         "LORALOOM_DATABASE_URL": database_url,
@@ -61,7 +62,6 @@ def live_service(database_url, tmp_path) -> Iterator[LiveService]:
     service = start_service(
         database_url=database_url,
         data_dir=tmp_path / "data",
-        port=free_port(),
         extra_env={
             "LORALOOM_MAX_CONCURRENT_RUNS": "2",
             "LORALOOM_LEASE_SECONDS": "30",

@@ -14,7 +14,7 @@ import httpx
 from safetensors.torch import load as load_safetensors
 
 from contracts.tokenizer import CharTokenizer
-from loraloom.launch import free_port, launch_pool
+from loraloom.launch import launch_pool
 from tests.common import WORKER_TOKEN
 
 TOKENIZER = CharTokenizer()
@@ -22,6 +22,11 @@ TOKENIZER = CharTokenizer()
 MODEL_CACHE = Path(
     os.environ.get("LORALOOM_MODEL_CACHE", Path(__file__).resolve().parents[2] / ".loraloom" / "models")
 )
+
+TORCHRUN_PICKS_THE_PORT = {"LORALOOM_MASTER_PORT": "0"}
+"""Environment for a `loraloom worker` of several ranks: `--master-port 0`, a rendezvous on a port
+torchrun binds itself (`--standalone`). A port the test picked free and passed could be taken by the
+other xdist worker before torchrun bound it. (`launch_pool(master_port=0)` asks for the same.)"""
 
 
 def synthetic_batch(
@@ -115,7 +120,7 @@ def start_pool(
     process = launch_pool(
         nproc_per_node=nproc,
         worker_args=args,
-        master_port=free_port(),
+        master_port=0,  # torchrun binds a free one itself (a port picked here could be taken first)
         env={
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",

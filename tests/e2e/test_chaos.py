@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraloom.launch import free_port
 from tests.e2e.conftest import LiveService, start_service
 from tests.e2e.helpers import kill_pool, run_config, start_pool, synthetic_batch, wait_for
 
@@ -50,7 +49,7 @@ def _tokens(run_index: int, step: int) -> int:
 class Chaos:
     def __init__(self, database_url: str, tmp_path: Path) -> None:
         self.database_url, self.tmp_path = database_url, tmp_path
-        self.port = free_port()
+        self.port = 0  # the first start takes any free port; a restart, the one it got
         self.service = self._start_service()
         self.runs: list[tuple[httpx.Client, str, int]] = []  # (owner, run id, index)
         self.gone: dict[str, str] = {}  # run id -> evicted / deleted by the chaos
@@ -59,12 +58,15 @@ class Chaos:
         self.kills = {"pool": 0, "service": 0}
 
     def _start_service(self) -> LiveService:
-        return start_service(
+        service = start_service(
             database_url=self.database_url,
             data_dir=self.tmp_path / "data",
             port=self.port,
             extra_env=SERVICE_ENV,
         )
+        # The pool keeps the service's URL: a restart must come back on the same port.
+        self.port = httpx.URL(service.url).port or 0
+        return service
 
     def _start_pool(self):
         return start_pool(

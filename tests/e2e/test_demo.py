@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from loraloom.demo import MODEL_CACHE, run_demo
-from loraloom.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,7 @@ def test_demo_rewards_rise(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> 
     results = run_demo(
         steps=STEPS,
         output_dir=out,
-        port=free_port(),
+        port=0,  # any free port, held from its pick to the service's start (loraloom/launch.py)
         state_dir=tmp_path / "state",
         model_cache=MODEL_CACHE,  # the built model is shared with `loraloom demo`
     )

@@ -21,8 +21,7 @@ from safetensors.torch import load_file
 
 from contracts.layout import ADAPTER_WEIGHTS, CONFIG_ERROR_FILE, STABLE_MARKER
 from contracts.wire import TrainingBatch
-from loraloom.launch import free_port
-from tests.e2e.helpers import MODEL_CACHE, run_config, synthetic_batch
+from tests.e2e.helpers import MODEL_CACHE, TORCHRUN_PICKS_THE_PORT, run_config, synthetic_batch
 from trainer_core.checkpoint import stable_checkpoints
 from trainer_core.directory_source import write_rollout_step
 from trainer_core.dist import World
@@ -51,9 +50,9 @@ def make_run(root: Path, run_id: str, config: dict[str, Any], seeds: list[int], 
 def loraloom_worker(runs_dir: Path, log_path: Path) -> int:
     """`loraloom worker --runs-dir` with two ranks until it exits by itself (idle once both runs are done)."""
     command = [str(Path(sys.executable).with_name("loraloom")), "worker", "--runs-dir", str(runs_dir)]
-    command += ["--nproc-per-node", "2", "--master-port", str(free_port()), *POOL_OPTIONS]
+    command += ["--nproc-per-node", "2", *POOL_OPTIONS]
     command += ["--model-cache-dir", str(MODEL_CACHE), "--poll-interval", "0.1", "--exit-when-idle", "3"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **TORCHRUN_PICKS_THE_PORT}
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from loraloom.launch import free_port
 from tests.e2e.helpers import MODEL_CACHE
 
 pytestmark = pytest.mark.slow
@@ -31,7 +30,8 @@ def test_sft_then_rl_orders_the_rewards(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, str(ROOT / "examples" / "sft_then_rl.py")]
         + ["--sft-steps", "40", "--sft-batch", "64", "--rl-steps", "60"]
-        + ["--output-dir", str(out), "--state-dir", str(tmp_path / "state"), "--port", str(free_port())],
+        # No --port: the example's own choice of a free one.
+        + ["--output-dir", str(out), "--state-dir", str(tmp_path / "state")],
         cwd=ROOT,
         # The built base model is shared with the other tests (built once).
         env={**os.environ, "LORALOOM_MODEL_CACHE": str(MODEL_CACHE.resolve())},

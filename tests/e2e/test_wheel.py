@@ -7,6 +7,7 @@ index, so the install takes about half a minute on 2 cores.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,8 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from loraloom.launch import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -93,22 +92,28 @@ def test_the_wheel_migrates_serves_and_says_its_version(installed: Path, tmp_pat
     assert upgraded.returncode == 0, upgraded.stderr
     assert (empty / ".loraloom" / "loraloom.db").is_file()  # the default SQLite URL, in the caller's cwd
 
-    port = free_port()
-    server = subprocess.Popen(
-        [installed / "loraloom", "serve", "--port", str(port)],
-        cwd=empty,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    # Port 0: serve binds a free one and says which (uvicorn's "running on" line). A port picked free
+    # here could be taken by the other xdist worker before serve bound it.
+    log = tmp_path / "serve.log"
+    with log.open("wb") as stderr:  # the child has its own copy
+        server = subprocess.Popen(
+            [installed / "loraloom", "serve", "--port", "0"],
+            cwd=empty,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            assert server.poll() is None, log.read_text(errors="replace")
+            listening = re.search(
+                r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text(errors="replace")
+            )
+            url = listening[1] if listening else None
             try:
-                r = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
-                if r.status_code == 200:
+                if url is not None and (r := httpx.get(f"{url}/readyz", timeout=2)).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -116,11 +121,11 @@ def test_the_wheel_migrates_serves_and_says_its_version(installed: Path, tmp_pat
             time.sleep(0.2)
         assert r.json() == {"status": "ready"}
         # Served from the database `db upgrade` made: the tables are there.
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/tenants", timeout=5).status_code == 401
+        assert httpx.get(f"{url}/v1/tenants", timeout=5).status_code == 401
     finally:
         server.terminate()
         server.wait(timeout=30)
     # Neither secret is set here: serve says what that disables (the 403s pointed at the caller's key).
-    said = server.stderr.read().decode() if server.stderr else ""
+    said = log.read_text(errors="replace")
     assert "note: LORALOOM_ADMIN_KEY is not set: admin routes" in said, said
     assert "note: LORALOOM_WORKER_TOKEN is not set: no worker pool can connect" in said, said

@@ -19,10 +19,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraloom.launch import free_port
 from tests.common import WORKER_TOKEN
 from tests.e2e.conftest import start_service
-from tests.e2e.helpers import MODEL_CACHE, kill_pool, run_config, start_pool, synthetic_batch, wait_for
+from tests.e2e.helpers import (
+    MODEL_CACHE,
+    TORCHRUN_PICKS_THE_PORT,
+    kill_pool,
+    run_config,
+    start_pool,
+    synthetic_batch,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
 
@@ -58,7 +65,7 @@ def _alive(pid: int) -> bool:
 
 def _start_worker(url: str, data_dir: Path, log_path: Path) -> subprocess.Popen:
     command = [str(Path(sys.executable).with_name("loraloom")), "worker", "--url", url]
-    command += ["--nproc-per-node", "2", "--master-port", str(free_port()), "--slots", "2"]
+    command += ["--nproc-per-node", "2", "--slots", "2"]
     command += ["--seq-len", "64", "--max-rank", "8", "--model-cache-dir", str(MODEL_CACHE)]
     command += ["--poll-interval", "0.1", "--pack-timeout", "0.5"]
     env = {
@@ -67,6 +74,7 @@ def _start_worker(url: str, data_dir: Path, log_path: Path) -> subprocess.Popen:
         "PYTHONUNBUFFERED": "1",
         "LORALOOM_WORKER_TOKEN": WORKER_TOKEN,
         "LORALOOM_DATA_DIR": str(data_dir),
+        **TORCHRUN_PICKS_THE_PORT,
     }
     with open(log_path, "ab") as log:
         # Its own session: the test signals the CLI alone, as a terminal signals its foreground job.
@@ -110,7 +118,6 @@ def test_ctrl_c_stops_every_process_and_returns_the_leases(database_url, tmp_pat
     service = start_service(
         database_url=database_url,
         data_dir=tmp_path / "data",
-        port=free_port(),
         extra_env={"LORALOOM_MAX_CONCURRENT_RUNS": "2", "LORALOOM_POOL_TIMEOUT_SECONDS": "120"},
     )
     try:

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from loraloom.launch import free_port
 from tests.e2e.conftest import start_service
-from tests.e2e.helpers import MODEL_CACHE, wait_for
+from tests.e2e.helpers import MODEL_CACHE, TORCHRUN_PICKS_THE_PORT, wait_for
 from tests.e2e.test_worker_ctrl_c import _descendants, _gone_within, _start_worker
 from trainer_core.pause_point import PAUSE_ENV, STARTUP_BEFORE_MODEL, paused_marker
 
@@ -37,7 +36,7 @@ MAIN_LOOP_RETRY = re.compile(r"(GET|POST) /v1/pool/(?!heartbeat)\S+: attempt \d+
 
 
 def test_ctrl_c_while_the_service_is_down_stops_at_once(database_url, tmp_path):
-    service = start_service(database_url=database_url, data_dir=tmp_path / "data", port=free_port())
+    service = start_service(database_url=database_url, data_dir=tmp_path / "data")
     log_path = tmp_path / "worker.log"
     worker = None
     try:
@@ -83,9 +82,10 @@ def test_ctrl_c_while_the_pool_builds_its_model_ends_in_the_one_line(tmp_path):
         "--runs-dir",
         str(tmp_path / "runs"),
     ]
-    command += ["--nproc-per-node", "2", "--master-port", str(free_port()), "--seq-len", "64"]
+    command += ["--nproc-per-node", "2", "--seq-len", "64"]
     command += ["--model-cache-dir", str(MODEL_CACHE)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", PAUSE_ENV: str(pause)}
+    env |= TORCHRUN_PICKS_THE_PORT
     with open(log_path, "ab") as log_file:
         worker = subprocess.Popen(
             command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True

@@ -2,19 +2,12 @@
 wrote (test_runs_distributed.py, the manual-work failure tests through manual_ranks.py)."""
 
 import json
-import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def spawn_ranks(
@@ -25,7 +18,11 @@ def spawn_ranks(
     (its traceback) into `out_dir`. The reports in rank order; fails with a rank's traceback if one
     raised or hung past `timeout` seconds."""
     ctx = mp.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    # The ranks meet in a file, not on a port: a port picked free here and bound seconds later by
+    # rank 0 (once torch has imported) was, at times, taken meanwhile by another test process. gloo's
+    # own connections listen on ports the kernel gives them. A new file each time (the file store
+    # needs one that no earlier group used).
+    init_method = f"file://{tempfile.mkdtemp(dir=out_dir)}/rendezvous"
     procs = [ctx.Process(target=target, args=(r, init_method, *args, out_dir)) for r in range(world_size)]
     for p in procs:
         p.start()
