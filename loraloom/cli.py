@@ -5,10 +5,17 @@ service over HTTP (--url / LORALOOM_URL), with the admin key (LORALOOM_ADMIN_KEY
 tenant API key (LORALOOM_API_KEY) as --key.
 """
 
+# isort: off
+# First, before the imports that take seconds: a Ctrl-C during them exits 130 quietly.
+from loraloom.commands import startup
+# isort: on
+
 import functools
 import importlib.metadata
 import json
 import logging
+import math
+import re
 import secrets
 import shutil
 import socket
@@ -353,10 +360,114 @@ def keys_revoke(
 # --- runs (tenant) ---------------------------------------------------------------------
 
 
-def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
-    """A create-run body from a file, and its format ("toml", "yaml" or "json", by the suffix).
-    The file holds either the whole body (`name` and `config`) or only the config; the name then
-    defaults to the file's stem. --name overrides either."""
+_YAML = "tag:yaml.org,2002:"
+_YAML_12_RESOLVERS = [
+    ("bool", "^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("int", "^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    (
+        "float",
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+        "-+.0123456789",
+    ),
+]
+"""YAML 1.2's core schema for plain booleans, integers and floats (the spec's section 10.3.2)."""
+
+
+@functools.cache
+def _yaml_loader() -> Any:
+    """PyYAML's SafeLoader with YAML 1.2 scalars. PyYAML implements YAML 1.1, whose resolvers read
+    `lr: 1e-3` as a string (a float needs a dot there: 1.0e-3), `heartbeat_timeout: 1:30` as the
+    base-60 integer 90, `yes`/`no`/`on`/`off` as booleans and `010` as octal 8. Here, as in YAML 1.2
+    (and JSON): booleans are true/false only, integers decimal, 0o octal or 0x hex, floats include
+    1e-3, `.inf` and `.nan`; anything else is a string (so `1:30` reaches the service, which refuses
+    it as no number, rather than silently becoming 90). Nulls, timestamps (a date in metadata) and
+    merge keys (<<) stay as PyYAML reads them; `=` is a string, not YAML 1.1's "value" tag."""
+    import yaml
+
+    class Yaml12Loader(yaml.SafeLoader):
+        pass
+
+    replaced = {_YAML + tag for tag in ("bool", "int", "float", "value")}
+    Yaml12Loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in replaced]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    for tag, pattern, first in _YAML_12_RESOLVERS:  # int before float: "10" matches both, and is an int
+        Yaml12Loader.add_implicit_resolver(_YAML + tag, re.compile(pattern), list(first))
+
+    def number(kind: type[int] | type[float]) -> Any:
+        def construct(loader: yaml.SafeLoader, node: Any) -> int | float:
+            text = str(loader.construct_scalar(node))
+            try:
+                if kind is int:
+                    prefix = text[:2].lower()
+                    return int(text[2:], 8 if prefix == "0o" else 16) if prefix in ("0o", "0x") else int(text)
+                special = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
+                return special[text.lower()] if text.lower() in special else float(text)
+            except ValueError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{text!r} is not a YAML 1.2 {kind.__name__}", node.start_mark
+                ) from None
+
+        return construct
+
+    Yaml12Loader.add_constructor(_YAML + "int", number(int))
+    Yaml12Loader.add_constructor(_YAML + "float", number(float))
+    return Yaml12Loader
+
+
+MAX_FILE_VALUES = 1_000_000
+"""Values a run file may expand to (YAML aliases share one object that the JSON sent repeats: nine
+levels of nine aliases are 387 million strings). Far above any run body the service takes (1 MiB)."""
+
+
+_KEY_TYPES: dict[type, str] = {bool: "a boolean", int: "an integer", float: "a float", type(None): "null"}
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
+def _shape_problem(doc: Any) -> str | None:
+    """What makes a parsed file unsendable as JSON, else None: a mapping key that is not a string
+    (YAML's `1:`, `true:`, `null:` became "1" and "None", and 1 and true one key), a value that
+    contains itself (a recursive YAML anchor), or more than MAX_FILE_VALUES values once aliases are
+    expanded. Iterative, so any depth; each problem names where it is, as dotted keys."""
+    on_path: set[int] = set()
+    stack: list[tuple[Any, str, bool]] = [(doc, "", False)]
+    count = 0
+    while stack:
+        item, where, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(item))
+            continue
+        if not isinstance(item, dict | list):
+            continue
+        if id(item) in on_path:
+            return f"{where} refers to a table or list that holds it (a recursive YAML anchor)"
+        count += len(item)
+        if count > MAX_FILE_VALUES:
+            return (
+                f"it expands to more than {MAX_FILE_VALUES} values (YAML aliases repeat what they refer to)"
+            )
+        on_path.add(id(item))
+        stack.append((item, where, True))
+        if isinstance(item, list):
+            stack.extend((child, f"{where}[{i}]", False) for i, child in enumerate(item))
+            continue
+        for k, child in item.items():
+            if not isinstance(k, str):
+                shown = "null" if k is None else str(k).lower() if isinstance(k, bool) else repr(k)
+                return (
+                    f"the key {shown} {'in ' + where if where else 'at the top level'} is not a string "
+                    f"but {_KEY_TYPES.get(type(k)) or _a(type(k).__name__)}: quote it"
+                )
+            stack.append((child, f"{where}.{k}" if where else k, False))
+    return None
+
+
+def _parse_run_file(path: Path) -> tuple[Any, str]:
+    """The file's parsed document and its format ("toml", "yaml" or "json", by the suffix)."""
     import yaml
 
     try:
@@ -367,24 +478,42 @@ def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
     fmt = "toml" if suffix == ".toml" else "yaml" if suffix in (".yaml", ".yml") else "json"
     try:
         if fmt == "toml":
-            doc = tomllib.loads(text)
-        elif fmt == "yaml":
-            doc = yaml.safe_load(text)
-        else:
-            doc = json.loads(text)
+            return tomllib.loads(text), fmt
+        if fmt == "yaml":
+            return yaml.load(text, Loader=_yaml_loader()), fmt  # noqa: S506  # a SafeLoader subclass
+        return json.loads(text), fmt
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         _fail(f"{path}: not valid {fmt.upper()}: {exc}")
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         _fail(f"{path}: not valid YAML: {getattr(exc, 'problem', None) or 'parse error'}{where}")
+    except RecursionError:  # each parser recurses once per level of nesting
+        _fail(f"{path}: nested too deeply to read")
+
+
+def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
+    """A create-run body from a file, and its format ("toml", "yaml" or "json", by the suffix).
+    The file holds either the whole body (`name` and `config`) or only the config; the name then
+    defaults to the file's stem. --name overrides either. YAML is read with YAML 1.2's scalars
+    (`_yaml_loader`)."""
+    if name == "":  # was ignored: the file's name was used
+        _fail("--name is empty: give the run a name, or leave --name out to use the file's")
+    doc, fmt = _parse_run_file(path)
     if not isinstance(doc, dict):
         _fail(f"{path}: expected a table/mapping/object at the top level")
+    if problem := _shape_problem(doc):  # found by pydantic's JSON encoding (exit 1), or not at all
+        _fail(f"{path}: {problem}")
+    if "name" in doc and not (isinstance(doc["name"], str) and doc["name"]):
+        # Was replaced by the file's stem without a word (or, in a whole body, sent on to a 422).
+        given = doc["name"]
+        shown = "empty" if given == "" else f"not a string: {json.dumps(given, default=str)[:60]}"
+        _fail(f"{path}: name is {shown}")
     if isinstance(doc.get("config"), dict):
         body = doc
     else:  # only the config, perhaps with the run's name beside it
         body = {"config": {k: v for k, v in doc.items() if k != "name"}}
-        if isinstance(doc.get("name"), str):
+        if "name" in doc:
             body["name"] = doc["name"]
     body = {"name": name or body.get("name") or path.stem, **{k: v for k, v in body.items() if k != "name"}}
     return body, fmt
@@ -651,10 +780,11 @@ def demo(
     models_log.addHandler(handler)
     models_log.setLevel(logging.INFO)
 
-    from loraloom.launch import free_port
-
-    run_demo(steps=steps, output_dir=output_dir, port=port or free_port())
+    run_demo(
+        steps=steps, output_dir=output_dir, port=port
+    )  # 0: a port the service's parent holds from its pick
 
 
 def main() -> None:
+    startup.started()
     cli()

@@ -1,6 +1,7 @@
 """The CLI's HTTP plumbing and output helpers: one request with readable errors, JSON and tables."""
 
 import json
+import os
 from collections.abc import Sequence
 from typing import Annotated, Any
 
@@ -11,7 +12,12 @@ from contracts.http import api_prefix_problem, tinker_surface_hint
 from loraloom.commands.answers import Answer, read_object
 from loraloom.commands.errors import CliError, ExitCode, http_error
 from orchestrator import bounded
-from orchestrator.client import DEFAULT_DEADLINE_S, DEFAULT_MAX_RESPONSE_BYTES
+from orchestrator.client import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    api_key_problem,
+    url_parts_problem,
+)
 from orchestrator.errors import DeadlineExceeded, ResponseTooLarge
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -47,6 +53,7 @@ def request(
     (a download) under its own."""
     if not key:
         raise CliError("no key", kind=ExitCode.AUTH, hint=f"pass --key or set {key_env}")
+    check_key(key, key_env)
     headers = {"Authorization": f"Bearer {key}", **(kwargs.pop("headers", None) or {})}
     check_url(url)
     try:
@@ -122,12 +129,19 @@ def _cell(value: Any) -> str:
 def check_url(url: str) -> None:
     """A usage error for a URL without its scheme (httpx's "missing protocol" read as "cannot reach"),
     one that ends with the Tinker surface's /api/v1 (each command got a 401, read as a wrong key), or
-    one that ends with /v1 (every route already starts with /v1: each command got a 404)."""
+    one that ends with /v1 (every route already starts with /v1: each command got a 404), or one with
+    user info (sent as Basic auth in place of the key: a 401) or a query or fragment (dropped: a 404)."""
     if not url.lower().startswith(("http://", "https://")):
         raise CliError(
             f"{url!r} is not an http:// or https:// URL",
             kind=ExitCode.USAGE,
             hint="give the service's base URL, e.g. http://127.0.0.1:8000",
+        )
+    if problem := url_parts_problem(url):
+        raise CliError(
+            f"{'LORALOOM_URL' if os.environ.get('LORALOOM_URL') == url else '--url'} {problem}",
+            kind=ExitCode.USAGE,
+            hint="the base URL is the scheme, host and port (and a proxy's path prefix, if any)",
         )
     if problem := api_prefix_problem(url):
         raise CliError(
@@ -135,3 +149,12 @@ def check_url(url: str) -> None:
             kind=ExitCode.USAGE,
             hint="the base URL is where /v1/... and /api/v1/... start, e.g. http://127.0.0.1:8000",
         )
+
+
+def check_key(key: str, key_env: str) -> None:
+    """A usage error for a key that cannot be a header value (a non-ASCII character raised a bare
+    UnicodeEncodeError, a line end was refused by httpx), naming where it came from: the variable
+    when it holds this very value, else --key. The key itself is never printed."""
+    if problem := api_key_problem(key):
+        origin = key_env if os.environ.get(key_env) == key else "--key"
+        raise CliError(f"{origin} {problem}", kind=ExitCode.USAGE, hint=f"check --key (or {key_env})")

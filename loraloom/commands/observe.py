@@ -2,6 +2,7 @@
 `runs watch` (a live progress bar until the run ends). Tenant API key; polling only the runs,
 adapters and metrics routes."""
 
+import errno
 import json
 import tempfile
 import time
@@ -80,10 +81,17 @@ def adapters_download(
 ) -> None:
     """Download an adapter as a PEFT directory (adapter_config.json, adapter_model.safetensors)."""
     # As the SDK does: the archive goes to an unnamed file on the destination's file system, not to
-    # memory, under the SDK's download cap and transfer deadline.
+    # memory, under the SDK's download cap and transfer deadline. Missing parent directories are
+    # created, as the SDK's download_adapter creates them (and `metrics --plot` does); a place that
+    # cannot be written is refused here, before the download.
     near = output.resolve().parent if output is not None else Path.cwd()
-    near.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=near) as archive:
+    what = f"-o {output}" if output is not None else f"the current directory {near}"
+    try:
+        near.mkdir(parents=True, exist_ok=True)
+        archive = tempfile.TemporaryFile(dir=near)  # noqa: SIM115  # closed by the `with` below
+    except OSError as exc:
+        raise path_error(what, exc) from None
+    with archive:
         r = request(
             "GET",
             f"/v1/runs/{run_id}/adapters/{step}",
@@ -106,11 +114,42 @@ def adapters_download(
             raise CliError(
                 str(exc), kind=ExitCode.USAGE if isinstance(exc, DestinationInUse) else ExitCode.ERROR
             ) from None
+        except OSError as exc:
+            raise path_error(f"-o {output}" if output is not None else str(dest), exc) from None
     files = sorted(p.name for p in dest.iterdir() if p.name != MARKER_NAME)
     if as_json:
         echo_json({"run_id": run_id, "step": got, "path": str(dest), "files": files})
     else:
         typer.echo(f"adapter of {run_id} at step {got}: {dest} ({', '.join(files)})")
+
+
+UNWRITABLE = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM, errno.EROFS}
+)
+"""The errors of a path that cannot be written as given (no such place, not a directory, not
+allowed, read-only): the user's to fix, a usage error. Others (a full disk) are exit code 1."""
+
+
+def path_error(what: str, exc: OSError) -> CliError:
+    """An OSError writing an output path as one line naming that path (`what`: the option and its
+    value), in place of a FileNotFoundError with exit code 1 ("unexpected error")."""
+    kind = ExitCode.USAGE if exc.errno in UNWRITABLE else ExitCode.ERROR
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EEXIST and exc.filename:  # a directory to create is a file ("File exists")
+        reason = f"{exc.filename} is not a directory"
+    return CliError(f"{what}: cannot write there: {reason}", kind=kind)
+
+
+def prepare_output_file(what: str, path: Path) -> None:
+    """Before any request: `path`'s directory exists (missing ones are created, as for
+    `adapters download -o`) and a file can be created in it (a temporary file, removed at once),
+    so an unwritable place is refused before the run's metrics are fetched."""
+    try:
+        path.resolve().parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.resolve().parent):
+            pass
+    except OSError as exc:
+        raise path_error(what, exc) from None
 
 
 def _adapter_step(response: httpx.Response) -> int:
@@ -144,6 +183,8 @@ def metrics(
             kind=ExitCode.USAGE,
             hint=f"end it in {', '.join(PLOT_SUFFIXES)}",
         )
+    if plot is not None:
+        prepare_output_file(f"--plot {plot}", plot)
     items = _all_metrics(run_id, url=url, key=key)
     if plot is not None:
         _plot(run_id, items, plot)
@@ -235,9 +276,13 @@ def _plot(run_id: str, items: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0, 0].set_title(f"{run_id}: metrics per step")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # made by prepare_output_file, unless since removed
+        fig.savefig(path, dpi=100)
+    except OSError as exc:
+        raise path_error(f"--plot {path}", exc) from None
+    finally:
+        plt.close(fig)
 
 
 def runs_watch(

@@ -23,6 +23,7 @@ from contracts.run_config import DEFAULT_BASE_MODEL
 from loraloom.commands.errors import CliError, ExitCode, require_worker_extra
 from loraloom.commands.http import check_url
 from loraloom.commands.preflight import check_port
+from orchestrator.client import api_key_problem
 
 SERVICE = "Service"
 MODEL = "Model"
@@ -154,7 +155,7 @@ def worker(
         int | None, _opt(LAUNCH, "Ranks (processes); one per GPU [LORALOOM_WORKER_RANKS] (1).")
     ] = None,
     master_port: Annotated[
-        int | None, _opt(LAUNCH, "Port the ranks meet on [LORALOOM_MASTER_PORT] (29517).")
+        int | None, _opt(LAUNCH, "Port the ranks meet on; 0: any free port [LORALOOM_MASTER_PORT] (29517).")
     ] = None,
     dry_run: Annotated[
         bool, _opt(LAUNCH, "Print the resolved settings as JSON (token hidden) and exit.")
@@ -172,6 +173,8 @@ def worker(
             flags["worker_token"] = None  # a flag wins over LORALOOM_WORKER_TOKEN, as every flag does
     settings = build_settings(flags)
     if dry_run:
+        if settings.runs_dir is None:  # the real start refuses such a URL (check_token): so does this
+            check_url(settings.url)
         shown = settings.model_dump(mode="json", exclude={"worker_token"})
         # Where checkpoints really go (unset, the field said null; with --runs-dir, not it at all).
         shown["checkpoint_dir"] = str(settings.checkpoint_home)
@@ -190,6 +193,13 @@ def worker(
                 "no worker token",
                 kind=ExitCode.AUTH,
                 hint="pass --token or set LORALOOM_WORKER_TOKEN (or --runs-dir DIR to train without the service)",
+            )
+        if problem := api_key_problem(settings.token):  # else a bare UnicodeEncodeError, or httpx's refusal
+            source = _token_source(settings, token_flag=token is not None, file_flag=token_file is not None)
+            raise CliError(
+                f"the worker token ({source}) {problem}",
+                kind=ExitCode.USAGE,
+                hint="give the token as the service's LORALOOM_WORKER_TOKEN holds it",
             )
         check_token(settings.url, settings.token)
     raise typer.Exit(_launch(settings))

@@ -1,0 +1,44 @@
+"""Ctrl-C while the `loraloom` command starts up: exit 130, quietly.
+
+`loraloom.cli` imports typer, httpx, pydantic and the SDK before any command runs (1 to 4 s on a
+small machine), and an early Ctrl-C (a mistyped command) printed a 20-line KeyboardInterrupt
+traceback from inside those imports. `loraloom.cli` imports this module before anything else: when
+the process is the `loraloom` console script (pyproject's [project.scripts]: `loraloom.cli:main`),
+SIGINT ends it with exit code 130 and no output, the code a Ctrl-C gets once a command runs.
+`started()` (called by `main` before the command line is parsed) puts Python's own handler back, so
+commands keep their KeyboardInterrupt handling (a download removing its partial directory, `serve`
+and `worker` stopping their processes).
+
+Only the console script: a program or test that imports `loraloom.cli` keeps its own Ctrl-C. Not
+covered: the interpreter's own start and `loraloom/__init__.py`, about a tenth of a second.
+"""
+
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    # SystemExit, not os._exit: it unwinds the import under way as any exception would, and Python
+    # then exits as usual (nothing was written yet, nothing of the command started).
+    raise SystemExit(130)
+
+
+def _is_console_script() -> bool:
+    """Whether this process runs the `loraloom` script (pip's wrapper, whose file is bin/loraloom)."""
+    main = sys.modules.get("__main__")
+    return Path(getattr(main, "__file__", None) or "").stem == "loraloom"
+
+
+# Only over Python's default handler: a SIGINT the caller set to be ignored (nohup, a background job)
+# stays ignored.
+GUARDED = _is_console_script() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+if GUARDED:
+    signal.signal(signal.SIGINT, _interrupted)
+
+
+def started() -> None:
+    """The CLI is imported: Ctrl-C is a KeyboardInterrupt again, handled per command."""
+    if signal.getsignal(signal.SIGINT) is _interrupted:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
