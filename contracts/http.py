@@ -302,8 +302,10 @@ def parse_retry_after(value: str | None) -> float | None:
 
 
 def _retryable_exception(exc: httpx.TransportError) -> bool:
-    # A wrong URL scheme is a programming error, not a transient failure.
-    return not isinstance(exc, httpx.UnsupportedProtocol)
+    # A wrong URL scheme, or a request httpx refuses to put on the wire (LocalProtocolError: e.g. a
+    # header value with a line end, an API key read from a file), is the caller's own mistake: each
+    # attempt fails the same way, nothing transient to wait out.
+    return not isinstance(exc, httpx.UnsupportedProtocol | httpx.LocalProtocolError)
 
 
 STOP_POLL_S = 0.1

@@ -38,6 +38,7 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import TypeAdapter
@@ -394,6 +395,52 @@ class ClientSettings:
         return {"base_url": self.base_url, "headers": headers, "timeout": timeout}
 
 
+_CHARACTER_NAMES = {"\n": "a newline", "\r": "a carriage return", "\t": "a tab", " ": "a space"}
+
+
+def _character(char: str) -> str:
+    """`char` named for an error message: by name or code point, never as itself (it is part of a secret)."""
+    if char in _CHARACTER_NAMES:
+        return _CHARACTER_NAMES[char]
+    kind = "a control character" if char.isascii() else "a non-ASCII character"
+    return f"{kind} (U+{ord(char):04X})"
+
+
+def api_key_problem(api_key: object) -> str | None:
+    """Why `api_key` cannot be sent as `Authorization: Bearer <key>`, else None; the CLI's --key is
+    checked with it too. A key is a token of printable ASCII without spaces (the service's keys are
+    `llk_` + letters and digits). A key read from a file with its line end was refused by httpx on
+    each call (an illegal header value, retried as a transport failure), a non-ASCII one (a pasted
+    smart character) raised a bare UnicodeEncodeError. The message names the character and its
+    position, never the key: a secret must not reach a log."""
+    if not isinstance(api_key, str):
+        return f"must be a str, not {type(api_key).__name__}"
+    for position, char in enumerate(api_key, start=1):
+        if not "\x21" <= char <= "\x7e":
+            last = " (the last)" if position == len(api_key) else ""
+            return (
+                f"holds {_character(char)} as character {position} of {len(api_key)}{last}: a key is "
+                "printable ASCII without spaces or line ends (one read from a file: strip it)"
+            )
+    return None
+
+
+def url_parts_problem(base_url: str) -> str | None:
+    """Why `base_url` holds parts a base URL must not, else None (the CLI's --url is checked with it
+    too): user:password@, which httpx sends as Basic auth in place of the Bearer key (each call a 401
+    that reads as a wrong key), or a query or fragment, which every route's path silently drops (each
+    call a bare 404). Its text is not repeated: user info may hold a password."""
+    parts = urlsplit(base_url)
+    if "@" in parts.netloc:
+        return (
+            "holds user info (user:password@host): the API key is the only credential, "
+            "give the URL without it, e.g. http://host:8000"
+        )
+    if "?" in base_url or "#" in base_url:
+        return "holds a query (?...) or fragment (#...): give the service's base URL alone, e.g. http://host:8000"
+    return None
+
+
 def _settings(
     base_url: str,
     api_key: str | None,
@@ -407,6 +454,8 @@ def _settings(
         raise ValueError(
             f"base_url {base_url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000)"
         )
+    if problem := url_parts_problem(base_url):
+        raise ValueError(f"base_url {problem}")
     if problem := api_prefix_problem(base_url):
         raise ValueError(f"base_url {problem}")  # each call was a 401 (/api/v1) or a 404 (/v1)
     if not api_key:
@@ -415,6 +464,8 @@ def _settings(
             "api_key is required: every route of the service needs a tenant API key "
             "(an admin creates one with `loraloom keys create <tenant_id>`)"
         )
+    if problem := api_key_problem(api_key):
+        raise ValueError(f"api_key {problem}")
     policy = retry or RetryPolicy()
     if max_attempts is not None:
         policy = dataclasses.replace(policy, max_attempts=max_attempts)
