@@ -2,10 +2,16 @@
 logged "Waiting for connections to close" and went on sending keepalives to every open event
 stream (the API's and the dashboard's, each lasting up to an hour) until its client left: the
 service never exited. Now the streams end, cleanly, once the shutdown begins
-(app/shutdown.py), and `LORALOOM_SHUTDOWN_TIMEOUT_SECONDS` bounds whatever else runs."""
+(app/shutdown.py), and `LORALOOM_SHUTDOWN_TIMEOUT_SECONDS` bounds whatever else runs.
+
+The test holds the property by the order of events, not by a time bound (on 2 shared cores those
+are flaky): the streams' clients never leave by themselves (no read timeout, no close), so a server
+that waited for them could only exit at its graceful-shutdown bound (120 s here), cutting them and
+logging that it did; this one exits with the streams ended by the server itself, cleanly."""
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,16 +24,21 @@ import pytest
 
 from app.config import Settings
 from app.serving import SHUTDOWN_TIMEOUT_ENV, shutdown_timeout_seconds, uvicorn_cli_args, uvicorn_options
-from loraloom.launch import free_port
 from tests.app.api import create_run, new_tenant
 from tests.common import ADMIN_KEY, WORKER_TOKEN
 
 ROOT = Path(__file__).resolve().parents[2]
 SSE = {"Accept": "text/event-stream"}
+EXIT_GUARD_S = 60
+"""A hang guard only (the server exits within a second or two of the signal), and below the 120 s
+graceful-shutdown bound: a server that waited for its streams' clients fails here, at once named."""
+LISTENING = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+"""What `loraloom serve` (uvicorn) logs once it listens, with the port it got for --port 0."""
 
 
 class Stream:
-    """An event stream read in a thread: the events' names, and how it ended."""
+    """An event stream read in a thread: the events' names, and how it ended. The client has no read
+    timeout and never hangs up: only the server (or its process ending) ends the stream."""
 
     def __init__(self, url: str, headers: dict[str, str]) -> None:
         self.events: list[str] = []
@@ -38,7 +49,8 @@ class Stream:
 
     def _read(self, url: str, headers: dict[str, str]) -> None:
         try:
-            with httpx.Client(timeout=30) as client, client.stream("GET", url, headers=headers) as r:
+            timeout = httpx.Timeout(30, read=None)
+            with httpx.Client(timeout=timeout) as client, client.stream("GET", url, headers=headers) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith("event: "):
@@ -47,7 +59,7 @@ class Stream:
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 
-    def wait_for(self, event: str, within: float = 10) -> None:
+    def wait_for(self, event: str, within: float = 30) -> None:
         deadline = time.monotonic() + within
         while event not in self.events:
             assert self.thread.is_alive() and time.monotonic() < deadline, (self.events, self.error)
@@ -55,7 +67,6 @@ class Stream:
 
 
 def _serve(settings: Settings, tmp_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
     env = {
         **os.environ,
         "LORALOOM_DATABASE_URL": settings.database_url,
@@ -65,21 +76,24 @@ def _serve(settings: Settings, tmp_path: Path) -> tuple[subprocess.Popen[bytes],
         # Far longer than the bound below: the streams must end by themselves, not be cut.
         SHUTDOWN_TIMEOUT_ENV: "120",
     }
+    # Port 0: the server binds a free one and says which. A port picked free here could be taken by
+    # the other xdist worker before the server bound it.
+    log = tmp_path / "serve.log"
     server = subprocess.Popen(
         [sys.executable, "-c", "from loraloom.cli import main; main()", "serve"]
-        + ["--host", "127.0.0.1", "--port", str(port)],
+        + ["--host", "127.0.0.1", "--port", "0"],
         cwd=ROOT,
         env=env,
-        stdout=(tmp_path / "serve.log").open("wb"),
+        stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
     )
-    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
-        assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+        assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+        listening = LISTENING.search(log.read_text(errors="replace"))
         try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return server, url
+            if listening and httpx.get(f"{listening[1]}/readyz", timeout=1).status_code == 200:
+                return server, listening[1]
         except httpx.TransportError:
             pass
         time.sleep(0.1)
@@ -102,20 +116,23 @@ def test_the_server_exits_promptly_while_event_streams_are_open(
             api.wait_for("run.admitted")
             ui.wait_for("run.admitted")
 
-        started = time.monotonic()
+        # Both streams are open when the signal goes (their clients stay for ever).
+        assert api.thread.is_alive() and ui.thread.is_alive(), (api.error, ui.error)
         server.send_signal(sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(timeout=15)  # before the fix: for as long as the streams' clients stayed
-        took = time.monotonic() - started if server.poll() is not None else float("inf")
+            server.wait(timeout=EXIT_GUARD_S)  # before the fix: for as long as the clients stayed
+        exited = server.poll() is not None
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
     log = (tmp_path / "serve.log").read_text(errors="replace")
-    assert took < 5, f"{sig.name}: the server took {took:.1f} s to exit\n{log}"
+    assert exited, f"{sig.name}: the server waited for its streams' clients (still running)\n{log}"
     for stream in (api, ui):
-        stream.thread.join(timeout=5)
-        assert stream.ended_cleanly, stream.error
+        stream.thread.join(timeout=30)  # a hang guard: the process is gone, its sockets closed
+        # The whole chunked body: the server ended the stream (its clients never leave by
+        # themselves), where a server cut at its graceful bound, or killed, resets it.
+        assert stream.ended_cleanly, (stream.error, log)
     assert "timeout graceful shutdown exceeded" not in log
 
 

@@ -9,6 +9,11 @@ unmodified) reads it:
   409, 429 and 5xx of a submission for 5 minutes, whatever `x-should-retry` says, and retrying
   cannot make room. The 429s for a busy pool (pending requests and bytes, live sessions, in-flight
   requests) stay 429s: they clear by themselves, and the SDK should retry them.
+
+Promptness is held by the order of events and the answers' statuses, never by a time bound (on 2
+shared cores those are flaky): a poll answers while another still holds the place it would need;
+every future has a poll waiting at the service when the pool finishes; the SDK got no answer that
+it backs off from or retries.
 """
 
 import asyncio
@@ -164,8 +169,11 @@ def _spy_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_a_poll_past_the_cap_waits_without_a_place_or_a_query_then_says_try_again(served, monkeypatch):
     app, server = served
-    monkeypatch.setattr(tinker_router, "LONG_POLL_S", 60.0)  # the first poll holds the place
-    monkeypatch.setattr(tinker_router, "LONG_POLL_WAIT_S", 0.5)
+    # The first poll holds the place for longer than the client waits (30 s): the second one can
+    # answer only by its own wait in line ending (2 s: 100x the 20 ms the test takes to see it
+    # there), never by a place coming up.
+    monkeypatch.setattr(tinker_router, "LONG_POLL_S", 60.0)
+    monkeypatch.setattr(tinker_router, "LONG_POLL_WAIT_S", 2.0)
     checked = _spy_checks(monkeypatch)
     with httpx.Client(base_url=server.url, timeout=30) as http:
         tenant = new_tenant(http)
@@ -178,13 +186,23 @@ def test_a_poll_past_the_cap_waits_without_a_place_or_a_query_then_says_try_agai
                 c.post("/api/v1/retrieve_future", json={"request_id": pending}, headers=headers)
             )
             await asyncio.to_thread(_wait_until, lambda: _places(app, tenant.id)[0] == 1, "held")
-            started = time.monotonic()
-            answer = await c.post("/api/v1/retrieve_future", json={"request_id": done}, headers=headers)
-            waited = time.monotonic() - started
-            # "Try again", after its wait in line: the SDK polls again once, not in a tight loop.
+            waiting = asyncio.create_task(
+                c.post("/api/v1/retrieve_future", json={"request_id": done}, headers=headers)
+            )
+            # Seen in line, unanswered: it waits (the SDK polls again at once on "try again", so an
+            # answer at once would make it poll in a tight loop).
+            await asyncio.to_thread(
+                _wait_until, lambda: _places(app, tenant.id) == (1, 1) or waiting.done(), "in line"
+            )
+            assert not waiting.done(), waiting.result().text
+            answer = await waiting
+            # "Try again" once its wait is over, while the first poll still holds the place: it
+            # did not wait for the place.
             assert answer.status_code == 200, answer.text
-            assert answer.json() == {"type": "try_again", "request_id": done, "queue_state": "active"}
-            assert 0.5 <= waited < 5
+            said = answer.json()
+            assert said["type"] == "try_again" and said["request_id"] == done, said
+            assert said["queue_state"] == "active", said
+            assert not held.done()
             assert done not in checked  # never looked up: no query, no thread, no place
             assert _places(app, tenant.id) == (1, 0)
             held.cancel()
@@ -227,12 +245,14 @@ def test_a_waiting_poll_takes_the_place_that_frees_and_a_full_line_is_a_429(serv
             assert done not in checked
 
             # The held poll's client goes: at its next check it hands the place to the first in line,
-            # which answers the result at once and hands it on.
+            # which answers the result at once and hands it on. Both the held poll's hold and the
+            # waits in line (60 s) outlast the client's timeout (30 s, a hang guard): a result can
+            # only come from the place being handed on.
+            assert not any(w.done() for w in waiters)
             held.cancel()
             await asyncio.gather(held, return_exceptions=True)
-            started = time.monotonic()
             answers = await asyncio.gather(*waiters)
-            assert time.monotonic() - started < 3
+            assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
             assert [a.json()["model_id"] for a in answers] == [model_id, model_id]
             assert checked.count(done) == 2
             await asyncio.to_thread(_wait_until, lambda: _places(app, tenant.id)[0] == 0, "freed")
@@ -245,14 +265,16 @@ def test_a_waiting_poll_takes_the_place_that_frees_and_a_full_line_is_a_429(serv
 
 
 class _Statuses:
-    """ASGI middleware: the status of every `retrieve_future` answer, in order."""
+    """ASGI middleware: the status of every answer on `path` (`retrieve_future` unless told), in
+    order."""
 
-    def __init__(self, app: ASGIApp, statuses: list[int]) -> None:
+    def __init__(self, app: ASGIApp, statuses: list[int], path: str = "/api/v1/retrieve_future") -> None:
         self.app = app
         self.statuses = statuses
+        self.path = path
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != "/api/v1/retrieve_future":
+        if scope["type"] != "http" or scope["path"] != self.path:
             await self.app(scope, receive, send)
             return
 
@@ -306,11 +328,20 @@ def _run_pool(http: httpx.Client, pool_id: str, count: int) -> None:
 
 def test_the_sdk_gets_every_result_promptly_with_more_futures_than_the_cap(settings, db):
     """Cap 2, six futures waiting for the pool: the four polls past the cap wait in line, none is
-    refused (a 429 sent the SDK into 1, 2, 4 ... s of backoff), and once the pool is done every
-    result arrives within a second or so."""
+    refused (a 429 sent the SDK into 1, 2, 4 ... s of backoff), so when the pool is done every
+    future has a poll at the service to take its result, and the SDK never backs off."""
     app = create_app(settings.model_copy(update={"tinker_max_long_polls_per_tenant": 2}))
     statuses: list[int] = []
     app.add_middleware(_Statuses, statuses=statuses)
+
+    def every_future_polled() -> bool:
+        """Each of the six futures has a poll at the service (two hold a place, four wait in
+        line); or a poll was refused, and the SDK backs off instead."""
+        polls: LongPolls | None = getattr(app.state, "tinker_long_polls", None)
+        return 429 in statuses or (
+            polls is not None and (polls.in_flight(tenant.id), polls.waiting(tenant.id)) == (2, 4)
+        )
+
     with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         pool_id = register(http)
         tenant = new_tenant(http)
@@ -319,23 +350,24 @@ def test_the_sdk_gets_every_result_promptly_with_more_futures_than_the_cap(setti
             training = _training(service)
             futures = [training.save_state(f"s{i}") for i in range(6)]
             _wait_until(lambda: _saves(db, tenant.id) == 6, "the six saves are stored")
-            _wait_until(lambda: app.state.tinker_long_polls.in_flight(tenant.id) == 2, "two places held")
-            time.sleep(2.5)  # long enough for a backoff to grow (1 s, then 2 s, then 4 s)
+            _wait_until(every_future_polled, "two places are held and four polls wait in line")
+            assert 429 not in statuses, statuses
 
             _run_pool(http, pool_id, 6)
-            started = time.monotonic()
-            paths = [f.result(timeout=30).path for f in futures]
-            took = time.monotonic() - started
+            paths = [f.result(timeout=30).path for f in futures]  # the timeout: a hang guard only
         finally:
             service.close("success").result()
     assert paths == [f"tinker://{training.model_id}/weights/s{i}" for i in range(6)]
-    assert 429 not in statuses, statuses
-    assert took < 2.0, f"the results took {took:.2f} s after the pool was done"
-    print(f"six results {took:.2f} s after the pool was done; retrieve_future answers: {statuses}")
+    # Every answer was a result or a "try again", both of which the SDK follows with its next poll
+    # at once: no 429 (exponential backoff), no 408 or 5xx (retries), nothing it gave up on.
+    assert statuses and set(statuses) == {200}, statuses
+    print(f"retrieve_future answers: {statuses}")
 
 
 def test_save_state_past_the_quota_raises_at_once_through_the_sdk(settings, db):
     app = create_app(settings.model_copy(update={"tinker_max_saves_per_tenant": 1}))
+    statuses: list[int] = []
+    app.add_middleware(_Statuses, statuses=statuses, path="/api/v1/save_weights")
     with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         tenant = new_tenant(http)
         service = _sdk(server, tenant)
@@ -343,13 +375,14 @@ def test_save_state_past_the_quota_raises_at_once_through_the_sdk(settings, db):
             training = _training(service)
             training.save_state("kept")  # pending (no pool): it is kept, the quota is full
             _wait_until(lambda: _saves(db, tenant.id) == 1, "the first save is stored")
-            started = time.monotonic()
             with pytest.raises(tinker.PermissionDeniedError) as refused:
-                # A 409 was retried for 5 minutes before the SDK raised it.
+                # A 409 was retried for 5 minutes before the SDK raised it (the timeout: a hang
+                # guard only; the count below is what says "at once").
                 training.save_state("one_more").result(timeout=15)
-            assert time.monotonic() - started < 5
         finally:
             service.close("success").result()
+    # One submission of "one_more", answered 403 and not retried.
+    assert statuses == [200, 403], statuses
     assert refused.value.status_code == 403
     assert "LORALOOM_TINKER_MAX_SAVES_PER_TENANT = 1" in str(refused.value)
     assert isinstance(refused.value.body, dict) and refused.value.body["error"]["code"] == "save_quota"
