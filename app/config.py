@@ -221,6 +221,12 @@ class Settings(BaseSettings):
     sampling sessions of runs that left, are deleted this long after (0: kept for ever;
     `app.tinker.service.purge_finished_sessions`)."""
 
+    tinker_session_timeout_seconds: float = Field(default=600.0, ge=60, le=MAX_RETENTION_SECONDS)
+    """A Tinker model whose session has sent no heartbeat this long (the SDK sends one every 10 s
+    while its process lives; a closed ServiceClient sends none) is evicted by the sweeper, its
+    quota place freed: always while its run is queued, and while active unless it has a live sampler
+    checkpoint (`app.tinker.abandoned`). At least 60 s: a few missed heartbeats are not a dead process."""
+
     ui_login_max_failures: int = Field(default=10, ge=1, le=1_000)
     """Failed dashboard sign-ins one client address may make within `ui_login_window_seconds` (per
     service process); past it the sign-in page answers 429 + Retry-After without checking the key

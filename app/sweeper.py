@@ -1,6 +1,7 @@
-"""Background sweeper: lease expiry, pool liveness, run heartbeats, Tinker futures that can no
-longer be served (failed), done Tinker futures, expired dashboard sessions, deleted runs and
-events past their retention (purged), runs' step adapters past their newest
+"""Background sweeper: lease expiry, pool liveness, run heartbeats, Tinker models whose session went
+silent (evicted, app/tinker/abandoned.py), Tinker futures that can no longer be served (failed),
+done Tinker futures, expired dashboard sessions, deleted runs and events past their retention
+(purged), runs' step adapters past their newest
 `settings.run_adapters_kept` (pruned, app/adapters/pruning.py), and adapter files no row refers to,
 with trash a removal left (reconciled, a bounded share a sweep: app/adapters/reconcile.py).
 
@@ -28,6 +29,7 @@ from app.db import utcnow
 from app.pools.service import declare_dead_pools
 from app.retention import PURGE_CHUNK, purge_deleted_runs, purge_old_events
 from app.runs.service import evict_silent_runs
+from app.tinker.abandoned import evict_abandoned_models
 from app.tinker.leases import fail_unclaimed_base_samples, fail_work_of_left_runs, purge_done_futures
 from app.tinker.service import purge_finished_sessions
 from app.ui.sessions import purge_expired_sessions
@@ -49,6 +51,8 @@ class SweepResult:
     """Pools declared dead (their batches returned to pending)."""
     evicted_runs: list[str] = field(default_factory=list)
     """Runs evicted because their orchestrator stopped heartbeating."""
+    evicted_tinker_runs: list[str] = field(default_factory=list)
+    """Runs of Tinker models whose session stopped heartbeating (app/tinker/abandoned.py)."""
     failed_futures: int = 0
     """Pending or running Tinker futures failed: their run has left, or (base-model samples) no pool
     claimed them within settings.tinker_base_sample_wait_seconds."""
@@ -126,14 +130,15 @@ def sweep_once(
     reconcile_scan: ReconcileScan | None = None,
 ) -> SweepResult:
     """One pass: expired leases → pending; silent pools → dead (their batches → pending);
-    runs whose orchestrator went silent → evicted; Tinker futures that can no longer be served →
-    failed; Tinker futures done before the retention → deleted; expired dashboard sessions →
-    deleted; runs deleted before their retention → deleted with every row about them; events
-    older than theirs → deleted; finished Tinker sessions and sampling sessions of runs that left,
-    after theirs → deleted (`purge_chunk` rows a transaction); step adapters past their run's
-    newest kept → deleted, rows then files (`adapter_scan`: where the last sweep left the adapters;
-    None reads them all); adapter files no row refers to, and stale trash → deleted
-    (`reconcile_scan`: where the pass stands; None begins one)."""
+    runs whose orchestrator went silent → evicted; Tinker models whose session went silent →
+    evicted; Tinker futures that can no longer be served → failed; Tinker futures done before the
+    retention → deleted; expired dashboard sessions → deleted; runs deleted before their retention
+    → deleted with every row about them; events older than theirs → deleted; finished Tinker
+    sessions and sampling sessions of runs that left, after theirs → deleted (`purge_chunk` rows a
+    transaction); step adapters past their run's newest kept → deleted, rows then files
+    (`adapter_scan`: where the last sweep left the adapters; None reads them all); adapter files no
+    row refers to, and stale trash → deleted (`reconcile_scan`: where the pass stands; None begins
+    one)."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -145,6 +150,14 @@ def sweep_once(
         factory, "evict_silent_runs", lambda s: evict_silent_runs(s, now=now, settings=settings), result
     )
     result.evicted_runs = [run.id for run in evicted or []]
+    abandoned = partial(
+        evict_abandoned_models,
+        now=now,
+        timeout_seconds=settings.tinker_session_timeout_seconds,
+        settings=settings,
+    )
+    evicted_tinker = _job(factory, "evict_abandoned_models", abandoned, result)
+    result.evicted_tinker_runs = [run.id for run in evicted_tinker or []]
     # After the evictions, so that the work of a run evicted in this sweep fails in it too.
     wait = settings.tinker_base_sample_wait_seconds
     left = _job(

@@ -32,11 +32,13 @@ from sqlalchemy import (
     JSON,
     ColumnElement,
     Select,
+    SQLColumnExpression,
     String,
     TextClause,
     case,
     cast,
     distinct,
+    exists,
     func,
     literal,
     select,
@@ -85,6 +87,21 @@ def _not_deleted() -> ColumnElement[bool]:
     # Only ever set to true (`delete_checkpoint`): absent is live, whatever each backend reads true as.
     absent: ColumnElement[bool] = TinkerFuture.result[CHECKPOINT_DELETED].as_string().is_(None)
     return absent
+
+
+def has_sampler_checkpoint(model_id: SQLColumnExpression[str]) -> ColumnElement[bool]:
+    """Whether the model `model_id` names (a correlated column) has a live sampler checkpoint: a
+    completed `save_weights_for_sampler` whose path is not deleted (a delete marks all the path's
+    saves, `delete_checkpoint`), among the newest saves alone (a path's newest live save is never
+    superseded: `_live_saves`)."""
+    return exists().where(
+        TinkerFuture.model_id == model_id,
+        TinkerFuture.kind == "save_weights_for_sampler",
+        TinkerFuture.status == "complete",
+        saved_path().is_not(None),
+        _not_deleted(),
+        newest_saves_only(),
+    )
 
 
 def newest_saves_only() -> TextClause:
@@ -225,7 +242,14 @@ def _parse(path: str, *, kind: str | None = None) -> tuple[str, str, str]:
     """`tinker://<model>/<weights|sampler_weights>/<name>` → (model id, save kind, path); with
     `kind`, only a path of that kind (`save_weights` or `save_weights_for_sampler`)."""
     parts = path.removeprefix("tinker://").split("/")
-    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in KIND_OF_SEGMENT or not parts[2]:
+    # An empty model id (`tinker:///weights/x`) is a malformed path, not a model that is not found.
+    if (
+        not path.startswith("tinker://")
+        or len(parts) != 3
+        or not parts[0]
+        or parts[1] not in KIND_OF_SEGMENT
+        or not parts[2]
+    ):
         raise ValidationFailed(
             f"not a checkpoint path: {shown(path)!r} "
             "(tinker://<model_id>/weights/<name> or .../sampler_weights/<name>)"

@@ -16,7 +16,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.auth import SettingsDep, cached_key
 from app.db import SessionDep
-from app.errors import RateLimited
+from app.errors import MethodNotAllowed, RateLimited
+from app.http_semantics import allowed_methods
 from app.limits import InFlight
 from app.tinker import checkpoints, sampling, service, work
 from app.tinker.auth import TinkerTenantDep, tinker_key_hash, tinker_tenant
@@ -214,10 +215,41 @@ async def _check(
         in_flight.release(tenant_id)
 
 
+def _try_again_once(
+    factory: sessionmaker[Session], *, request: Request, request_id: str, tenant_id: str
+) -> TryAgain:
+    # The poll's last check authenticated the key a moment ago; this reads the tenant's own future.
+    with factory() as session, session.begin():
+        future = service.get_future(session, tenant_id=tenant_id, request_id=request_id)
+        state, reason = service.queue_state(session, future=future, settings=request.app.state.settings)
+        return TryAgain(request_id=request_id, queue_state=state, queue_state_reason=reason)
+
+
+async def _try_again(
+    factory: sessionmaker[Session], *, request: Request, request_id: str, tenant_id: str
+) -> Response:
+    """The "try again" that ends a long poll, with why the future waits when its run is queued
+    (`service.queue_state`): read once per poll, not at every check. Holds one of the tenant's
+    in-flight places as a check does; with none free it answers a plain "try again"."""
+    in_flight: InFlight = request.app.state.in_flight
+    try:
+        in_flight.acquire(tenant_id)
+    except RateLimited:
+        return JSONResponse(TryAgain(request_id=request_id).model_dump())
+    try:
+        answer = await run_in_threadpool(
+            _try_again_once, factory, request=request, request_id=request_id, tenant_id=tenant_id
+        )
+    finally:
+        in_flight.release(tenant_id)
+    return JSONResponse(answer.model_dump(exclude_none=True))
+
+
 @router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
 async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Response:
     """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` if it
-    is still pending after a short long-poll (the SDK then polls again); 404 `model ... not found`
+    is still pending after a short long-poll (the SDK then polls again), with `queue_state` and
+    `queue_state_reason` saying why when its run waits for a place (`_try_again`); 404 `model ... not found`
     for a save (or a model's creation or load) whose model's run is deleted
     (`service.check_named_model`). Each check is its own short transaction in the threadpool; the
     wait between checks holds no thread.
@@ -248,7 +280,9 @@ async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Resp
             if answer is not None:
                 return answer
             if time.monotonic() >= deadline:
-                return JSONResponse(TryAgain(request_id=body.request_id).model_dump())
+                return await _try_again(
+                    factory, request=request, request_id=body.request_id, tenant_id=tenant_id
+                )
             await asyncio.sleep(interval)
             if await request.is_disconnected():
                 return Response(status_code=status.HTTP_204_NO_CONTENT)  # nobody reads it
@@ -430,6 +464,35 @@ def weights_info(principal: TinkerTenantDep, session: SessionDep, body: WeightsI
     return checkpoints.weights_info(session, tenant_id=principal.tenant_id, path=body.tinker_path)
 
 
+class TinkerMethodNotAllowed(MethodNotAllowed):
+    """405 with the `Allow` header (RFC 9110 §15.5.6) of a served Tinker route asked with another
+    method: the catch-all below takes every path, so Starlette's own 405 never comes."""
+
+    def __init__(self, message: str, *, allow: str) -> None:
+        super().__init__(message)
+        self.allow = allow
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Allow": self.allow}
+
+
 @router.api_route("/{call:path}", methods=["GET", "POST", "PUT", "DELETE"], include_in_schema=False)
 def not_supported(_: TinkerTenantDep, request: Request, call: str) -> None:
+    """400 `not supported by loraloom` for a call loraloom does not serve; 405 naming the methods
+    for a path it serves with others (`GET /api/v1/create_session` said "not supported", which
+    reads as a missing feature)."""
+    # Not this route, nor one whose last parameter takes any tail (`{checkpoint_id:path}`): that
+    # one matches `.../checkpoints/<id>/publish` too, which is publishing, a call not served.
+    served = [
+        route
+        for route in router.routes
+        if getattr(route, "endpoint", None) is not not_supported
+        and ":path}" not in getattr(route, "path", "")
+    ]
+    allow = allowed_methods(served, request.scope)
+    if allow is not None:
+        raise TinkerMethodNotAllowed(
+            f"{request.method} is not allowed on /api/v1/{call}; allowed: {allow}", allow=allow
+        )
     raise service.NotSupported(f"{request.method} /api/v1/{call}")

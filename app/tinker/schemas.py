@@ -260,6 +260,8 @@ class TryAgain(BaseModel):
     type: Literal["try_again"] = "try_again"
     request_id: str
     queue_state: Literal["active", "paused_capacity", "paused_rate_limit"] = "active"
+    queue_state_reason: str | None = None
+    """Why the request waits (app.tinker.service.queue_state); the SDK logs it. Left out when None."""
 
 
 class SupportedModel(BaseModel):

@@ -9,7 +9,7 @@ tenant's quota and is evicted or deleted by the same rules.
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Select, and_, delete, exists, func, select
 from sqlalchemy.exc import IntegrityError
@@ -20,9 +20,10 @@ from app.db import rows_changed, utcnow
 from app.errors import AppError, Conflict, NotFound, RateLimited, ValidationFailed
 from app.pools.models import Pool
 from app.runs import service as runs
-from app.runs.admission import admission_problems, live_pool
+from app.runs.admission import admission_problems, live_pool, waiting_reason
 from app.runs.models import Run
 from app.runs.schemas import RunCreate
+from app.tenants.models import Tenant
 from app.tinker.models import SAVE_KINDS, TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession
 from app.tinker.schemas import (
     TINKER_LORA_ALPHA,
@@ -464,6 +465,46 @@ def get_future(session: Session, *, tenant_id: str, request_id: str) -> TinkerFu
 RESULT_NAMES_MODEL = ("create_model", "load_weights", *SAVE_KINDS)
 """Futures whose result names their model (create_model, load_weights) or one of its checkpoint
 paths (the saves: `tinker://<model>/...`)."""
+
+
+QueueStateName = Literal["active", "paused_capacity", "paused_rate_limit"]
+
+QUOTA_RUNS_NAMED = 3
+"""How many of the runs holding a tenant's quota a "try again" names."""
+
+
+def queue_state(
+    session: Session, *, future: TinkerFuture, settings: Settings
+) -> tuple[QueueStateName, str | None]:
+    """What a "try again" of a pending future says: `queue_state` and `queue_state_reason`, the
+    fields the SDK reads from it (tinker 0.38 `_TryAgain`) and hands to its `QueueStateLogger`,
+    which logs `Training for <model> is paused. Reason: <reason>.` once a pause has lasted its
+    grace period, then every minute. Without them a model whose run waits for a place (the
+    tenant's quota in use, or no free slot) only printed `Retrying request ... because of
+    try_again` for ever; the reason was in GET /v1/runs/{id} alone (probe report, finding 5).
+
+    `paused_rate_limit` when the tenant's quota of concurrent runs holds it back (Tinker's own state
+    for its limit on concurrent training clients), `paused_capacity` when the base model's slots
+    or pool do; `active` (no reason) for work whose run holds a slot, which waits for the pool."""
+    run = None if future.run_id is None else session.get(Run, future.run_id)
+    if run is None or run.status != RunStatus.QUEUED:
+        return "active", None
+    queued = f"the model's run {run.id} is queued"
+    quota = session.scalar(select(Tenant.max_concurrent_runs).where(Tenant.id == run.tenant_id))
+    holding = and_(Run.tenant_id == run.tenant_id, Run.status == RunStatus.ACTIVE)
+    active = session.scalar(select(func.count()).select_from(Run).where(holding)) or 0
+    if quota is not None and active >= quota:
+        named = session.scalars(
+            select(Run.id).where(holding).order_by(Run.started_at, Run.id).limit(QUOTA_RUNS_NAMED)
+        ).all()
+        more = ", ..." if active > len(named) else ""
+        return "paused_rate_limit", (
+            f"{queued}: the tenant's quota of {quota} concurrent runs is in use (by {', '.join(named)}{more}); "
+            "it starts when one of them leaves: DELETE /v1/runs/{id} frees a place, and a Tinker "
+            "model whose process is gone (and that saved no sampler weights) leaves by itself "
+            f"{settings.tinker_session_timeout_seconds:g} s after its session's last heartbeat"
+        )
+    return "paused_capacity", f"{queued}: {waiting_reason(session, run=run, settings=settings)}"
 
 
 def check_named_model(session: Session, *, future: TinkerFuture) -> None:
