@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse
 
 from app.adapters import service
 from app.adapters.file_response import OpenFileResponse
+from app.adapters.models import TenantAdapter
 from app.adapters.schemas import CheckpointOut, StepParam
 from app.adapters.uploads import open_archive
 from app.auth import SettingsDep, WorkerDep
@@ -100,6 +101,17 @@ def trainer_evict(
     return RunOut.from_run(run)
 
 
+@router.post("/v1/pool/runs/{run_id}/fail", response_model=RunOut, operation_id="trainerFailRun")
+@raises(NotFound, Conflict)
+def trainer_fail(
+    run_id: RunIdPath, body: TrainerEvict, session: SessionDep, settings: SettingsDep, _: WorkerDep
+) -> RunOut:
+    """The pool cannot start the run (its `init_from` weights could not be loaded): `failed`, with
+    `reason` as its `failure_reason`; a 409 once it has stopped."""
+    run = service.fail_by_trainer(session, run_id=run_id, reason=body.reason, settings=settings)
+    return RunOut.from_run(run)
+
+
 @router.get(
     "/v1/pool/runs/{run_id}/init-adapter",
     response_class=FileResponse,
@@ -119,6 +131,11 @@ def init_adapter(
     run = get_run(session, run_id=run_id)
     uploaded = run.init_from.get("adapter_id") if run.init_from else None
     if uploaded is not None:
+        if session.get(TenantAdapter, uploaded) is None:
+            # The pool fails the run with this message as its reason: say what happened.
+            raise NotFound(
+                f"the uploaded adapter {uploaded} this run starts from was deleted", code="adapter_not_found"
+            )
         return OpenFileResponse(
             open_archive(uploaded, settings), media_type="application/gzip", filename=f"{uploaded}.tar.gz"
         )

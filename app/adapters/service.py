@@ -27,7 +27,7 @@ from app.events.service import record_event
 from app.projection import remove_run_dir, run_dir
 from app.runs.admission import lock_admission
 from app.runs.models import Run
-from app.runs.service import complete_run, evict_run, get_run
+from app.runs.service import complete_run, evict_run, fail_run, get_run
 from contracts.durable import atomic_replace_dir, beside
 from contracts.layout import ADAPTER_FILES, BROADCAST_DIR, step_dir_name, step_of_dir_name
 from contracts.pool_api import StepReport
@@ -430,4 +430,13 @@ def evict_by_trainer(session: Session, *, run_id: str, reason: str, settings: Se
     """The trainer evicts a run it cannot train on (NaN/Inf, data that should not have passed)."""
     run = get_run(session, run_id=run_id)
     evict_run(session, run=run, reason=reason, evicted_by="trainer", actor="trainer", settings=settings)
+    return run
+
+
+def fail_by_trainer(session: Session, *, run_id: str, reason: str, settings: Settings) -> Run:
+    """The trainer cannot start a run (its `init_from` weights could not be loaded): failed, with the
+    reason, as a run whose config the pool cannot train. Not an eviction: nothing the user or the run
+    did stopped it, and retrying the same run cannot help."""
+    run = get_run(session, run_id=run_id)
+    fail_run(session, run=run, reason=reason, settings=settings)
     return run

@@ -102,9 +102,13 @@ def get_adapter(principal: TenantDep, adapter_id: AdapterIdPath, session: Sessio
 
 
 @router.delete(
-    "/v1/adapters/{adapter_id}", status_code=status.HTTP_204_NO_CONTENT, operation_id="deleteTenantAdapter"
+    "/v1/adapters/{adapter_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    operation_id="deleteTenantAdapter",
+    description="A 409 `adapter_in_use` while a run that has not loaded it yet starts from it (`init_from`): "
+    "a queued run, or an active one without a checkpoint of its own; `details.run_ids` names them.",
 )
-@raises(NotFound)
+@raises(NotFound, uploads.AdapterInUse)
 def delete_adapter(
     principal: TenantDep, adapter_id: AdapterIdPath, session: SessionDep, settings: SettingsDep
 ) -> None:

@@ -52,8 +52,14 @@ _DTYPE_BYTES = {
 }
 
 
-def _invalid(message: str, *, field: str = "body") -> ValidationFailed:
-    return ValidationFailed(message, code="invalid_adapter", details=[{"loc": [field], "msg": message}])
+def _invalid(message: str, *, field: str = "body", kind: str = "invalid_tar") -> ValidationFailed:
+    """A 422 `invalid_adapter` with one `{loc, msg, type}` item (README "Errors"): `loc` is the body,
+    or the file of the archive at fault (as app/adapters/uploads.py names it), `type` the kind of
+    problem."""
+    loc = ["body"] if field == "body" else ["body", field]
+    return ValidationFailed(
+        message, code="invalid_adapter", details=[{"loc": loc, "msg": message, "type": kind}]
+    )
 
 
 def _copy_member(src: IO[bytes], dest: Path, *, limit: int, name: str) -> tuple[int, str]:
@@ -98,15 +104,23 @@ def _check_adapter_config(path: Path) -> None:
     try:
         config = _parse_json(path.read_bytes())
     except IntegerTooLong as exc:  # valid JSON: say what is wrong with it
-        raise _invalid(f"{ADAPTER_CONFIG}: {exc}", field=ADAPTER_CONFIG) from exc
+        raise _invalid(f"{ADAPTER_CONFIG}: {exc}", field=ADAPTER_CONFIG, kind="integer_too_long") from exc
     except ValueError as exc:
-        raise _invalid(f"{ADAPTER_CONFIG} is not valid JSON: {exc}", field=ADAPTER_CONFIG) from exc
+        raise _invalid(
+            f"{ADAPTER_CONFIG} is not valid JSON: {exc}", field=ADAPTER_CONFIG, kind="invalid_json"
+        ) from exc
     if not isinstance(config, dict):
-        raise _invalid(f"{ADAPTER_CONFIG} must be a JSON object", field=ADAPTER_CONFIG)
+        raise _invalid(
+            f"{ADAPTER_CONFIG} must be a JSON object", field=ADAPTER_CONFIG, kind="adapter_config_not_object"
+        )
 
 
 def _bad_safetensors(problem: str) -> ValidationFailed:
-    return _invalid(f"{ADAPTER_WEIGHTS} is not a valid safetensors file: {problem}", field=ADAPTER_WEIGHTS)
+    return _invalid(
+        f"{ADAPTER_WEIGHTS} is not a valid safetensors file: {problem}",
+        field=ADAPTER_WEIGHTS,
+        kind="invalid_safetensors",
+    )
 
 
 def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -253,7 +267,7 @@ def extract_adapter_tar(body: IO[bytes], staging: Path, *, max_bytes: int) -> tu
         raise _invalid("the tar chains too many extended (GNU longname or pax) headers") from exc
     missing = [n for n in ADAPTER_FILES if n not in sizes]
     if missing:
-        raise _invalid(f"the tar lacks {', '.join(missing)}")
+        raise _invalid(f"the tar lacks {', '.join(missing)}", kind="missing_adapter_file")
     _check_adapter_config(staging / ADAPTER_CONFIG)
     check_safetensors(staging / ADAPTER_WEIGHTS)
     fsync_path(staging)

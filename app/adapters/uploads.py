@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO
 
-from sqlalchemy import event, exists, func, select
+from sqlalchemy import and_, event, exists, func, or_, select
 from sqlalchemy.orm import Session, SessionTransaction
 
-from app.adapters.models import TenantAdapter
+from app.adapters.models import Checkpoint, TenantAdapter
 from app.adapters.service import _write_archive
 from app.adapters.upload import _read_safetensors_header, extract_adapter_tar, nonfinite_tensors
 from app.config import Settings
@@ -28,10 +28,12 @@ from app.events.after_commit import call_after_commit
 from app.pools.models import Pool
 from app.projection import remove_tree
 from app.runs.admission import live_pool
+from app.runs.models import Run
 from app.tenants.service import lock_tenant
 from contracts.ids import new_id
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from contracts.peft import ModuleDims, adapter_problems, finite_positive, split_factor, whole_number
+from contracts.status import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,28 @@ def uploads_dir(settings: Settings) -> Path:
     return settings.data_dir / "adapters"
 
 
-def _problem(field: str, message: str) -> dict[str, Any]:
-    return {"loc": ["body", field], "msg": message}
+MAX_NAMED_RUNS = 20
+"""At most this many run ids in an `adapter_in_use` refusal's details (`runs` counts them all)."""
+
+
+class AdapterInUse(Conflict):
+    """409: a run that has not loaded its `init_from` weights yet starts from this uploaded adapter."""
+
+    code = "adapter_in_use"
+
+
+def _problem(field: str, message: str, kind: str) -> dict[str, Any]:
+    """One item of an `invalid_adapter` 422's details (README "Errors": `{loc, msg, type}`)."""
+    return {"loc": ["body", field], "msg": message, "type": kind}
+
+
+def _shared_problem_type(field: str) -> str:
+    """The `type` of a problem contracts/peft.py found (it names the field only)."""
+    if field == ADAPTER_WEIGHTS:
+        return "adapter_weights_mismatch"  # a tensor's name, module, dtype or shape
+    if field == "body":
+        return "adapter_config_not_object"
+    return "adapter_config_invalid"  # the key of adapter_config.json is the loc's last part
 
 
 def _module_names(declared: object) -> list[str] | None:
@@ -94,7 +116,13 @@ def _target_modules_problems(
     declared = config.get("target_modules")
     modules = _module_names(declared)
     if modules is None:
-        return [_problem("target_modules", f"target_modules {declared!r} is not a list of names")]
+        return [
+            _problem(
+                "target_modules",
+                f"target_modules {declared!r} is not a list of names",
+                "adapter_config_invalid",
+            )
+        ]
     unknown = sorted(set(modules) - set(pool.target_modules))
     if not modules or unknown:
         return [
@@ -102,6 +130,7 @@ def _target_modules_problems(
                 "target_modules",
                 f"target_modules {declared!r}: {unknown or 'none'} not adaptable by the pool of "
                 f"{base_model!r} ({pool.target_modules})",
+                "target_modules_not_adaptable",
             )
         ]
     seen: set[str] = set()
@@ -111,13 +140,19 @@ def _target_modules_problems(
         if m is not None and m.group(2) in (pool.module_shapes or {}):
             seen.add(m.group(2))
     if seen and seen != set(modules):
-        return [_problem("target_modules", f"target_modules {modules} but the weights adapt {sorted(seen)}")]
+        return [
+            _problem(
+                "target_modules",
+                f"target_modules {modules} but the weights adapt {sorted(seen)}",
+                "target_modules_mismatch",
+            )
+        ]
     return []
 
 
 def _nonfinite_problems(weights: Path) -> list[dict[str, Any]]:
     return [
-        _problem(ADAPTER_WEIGHTS, f"tensor {name!r} holds NaN or infinite values")
+        _problem(ADAPTER_WEIGHTS, f"tensor {name!r} holds NaN or infinite values", "non_finite_tensor")
         for name in nonfinite_tensors(weights)
     ]
 
@@ -131,9 +166,13 @@ def _check(
     # lock) or connection is held meanwhile.
     session.commit()
     if pool is None or pool.module_shapes is None or pool.num_layers is None:
+        message = (
+            f"no live pool serves {base_model!r} to check the adapter against; start one and upload again"
+        )
         raise ValidationFailed(
-            f"no live pool serves {base_model!r} to check the adapter against; start one and upload again",
+            message,
             code="no_pool",
+            details=[{"loc": ["query", "base_model"], "msg": message, "type": "no_pool"}],
         )
     config = json.loads((staging / ADAPTER_CONFIG).read_text())  # checked by extract_adapter_tar
     rank, alpha = config.get("r"), config.get("lora_alpha")
@@ -143,7 +182,7 @@ def _check(
     # The pool's own import rules (contracts/peft.py), with what the service knows of its model.
     shared = adapter_problems(config, header, max_rank=pool.max_rank, dims=_pool_dims(pool, base_model))
     problems = (
-        [_problem(p.field, p.message) for p in shared]
+        [_problem(p.field, p.message, _shared_problem_type(p.field)) for p in shared]
         + _target_modules_problems(config, header, pool, base_model)
         + _nonfinite_problems(staging / ADAPTER_WEIGHTS)
     )
@@ -384,8 +423,44 @@ def list_tenant_adapters(session: Session, *, tenant_id: str) -> list[TenantAdap
     return list(session.scalars(query))
 
 
+def runs_starting_from(session: Session, *, tenant_id: str, adapter_id: str) -> list[str]:
+    """The tenant's runs that may still load the uploaded adapter, oldest first: the queued ones, and
+    the active ones without a checkpoint of their own. The pool loads `init_from` weights whenever it
+    admits a run that has no checkpoint yet (trainer_core/init_from.py): a pool restarted, or the run
+    admitted again, before its first checkpoint loads them again. Once a run has a checkpoint it
+    resumes from it, and a finished run is never admitted again."""
+    has_checkpoint = exists().where(Checkpoint.run_id == Run.id)
+    query = (
+        select(Run.id)
+        .where(
+            Run.tenant_id == tenant_id,
+            Run.init_from["adapter_id"].as_string() == adapter_id,
+            or_(Run.status == RunStatus.QUEUED, and_(Run.status == RunStatus.ACTIVE, ~has_checkpoint)),
+        )
+        .order_by(Run.created_at, Run.id)
+    )
+    return list(session.scalars(query))
+
+
 def delete_tenant_adapter(session: Session, *, tenant_id: str, adapter_id: str, settings: Settings) -> None:
+    """Delete the tenant's uploaded adapter and (after the commit) its files; a 409 `adapter_in_use`
+    naming the runs that still start from it (`runs_starting_from`): deleted, they were evicted by the
+    pool once admitted ("has no files")."""
+    # The tenant's row first. A run's creation holds it from before it resolves `init_from` to its
+    # commit (app/runs/service.py create_run): the runs read below include every run created from
+    # this adapter, or that creation waits, then reads the adapter after this deletion (a 404). On
+    # SQLite every transaction holds the database's write lock from its first statement.
+    lock_tenant(session, tenant_id=tenant_id)
     row = get_tenant_adapter(session, tenant_id=tenant_id, adapter_id=adapter_id)
+    users = runs_starting_from(session, tenant_id=tenant_id, adapter_id=adapter_id)
+    if users:
+        named = ", ".join(users[:MAX_NAMED_RUNS]) + (" ..." if len(users) > MAX_NAMED_RUNS else "")
+        raise AdapterInUse(
+            f"adapter {adapter_id} is the init_from of {len(users)} run(s) that have not loaded it yet "
+            f"({named}): delete or evict them, or wait until each has its first checkpoint, then "
+            "delete the adapter",
+            details={"run_ids": users[:MAX_NAMED_RUNS], "runs": len(users)},
+        )
     session.delete(row)
     session.flush()
     # Not before the commit: a rolled-back deletion keeps its row, which needs its files.

@@ -57,46 +57,44 @@ def resolve_init_from(
             ("optim", config.optim.model_dump(), theirs.optim.model_dump()),
             ("scheduler", config.scheduler.model_dump(), theirs.scheduler.model_dump()),
         ]
-    mismatches = [(field, mine, other) for field, mine, other in compared if mine != other]
-    if mismatches:
-        messages = [
-            f"{field} is {mine!r} but the init_from source (run {source.id} {what}) has {other!r}"
-            for field, mine, other in mismatches
-        ]
-        details: list[dict[str, Any]] = [
-            {
-                "loc": ["body", "config", *field.split(".")],
-                "msg": message,
-            }
-            for (field, _, _), message in zip(mismatches, messages, strict=True)
-        ]
-        raise ValidationFailed(
-            "the init_from adapter does not fit this run's config: " + "; ".join(messages),
-            details=details,
-        )
+    _refuse_mismatches(compared, f"the init_from source (run {source.id} {what})")
     return resolved
 
 
+def _refuse_mismatches(compared: list[tuple[str, Any, Any]], source: str) -> None:
+    """A 422 naming each field of the new run's config that differs from `source`'s, one `{loc, msg,
+    type}` item each (README "Errors"), `loc` the field's path in the create body."""
+    mismatches = [(field, mine, other) for field, mine, other in compared if mine != other]
+    if not mismatches:
+        return
+    details: list[dict[str, Any]] = [
+        {
+            "loc": ["body", "config", *field.split(".")],
+            "msg": f"{field} is {mine!r} but {source} has {other!r}",
+            "type": "init_from_mismatch",
+        }
+        for field, mine, other in mismatches
+    ]
+    raise ValidationFailed(
+        "the init_from adapter does not fit this run's config: " + "; ".join(d["msg"] for d in details),
+        details=details,
+    )
+
+
 def _uploaded(session: Session, *, tenant_id: str, adapter_id: str, config: RunConfig) -> dict[str, Any]:
+    # Read under the tenant's row lock, which the caller holds to its commit (create_run), as the
+    # adapter's deletion does: an adapter deleted meanwhile is a 404 here, or the deletion sees this
+    # run and is refused (app/adapters/uploads.py delete_tenant_adapter).
     row = session.get(TenantAdapter, adapter_id)
     if row is None or row.tenant_id != tenant_id:
         raise NotFound(f"adapter {adapter_id} not found (init_from.adapter_id)", code="adapter_not_found")
-    compared = [
+    compared: list[tuple[str, Any, Any]] = [
         ("base_model", config.base_model, row.base_model),
         ("lora.rank", config.lora.rank, row.rank),
         ("lora.alpha", config.lora.alpha, row.alpha),
         ("lora.target_modules", sorted(config.lora.target_modules), sorted(row.target_modules)),
     ]
-    messages = [
-        f"{field} is {mine!r} but the uploaded adapter {adapter_id} has {other!r}"
-        for field, mine, other in compared
-        if mine != other
-    ]
-    if messages:
-        raise ValidationFailed(
-            "the init_from adapter does not fit this run's config: " + "; ".join(messages),
-            details=[{"loc": ["body", "config"], "msg": m} for m in messages],
-        )
+    _refuse_mismatches(compared, f"the uploaded adapter {adapter_id}")
     return {"adapter_id": adapter_id}
 
 

@@ -116,7 +116,7 @@ def test_an_integer_of_thousands_of_digits_is_a_bound_not_pythons_internals(
         error = r.json()["error"]
         assert "set_int_max_str_digits" not in error["message"], error
         assert f"an integer of {digits} digits (at most {MAX_JSON_INT_DIGITS}" in error["message"], error
-        assert error["details"][0]["loc"] == [FILES[0]]
+        assert error["details"][0]["loc"] == ["body", FILES[0]]
         assert "not valid JSON" not in error["message"]  # it is valid JSON
     _nothing_kept(client, tenant, settings)
 
