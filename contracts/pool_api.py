@@ -104,6 +104,30 @@ class PoolStateOut(_Answer):
     runs: list[PoolRunState]
 
 
+MAX_DELETED_QUERY = 1000
+"""The most run ids one `POST /v1/pool/runs/deleted` may ask about (the pool asks in slices)."""
+IssuedRunId = Annotated[str, StringConstraints(pattern=r"^run_[0-9a-f]{12}$")]
+"""A run id the service issues (`contracts.ids.is_run_id`): the only names the pool asks about."""
+
+
+class DeletedRunsIn(_Request):
+    """Which of these runs (those the pool has files for) are deleted? The pool keeps a run's checkpoints,
+    saved Tinker states and sampler copies until its run is deleted, and learns of deletions only by
+    asking: its state lists active runs alone, and a run that left it may have been evicted, completed
+    or failed (its checkpoints stay: `init_from` and evicted Tinker models read them)."""
+
+    run_ids: list[IssuedRunId] = Field(min_length=1, max_length=MAX_DELETED_QUERY)
+
+
+class DeletedRunsOut(_Answer):
+    deleted: list[str] = Field(
+        description="The asked runs whose files the pool may remove: deleted ones, and ids the service "
+        "does not hold (purged after their deletion's retention, or their tenant deleted). A deleted run "
+        "whose checkpoint a queued or active run starts from (`init_from`) is left out until that run "
+        "no longer may need it. Sorted; every other asked run still exists."
+    )
+
+
 # --------------------------------------------------------------------------- batches
 
 

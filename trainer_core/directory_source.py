@@ -217,6 +217,11 @@ class DirectoryRunSource:
         atomic_write_text(control / EVICTED_FILE, reason)
         self._feeds.pop(run_id, None)
 
+    def fail(self, run_id: str, reason: str) -> None:
+        """Run directories know no `failed` state but a config error, which leaves the run listed
+        (until its config changes): an eviction, which stops it, with the reason."""
+        self.evict(run_id, reason)
+
     def report_invalid_config(self, run_id: str, message: str) -> None:
         control = self.control_dir(run_id)
         if not control.is_dir():

@@ -52,8 +52,10 @@ class PoolClient(Protocol):
     def report_step(self, run_id: str, report: StepReport) -> RunAfterPush: ...
     def report_checkpoint(self, run_id: str, report: CheckpointReport) -> None: ...
     def evict(self, run_id: str, reason: str) -> RunAfterPush | None: ...
+    def fail(self, run_id: str, reason: str) -> RunAfterPush | None: ...
     def close(self) -> None: ...
     def init_adapter(self, run_id: str) -> bytes: ...
+    def deleted_runs(self, run_ids: list[str]) -> list[str]: ...
 
 
 class HttpRunSource:
@@ -126,6 +128,11 @@ class HttpRunSource:
         unpack_adapter_archive(self.client.init_adapter(run_id), dest)
         return True
 
+    def deleted_runs(self, run_ids: list[str]) -> set[str]:
+        """Of `run_ids` (at most `MAX_DELETED_QUERY`), those deleted at the service (or gone from it):
+        the pool removes their files (`trainer_core.run_files`). Raises when the service cannot say."""
+        return set(self.client.deleted_runs(run_ids)) & set(run_ids)
+
     def evict(self, run_id: str, reason: str) -> None:
         try:
             self.client.evict(run_id, reason[:MAX_REASON_CHARS])
@@ -134,6 +141,14 @@ class HttpRunSource:
                 raise
             # Deleted (or its tenant removed) before the pool's evict landed: nothing left to stop.
             log.info("run %s had already left when the pool evicted it: %s", run_id, exc)
+
+    def fail(self, run_id: str, reason: str) -> None:
+        try:
+            self.client.fail(run_id, reason[:MAX_REASON_CHARS])
+        except ApiError as exc:
+            if not run_has_left(exc):
+                raise
+            log.info("run %s had already left when the pool failed it: %s", run_id, exc)
 
     def report_invalid_config(self, run_id: str, message: str) -> None:
         self.evict(run_id, f"invalid config: {message}")

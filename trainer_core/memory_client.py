@@ -56,6 +56,12 @@ class MemoryPoolClient:
         self.config = config
         self.runs = {f"run_{i:012x}": _MemoryRun(slot=i) for i in range(len(payloads))}
         self.evictions: dict[str, str] = {}
+        self.failures: dict[str, str] = {}
+        """Runs the pool failed (`fail`), with the reason."""
+        self.deleted: set[str] = set()
+        """Runs a test deleted: `deleted_runs` names them (nothing else is deleted in memory)."""
+        self.deleted_queries: list[list[str]] = []
+        """Every `deleted_runs` question, as asked."""
         self.adapters: dict[str, bytes] = {}
         """Each run's latest uploaded adapter_model.safetensors."""
         self.pending = [
@@ -91,7 +97,10 @@ class MemoryPoolClient:
                 progress=Progress(step=run.step),
             )
             for run_id, run in self.runs.items()
-            if run.step < self.config["max_steps"] and run_id not in self.evictions
+            if run.step < self.config["max_steps"]
+            and run_id not in self.evictions
+            and run_id not in self.failures
+            and run_id not in self.deleted
         ]
 
     def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
@@ -129,6 +138,14 @@ class MemoryPoolClient:
     def evict(self, run_id: str, reason: str) -> RunAfterPush | None:
         self.evictions[run_id] = reason
         return None
+
+    def fail(self, run_id: str, reason: str) -> RunAfterPush | None:
+        self.failures[run_id] = reason
+        return None
+
+    def deleted_runs(self, run_ids: list[str]) -> list[str]:
+        self.deleted_queries.append(list(run_ids))
+        return sorted(set(run_ids) & self.deleted)
 
     def init_adapter(self, run_id: str) -> bytes:
         raise KeyError(f"run {run_id} has no init_from in memory")

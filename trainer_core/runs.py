@@ -69,6 +69,11 @@ class RunLister(Protocol):
         """Stop the run for good; it disappears from later `list_runs()` answers."""
         ...
 
+    def fail(self, run_id: str, reason: str) -> None:
+        """Stop for good a run the pool cannot start (its `init_from` weights could not be loaded),
+        saying why; it disappears from later `list_runs()` answers."""
+        ...
+
     def report_invalid_config(self, run_id: str, message: str) -> None:
         """Tell the run's owner that its config was rejected, and why."""
         ...
@@ -400,6 +405,16 @@ class MultiRunManager:
         run_id = self._run_ids[slot]
         source.evict(run_id, reason)
         logger.warning("evicted run %s (slot %d): %s", run_id, slot, reason)
+
+    def fail_run(self, slot: int, reason: str) -> None:
+        """Stop for good the run in `slot`, which the pool cannot start (master only); it stays in its
+        slot until the next `discover_runs()` no longer sees it, as an evicted run."""
+        source = self._require_master("fail_run()")
+        if slot not in self._run_ids:
+            raise KeyError(f"no run in slot {slot}")
+        run_id = self._run_ids[slot]
+        source.fail(run_id, reason)
+        logger.warning("failed run %s (slot %d): %s", run_id, slot, reason)
 
     def release_run(self, slot: int, reason: str) -> None:
         """Free `slot` now, whatever the source lists (master only): the pool's answer to a run that

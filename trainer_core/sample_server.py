@@ -11,7 +11,8 @@ one `trainer_core.sampling.generate` call for all of them.
 The kept copies go when the run leaves the pool (`remove_sampler_weights`, from the worker's
 `release_slot`): a run leaves only for good (evicted, completed, failed, deleted), and the service
 takes no sample request for such a run and fails the ones pending, so nothing reads them again.
-Its checkpoints and saved states stay: another model may still `load_weights` a saved state.
+Its checkpoints and saved states stay while the run exists (another model may still `load_weights` a
+saved state); they go when the run is deleted (trainer_core.run_files).
 
 Stop strings need the base model's text: its tokenizer is loaded once, on the first request that
 has stop strings (the built-in model's character tokenizer, or the model directory's / hub id's

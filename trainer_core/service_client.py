@@ -24,6 +24,8 @@ from contracts.pool_api import (
     ClaimedBatchStruct,
     ClaimIn,
     ClaimStruct,
+    DeletedRunsIn,
+    DeletedRunsOut,
     PoolHeartbeatOut,
     PoolRef,
     PoolRegister,
@@ -43,6 +45,13 @@ from trainer_core.export import adapter_tar_bytes
 log = logging.getLogger("loraloom.worker")
 
 _claim_decoder = msgspec.msgpack.Decoder(ClaimStruct)
+
+_HOUSEKEEPING_RETRY = RetryPolicy(
+    max_attempts=2, backoff_base_s=0.2, backoff_max_s=1.0, max_retry_after_s=1.0
+)
+"""For the pool's housekeeping questions (`deleted_runs`), asked between training steps: a service that
+is down must not hold the loop for the minute the training calls wait out; the next pass asks again."""
+_HOUSEKEEPING_TIMEOUT_S = 10.0
 
 
 class PoolServiceClient:
@@ -74,11 +83,16 @@ class PoolServiceClient:
 
     # -- transport -------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, *, retry: RetryPolicy | None = None, **kwargs: Any
+    ) -> httpx.Response:
         # The SDK's retry rules (backoff with jitter; connection errors, 429 with Retry-After and
         # 5xx are retried, every other 4xx is an answer): one implementation for both clients.
         response = send_with_retries(
-            lambda: self._http.request(method, path, **kwargs), self._retry, f"{method} {path}", self._stop
+            lambda: self._http.request(method, path, **kwargs),
+            retry or self._retry,
+            f"{method} {path}",
+            self._stop,
         )
         if response.status_code >= 400:
             raise error_from_response(response)
@@ -114,6 +128,19 @@ class PoolServiceClient:
     def state(self) -> list[PoolRunState]:
         response = self._request("GET", "/v1/pool/state", params={"pool_id": self._pool_id()})
         return PoolStateOut.model_validate_json(response.content).runs
+
+    def deleted_runs(self, run_ids: list[str]) -> list[str]:
+        """Of these runs (at most `MAX_DELETED_QUERY`), those the service says are deleted or gone:
+        their files may go. Two short attempts (`_HOUSEKEEPING_RETRY`); a failure raises."""
+        body = DeletedRunsIn.model_validate({"run_ids": run_ids})
+        response = self._request(
+            "POST",
+            "/v1/pool/runs/deleted",
+            json=body.model_dump(mode="json"),
+            retry=_HOUSEKEEPING_RETRY,
+            timeout=_HOUSEKEEPING_TIMEOUT_S,
+        )
+        return DeletedRunsOut.model_validate_json(response.content).deleted
 
     def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
         body = ClaimIn(pool_id=self._pool_id(), max_batches=max_batches)
@@ -186,6 +213,18 @@ class PoolServiceClient:
         try:
             response = self._request(
                 "POST", f"/v1/pool/runs/{run_id}/evict", json=body.model_dump(mode="json")
+            )
+        except Conflict:
+            return None
+        return RunAfterPush.model_validate_json(response.content)
+
+    def fail(self, run_id: str, reason: str) -> RunAfterPush | None:
+        """Fail a run the pool cannot start (its `failure_reason`); None when it had already stopped
+        (a 409)."""
+        body = TrainerEvict(reason=reason)  # the same body as an eviction: the reason
+        try:
+            response = self._request(
+                "POST", f"/v1/pool/runs/{run_id}/fail", json=body.model_dump(mode="json")
             )
         except Conflict:
             return None

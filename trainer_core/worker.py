@@ -79,6 +79,7 @@ from trainer_core.optim import MultiRunOptimizer
 from trainer_core.packing import MicroBatch, Packer
 from trainer_core.pause_point import STARTUP_BEFORE_MODEL, pause_at, pause_before_publish
 from trainer_core.publish import Publisher, restore_manual_boundary, restore_slot
+from trainer_core.run_files import DeletedRunsSource, RunFiles
 from trainer_core.run_left import run_has_left
 from trainer_core.runs import MultiRunManager, RunSource, pool_config_problems
 from trainer_core.sample_server import load_text_decoder, remove_sampler_weights
@@ -273,6 +274,8 @@ class _Master:
     packer: Packer
     publisher: Publisher
     idle_since: float = field(default_factory=time.monotonic)
+    run_files: RunFiles | None = None
+    """Removes deleted runs' files from the checkpoint home (a source that knows deletions only)."""
 
 
 @dataclass
@@ -414,7 +417,13 @@ class PoolTrainer:
             checkpoint_dir=args.checkpoint_home,
             value_heads=self.value_heads,
         )
-        return _Master(source=source, packer=packer, publisher=publisher)
+        run_files = None
+        if isinstance(source, DeletedRunsSource):
+            # Before any admission: what the pool holds files for and the service deleted (while
+            # this pool was down, or held by none) goes now (trainer_core.run_files).
+            run_files = RunFiles(args.checkpoint_home, source)
+            run_files.start()
+        return _Master(source=source, packer=packer, publisher=publisher, run_files=run_files)
 
     # -- slots: admitted and released on every rank, in the same order ----------------------------
 
@@ -470,7 +479,10 @@ class PoolTrainer:
             run.leaving = f"its init_from weights were not loaded while stopping: {initial.error}"
             self.runs.release_run(slot, run.leaving)
         elif self.master and initial.error is not None:
-            self._evict(run, f"its init_from weights could not be loaded: {initial.error}")
+            # Failed, not evicted: the run cannot start, and its failure_reason says why.
+            reason = f"its init_from weights could not be loaded: {initial.error}"
+            self.runs.fail_run(slot, reason)
+            run.leaving = f"failed: {reason}"
         log.info("rank %d: run %s in slot %d from step %d", self.world.rank, run_id, slot, progress.step)
         if self.master is None:
             return
@@ -508,6 +520,9 @@ class PoolTrainer:
             if run.config.mode == "manual":
                 # Only the master keeps them; a run leaves for good, so no sampler reads them again.
                 remove_sampler_weights(self.args.checkpoint_home, run.run_id)
+            if self.master.run_files is not None:
+                # Deleted, or only evicted/completed (its checkpoints stay)? The next check asks.
+                self.master.run_files.left(run.run_id)
         why = f" ({run.leaving})" if run.leaving else ""
         log.info("rank %d: run %s left slot %d%s", self.world.rank, run.run_id, slot, why)
 
@@ -525,6 +540,10 @@ class PoolTrainer:
             self.release_slot(slot)
         for slot, run_id, config in changes.admitted:
             self.admit_slot(slot, run_id, config)
+        if self.master and self.master.run_files is not None and not self._pool_lost(self.master):
+            # Master alone, between steps (no rank reads a deleted run's files: the service lists it
+            # no more, and keeps a checkpoint an init_from still names).
+            self.master.run_files.check(held={run.run_id for run in self.slots.values()})
 
     # -- the loop ---------------------------------------------------------------------------------
 

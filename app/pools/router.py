@@ -7,6 +7,8 @@ from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
 from app.pools import service
 from contracts.pool_api import (
+    DeletedRunsIn,
+    DeletedRunsOut,
     PoolHeartbeatOut,
     PoolRef,
     PoolRegister,
@@ -80,3 +82,11 @@ def state(
             for run in runs
         ]
     )
+
+
+@router.post("/runs/deleted", response_model=DeletedRunsOut, operation_id="deletedPoolRuns")
+def deleted_runs(body: DeletedRunsIn, session: SessionDep, _: WorkerDep) -> DeletedRunsOut:
+    """Which of these runs are deleted (or no longer exist): the pool removes their files from its own
+    checkpoint directory (a run leaves the pool's state when it is evicted or completed too, and then
+    keeps its checkpoints). Read-only; any base model's runs (pools may share a checkpoint directory)."""
+    return DeletedRunsOut(deleted=service.deleted_runs(session, run_ids=body.run_ids))

@@ -207,6 +207,34 @@ def pool_state(session: Session, *, pool_id: str, settings: Settings) -> list[Ru
     )
 
 
+def deleted_runs(session: Session, *, run_ids: list[str]) -> list[str]:
+    """Of `run_ids` (runs a pool has files for), those whose files it may remove, sorted: the deleted
+    runs and the ids no row holds (purged after the deletion's retention, or gone with their tenant:
+    `projection.rebuild_all` removes such a run's directory from the service's own data directory
+    too). Evicted, completed and failed runs keep their files (an `init_from` checkpoint, an evicted
+    Tinker model's saved states), and so does a deleted run whose checkpoint a queued or active run
+    starts from: the pool loads it when it admits that run, and again should it restart that run
+    before its first checkpoint (the run was created before the deletion, which the service allows)."""
+    asked = sorted(set(run_ids))
+    alive = set(
+        session.scalars(select(Run.id).where(Run.id.in_(asked), Run.status != RunStatus.DELETED)).all()
+    )
+    gone = [run_id for run_id in asked if run_id not in alive]
+    if not gone:
+        return []
+    source = Run.init_from["run_id"].as_string()
+    pinned = {
+        run_id
+        for run_id, checkpoint in session.execute(
+            select(source, Run.init_from["checkpoint"].as_integer()).where(
+                Run.status.in_(MOVABLE_RUN_STATUSES), source.in_(gone)
+            )
+        )
+        if checkpoint is not None  # an adapter start reads the service's copy, not the pool's files
+    }
+    return [run_id for run_id in gone if run_id not in pinned]
+
+
 def declare_dead_pools(session: Session, *, now: datetime, settings: Settings) -> list[str]:
     """Pools silent for longer than the timeout → dead, their claimed batches → pending."""
     cutoff = now - timedelta(seconds=settings.pool_timeout_seconds)

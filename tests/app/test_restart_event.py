@@ -31,7 +31,7 @@ def test_only_a_restart_that_changes_something_is_recorded(settings, client) -> 
     assert len(claim(client, pool_id)["batches"]) == 2
     assert ack(client, pool_id, [(ids[0], 1)]).status_code == 200
     with committed(settings) as session:
-        run = session.get(Run, seeded.run_id)
+        run = session.get_one(Run, seeded.run_id)
         run.step, run.total_samples, run.total_tokens = 1, 2, 50
 
     # a claimed batch goes back: recorded
@@ -43,6 +43,6 @@ def test_only_a_restart_that_changes_something_is_recorded(settings, client) -> 
     assert len(_restart_events(settings, seeded.run_id)) == 1
     # progress set back with nothing returned (a step whose checkpoint was lost): recorded
     with committed(settings) as session:
-        session.get(Run, seeded.run_id).step = 2
+        session.get_one(Run, seeded.run_id).step = 2
     assert restart(client, seeded.run_id, pool_id, 1, 2, 50).json() == {"returned": []}
     assert len(_restart_events(settings, seeded.run_id)) == 2

@@ -1,4 +1,4 @@
-"""A run whose `init_from` weights cannot be loaded is evicted with a reason the tenant reads
+"""A run whose `init_from` weights cannot be loaded fails with a reason the tenant reads
 (GET /v1/runs/{id}): it names what is missing, never the pool's file paths (the reason quoted the
 checkpoint's absolute path, the service's data directory with it)."""
 

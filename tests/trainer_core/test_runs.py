@@ -333,6 +333,9 @@ class MemorySource:
     def evict(self, run_id: str, reason: str) -> None:
         self.evicted.append((run_id, reason))
 
+    def fail(self, run_id: str, reason: str) -> None:
+        self.evicted.append((run_id, reason))
+
     def report_invalid_config(self, run_id: str, message: str) -> None:
         raise AssertionError(f"unexpected invalid config for {run_id}: {message}")
 

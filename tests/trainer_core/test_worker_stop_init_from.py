@@ -3,7 +3,7 @@
 Stopping, the pool's service client gives up a failed request at once (`RetryStopped`, instead of
 a minute of retries), so such a failure may be the stop's own: the run must not be stopped for good
 (an eviction is final). It takes no work in this pool, and the next pool fetches its weights again.
-A pool that is not stopping still evicts it, as before. The real PoolTrainer, fed from memory.
+A pool that is not stopping still stops it for good: failed, with the reason. The real PoolTrainer, fed from memory.
 """
 
 from pathlib import Path
@@ -49,11 +49,13 @@ def test_an_init_from_fetch_failed_while_stopping_evicts_nothing(tmp_path: Path,
     finally:
         trainer.close()
     if stopping:
-        assert client.evictions == {}
+        assert client.evictions == {} and client.failures == {}
         assert client.runs[RUN].step == 0  # nothing trained on weights it was not given
         [run] = trainer.slots.values()
         assert run.leaving is not None and run.leaving.startswith(
             "its init_from weights were not loaded while stopping: RetryStopped: "
         ), run.leaving
     else:
-        assert client.evictions[RUN].startswith("its init_from weights could not be loaded: RetryStopped: ")
+        # Failed (not evicted): the run cannot start, and its failure_reason says why.
+        assert client.evictions == {}
+        assert client.failures[RUN].startswith("its init_from weights could not be loaded: RetryStopped: ")
