@@ -4,6 +4,7 @@ adapters and metrics routes."""
 
 import errno
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -298,7 +299,12 @@ def runs_watch(
     from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs in the dev dependencies
 
     run = api("GET", f"/v1/runs/{run_id}", url=url, key=key)
-    bar = tqdm(total=run["config"]["max_steps"], desc=run["name"], unit="step", disable=as_json)
+    total = run["config"]["max_steps"]
+    # On a terminal, a bar redrawn in place; elsewhere (a log file, a pipe) a line per change of step
+    # or status, not a bar frame per poll (1,800 lines an hour at the default interval).
+    on_terminal = not as_json and sys.stderr.isatty()
+    bar = tqdm(total=total, desc=run["name"], unit="step", disable=not on_terminal)
+    shown: tuple[int, str] | None = None
     try:
         while True:
             step = run["progress"]["step"]
@@ -307,6 +313,10 @@ def runs_watch(
             bar.set_postfix({"status": run["status"], **latest}, refresh=True)
             if as_json:
                 typer.echo(json.dumps({"status": run["status"], "step": step, "metrics": latest}))
+            elif not on_terminal and shown != (step, run["status"]):
+                figures = "".join(f" {name}={value}" for name, value in latest.items())
+                typer.echo(f"{run['name']}: step {step}/{total} {run['status']}{figures}", err=True)
+                shown = (step, run["status"])
             if run["status"] in FINAL:
                 break
             time.sleep(interval)

@@ -187,6 +187,11 @@ def test_runs_watch_follows_a_run_to_its_end(svc: Service) -> None:
     thread.join()
     assert result.exit_code == 0, result.output
     assert f"{run_id} completed" in result.output
+    # Not a terminal: a line per change of step or status, not a bar frame per poll (the watch
+    # polled step 0 several times while the trainer slept).
+    lines = result.output.splitlines()
+    assert lines.count("watched: step 0/2 active") == 1, result.output
+    assert "watched: step 2/2 completed loss=0.5 grad_norm=0.5" in lines, result.output
 
     # A run that ends any other way: exit code 8, with the reason.
     evicted = svc.create_run("evicted", max_steps=2)
