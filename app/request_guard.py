@@ -252,11 +252,13 @@ class BodyGuard:
         if refusal is not None:
             await _refuse(send, *refusal)
             return None
-        if disconnected:
+        if disconnected and _cut_short(headers, len(body)):
             # The client left before its body's end: an aborted request, answered by nothing (no
             # answer reaches it). What arrived is only a prefix of what was sent, and a prefix can
             # still parse as something else than what was meant (a TOML config cut at a line, a JSON
             # body whose declared length was longer): the request is not run, nothing is stored.
+            # A request that declares no body (a heartbeat whose client did not wait for the
+            # answer) is whole, and is run as before.
             scope[CLIENT_GONE] = True
             return None
         # The adapter upload's body is a tar whatever its declared type (curl's --data-binary says
@@ -445,6 +447,17 @@ def _head_refusal(scope: Scope, headers: dict[bytes, bytes], limit: int) -> tupl
     if declared is not None and declared.isdigit() and int(declared) > limit:
         return 413, _too_large(limit)
     return None
+
+
+def _cut_short(headers: dict[bytes, bytes], received: int) -> bool:
+    """Whether a request whose client disconnected had a body that did not arrive whole: chunked
+    (its last chunk never came, or the server would have said the body ended), or shorter than its
+    Content-Length. (The server drops what it buffered once the connection is lost, so a body sent
+    whole just before a close counts as cut too: it was never read.)"""
+    if headers.get(b"transfer-encoding"):
+        return True
+    declared = headers.get(b"content-length", b"0").strip()
+    return not declared.isdigit() or int(declared) > received
 
 
 async def _refuse(

@@ -11,6 +11,7 @@ as a 499 (client closed request) in the request metrics.
 Each case waits for the server to have seen the disconnect (the 499 counted), not for a sleep.
 """
 
+import asyncio
 import json
 import socket
 import time
@@ -19,9 +20,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from fastapi import FastAPI
+from starlette.types import Message, Receive, Scope
 
 from app.config import Settings
 from app.main import create_app
+from app.request_guard import CLIENT_GONE, BodyGuard
 from app.serving import uvicorn_options
 from app.telemetry.http import UNMATCHED
 from tests.app.api import LiveServer, batch_body, create_run, new_tenant
@@ -95,3 +98,55 @@ def test_a_batch_cut_short_is_not_stored(live) -> None:
         # the same body, whole, is taken
         assert http.post(path, content=body, headers=headers).status_code == 201
         assert len(http.get(path, headers=tenant.headers).json()["items"]) == 1
+
+
+def _guard_sees_a_disconnect_first(
+    headers: list[tuple[bytes, bytes]], body: bytes = b""
+) -> tuple[tuple[bytes, Receive] | None, Scope]:
+    """The guard's check of a POST whose client the server saw leave before the guard read a byte of
+    the body (what arrives then is `body`, then the disconnect): the window made certain, where a live
+    server may read a short request whole before it sees the close."""
+    messages = [{"type": "http.request", "body": body, "more_body": True}] if body else []
+    messages.append({"type": "http.disconnect"})
+
+    async def receive() -> Message:
+        return messages.pop(0)
+
+    sent: list[Message] = []
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/runs/run_0123456789ab/heartbeat",
+        "headers": headers,
+    }
+    guard = BodyGuard(max_body_bytes=1 << 20, max_small_body_bytes=1 << 20, body_timeout_seconds=5)
+    checked = asyncio.run(guard.check(scope, receive, send))
+    assert sent == []  # nothing is answered: no answer could reach the client
+    return checked, scope
+
+
+@pytest.mark.parametrize("headers", [[], [(b"content-length", b"0")]], ids=["no length", "length 0"])
+def test_a_request_that_declares_no_body_is_whole_though_its_client_left(headers) -> None:
+    """A heartbeat sent and not waited for: no body was declared, so none was cut; it is run (a run
+    would otherwise miss its heartbeat), not counted as abandoned."""
+    checked, scope = _guard_sees_a_disconnect_first(headers)
+    assert checked is not None and checked[0] == b""
+    assert CLIENT_GONE not in scope
+
+
+@pytest.mark.parametrize(
+    "headers, body",
+    [
+        ([(b"content-length", b"10")], b""),
+        ([(b"content-length", b"10")], b"12345"),
+        ([(b"transfer-encoding", b"chunked")], b"12345"),
+    ],
+    ids=["nothing of 10", "5 of 10", "chunked, no last chunk"],
+)
+def test_a_body_that_did_not_arrive_whole_is_not_run(headers, body) -> None:
+    checked, scope = _guard_sees_a_disconnect_first(headers, body)
+    assert checked is None and scope[CLIENT_GONE] is True
