@@ -128,6 +128,7 @@ def sweep_once(
     purge_chunk: int = PURGE_CHUNK,
     adapter_scan: AdapterScan | None = None,
     reconcile_scan: ReconcileScan | None = None,
+    listening_since: datetime | None = None,
 ) -> SweepResult:
     """One pass: expired leases → pending; silent pools → dead (their batches → pending);
     runs whose orchestrator went silent → evicted; Tinker models whose session went silent →
@@ -138,7 +139,9 @@ def sweep_once(
     transaction); step adapters past their run's newest kept → deleted, rows then files
     (`adapter_scan`: where the last sweep left the adapters; None reads them all); adapter files no
     row refers to, and stale trash → deleted (`reconcile_scan`: where the pass stands; None begins
-    one)."""
+    one). `listening_since`: when this process's sweeper started; a heartbeat timeout (a run's, a
+    Tinker session's) counts from there at the earliest, as none could land while the service was
+    down."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -147,7 +150,10 @@ def sweep_once(
     )
     result.dead_pools = dead or []
     evicted = _job(
-        factory, "evict_silent_runs", lambda s: evict_silent_runs(s, now=now, settings=settings), result
+        factory,
+        "evict_silent_runs",
+        lambda s: evict_silent_runs(s, now=now, settings=settings, listening_since=listening_since),
+        result,
     )
     result.evicted_runs = [run.id for run in evicted or []]
     abandoned = partial(
@@ -155,6 +161,7 @@ def sweep_once(
         now=now,
         timeout_seconds=settings.tinker_session_timeout_seconds,
         settings=settings,
+        listening_since=listening_since,
     )
     evicted_tinker = _job(factory, "evict_abandoned_models", abandoned, result)
     result.evicted_tinker_runs = [run.id for run in evicted_tinker or []]
@@ -276,10 +283,16 @@ async def run_sweeper(app: FastAPI) -> None:
     settings: Settings = app.state.settings
     factory: sessionmaker[Session] = app.state.session_factory
     scan, reconcile = AdapterScan(), ReconcileScan()
+    listening_since = utcnow()
     while True:
         try:
             await asyncio.to_thread(
-                sweep_once, factory, settings=settings, adapter_scan=scan, reconcile_scan=reconcile
+                sweep_once,
+                factory,
+                settings=settings,
+                adapter_scan=scan,
+                reconcile_scan=reconcile,
+                listening_since=listening_since,
             )
         except Exception:  # sweep_once catches its jobs' errors; this is the last guard
             log.exception("sweeper: sweep failed")

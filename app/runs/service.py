@@ -455,30 +455,35 @@ def heartbeat(session: Session, *, run: Run) -> Run:
     return run
 
 
-def _is_silent(run: Run, *, now: datetime) -> bool:
+def _is_silent(run: Run, *, now: datetime, listening_since: datetime | None = None) -> bool:
     """Whether a queued or active run with a heartbeat_timeout has given no sign of life for longer
-    than that: its last heartbeat, or if none its start, or while queued its creation."""
+    than that: its last heartbeat, or if none its start, or while queued its creation; but not before
+    `listening_since` (the sweeper's start: while the service was down no heartbeat could land)."""
     timeout: float | None = run.config.get("heartbeat_timeout")
     if not timeout or run.status not in MOVABLE_RUN_STATUSES:
         return False
-    last_sign = run.last_heartbeat_at or run.started_at or run.created_at
-    return now - as_utc(last_sign) > timedelta(seconds=timeout)
+    last_sign = as_utc(run.last_heartbeat_at or run.started_at or run.created_at)
+    if listening_since is not None:
+        last_sign = max(last_sign, as_utc(listening_since))
+    return now - last_sign > timedelta(seconds=timeout)
 
 
-def evict_silent_runs(session: Session, *, now: datetime, settings: Settings) -> list[Run]:
+def evict_silent_runs(
+    session: Session, *, now: datetime, settings: Settings, listening_since: datetime | None = None
+) -> list[Run]:
     """Evict queued or active runs whose orchestrator went silent (see `_is_silent`)."""
     now = as_utc(now)
     candidates = session.scalars(
         select(Run).where(Run.status.in_(MOVABLE_RUN_STATUSES)).order_by(Run.created_at, Run.id)
     ).all()
-    due = [run for run in candidates if _is_silent(run, now=now)]
+    due = [run for run in candidates if _is_silent(run, now=now, listening_since=listening_since)]
     if not due:  # the common case takes no lock (the sweeper calls this every few seconds)
         return []
     lock_admission(session)
     evicted: list[Run] = []
     for run in due:
         session.refresh(run)  # a heartbeat may have arrived before we held the lock
-        if not _is_silent(run, now=now):
+        if not _is_silent(run, now=now, listening_since=listening_since):
             continue
         timeout = run.config["heartbeat_timeout"]
         evict_run(

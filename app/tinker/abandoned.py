@@ -69,10 +69,17 @@ def eviction_reason(*, session_id: str, finished: bool, timeout_seconds: float) 
 
 
 def evict_abandoned_models(
-    session: Session, *, now: datetime, timeout_seconds: float, settings: Settings
+    session: Session,
+    *,
+    now: datetime,
+    timeout_seconds: float,
+    settings: Settings,
+    listening_since: datetime | None = None,
 ) -> list[Run]:
     """Evict the runs of Tinker models whose session stopped heartbeating (module docstring); the
-    runs evicted. Never commits.
+    runs evicted. Never commits. Nothing is due within `timeout_seconds` of `listening_since` (the
+    sweeper's start): while the service was down (an upgrade, database maintenance) no heartbeat
+    could land, and the SDKs still driving their models send their next one within seconds.
 
     Race-free against a heartbeat: the candidates are read again under the admission lock with
     their sessions' rows locked (Postgres: FOR UPDATE OF tinker_sessions; a heartbeat updates that
@@ -81,6 +88,8 @@ def evict_abandoned_models(
     transaction at a time (BEGIN IMMEDIATE). Against admission and the user's own evict or delete:
     every transition takes the admission lock, and the run is read again under it."""
     cutoff = as_utc(now) - timedelta(seconds=timeout_seconds)
+    if listening_since is not None and as_utc(listening_since) > cutoff:
+        return []
     query = abandoned_query(cutoff=cutoff)
     if session.execute(query.limit(1)).first() is None:
         return []  # the common case takes no lock (the sweeper calls this every few seconds)
