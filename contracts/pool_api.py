@@ -121,10 +121,11 @@ class DeletedRunsIn(_Request):
 
 class DeletedRunsOut(_Answer):
     deleted: list[str] = Field(
-        description="The asked runs whose files the pool may remove: deleted ones, and ids the service "
-        "does not hold (purged after their deletion's retention, or their tenant deleted). A deleted run "
-        "whose checkpoint a queued or active run starts from (`init_from`) is left out until that run "
-        "no longer may need it. Sorted; every other asked run still exists."
+        description="The asked runs whose files the pool may remove: those the service holds with status "
+        "deleted. An id the service holds no row for (another service's run, or one purged after its "
+        "deletion's retention, or its tenant deleted) is never named: its files stay. A deleted run whose "
+        "checkpoint a queued or active run starts from (`init_from`), or whose saved state a Tinker load "
+        "still reads, is left out until no run may need it. Sorted."
     )
 
 

@@ -27,7 +27,7 @@ from contracts.pool_api import (
 )
 from contracts.progress import Progress
 from trainer_core.export import unpack_adapter_archive
-from trainer_core.run_left import run_has_left
+from trainer_core.run_left import POOL_CODES_PREFIX, run_has_left
 from trainer_core.runs import RunRecord
 
 log = logging.getLogger("loraloom.worker")
@@ -129,8 +129,9 @@ class HttpRunSource:
         return True
 
     def deleted_runs(self, run_ids: list[str]) -> set[str]:
-        """Of `run_ids` (at most `MAX_DELETED_QUERY`), those deleted at the service (or gone from it):
-        the pool removes their files (`trainer_core.run_files`). Raises when the service cannot say."""
+        """Of `run_ids` (at most `MAX_DELETED_QUERY`), those the service holds as deleted (an id it does
+        not know is never named): the pool removes their files (`trainer_core.run_files`). Raises when
+        the service cannot say."""
         return set(self.client.deleted_runs(run_ids)) & set(run_ids)
 
     def evict(self, run_id: str, reason: str) -> None:
@@ -143,9 +144,20 @@ class HttpRunSource:
             log.info("run %s had already left when the pool evicted it: %s", run_id, exc)
 
     def fail(self, run_id: str, reason: str) -> None:
+        """Fail a run the pool cannot start; against a service without the route, evict it instead."""
         try:
             self.client.fail(run_id, reason[:MAX_REASON_CHARS])
         except ApiError as exc:
+            if exc.status in (404, 405) and not (exc.code or "").startswith(POOL_CODES_PREFIX):
+                # A service older than `POST /v1/pool/runs/{id}/fail` answers its unknown route with
+                # the same 404 `not_found` as a missing run, and taking that as "the run left" would
+                # leave it active there: admitted again, failing again, forever. Evict it as older
+                # pools did; the eviction's own 404 is the answer about a run that is really gone.
+                log.info(
+                    "the service did not take the pool's failure of run %s (%s): evicting it", run_id, exc
+                )
+                self.evict(run_id, reason)
+                return
             if not run_has_left(exc):
                 raise
             log.info("run %s had already left when the pool failed it: %s", run_id, exc)

@@ -14,9 +14,15 @@ run's absence: it asks the service (`POST /v1/pool/runs/deleted`, `contracts.poo
   while the pool trained it loses its files at once;
 - at start-up and then every `SWEEP_INTERVAL_S`, about the runs it has files for, at most
   `MAX_DELETED_QUERY` per pass, each pass going on after the last name the previous one asked (a
-  large home is covered in turn): runs deleted while no pool held them or while the pool was down,
-  and runs the service no longer holds (purged after their deletion's retention, their tenant
-  deleted).
+  large home is covered in turn): runs deleted while no pool held them or while the pool was down.
+
+The service names only runs it holds with status deleted. A run it holds no row for keeps its files:
+it may be another service's (the default checkpoint home is the service's default data directory, so
+a pool started with `--url` at a remote service from where a local one ran; a database restored
+beside the old checkpoint volume; two stacks sharing a `--checkpoint-dir`), and a removal cannot be
+undone. Known gap: a run whose row went before the pool asked (its tenant deleted, which removes the
+rows at once; or purged after the deletion's retention while the pool was down) keeps its files on a
+pool's own disk; remove them by hand.
 
 An unanswered question removes nothing (the next pass asks again), and a service without the route
 (older than the pool) leaves every file where it is, as before. A pool whose home is the service's
@@ -64,8 +70,8 @@ class DeletedRunsSource(Protocol):
     """A run source that can say which runs are deleted (the service; `HttpRunSource`)."""
 
     def deleted_runs(self, run_ids: list[str]) -> set[str]:
-        """Of `run_ids` (at most `MAX_DELETED_QUERY`), the deleted (or unknown) ones; raises when it
-        cannot say."""
+        """Of `run_ids` (at most `MAX_DELETED_QUERY`), those the service holds as deleted (never an id
+        it does not know); raises when it cannot say."""
         ...
 
 

@@ -13,7 +13,7 @@ the pool's freed and new slots to admission.
 import logging
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import and_, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from app.batches.leases import extend_leases, return_pool_batches
@@ -26,6 +26,7 @@ from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.runs.service import admit_queued_runs, fail_run
 from app.tinker.leases import return_pool_work
+from app.tinker.models import TinkerFuture, claimable, unfinished
 from contracts.ids import new_id
 from contracts.pool_api import PoolRegister
 from contracts.status import MOVABLE_RUN_STATUSES, PoolStatus, RunStatus
@@ -208,31 +209,74 @@ def pool_state(session: Session, *, pool_id: str, settings: Settings) -> list[Ru
 
 
 def deleted_runs(session: Session, *, run_ids: list[str]) -> list[str]:
-    """Of `run_ids` (runs a pool has files for), those whose files it may remove, sorted: the deleted
-    runs and the ids no row holds (purged after the deletion's retention, or gone with their tenant:
-    `projection.rebuild_all` removes such a run's directory from the service's own data directory
-    too). Evicted, completed and failed runs keep their files (an `init_from` checkpoint, an evicted
-    Tinker model's saved states), and so does a deleted run whose checkpoint a queued or active run
-    starts from: the pool loads it when it admits that run, and again should it restart that run
-    before its first checkpoint (the run was created before the deletion, which the service allows)."""
+    """Of `run_ids` (runs a pool has files for), those whose files it may remove, sorted: the runs this
+    service holds with status deleted, and only those.
+
+    An id the service holds no row for is never named: it may be a run this service purged after the
+    deletion's retention, but also a run of another service whose files share the pool's directory
+    (the pool's default checkpoint directory is the service's default data directory, so `loraloom
+    worker --url` at a remote service from where `loraloom serve` ran; a database restored or rebuilt
+    beside the old checkpoint volume; two stacks sharing a `--checkpoint-dir`). Nothing tells these
+    apart, and a removal cannot be undone, so the files of an unknown run stay. Known gap: deleting a
+    tenant deletes its runs' rows in the same transaction as the runs' deletion (ON DELETE CASCADE,
+    app/tenants/removal.py), so they are never named and a pool with its own checkpoint directory
+    keeps that tenant's run files; so does a run whose row was purged (`deleted_run_retention_seconds`)
+    before any pass of the pool asked about it. The service's own data directory loses them either
+    way (`projection.rebuild_all`).
+
+    Evicted, completed and failed runs keep their files (an `init_from` checkpoint, an evicted Tinker
+    model's saved states), and so does a deleted run whose files a run still reads:
+    - a queued or active run starts from its checkpoint: the pool loads it when it admits that run,
+      and again should it restart that run before its first checkpoint (the run was created before
+      the deletion, which the service allows);
+    - a Tinker `load_weights` names it as its source (`create_training_client_from_state` from a
+      deleted model's saved state): while that load is pending or running, and while it is done but
+      replayable (its request kept until its model's next checkpointed optim_step) with its model
+      queued or active: a new pool for that model (a restart, another pool) loads the state again
+      (app.tinker.leases, `REPLAYED_KINDS`)."""
     asked = sorted(set(run_ids))
-    alive = set(
-        session.scalars(select(Run.id).where(Run.id.in_(asked), Run.status != RunStatus.DELETED)).all()
+    deleted = list(
+        session.scalars(select(Run.id).where(Run.id.in_(asked), Run.status == RunStatus.DELETED)).all()
     )
-    gone = [run_id for run_id in asked if run_id not in alive]
-    if not gone:
+    if not deleted:
         return []
     source = Run.init_from["run_id"].as_string()
     pinned = {
         run_id
         for run_id, checkpoint in session.execute(
             select(source, Run.init_from["checkpoint"].as_integer()).where(
-                Run.status.in_(MOVABLE_RUN_STATUSES), source.in_(gone)
+                Run.status.in_(MOVABLE_RUN_STATUSES), source.in_(deleted)
             )
         )
         if checkpoint is not None  # an adapter start reads the service's copy, not the pool's files
     }
-    return [run_id for run_id in gone if run_id not in pinned]
+    pinned.update(_loaded_from(session, [run_id for run_id in deleted if run_id not in pinned]))
+    return sorted(run_id for run_id in deleted if run_id not in pinned)
+
+
+def _loaded_from(session: Session, run_ids: list[str]) -> set[str]:
+    """Of `run_ids`, the runs a Tinker load still reads the saved state of (see `deleted_runs`)."""
+    if not run_ids:
+        return set()
+    table = TinkerFuture.__tablename__
+    source = TinkerFuture.request["source_run_id"].as_string()
+    return set(
+        session.scalars(
+            select(source)
+            .distinct()
+            .outerjoin(Run, Run.id == TinkerFuture.run_id)
+            .where(
+                TinkerFuture.kind == "load_weights",
+                # Each arm the predicate of a partial index (unfinished, claimable), said literally
+                # so that Postgres can read those instead of every retained future.
+                or_(
+                    text(f"({unfinished(table)})"),
+                    and_(text(f"({claimable(table)})"), Run.status.in_(MOVABLE_RUN_STATUSES)),
+                ),
+                source.in_(run_ids),
+            )
+        ).all()
+    )
 
 
 def declare_dead_pools(session: Session, *, now: datetime, settings: Settings) -> list[str]:

@@ -5,7 +5,8 @@ Real processes: Postgres, the service under uvicorn, a torchrun pool, the tiny m
 a step each. Then the victim is deleted while the pool trains it (its files go at the pool's next
 sync), another is evicted (it leaves the pool too, but keeps its checkpoint: an init_from or an
 evicted Tinker model may still read it) and the third completes. With the pool stopped, the completed
-run is deleted: the next pool removes its files when it starts (trainer_core.run_files).
+run is deleted: the next pool removes its files when it starts (trainer_core.run_files). A run
+directory the service never saw (another service's, in a shared or default directory) stays throughout.
 """
 
 import signal
@@ -32,6 +33,9 @@ def test_deleted_runs_lose_their_checkpoints_on_a_pool_with_its_own_directory(li
     pool_dir = tmp_path / "pool"  # the pool's checkpoint home: pool_dir / "runs"
     home = pool_dir / "runs"
     log_path = tmp_path / "pool.log"
+    foreign = "run_0000000f0e16"  # another service's run: this one holds no row for it
+    _checkpoint(home, foreign).parent.mkdir(parents=True)
+    _checkpoint(home, foreign).write_text("1\n")
 
     pool = start_pool(live_service.url, data_dir=pool_dir, nproc=1, slots=3, log_path=log_path)
     try:
@@ -76,6 +80,8 @@ def test_deleted_runs_lose_their_checkpoints_on_a_pool_with_its_own_directory(li
             lambda: not (home / runs["done"]).exists(), timeout=180, what="the deleted run's files to go"
         )
         assert _checkpoint(home, runs["evicted"]).exists()
-        assert sorted(p.name for p in home.iterdir() if not p.name.startswith(".")) == [runs["evicted"]]
+        assert _checkpoint(home, foreign).exists()
+        names = sorted(p.name for p in home.iterdir() if not p.name.startswith("."))
+        assert names == sorted([runs["evicted"], foreign])
     finally:
         kill_pool(pool, signal.SIGTERM)

@@ -13,7 +13,7 @@ import pytest
 from contracts.http import NotFound, ServerError
 from trainer_core.run_files import TRASH_DIR, RunFiles, remove_run_files
 
-DELETED, ALIVE, PURGED, HELD = (f"run_{i:012x}" for i in (1, 2, 3, 4))
+DELETED, ALIVE, UNKNOWN, HELD = (f"run_{i:012x}" for i in (1, 2, 3, 4))
 
 
 class Service:
@@ -41,32 +41,33 @@ def _run_dir(home: Path, run_id: str) -> Path:
 
 def _home(tmp_path: Path) -> Path:
     home = tmp_path / "runs"
-    for run_id in (DELETED, ALIVE, PURGED, HELD):
+    for run_id in (DELETED, ALIVE, UNKNOWN, HELD):
         _run_dir(home, run_id)
     (home / "notes").mkdir()  # not a run: never asked about, never removed
     (home / "run_manual-name").mkdir()  # a directory-mode name, not an id the service issues
     return home
 
 
-def test_start_removes_deleted_and_purged_runs_only(tmp_path: Path) -> None:
+def test_start_removes_the_runs_the_service_names_deleted_only(tmp_path: Path) -> None:
     home = _home(tmp_path)
     outside = tmp_path / "elsewhere"
     _run_dir(outside, "run_00000000beef")
     (home / "run_00000000beef").symlink_to(outside / "run_00000000beef")
     (home / TRASH_DIR / "run_0000000000aa.1234").mkdir(parents=True)  # a removal a crash cut short
-    service = Service({DELETED, PURGED, HELD, "run_00000000beef"})
+    # UNKNOWN: a run the service holds no row for (another service's): it never names it deleted.
+    service = Service({DELETED, HELD, "run_00000000beef"})
 
     removed = RunFiles(home, service).start(held={HELD})
 
-    assert removed == sorted([DELETED, PURGED, "run_00000000beef"])
+    assert removed == sorted([DELETED, "run_00000000beef"])
     assert sorted(p.name for p in home.iterdir()) == sorted(
-        [ALIVE, HELD, "notes", "run_manual-name", TRASH_DIR]
+        [ALIVE, UNKNOWN, HELD, "notes", "run_manual-name", TRASH_DIR]
     )
     assert list((home / TRASH_DIR).iterdir()) == []
     # The link went, not what it pointed to outside the home.
     assert (outside / "run_00000000beef" / "checkpoints" / "step_3" / "adapter.safetensors").exists()
     # One question, about the run directories the pool does not hold.
-    assert service.asked == [sorted([DELETED, ALIVE, PURGED, "run_00000000beef"])]
+    assert service.asked == [sorted([DELETED, ALIVE, UNKNOWN, "run_00000000beef"])]
 
 
 @pytest.mark.parametrize("fails", [ServerError("down", status=503), ConnectionError("refused")])
