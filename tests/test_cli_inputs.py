@@ -329,13 +329,24 @@ def _interrupt_while_importing(
         text=True,
         env=env,
         cwd=tmp_path,
+        # As from a shell: pytest-xdist's workers ignore SIGINT, and a child inherits an ignored
+        # signal (the CLI then rightly leaves it ignored, as under nohup).
+        preexec_fn=_default_sigint,
     ) as proc:
-        assert proc.stdout is not None
-        first = proc.stdout.readline()
-        assert first == "paused\n", (first, proc.communicate(timeout=60))
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            assert proc.stdout is not None
+            first = proc.stdout.readline()
+            assert first == "paused\n", (first, proc.communicate(timeout=60))
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:  # never left waiting on a paused child
+                proc.kill()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("module", ["typer", "httpx", "orchestrator.client"])
@@ -366,5 +377,7 @@ def test_ctrl_c_after_start_up_is_the_commands_again() -> None:
         "c.cli = lambda: print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
         "c.main()\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=_default_sigint
+    )
     assert (done.returncode, done.stdout) == (0, "True\n"), done.stderr
