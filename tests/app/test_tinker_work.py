@@ -179,7 +179,8 @@ def test_a_long_poll_checks_a_pending_future_a_few_times_without_its_request(cli
 
     monkeypatch.setattr(tinker_service, "get_future", get_future)
     assert _retrieve(client, fb.json()["request_id"], headers).json()["type"] == "try_again"
-    assert 4 <= len(unloaded) <= 9, len(unloaded)  # 40 before
+    # 40 before; now the backed-off checks and one read for the try-again's queue state
+    assert 4 <= len(unloaded) <= 10, len(unloaded)
     assert all(unloaded)
 
 

@@ -223,9 +223,13 @@ def test_the_sampler_weights_kept_for_a_run_go_when_it_is_deleted(live_service, 
                 lambda: not copies[2].exists(), timeout=30, what="the deleted run's sampler weights removed"
             )
             assert (copies[1] / "step_1").is_dir()  # another run's stay
-            assert (
-                tmp_path / "ckpt" / runs[2] / "checkpoints"
-            ).is_dir()  # checkpoints are not sampler copies
+            # and the deleted run's checkpoints go too (the pool asks which runs were deleted)
+            wait_for(
+                lambda: not (tmp_path / "ckpt" / runs[2]).exists(),
+                timeout=30,
+                what="the deleted run's checkpoint directory removed",
+            )
+            assert (tmp_path / "ckpt" / runs[1] / "checkpoints").is_dir()
     finally:
         service.close("success").result()
         http.close()
