@@ -5,8 +5,6 @@ values and where each came from (flag, variable or default). It named
 LORALOOM_SAMPLER_CONCURRENCY and left the answer size at its default. Both entries refuse such a
 config with a usage error (2) before anything starts."""
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,16 +18,6 @@ from trainer_core.worker import parse_settings
 runner = CliRunner()
 DEFAULT_EACH = 256 * 1024**2
 BOUND = f"over the bound of {MAX_SAMPLER_ROUND_BYTES} (16 GiB): lower one of the two"
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str | None]:
-    """No LORALOOM_* of the caller's, in this process and for CliRunner (None unsets)."""
-    for name in os.environ:
-        if name.startswith("LORALOOM_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
-    return {name: None for name in os.environ if name.startswith("LORALOOM_")}
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ values are refused by both entries, naming what the user set; the values given r
 shows the checkpoint directory the pool writes to, not the unset field's `null`."""
 
 import json
-import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -20,16 +19,6 @@ from trainer_core.settings import WorkerSettings
 from trainer_core.worker import WorkerArgs, external_sampler, parse_args, parse_settings
 
 runner = CliRunner()
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str | None]:
-    """No LORALOOM_* of the caller's, in this process and for CliRunner (None unsets)."""
-    for name in os.environ:
-        if name.startswith("LORALOOM_"):
-            monkeypatch.delenv(name)
-    monkeypatch.chdir(tmp_path)
-    return {name: None for name in os.environ if name.startswith("LORALOOM_")}
 
 
 def _default(name: str) -> object:
