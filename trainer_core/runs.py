@@ -399,22 +399,23 @@ class MultiRunManager:
     def evict_run(self, slot: int, reason: str) -> None:
         """Stop the run in `slot` for good (master only). It stays in its slot until the next
         `discover_runs()` no longer sees it, as in the source documents."""
-        source = self._require_master("evict_run()")
-        if slot not in self._run_ids:
-            raise KeyError(f"no run in slot {slot}")
-        run_id = self._run_ids[slot]
+        source, run_id = self._master_and_run("evict_run()", slot)
         source.evict(run_id, reason)
         logger.warning("evicted run %s (slot %d): %s", run_id, slot, reason)
 
     def fail_run(self, slot: int, reason: str) -> None:
         """Stop for good the run in `slot`, which the pool cannot start (master only); it stays in its
         slot until the next `discover_runs()` no longer sees it, as an evicted run."""
-        source = self._require_master("fail_run()")
-        if slot not in self._run_ids:
-            raise KeyError(f"no run in slot {slot}")
-        run_id = self._run_ids[slot]
+        source, run_id = self._master_and_run("fail_run()", slot)
         source.fail(run_id, reason)
         logger.warning("failed run %s (slot %d): %s", run_id, slot, reason)
+
+    def _master_and_run(self, what: str, slot: int) -> tuple[RunLister, str]:
+        """The run source (master only) and the id of the run in `slot` (KeyError if none)."""
+        source = self._require_master(what)
+        if slot not in self._run_ids:
+            raise KeyError(f"no run in slot {slot}")
+        return source, self._run_ids[slot]
 
     def release_run(self, slot: int, reason: str) -> None:
         """Free `slot` now, whatever the source lists (master only): the pool's answer to a run that
