@@ -8,7 +8,7 @@ from app.pools.models import Pool
 from app.rollouts.models import RolloutStats
 from app.runs.models import Run
 from app.telemetry.models import PurgedCount
-from app.tenants.models import ApiKey, Tenant
+from app.tenants.models import ApiKey, DeletedRunId, Tenant
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession, TinkerSession
 from app.ui.models import UiSession
 
@@ -18,6 +18,7 @@ __all__ = [
     "Base",
     "Batch",
     "Checkpoint",
+    "DeletedRunId",
     "Event",
     "Pool",
     "PurgedCount",

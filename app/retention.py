@@ -7,6 +7,9 @@ what is live (the sweeper runs these, app/sweeper.py).
   then its batches, step metrics, adapters, checkpoints, rollout stats, Tinker sampling sessions
   and Tinker model (foreign keys to runs, ON DELETE CASCADE: deleted here first, a chunk at a time,
   so that the run's own DELETE cascades to nothing).
+- The kept id of a run deleted with its tenant (app/tenants/models.py `DeletedRunId`, what the pool's
+  `POST /v1/pool/runs/deleted` names in place of the row that went with the tenant) goes after the
+  same retention, in the same chunks, first.
 - Events older than `Settings.event_retention_seconds` are deleted, whoever they are about.
 - A live run's step adapters past its newest `Settings.run_adapters_kept` go too, rows then files,
   save those something still refers to (app/adapters/pruning.py, with `delete_some`).
@@ -56,6 +59,7 @@ from app.events.models import Event
 from app.rollouts.models import RolloutStats
 from app.runs.models import DELETED_RUNS, Run
 from app.telemetry.purged import PURGED_BATCH_BYTES, PURGED_BATCHES, PURGED_RUNS, PURGED_STEPS, add_purged
+from app.tenants.models import DeletedRunId
 from app.tinker.models import TinkerFuture, TinkerModel, TinkerSamplingSession
 
 log = logging.getLogger(__name__)
@@ -137,6 +141,25 @@ def purge_deleted_runs(
     if retention_seconds <= 0:
         return RunsPurged()
     cutoff = now - timedelta(seconds=retention_seconds)
+    # The kept ids of runs deleted with their tenant first: one row each, nothing else names them.
+    kept_ids = delete_some(
+        session,
+        DeletedRunId.run_id,
+        DeletedRunId.deleted_at < cutoff,
+        chunk,
+        order_by=DeletedRunId.deleted_at,
+    )
+    if kept_ids:
+        log.info("retention: purged %s id(s) of runs deleted with their tenant before %s", kept_ids, cutoff)
+    if kept_ids == chunk:
+        return RunsPurged(rows=chunk, more=True)
+    purged = _purge_due_runs(session, cutoff=cutoff, chunk=chunk - kept_ids)
+    purged.rows += kept_ids
+    return purged
+
+
+def _purge_due_runs(session: Session, *, cutoff: datetime, chunk: int) -> RunsPurged:
+    """`purge_deleted_runs` of the runs' rows, with what remains of its chunk."""
     doomed = list(session.scalars(due_runs_query(cutoff=cutoff, chunk=chunk)))
     if not doomed:
         return RunsPurged()

@@ -16,13 +16,14 @@ run's absence: it asks the service (`POST /v1/pool/runs/deleted`, `contracts.poo
   `MAX_DELETED_QUERY` per pass, each pass going on after the last name the previous one asked (a
   large home is covered in turn): runs deleted while no pool held them or while the pool was down.
 
-The service names only runs it holds with status deleted. A run it holds no row for keeps its files:
+The service names only runs it holds with status deleted, or remembers as deleted with their tenant
+(their ids kept as long as a deleted run's row). A run it holds nothing for keeps its files:
 it may be another service's (the default checkpoint home is the service's default data directory, so
 a pool started with `--url` at a remote service from where a local one ran; a database restored
 beside the old checkpoint volume; two stacks sharing a `--checkpoint-dir`), and a removal cannot be
-undone. Known gap: a run whose row went before the pool asked (its tenant deleted, which removes the
-rows at once; or purged after the deletion's retention while the pool was down) keeps its files on a
-pool's own disk; remove them by hand.
+undone. Known gap: a run purged after the deletion's retention while the pool was down (or deleted with
+its tenant before the service kept such ids, migration 0023) keeps its files on a pool's own disk;
+remove them by hand.
 
 An unanswered question removes nothing (the next pass asks again), and a service without the route
 (older than the pool) leaves every file where it is, as before. A pool whose home is the service's

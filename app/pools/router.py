@@ -88,6 +88,8 @@ def state(
 def deleted_runs(body: DeletedRunsIn, session: SessionDep, _: WorkerDep) -> DeletedRunsOut:
     """Which of these runs this service holds as deleted: the pool removes their files from its own
     checkpoint directory (a run leaves the pool's state when it is evicted or completed too, and then
-    keeps its checkpoints). An id the service holds no row for is never named (it may be another
-    service's run). Read-only; any base model's runs (pools may share a checkpoint directory)."""
+    keeps its checkpoints). A run deleted with its tenant is named too (its row went with the tenant,
+    its id is kept, for the same retention as a deleted run's row). An id the service holds nothing
+    for is never named (it may be another service's run). Read-only; any base model's runs (pools may
+    share a checkpoint directory)."""
     return DeletedRunsOut(deleted=service.deleted_runs(session, run_ids=body.run_ids))

@@ -25,6 +25,7 @@ from app.pools.models import Pool
 from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.runs.service import admit_queued_runs, fail_run
+from app.tenants.models import DeletedRunId
 from app.tinker.leases import return_pool_work
 from app.tinker.models import TinkerFuture, claimable, unfinished
 from contracts.ids import new_id
@@ -210,19 +211,19 @@ def pool_state(session: Session, *, pool_id: str, settings: Settings) -> list[Ru
 
 def deleted_runs(session: Session, *, run_ids: list[str]) -> list[str]:
     """Of `run_ids` (runs a pool has files for), those whose files it may remove, sorted: the runs this
-    service holds with status deleted, and only those.
+    service holds with status deleted, or holds the ids of as deleted with their tenant, and only those.
 
     An id the service holds no row for is never named: it may be a run this service purged after the
     deletion's retention, but also a run of another service whose files share the pool's directory
     (the pool's default checkpoint directory is the service's default data directory, so `loraloom
     worker --url` at a remote service from where `loraloom serve` ran; a database restored or rebuilt
     beside the old checkpoint volume; two stacks sharing a `--checkpoint-dir`). Nothing tells these
-    apart, and a removal cannot be undone, so the files of an unknown run stay. Known gap: deleting a
-    tenant deletes its runs' rows in the same transaction as the runs' deletion (ON DELETE CASCADE,
-    app/tenants/removal.py), so they are never named and a pool with its own checkpoint directory
-    keeps that tenant's run files; so does a run whose row was purged (`deleted_run_retention_seconds`)
-    before any pass of the pool asked about it. The service's own data directory loses them either
-    way (`projection.rebuild_all`).
+    apart, and a removal cannot be undone, so the files of an unknown run stay. A tenant's deletion
+    deletes its runs' rows (ON DELETE CASCADE) but keeps their ids (`DeletedRunId`,
+    app/tenants/removal.py), which are named as deleted runs are. Known gap: a run whose row (or kept
+    id) was purged (`deleted_run_retention_seconds`) before any pass of the pool asked about it keeps
+    its files on a pool with its own checkpoint directory. The service's own data directory loses
+    them either way (`projection.rebuild_all`).
 
     Evicted, completed and failed runs keep their files (an `init_from` checkpoint, an evicted Tinker
     model's saved states), and so does a deleted run whose files a run still reads:
@@ -238,6 +239,10 @@ def deleted_runs(session: Session, *, run_ids: list[str]) -> list[str]:
     deleted = list(
         session.scalars(select(Run.id).where(Run.id.in_(asked), Run.status == RunStatus.DELETED)).all()
     )
+    # Runs deleted with their tenant: their rows went with it, their ids stay (app/tenants/removal.py).
+    # No run of another tenant starts from them (init_from and Tinker loads are the tenant's own), but
+    # they go through the same check: it costs one query, and a removal cannot be undone.
+    deleted += session.scalars(select(DeletedRunId.run_id).where(DeletedRunId.run_id.in_(asked))).all()
     if not deleted:
         return []
     source = Run.init_from["run_id"].as_string()

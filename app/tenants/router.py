@@ -8,8 +8,16 @@ from app.auth import AdminDep, SettingsDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
 from app.key_cache import key_cache
-from app.tenants import removal, service
-from app.tenants.schemas import ApiKeyCreated, ApiKeyList, ApiKeyOut, TenantCreate, TenantList, TenantOut
+from app.tenants import quota, removal, service
+from app.tenants.schemas import (
+    ApiKeyCreated,
+    ApiKeyList,
+    ApiKeyOut,
+    TenantCreate,
+    TenantList,
+    TenantOut,
+    TenantUpdate,
+)
 
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
 
@@ -37,6 +45,20 @@ def create_tenant(body: TenantCreate, _: AdminDep, session: SessionDep) -> Tenan
 def list_tenants(_: AdminDep, session: SessionDep) -> TenantList:
     """Every tenant, oldest first (admin)."""
     return TenantList(items=[TenantOut.model_validate(t) for t in service.list_tenants(session)])
+
+
+@router.patch("/{tenant_id}", operation_id="updateTenant")
+@raises(NotFound)
+def update_tenant(
+    tenant_id: TenantIdPath, body: TenantUpdate, _: AdminDep, session: SessionDep, settings: SettingsDep
+) -> TenantOut:
+    """Change a tenant's quota of concurrent runs (admin). Lowered below its active runs, they keep
+    their slots and its queued runs wait until it is under the new quota; raised, its queued runs
+    that now fit are admitted at once."""
+    tenant = quota.update_quota(
+        session, tenant_id=tenant_id, max_concurrent_runs=body.max_concurrent_runs, settings=settings
+    )
+    return TenantOut.model_validate(tenant)
 
 
 @router.delete("/{tenant_id}", status_code=status.HTTP_204_NO_CONTENT, operation_id="deleteTenant")

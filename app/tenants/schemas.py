@@ -13,12 +13,22 @@ class TenantCreate(JsonNumbers):
         min_length=1,
         max_length=128,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
-        description="Unique; letters, digits, '.', '_', '-'.",
+        description="Unique whatever the case ('Acme' is 'acme'); letters, digits, '.', '_', '-'.",
         examples=["acme"],
     )
     max_concurrent_runs: int = Field(
         default=2, ge=1, le=1024, description="Quota: runs holding a slot at once."
     )
+
+
+class TenantUpdate(JsonNumbers):
+    """A tenant's new quota. Lowered below its active runs: they keep their slots, and its queued runs
+    wait until fewer than the new quota are active. Raised: its queued runs that now fit are admitted
+    at once (where their base models have free slots)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_concurrent_runs: int = Field(ge=1, le=1024, description="Quota: runs holding a slot at once.")
 
 
 class TenantOut(BaseModel):

@@ -1,6 +1,6 @@
 """Tenants and API keys. Keyword-only, raises domain errors, never commits."""
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -16,15 +16,18 @@ KEY_PREFIX_CHARS = 12
 
 
 def create_tenant(session: Session, *, name: str, max_concurrent_runs: int) -> Tenant:
-    if session.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
-        raise Conflict(f"a tenant named {name!r} already exists")
+    """A new tenant; a 409 if a tenant's name equals `name` whatever the case (`Acme` is `acme`)."""
+    existing = session.scalar(select(Tenant.name).where(func.lower(Tenant.name) == name.lower()))
+    if existing is not None:
+        raise _name_taken(name, existing)
     tenant = Tenant(id=new_id("ten"), name=name, max_concurrent_runs=max_concurrent_runs)
     try:
-        # A savepoint, so that losing a race on the unique name is a 409, not a broken transaction.
+        # A savepoint, so that losing a race on the unique name (uq_tenants_lower_name) is a 409,
+        # not a broken transaction.
         with session.begin_nested():
             session.add(tenant)
     except IntegrityError as exc:
-        raise Conflict(f"a tenant named {name!r} already exists") from exc
+        raise _name_taken(name, None) from exc
     record_event(
         session,
         action="tenant.created",
@@ -33,6 +36,16 @@ def create_tenant(session: Session, *, name: str, max_concurrent_runs: int) -> T
         details={"name": name, "max_concurrent_runs": max_concurrent_runs},
     )
     return tenant
+
+
+def _name_taken(name: str, existing: str | None) -> Conflict:
+    """The 409 of a name taken; `existing` names the tenant's spelling where it differs in case."""
+    if existing is None or existing == name:
+        return Conflict(f"a tenant named {name!r} already exists")
+    return Conflict(
+        f"a tenant named {existing!r} already exists (names are unique whatever their case)",
+        details={"name": existing},
+    )
 
 
 def list_tenants(session: Session) -> list[Tenant]:

@@ -6,6 +6,7 @@ from app.main import create_app
 EXPECTED = {
     ("post", "/v1/tenants"): ("createTenant", "tenants"),
     ("get", "/v1/tenants"): ("listTenants", "tenants"),
+    ("patch", "/v1/tenants/{tenant_id}"): ("updateTenant", "tenants"),
     ("post", "/v1/tenants/{tenant_id}/keys"): ("createApiKey", "tenants"),
     ("delete", "/v1/tenants/{tenant_id}/keys/{key_id}"): ("revokeApiKey", "tenants"),
     ("post", "/v1/runs"): ("createRun", "runs"),
