@@ -1,4 +1,5 @@
-"""HTTP semantics the router leaves out: HEAD on every GET route, and a 405's complete `Allow`.
+"""HTTP semantics the router leaves out: HEAD on every GET route, a 405's complete `Allow`, and
+a 415 for a body of a type a route does not read.
 
 FastAPI's routes answer exactly the methods they declare, so a HEAD (what link checkers, monitors
 and resuming download clients send first) was a 405. `HeadAsGet` answers it as the GET, without the
@@ -12,6 +13,8 @@ from collections.abc import Iterable
 from fastapi import routing
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import UnsupportedMediaType
 
 _RANGE_HEADERS = (b"range", b"if-range")
 
@@ -79,3 +82,35 @@ def allowed_methods(routes: Iterable[BaseRoute], scope: Scope) -> str | None:
     if "GET" in methods:
         methods.add("HEAD")
     return ", ".join(sorted(methods)) or None
+
+
+JSON_MEDIA_TYPE = "application/json"
+SHOWN_MEDIA_TYPE_CHARS = 100
+
+
+def media_type(content_type: str | None) -> str:
+    """The media type of a `Content-Type` value, lowercased and without its parameters; "" for none."""
+    return (content_type or "").split(";", 1)[0].strip().lower()
+
+
+def is_json(media: str) -> bool:
+    """Whether `media` (from `media_type`) declares JSON: application/json or a `+json` type, the
+    types FastAPI parses as JSON."""
+    return media == JSON_MEDIA_TYPE or media.endswith("+json")
+
+
+def require_json(content_type: str | None, *, has_body: bool) -> None:
+    """The 415 of a route FastAPI reads a JSON body for, sent a body it would not read as JSON,
+    naming the type it takes. FastAPI validates such a body as bytes: a 422 saying the body is not
+    an object, which sends a client looking for a wrong field rather than at its Content-Type. That
+    includes a body without a Content-Type (FastAPI's `strict_content_type`: a browser may post one
+    cross-site without asking first); no body at all is left to the route (a missing field, or none)."""
+    media = media_type(content_type)
+    if is_json(media) or (media == "" and not has_body):
+        return
+    shown = media[:SHOWN_MEDIA_TYPE_CHARS]  # a header can be 8 KB long
+    said = f"unsupported Content-Type {shown!r}" if shown else "a body without a Content-Type"
+    raise UnsupportedMediaType(
+        f"{said}; send {JSON_MEDIA_TYPE}",
+        details={"content_type": shown or None, "accepted": [JSON_MEDIA_TYPE]},
+    )

@@ -287,6 +287,37 @@ def tenants_list(url: UrlOpt = DEFAULT_URL, key: AdminKeyOpt = None, as_json: Js
         )
 
 
+@tenants_cli.command("update")
+def tenants_update(
+    tenant_id: TenantIdArg,
+    max_concurrent_runs: Annotated[
+        int,
+        typer.Option(
+            "--max-concurrent-runs",
+            "--quota",
+            help="How many of its runs may hold a slot at once. Lowered below its active runs, they keep "
+            "their slots and its queued runs wait; raised, its queued runs that now fit start at once.",
+        ),
+    ],
+    url: UrlOpt = DEFAULT_URL,
+    key: AdminKeyOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Change a tenant's quota of concurrent runs."""
+    t = api(
+        "PATCH",
+        f"/v1/tenants/{tenant_id}",
+        url=url,
+        key=key,
+        key_env="LORALOOM_ADMIN_KEY",
+        json_body={"max_concurrent_runs": max_concurrent_runs},
+    )
+    if as_json:
+        _echo_json(t)
+    else:
+        typer.echo(f"tenant {t['name']}: {t['id']} (quota {t['max_concurrent_runs']})")
+
+
 @tenants_cli.command("delete")
 def tenants_delete(
     tenant_id: TenantIdArg,
@@ -516,6 +547,13 @@ def load_run_file(path: Path, name: str | None) -> tuple[dict[str, Any], str]:
         if "name" in doc:
             body["name"] = doc["name"]
     body = {"name": name or body.get("name") or path.stem, **{k: v for k, v in body.items() if k != "name"}}
+    from contracts.names import run_name_problem  # the service's rule: its 422, said before sending
+
+    if (refused := run_name_problem(body["name"])) is not None:
+        source = (
+            "--name" if name else f"{path}: name" if "name" in doc else f"{path}: the file's stem (the name)"
+        )
+        _fail(f"{source} {refused.message}")
     return body, fmt
 
 

@@ -55,6 +55,7 @@ from contracts.http import (
     tinker_surface_hint,
 )
 from contracts.ids import MAX_IDEMPOTENCY_KEY, is_idempotency_key, is_run_id
+from contracts.names import run_name_problem
 from contracts.run_config import RunConfig
 from contracts.status import RunStatus
 from contracts.wire import Problem, TrainingBatch, json_encoder
@@ -134,6 +135,16 @@ def _idempotency_headers(key: str | None) -> dict[str, str]:
     return {"Idempotency-Key": key or str(uuid.uuid4())}
 
 
+def _check_run_name(name: str) -> None:
+    """The service's rule for a run's name (contracts.names), checked before anything is sent: the
+    same message as its 422, with no request spent and nothing retried."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, not {type(name).__name__}")
+    problem = run_name_problem(name)
+    if problem is not None:
+        raise ValueError(f"run name {problem.message}")
+
+
 def _clean_params(**params: Any) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v is not None}
 
@@ -163,6 +174,7 @@ class _Ops:
         idempotency_key: str | None,
         init_from: Mapping[str, Any] | None = None,
     ) -> _Op[Run]:
+        _check_run_name(name)
         if isinstance(config, RunConfig):
             # Only what the user set: the service applies the same defaults, and an older
             # service does not choke on fields it has never heard of.

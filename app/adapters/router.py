@@ -3,7 +3,7 @@ by file, with ETags) and step metrics. API key only; thin: parse, call the servi
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Response, status
+from fastapi import APIRouter, Depends, Header, Path, Query, Response, status
 from fastapi.responses import FileResponse
 
 from app.adapters import service
@@ -13,9 +13,10 @@ from app.adapters.models import Adapter
 from app.adapters.schemas import AdapterList, AdapterOut, MetricsList
 from app.auth import SettingsDep
 from app.db import SessionDep
-from app.errors import RangeNotSatisfiable, ValidationFailed, raises
+from app.errors import NotFound, RangeNotSatisfiable, ValidationFailed, raises
 from app.pagination import MAX_LIMIT, CursorQuery, LimitQuery, decode_id_cursor, encode_id_cursor
 from app.runs.deps import OwnedRunDep
+from app.runs.models import Run
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 from contracts.pool_api import INT32_MAX
 
@@ -45,6 +46,17 @@ IfNoneMatch = Annotated[
         description="An `ETag` of an earlier download: the answer is a 304 without a body if it still matches.",
     ),
 ]
+
+
+@raises(NotFound)
+async def _run_with_adapters(run: OwnedRunDep) -> Run:  # no I/O: no thread
+    """The caller's run, if it has not been deleted: a deleted run's adapters are a 404, listed or
+    downloaded alike (`service.refuse_if_run_deleted`)."""
+    service.refuse_if_run_deleted(run)
+    return run
+
+
+RunWithAdaptersDep = Annotated[Run, Depends(_run_with_adapters)]
 
 
 def _header(description: str) -> dict[str, Any]:
@@ -136,7 +148,7 @@ def _cursor_kind(newest_first: bool) -> str:
     "/v1/runs/{run_id}/adapters", response_model=AdapterList, operation_id="listAdapters", tags=["adapters"]
 )
 def list_adapters(
-    run: OwnedRunDep,
+    run: RunWithAdaptersDep,
     session: SessionDep,
     limit: AdaptersLimitQuery = None,
     cursor: CursorQuery = None,
@@ -191,7 +203,7 @@ def _adapter_out(a: Adapter) -> AdapterOut:
 )
 @raises(RangeNotSatisfiable)
 def download_adapter(
-    run: OwnedRunDep,
+    run: RunWithAdaptersDep,
     step: StepPath,
     session: SessionDep,
     settings: SettingsDep,
@@ -236,7 +248,7 @@ def download_adapter(
 )
 @raises(RangeNotSatisfiable)
 def download_adapter_file(
-    run: OwnedRunDep,
+    run: RunWithAdaptersDep,
     step: StepPath,
     name: FileNamePath,
     session: SessionDep,

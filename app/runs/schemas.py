@@ -3,21 +3,23 @@
 import hashlib
 import json
 import tomllib
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
+from app import http_semantics
 from app.errors import PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 from app.request_guard import nested_deeper, nul_path, too_deep
 from app.runs.models import Run
 from app.timestamps import UtcDatetime
+from contracts.names import MAX_RUN_NAME_CHARS, RUN_NAME_RULE, run_name_problem
 from contracts.pool_api import InitFrom
 from contracts.progress import Progress
 from contracts.run_config import METADATA_MAX_VALUES, Excess, RunConfig, metadata_excess, shape_excess
 from contracts.status import RunStatus
 
 TOML_CONTENT_TYPES = frozenset({"application/toml", "text/toml", "text/x-toml"})
-JSON_CONTENT_TYPES = frozenset({"application/json", ""})
 
 MAX_TOML_BODY_BYTES = 64 * 1024
 """A TOML create body's size (a 413 above). TOML is parsed in pure Python, so a 1 MB array of zeros
@@ -66,13 +68,29 @@ class InitFromRun(BaseModel):
         return self
 
 
+def _checked_run_name(name: str) -> str:
+    problem = run_name_problem(name)
+    if problem is not None:  # `{problem}`: the message is data, never a format template
+        raise PydanticCustomError(problem.type, "{problem}", {"problem": problem.message})
+    return name
+
+
+RunName = Annotated[
+    str,
+    Field(min_length=1, max_length=MAX_RUN_NAME_CHARS, description=RUN_NAME_RULE, examples=["gsm8k-r8"]),
+    AfterValidator(_checked_run_name),
+]
+"""A new run's name (contracts.names: the one rule the SDK and the CLI check too). Rows stored
+before the rule keep their names: only what comes in is checked."""
+
+
 class RunCreate(BaseModel):
     """Create a run. As TOML: a top-level `name = "..."` and a `[config]` table (sub-tables
     `[config.lora]`, `[config.optim]`, ...)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$", examples=["gsm8k-r8"])
+    name: RunName
     config: RunConfig = Field(default_factory=RunConfig, description="Omitted fields take their defaults.")
     init_from: InitFromRun | None = Field(
         default=None,
@@ -215,7 +233,7 @@ def size_problem(data: Any) -> ValidationFailed | None:
 
 def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
     """Parse and validate a create-run body, JSON or TOML, or raise a 413/415/422 domain error."""
-    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    media_type = http_semantics.media_type(content_type)
     if media_type in TOML_CONTENT_TYPES and len(body) > MAX_TOML_BODY_BYTES:
         raise PayloadTooLarge(
             f"a TOML run body is at most {MAX_TOML_BODY_BYTES} bytes (this one is {len(body)}); "
@@ -230,7 +248,7 @@ def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
             data: Any = tomllib.loads(body.decode("utf-8"))
         except ValueError as exc:  # UnicodeDecodeError and TOMLDecodeError among them
             raise _malformed("TOML", str(exc)) from exc
-    elif media_type in JSON_CONTENT_TYPES or media_type.endswith("+json"):
+    elif media_type == "" or http_semantics.is_json(media_type):  # none: JSON (the request guard agrees)
         try:
             data = json.loads(body)
         except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError among them

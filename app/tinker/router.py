@@ -16,8 +16,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from app.auth import SettingsDep, cached_key
 from app.db import SessionDep
-from app.errors import MethodNotAllowed, RateLimited
-from app.http_semantics import allowed_methods
+from app.errors import MethodNotAllowed, RateLimited, UnsupportedMediaType, raises
+from app.http_semantics import allowed_methods, require_json
 from app.limits import InFlight
 from app.tinker import checkpoints, sampling, service, work
 from app.tinker.auth import TinkerTenantDep, tinker_key_hash, tinker_tenant
@@ -57,6 +57,19 @@ SamplerIdPath = Annotated[str, Path(max_length=MAX_SAMPLER_ID_CHARS, pattern=PRI
 CheckpointIdPath = Annotated[str, Path(max_length=MAX_TINKER_PATH_CHARS, pattern=PRINTABLE)]
 
 
+@raises(UnsupportedMediaType)
+async def json_body(_: TinkerTenantDep, request: Request) -> None:
+    """Every route that reads a JSON body takes it as JSON only: a body of another Content-Type, or
+    of none, is a 415 naming application/json (FastAPI validated it as bytes: a 422 saying the body
+    is not an object), after the caller's 401, as on /v1. The official SDK sends application/json on
+    every call (application/x-protobuf to forward_backward, which reads its own body). The caller is
+    the route's own (FastAPI resolves a dependency once a request); the body was read already."""
+    require_json(request.headers.get("content-type"), has_body=bool(await request.body()))
+
+
+JSON_BODY = [Depends(json_body)]
+
+
 @router.get("/healthz", operation_id="tinkerHealthz")
 def healthz() -> dict[str, str]:
     return {"status": "ok"}
@@ -80,7 +93,7 @@ def telemetry(_: TinkerTenantDep) -> dict[str, str]:
     return {"status": "accepted"}
 
 
-@router.post("/create_session", operation_id="tinkerCreateSession")
+@router.post("/create_session", operation_id="tinkerCreateSession", dependencies=JSON_BODY)
 def create_session(
     principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: CreateSessionRequest
 ) -> dict[str, str]:
@@ -88,7 +101,7 @@ def create_session(
     return {"type": "create_session", "session_id": row.id}
 
 
-@router.post("/session_heartbeat", operation_id="tinkerSessionHeartbeat")
+@router.post("/session_heartbeat", operation_id="tinkerSessionHeartbeat", dependencies=JSON_BODY)
 def session_heartbeat(
     principal: TinkerTenantDep, session: SessionDep, body: SessionHeartbeatRequest
 ) -> dict[str, str]:
@@ -111,7 +124,7 @@ def get_server_capabilities(_: TinkerTenantDep, session: SessionDep) -> ServerCa
     return ServerCapabilities(supported_models=service.capabilities(session))
 
 
-@router.post("/create_model", operation_id="tinkerCreateModel")
+@router.post("/create_model", operation_id="tinkerCreateModel", dependencies=JSON_BODY)
 def create_model(
     principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: CreateModelRequest
 ) -> UntypedAPIFuture:
@@ -121,7 +134,7 @@ def create_model(
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
-@router.post("/get_info", operation_id="tinkerGetInfo")
+@router.post("/get_info", operation_id="tinkerGetInfo", dependencies=JSON_BODY)
 def get_info(principal: TinkerTenantDep, session: SessionDep, body: GetInfoRequest) -> GetInfoResponse:
     return service.model_info(session, tenant_id=principal.tenant_id, model_id=body.model_id)
 
@@ -245,8 +258,26 @@ async def _try_again(
     return JSONResponse(answer.model_dump(exclude_none=True))
 
 
+async def _poll_tenant(request: Request) -> str:
+    """The caller of a long poll. The key caches answer a known key (or a recent wrong one) on the
+    event loop: no thread. A dependency, so a caller is refused (401) before its body is looked at."""
+    cached = cached_key(request.app.state, tinker_key_hash(request))
+    if cached is not None:
+        return cached.tenant_id
+    return await run_in_threadpool(_authenticate, request.app.state.session_factory, request)
+
+
+@raises(UnsupportedMediaType)
+async def _poll_json_body(tenant_id: Annotated[str, Depends(_poll_tenant)], request: Request) -> str:
+    """`json_body` of the long poll, which holds no session (its own `_poll_tenant`)."""
+    require_json(request.headers.get("content-type"), has_body=bool(await request.body()))
+    return tenant_id
+
+
 @router.post("/retrieve_future", operation_id="tinkerRetrieveFuture")
-async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Response:
+async def retrieve_future(
+    request: Request, tenant_id: Annotated[str, Depends(_poll_json_body)], body: FutureRetrieveRequest
+) -> Response:
     """The result; `{"error", "category"}` for a failed request; `{"type": "try_again"}` if it
     is still pending after a short long-poll (the SDK then polls again), with `queue_state` and
     `queue_state_reason` saying why when its run waits for a place (`_try_again`); 404 `model ... not found`
@@ -261,11 +292,6 @@ async def retrieve_future(request: Request, body: FutureRetrieveRequest) -> Resp
     (hostile probe, finding 4). A poll whose client has gone ends at its next check, or before its
     first when it waited in line, freeing its place."""
     factory: sessionmaker[Session] = request.app.state.session_factory
-    # The key caches answer a known key (or a recent wrong one) on the event loop: no thread.
-    cached = cached_key(request.app.state, tinker_key_hash(request))
-    tenant_id = (
-        cached.tenant_id if cached is not None else await run_in_threadpool(_authenticate, factory, request)
-    )
     polls = long_polls(request)
     if not await polls.enter(tenant_id, wait_s=LONG_POLL_WAIT_S):
         # No place came up: "try again" (the SDK polls again at once; it backs off from a 429).
@@ -309,7 +335,7 @@ def forward_backward(
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
-@router.post("/optim_step", operation_id="tinkerOptimStep")
+@router.post("/optim_step", operation_id="tinkerOptimStep", dependencies=JSON_BODY)
 def optim_step(
     principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
 ) -> UntypedAPIFuture:
@@ -317,7 +343,7 @@ def optim_step(
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
-@router.post("/save_weights_for_sampler", operation_id="tinkerSaveWeightsForSampler")
+@router.post("/save_weights_for_sampler", operation_id="tinkerSaveWeightsForSampler", dependencies=JSON_BODY)
 def save_weights_for_sampler(
     principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
 ) -> UntypedAPIFuture:
@@ -331,7 +357,7 @@ def save_weights_for_sampler(
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
-@router.post("/save_weights", operation_id="tinkerSaveWeights")
+@router.post("/save_weights", operation_id="tinkerSaveWeights", dependencies=JSON_BODY)
 def save_weights(
     principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
 ) -> UntypedAPIFuture:
@@ -340,7 +366,7 @@ def save_weights(
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
-@router.post("/load_weights", operation_id="tinkerLoadWeights")
+@router.post("/load_weights", operation_id="tinkerLoadWeights", dependencies=JSON_BODY)
 def load_weights(
     principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
 ) -> UntypedAPIFuture:
@@ -350,7 +376,7 @@ def load_weights(
     return UntypedAPIFuture(request_id=future.id, model_id=future.model_id)
 
 
-@router.post("/create_sampling_session", operation_id="tinkerCreateSamplingSession")
+@router.post("/create_sampling_session", operation_id="tinkerCreateSamplingSession", dependencies=JSON_BODY)
 def create_sampling_session(
     principal: TinkerTenantDep, session: SessionDep, body: dict[str, Any]
 ) -> dict[str, str]:
@@ -365,7 +391,7 @@ def get_sampler(principal: TinkerTenantDep, session: SessionDep, sampler_id: Sam
     return answer if sampler.model_path is None else {**answer, "model_path": sampler.model_path}
 
 
-@router.post("/asample", operation_id="tinkerSample")
+@router.post("/asample", operation_id="tinkerSample", dependencies=JSON_BODY)
 def asample(
     principal: TinkerTenantDep, session: SessionDep, settings: SettingsDep, body: dict[str, Any]
 ) -> UntypedAPIFuture:
@@ -459,7 +485,7 @@ def list_user_checkpoints(
     return CheckpointsOut(checkpoints=items, cursor=Cursor(offset=offset, limit=limit, total_count=total))
 
 
-@router.post("/weights_info", operation_id="tinkerWeightsInfo")
+@router.post("/weights_info", operation_id="tinkerWeightsInfo", dependencies=JSON_BODY)
 def weights_info(principal: TinkerTenantDep, session: SessionDep, body: WeightsInfoRequest) -> WeightsInfoOut:
     return checkpoints.weights_info(session, tenant_id=principal.tenant_id, path=body.tinker_path)
 

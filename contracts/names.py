@@ -1,0 +1,88 @@
+"""What a run's name may hold: the one rule, checked by the service (POST /v1/runs, JSON or TOML),
+the SDK (orchestrator.client) and the CLI (`loraloom runs create`) before anything is sent.
+
+A name is shown wherever a run is: run lists, the dashboard, events, log lines, terminals. It must
+read as what it is, so it holds none of:
+
+- control characters: C0 (U+0000-U+001F, tab and newline included), DEL and C1 (U+0080-U+009F);
+  an escape or a carriage return rewrites what a terminal shows around it, a newline forges a log line;
+- invisible format characters (Unicode category Cf): bidirectional overrides and isolates
+  (U+202A-U+202E, U+2066-U+2069) show `eval-gpt<U+202E>exe.txt` as another name, and zero-width
+  ones (U+200B, U+FEFF) make two names that look the same differ;
+- line and paragraph separators (U+2028, U+2029), and lone surrogates (not characters at all);
+- whitespace only, or whitespace at either end (`"gsm8k "` listed beside `"gsm8k"`).
+
+A message names a character by its code point (`U+202E`) and Unicode name, never as itself.
+"""
+
+import unicodedata
+from dataclasses import dataclass
+
+MAX_RUN_NAME_CHARS = 128
+"""The `runs.name` column's length."""
+
+RUN_NAME_RULE = (
+    f"1 to {MAX_RUN_NAME_CHARS} characters; no control character (C0, DEL, C1), invisible format "
+    "character (Unicode Cf: bidirectional controls, zero-width characters), line or paragraph "
+    "separator, and no whitespace at either end"
+)
+"""The rule in words, for the API document and help texts."""
+
+_BIDI_CONTROLS = frozenset(
+    chr(code) for code in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+)
+"""Format characters that reorder or direct text (Cf as well; named apart for a clearer message)."""
+
+
+@dataclass(frozen=True)
+class NameProblem:
+    """Why a name is refused: `type` for a 422's detail, `message` completing "name ..."."""
+
+    type: str
+    message: str
+
+
+def _described(char: str) -> str:
+    """`U+202E RIGHT-TO-LEFT OVERRIDE`: safe to print, whatever the character does."""
+    name = unicodedata.name(char, "")
+    return f"U+{ord(char):04X}" + (f" {name}" if name else "")
+
+
+def _kind(char: str) -> str | None:
+    """What kind of refused character `char` is, or None for one a name may hold."""
+    category = unicodedata.category(char)
+    if char in _BIDI_CONTROLS:
+        return "a bidirectional text control"
+    if category == "Cc":
+        return "a control character"
+    if category == "Cf":
+        return "an invisible format character"
+    if category in ("Zl", "Zp"):
+        return "a line or paragraph separator"
+    if category == "Cs":
+        return "a lone surrogate, not a character"
+    return None
+
+
+def run_name_problem(name: str) -> NameProblem | None:
+    """Why `name` cannot be a run's name, or None. The first refused character is named (with its
+    position, counted from 1), before any problem of whitespace: a C1 or separator is whitespace too."""
+    if not name:
+        return NameProblem("string_too_short", "must not be empty")
+    if len(name) > MAX_RUN_NAME_CHARS:
+        return NameProblem(
+            "string_too_long", f"must be at most {MAX_RUN_NAME_CHARS} characters, not {len(name)}"
+        )
+    for position, char in enumerate(name, start=1):
+        kind = _kind(char)
+        if kind is not None:
+            return NameProblem(
+                "run_name_character", f"must not contain {_described(char)} ({kind}, character {position})"
+            )
+    if name.isspace():
+        return NameProblem("run_name_whitespace", "must not be only whitespace")
+    if name[0].isspace():
+        return NameProblem("run_name_whitespace", f"must not start with whitespace ({_described(name[0])})")
+    if name[-1].isspace():
+        return NameProblem("run_name_whitespace", f"must not end with whitespace ({_described(name[-1])})")
+    return None
