@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app import cookie_unquote
 from app.adapters.pool_router import router as pool_adapters_router
 from app.adapters.router import router as adapters_router
 from app.adapters.tenant_router import router as tenant_adapters_router
@@ -82,6 +83,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    cookie_unquote.install()  # every request's Cookie header is parsed: linear, on every Python
     engine = make_engine(settings.database_url)
 
     @asynccontextmanager
