@@ -13,8 +13,16 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES
@@ -49,14 +57,24 @@ MAX_SAMPLER_ROUND_BYTES = 16 * 1024**3
 """The most answer bytes one round of external sampling may hold in memory at once."""
 _ROUND_BYTES = "sampler_round_bytes"
 """The type of the error of a `sampler_concurrency` × `sampler_max_response_bytes` over that."""
+_VARIABLES_DISAGREE = "variables_disagree"
+"""The type of the error of two variables of one setting set to different values."""
 
 
 class WorkerSettings(BaseSettings):
     """Every option of the worker pool. Field name = flag (`--seq-len`) = variable (`LORALOOM_SEQ_LEN`),
     except where `validation_alias` names the variables (compose's names): LORALOOM_MODEL_CACHE,
-    LORALOOM_MAX_CONCURRENT_RUNS (or LORALOOM_SLOTS), LORALOOM_WORKER_RANKS."""
+    LORALOOM_MAX_CONCURRENT_RUNS (or LORALOOM_SLOTS), LORALOOM_WORKER_RANKS. Both variables of one
+    setting set to different values is an error naming both (`_refuse_disagreeing_variables`), unless
+    the setting is given here (a flag), which wins over both."""
 
     model_config = SettingsConfigDict(env_prefix="LORALOOM_", extra="ignore", populate_by_name=True)
+
+    def __init__(self, **values: Any) -> None:
+        # Before pydantic-settings reads the environment: of two variables of one setting it takes the
+        # first set (LORALOOM_SLOTS over LORALOOM_MAX_CONCURRENT_RUNS) without a word.
+        _refuse_disagreeing_variables(values, os.environ)
+        super().__init__(**values)
 
     # -- service --------------------------------------------------------------------------------
     url: str = "http://127.0.0.1:8000"
@@ -234,6 +252,56 @@ class WorkerSettings(BaseSettings):
 
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
+
+
+def _field_variables(field: str) -> list[str]:
+    """The LORALOOM_* variables that set `field`: its `validation_alias` choices, else its own."""
+    alias = WorkerSettings.model_fields[field].validation_alias
+    if isinstance(alias, AliasChoices):
+        return [name for name in alias.choices if isinstance(name, str)]
+    return [f"LORALOOM_{field.upper()}"]
+
+
+def _same_value(field: str, texts: Collection[str]) -> bool:
+    """Whether the variables' `texts` mean one value of `field` ("4" and "04", "./m" and "m")."""
+    annotation = WorkerSettings.model_fields[field].annotation
+    if len(set(texts)) == 1 or annotation is None:
+        return len(set(texts)) == 1
+    adapter: TypeAdapter[Any] = TypeAdapter(annotation)
+    try:
+        return len({repr(adapter.validate_python(text.strip())) for text in texts}) == 1
+    except ValidationError:
+        return False  # one is no value at all: they differ, and the error says both
+
+
+def _refuse_disagreeing_variables(given: Mapping[str, Any], environ: Mapping[str, str]) -> None:
+    """A setting with two variables (LORALOOM_SLOTS and LORALOOM_MAX_CONCURRENT_RUNS, ...) set to
+    different values is an error naming both with their values, unless its flag is given: a flag wins
+    over every variable, so it settles the question. The same value in both is fine (compose sets one,
+    an .env file the other)."""
+    by_upper: dict[str, list[str]] = {}
+    for key in environ:  # pydantic-settings ignores the case of variable names: so does this
+        by_upper.setdefault(key.upper(), []).append(key)
+    problems: list[str] = []
+    disagreeing: dict[str, str] = {}
+    for field in WorkerSettings.model_fields:
+        variables = _field_variables(field)
+        if field in given or any(v in given for v in variables):
+            continue
+        set_ = [key for v in variables for key in by_upper.get(v, [])]
+        if len(set_) > 1 and not _same_value(field, [environ[key] for key in set_]):
+            both = " and ".join(f"{key}={environ[key]!r}" for key in set_)
+            disagreeing |= {key: environ[key] for key in set_}
+            problems.append(
+                f"{both} are two names of one setting ({flag_name(field)}) with different values: unset "
+                f"one, give both the same value, or pass {flag_name(field)} (a flag wins over both)"
+            )
+    if problems:
+        error = PydanticCustomError(_VARIABLES_DISAGREE, "{problems}", {"problems": "; ".join(problems)})
+        # The input is the variables only: the flags given may hold the worker token.
+        raise ValidationError.from_exception_data(
+            WorkerSettings.__name__, [InitErrorDetails(type=error, loc=(), input=disagreeing)]
+        )
 
 
 def _setting_variable(name: str, environ: Mapping[str, str]) -> tuple[str, str | None]:

@@ -1,9 +1,12 @@
 """`loraloom worker`: the worker pool under torchrun, configured like the service.
 
 Every option is a field of `trainer_core.settings.WorkerSettings`: LORALOOM_* variables first,
-then the flags given here (a flag wins). Relative paths are resolved against the caller's working
-directory once, here, and the ranks get absolute ones. The token is checked against the service
-before any rank starts, so a wrong one fails in a second, not after the model has loaded.
+then the flags given here (a flag wins). A setting with two variables (--slots:
+LORALOOM_MAX_CONCURRENT_RUNS or LORALOOM_SLOTS) refuses to start with them set to different
+values, naming both, unless its flag is given: the flag wins over both. Relative paths are resolved
+against the caller's working directory once, here, and the ranks get absolute ones. The token is
+checked against the service before any rank starts, so a wrong one fails in a second, not after the
+model has loaded.
 """
 
 import json
@@ -82,7 +85,8 @@ def worker(
         ),
     ] = None,
     slots: Annotated[
-        int | None, _opt(POOL, "Concurrent runs (LoRA slots) [LORALOOM_MAX_CONCURRENT_RUNS] (4).")
+        int | None,
+        _opt(POOL, "Concurrent runs (LoRA slots) [LORALOOM_MAX_CONCURRENT_RUNS or LORALOOM_SLOTS] (4)."),
     ] = None,
     max_rank: Annotated[
         int | None, _opt(POOL, "Largest LoRA rank a run may ask for [LORALOOM_MAX_RANK] (16).")
