@@ -18,7 +18,9 @@ Client, service and Postgres share this machine's cores. The database is a tempo
 (created and dropped here); data goes to a temporary directory.
 
 Prints a markdown table: samples/s, MB/s on the wire (request bodies), MB/s of payload (the
-canonical msgpack bytes, the same bytes the raw path writes), median latency and the ratio to raw.
+canonical msgpack bytes, the same bytes the raw path writes), median latency and the ratio to raw;
+for the service, its CPU per batch, and of it the kernel's part and the event-loop thread's part
+(the rest is its worker threads': the routes' blocking work, the sweeper).
 """
 
 import argparse
@@ -240,6 +242,21 @@ def tree_cpu_seconds(pid: int) -> tuple[float, float]:
     return total, system
 
 
+def event_loop_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) of a single-process uvicorn server's main thread, which runs its
+    event loop (the HTTP layer, the front layer and routes' async parts, the thread hand-offs' loop
+    side); the rest of the process's CPU is its worker threads' (the routes' blocking parts, the
+    sweeper). None when `pid` has child processes (`--workers` > 1: its main thread supervises)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        if any((task / "children").read_text().split() for task in Path(f"/proc/{pid}/task").iterdir()):
+            return None
+        fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / tick
+
+
 @dataclass
 class Result:
     path: str
@@ -255,6 +272,8 @@ class Result:
     """CPU time of the service's processes (not Postgres, not the clients) while this configuration ran."""
     server_sys_s: float = 0.0
     """The part of it spent in the kernel (socket reads, the payload write and its fsyncs)."""
+    server_loop_s: float | None = 0.0
+    """The part of it on the event loop's thread (`event_loop_cpu_seconds`); None when not known."""
 
 
 def post_all(
@@ -339,10 +358,16 @@ def measure_rounds(
         raw.samples += chunk_samples
         for result, secret, run_id in targets:
             cpu0, sys0 = tree_cpu_seconds(pid)
+            loop0 = event_loop_cpu_seconds(pid)
             seconds, wire, lat = post_all(url, secret, run_id, chunk, fmt=result.fmt, clients=result.clients)
             cpu1, sys1 = tree_cpu_seconds(pid)
+            loop1 = event_loop_cpu_seconds(pid)
             result.server_cpu_s += cpu1 - cpu0
             result.server_sys_s += sys1 - sys0
+            if result.server_loop_s is not None and loop0 is not None and loop1 is not None:
+                result.server_loop_s += loop1 - loop0
+            else:
+                result.server_loop_s = None
             result.seconds += seconds
             result.wire_bytes += wire
             result.payload_bytes += chunk_payload
@@ -361,17 +386,19 @@ def table(results: list[Result]) -> str:
     raw_rate = raw.samples / raw.seconds
     lines = [
         "| path | format | clients | batches | samples/s | wire MB/s | payload MB/s | p50 ms/batch "
-        "| service CPU ms/batch | of which kernel | × raw |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| service CPU ms/batch | of which kernel | of which event loop | × raw |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         rate = r.samples / r.seconds
-        cpu = f"{r.server_cpu_s / r.batches * 1000:.1f}" if r.path == "service" else "–"
-        kernel = f"{r.server_sys_s / r.batches * 1000:.1f}" if r.path == "service" else "–"
+        served = r.path == "service"
+        cpu = f"{r.server_cpu_s / r.batches * 1000:.1f}" if served else "–"
+        kernel = f"{r.server_sys_s / r.batches * 1000:.1f}" if served else "–"
+        loop = f"{r.server_loop_s / r.batches * 1000:.1f}" if served and r.server_loop_s is not None else "–"
         lines.append(
             f"| {r.path} | {r.fmt} | {r.clients} | {r.batches} | {rate:,.0f} | {r.wire_bytes / r.seconds / 1e6:,.1f} | "
             f"{r.payload_bytes / r.seconds / 1e6:,.1f} | {statistics.median(r.latencies_ms):.1f} | "
-            f"{cpu} | {kernel} | {rate / raw_rate:.2f} |"
+            f"{cpu} | {kernel} | {loop} | {rate / raw_rate:.2f} |"
         )
     return "\n".join(lines)
 
