@@ -4,7 +4,8 @@ GET /v1/adapters, GET and DELETE /v1/adapters/{adapter_id} (thin: parse, call th
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, status
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
+from pydantic_core import PydanticCustomError
 
 from app.adapters import uploads
 from app.adapters.models import TenantAdapter
@@ -13,9 +14,26 @@ from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, ValidationFailed, raises
 from app.timestamps import UtcDatetime
+from contracts.names import RUN_NAME_RULE, run_name_problem
 from contracts.run_config import DEFAULT_BASE_MODEL
 
 router = APIRouter(tags=["adapters"])
+
+
+def _checked_adapter_name(name: str) -> str:
+    # The run names' rule: an uploaded adapter's name is listed and logged as a run's is (a newline
+    # or a bidi override in it forged lines and reordered what a list showed).
+    problem = run_name_problem(name)
+    if problem is not None:  # `{problem}`: the message is data, never a format template
+        raise PydanticCustomError(problem.type, "{problem}", {"problem": problem.message})
+    return name
+
+
+AdapterName = Annotated[
+    str,
+    Query(min_length=1, max_length=128, description=f"The adapter's name: {RUN_NAME_RULE}."),
+    AfterValidator(_checked_adapter_name),
+]
 
 AdapterIdPath = Annotated[
     str,
@@ -78,7 +96,7 @@ def upload(
     body: UploadBody,
     session: SessionDep,
     settings: SettingsDep,
-    name: Annotated[str, Query(min_length=1, max_length=128)] = "adapter",
+    name: AdapterName = "adapter",
     base_model: Annotated[str, Query(min_length=1, max_length=256)] = DEFAULT_BASE_MODEL,
 ) -> TenantAdapterOut:
     row = uploads.upload_adapter(
