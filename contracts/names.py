@@ -28,6 +28,15 @@ RUN_NAME_RULE = (
 )
 """The rule in words, for the API document and help texts."""
 
+RUN_NAME_PATTERN = (
+    r"^(?!\s)[^\x00-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
+    r"\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]*(?<!\s)$"
+)
+"""The rule as a JSON Schema pattern, for the API document's validators (generated clients, schema
+checkers): every refused character of the Basic Multilingual Plane (as of Unicode 14, Python 3.11's)
+and whitespace at either end. `run_name_problem` is the rule itself; the pattern leaves out what a
+JSON Schema pattern cannot say portably (lone surrogates, format characters beyond U+FFFF)."""
+
 _BIDI_CONTROLS = frozenset(
     chr(code) for code in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))
 )

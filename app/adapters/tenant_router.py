@@ -14,7 +14,7 @@ from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, ValidationFailed, raises
 from app.timestamps import UtcDatetime
-from contracts.names import RUN_NAME_RULE, run_name_problem
+from contracts.names import RUN_NAME_PATTERN, RUN_NAME_RULE, run_name_problem
 from contracts.run_config import DEFAULT_BASE_MODEL
 
 router = APIRouter(tags=["adapters"])
@@ -31,7 +31,12 @@ def _checked_adapter_name(name: str) -> str:
 
 AdapterName = Annotated[
     str,
-    Query(min_length=1, max_length=128, description=f"The adapter's name: {RUN_NAME_RULE}."),
+    Query(
+        min_length=1,
+        max_length=128,
+        description=f"The adapter's name: {RUN_NAME_RULE}.",
+        json_schema_extra={"pattern": RUN_NAME_PATTERN},
+    ),
     AfterValidator(_checked_adapter_name),
 ]
 

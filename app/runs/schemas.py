@@ -13,7 +13,7 @@ from app.errors import PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 from app.request_guard import nested_deeper, nul_path, too_deep
 from app.runs.models import Run
 from app.timestamps import UtcDatetime
-from contracts.names import MAX_RUN_NAME_CHARS, RUN_NAME_RULE, run_name_problem
+from contracts.names import MAX_RUN_NAME_CHARS, RUN_NAME_PATTERN, RUN_NAME_RULE, run_name_problem
 from contracts.pool_api import InitFrom
 from contracts.progress import Progress
 from contracts.run_config import METADATA_MAX_VALUES, Excess, RunConfig, metadata_excess, shape_excess
@@ -77,7 +77,13 @@ def _checked_run_name(name: str) -> str:
 
 RunName = Annotated[
     str,
-    Field(min_length=1, max_length=MAX_RUN_NAME_CHARS, description=RUN_NAME_RULE, examples=["gsm8k-r8"]),
+    Field(
+        min_length=1,
+        max_length=MAX_RUN_NAME_CHARS,
+        description=RUN_NAME_RULE,
+        examples=["gsm8k-r8"],
+        json_schema_extra={"pattern": RUN_NAME_PATTERN},  # documented; AfterValidator enforces the rule
+    ),
     AfterValidator(_checked_run_name),
 ]
 """A new run's name (contracts.names: the one rule the SDK and the CLI check too). Rows stored

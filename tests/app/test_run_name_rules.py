@@ -167,3 +167,19 @@ def test_the_cli_refuses_such_a_name_from_the_file_its_stem_or_name(tmp_path: Pa
     stem.write_text('{"max_steps": 3}')
     with pytest.raises(CliError, match=r"the file's stem \(the name\) must not contain U\+2067"):
         load_run_file(stem, None)
+
+
+def test_the_api_documents_pattern_agrees_with_the_rule_on_every_bmp_character() -> None:
+    """Generated clients and schema checkers validate with RUN_NAME_PATTERN: each character of the
+    Basic Multilingual Plane, inside a name and at its ends, is refused by both or by neither."""
+    import re
+
+    from contracts.names import RUN_NAME_PATTERN
+
+    pattern = re.compile(RUN_NAME_PATTERN)
+    disagree = []
+    for code in (c for c in range(0x10000) if not 0xD800 <= c <= 0xDFFF):
+        for name in (f"a{chr(code)}b", f"{chr(code)}b", f"a{chr(code)}"):
+            if (pattern.fullmatch(name) is not None) != (run_name_problem(name) is None):
+                disagree.append(f"U+{code:04X} in {ascii(name)}")
+    assert not disagree, disagree[:20]
