@@ -16,12 +16,13 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 from starlette.types import Scope
 
-from app.errors import error_body
+from app.errors import error_body, problem
 
 log = logging.getLogger("loraloom")
 
 REQUEST_ID_HEADER = "X-Request-ID"
 DB_RETRY_AFTER_SECONDS = 5
+_OUT_OF_RANGE = "a value is out of the range the service stores"
 
 
 def is_database_unavailable(exc: BaseException) -> bool:
@@ -43,7 +44,7 @@ def error_response(exc: Exception, scope: Scope, request_id: str) -> JSONRespons
     if isinstance(exc, sa_exc.DataError):
         log.info("request %s (%s): value refused by the database: %s", request_id, where, exc.orig)
         return JSONResponse(
-            error_body("validation_error", "a value is out of the range the service stores", []),
+            error_body("validation_error", _OUT_OF_RANGE, [problem(("body",), _OUT_OF_RANGE)]),
             status_code=422,
         )
     log.exception("request %s (%s): unhandled error", request_id, where)

@@ -7,7 +7,7 @@ generated from these classes (app/openapi.py), and a test checks that every `cod
 source is listed here. `raises(...)` marks a route or a dependency with the errors it can raise.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -16,6 +16,13 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def error_body(code: str, message: str, details: Any = None) -> dict[str, Any]:
     """The one error body every 4xx/5xx carries."""
     return {"error": {"code": code, "message": message, "details": details}}
+
+
+def problem(loc: Sequence[str | int], msg: str, kind: str = "value_error") -> dict[str, Any]:
+    """One item of a 422's `details` (README "Errors"): `loc` the path of the field at fault, its
+    parts strings as pydantic's are written (`["data", "3", "model_input"]`), `msg` what is wrong
+    with it, `type` a machine-readable name of the problem (pydantic's where one fits)."""
+    return {"loc": [str(part) for part in loc], "msg": msg, "type": kind}
 
 
 class AppError(Exception):
@@ -32,6 +39,10 @@ class AppError(Exception):
     def __init__(self, message: str, *, details: Any = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if details is None and self.status == 422:
+            # Every 422 lists its problems (README "Errors"): one raised without any names the body
+            # as a whole rather than answering `details: null` (a Tinker sample's did).
+            details = [problem(("body",), message)]
         self.details = details
         if code is not None:
             self.code = code

@@ -26,6 +26,7 @@ columns they show, a page at a time; no save row is read whole.
 """
 
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from sqlalchemy import (
@@ -49,7 +50,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
-from app.errors import AppError, NotFound, ValidationFailed
+from app.errors import AppError, NotFound, ValidationFailed, problem
 from app.runs.models import Run
 from app.tenants.service import lock_tenant
 from app.tinker.models import (
@@ -238,9 +239,10 @@ def user_checkpoints(
 SEGMENT_OF_KIND = {kind: segment for segment, kind in KIND_OF_SEGMENT.items()}
 
 
-def _parse(path: str, *, kind: str | None = None) -> tuple[str, str, str]:
+def _parse(path: str, *, kind: str | None = None, loc: Sequence[str]) -> tuple[str, str, str]:
     """`tinker://<model>/<weights|sampler_weights>/<name>` → (model id, save kind, path); with
-    `kind`, only a path of that kind (`save_weights` or `save_weights_for_sampler`)."""
+    `kind`, only a path of that kind (`save_weights` or `save_weights_for_sampler`). `loc`: where the
+    request carried the path, named by the 422 of a malformed one."""
     parts = path.removeprefix("tinker://").split("/")
     # An empty model id (`tinker:///weights/x`) is a malformed path, not a model that is not found.
     if (
@@ -250,14 +252,18 @@ def _parse(path: str, *, kind: str | None = None) -> tuple[str, str, str]:
         or parts[1] not in KIND_OF_SEGMENT
         or not parts[2]
     ):
+        shape = "tinker://<model_id>/weights/<name> or .../sampler_weights/<name>"
         raise ValidationFailed(
-            f"not a checkpoint path: {shown(path)!r} "
-            "(tinker://<model_id>/weights/<name> or .../sampler_weights/<name>)"
+            f"not a checkpoint path: {shown(path)!r} ({shape})",
+            details=[problem(loc, f"not a checkpoint path ({shape})", "checkpoint_path")],
         )
     if kind is not None and KIND_OF_SEGMENT[parts[1]] != kind:
+        shape = f"tinker://<model_id>/{SEGMENT_OF_KIND[kind]}/<name>"
         raise ValidationFailed(
-            f"not a {TYPE_OF_KIND[kind]} checkpoint path: {shown(path)!r} "
-            f"(tinker://<model_id>/{SEGMENT_OF_KIND[kind]}/<name>)"
+            f"not a {TYPE_OF_KIND[kind]} checkpoint path: {shown(path)!r} ({shape})",
+            details=[
+                problem(loc, f"not a {TYPE_OF_KIND[kind]} checkpoint path ({shape})", "checkpoint_path")
+            ],
         )
     return parts[0], KIND_OF_SEGMENT[parts[1]], path
 
@@ -274,7 +280,12 @@ def newest_save_query(tenant_id: str, *, model_id: str, kind: str, path: str) ->
 
 
 def live_saves(
-    session: Session, *, tenant_id: str, path: str, kind: str | None = None
+    session: Session,
+    *,
+    tenant_id: str,
+    path: str,
+    kind: str | None = None,
+    loc: Sequence[str] = ("body",),
 ) -> tuple[TinkerModel, Run, list[TinkerFuture]]:
     """The tenant's model a checkpoint path names, its run, and the path's newest save (a list of
     that one); 404 `checkpoint ... not found` when it is not live: never saved, its checkpoint
@@ -283,11 +294,11 @@ def live_saves(
     load_weights, create_sampling_session, a sampling client's every sample and
     /api/v1/loraloom/resolve (load_weights and the samplers read the save's row alone, and took a
     deleted run's path: hostile probe h1, finding 3). `kind`: only a path of that kind (422 for
-    the other).
+    the other, naming `loc`: where the request carried the path; every route passes its own).
 
     One row read, among the tenant's newest saves of that kind (`_live_saves`): this path's older
     saves are not (every sample read them all, 1.3 s at 50,000 saves of one name)."""
-    model_id, kind, path = _parse(path, kind=kind)
+    model_id, kind, path = _parse(path, kind=kind, loc=loc)
     model, run = get_model(session, tenant_id=tenant_id, model_id=model_id)
     newest = session.scalar(newest_save_query(tenant_id, model_id=model_id, kind=kind, path=path))
     # The path's own check too: a save's stored path and its kind agree by construction.
@@ -314,7 +325,7 @@ def delete_checkpoint(session: Session, *, tenant_id: str, model_id: str, checkp
     the path's history (the first delete of a name saved at every step marks them all), once per
     delete, where the reads above visit one row per call."""
     path = f"tinker://{model_id}/{checkpoint_id}"
-    _, _, (newest,) = live_saves(session, tenant_id=tenant_id, path=path)
+    _, _, (newest,) = live_saves(session, tenant_id=tenant_id, path=path, loc=("path", "checkpoint_id"))
     session.execute(
         update(TinkerFuture)
         .where(*_saves_of(tenant_id, model_id=model_id, kinds=(newest.kind,)), saved_path() == path)
@@ -326,7 +337,7 @@ def delete_checkpoint(session: Session, *, tenant_id: str, model_id: str, checkp
 
 def weights_info(session: Session, *, tenant_id: str, path: str) -> WeightsInfoOut:
     """What the checkpoint at `path` loads into: base model and LoRA shape."""
-    _, run, _ = live_saves(session, tenant_id=tenant_id, path=path)
+    _, run, _ = live_saves(session, tenant_id=tenant_id, path=path, loc=("body", "tinker_path"))
     modules = set(run.config["lora"]["target_modules"])
     return WeightsInfoOut(
         base_model=run.base_model,

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, defer
 
 from app.config import Settings
 from app.db import conflict_insert, utcnow
-from app.errors import NotFound, ValidationFailed
+from app.errors import NotFound, ValidationFailed, problem
 from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
 from app.runs.models import Run
@@ -120,7 +120,7 @@ def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str,
     request = parse_request(CreateSamplingSessionRequest, body, call="create_sampling_session")
     path, base_model = request.model_path, request.base_model
     if path is not None:
-        run_id, step = resolve_sampler_path(session, tenant_id=tenant_id, path=path)
+        run_id, step = resolve_sampler_path(session, tenant_id=tenant_id, path=path, loc=("model_path",))
         # A session samples nothing but (run, step, path), so one row serves every client of the
         # same weights: a new row per call let a tenant add rows without bound (hostile probe,
         # finding 11). Rows are bounded by the sampler saves, and purged once their run has left
@@ -149,8 +149,10 @@ def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str,
         if live_pool(session, base_model=base_model) is None:
             raise NotFound(f"no pool serves the base model {base_model!r}", code="pool_not_found")
         return Sampler(base_sampler_id(base_model), base_model, None)
+    needed = "one of model_path (a tinker:// sampler path) or base_model is needed"
     raise ValidationFailed(
-        "create_sampling_session needs model_path (a tinker:// sampler path) or base_model"
+        "create_sampling_session needs model_path (a tinker:// sampler path) or base_model",
+        details=[problem((field,), needed, "missing") for field in ("model_path", "base_model")],
     )
 
 
@@ -175,18 +177,40 @@ def get_sampling_session(session: Session, *, tenant_id: str, sampler_id: str) -
 
 
 def _prompt_tokens(prompt: Any) -> list[int]:
-    chunks = prompt.get("chunks") if isinstance(prompt, dict) else None
+    if not isinstance(prompt, dict):
+        wrong = ("needed", "missing") if prompt is None else ("must be an object with chunks", "model_type")
+        raise ValidationFailed("prompt needs chunks", details=[problem(("prompt",), *wrong)])
+    chunks = prompt.get("chunks")
     if not isinstance(chunks, list):
-        raise ValidationFailed("prompt needs chunks")
+        missing = "chunks" not in prompt
+        raise ValidationFailed(
+            "prompt needs chunks",
+            details=[
+                problem(
+                    ("prompt", "chunks"),
+                    "needed" if missing else "must be a list of chunks",
+                    "missing" if missing else "list_type",
+                )
+            ],
+        )
     tokens: list[int] = []
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
         if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
             raise NotSupported("prompt chunks other than tokens (images, audio)")
         chunk_tokens = chunk.get("tokens", [])
         if not isinstance(chunk_tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in chunk_tokens
         ):
-            raise ValidationFailed("prompt chunks' tokens must be lists of integer token ids")
+            raise ValidationFailed(
+                "prompt chunks' tokens must be lists of integer token ids",
+                details=[
+                    problem(
+                        ("prompt", "chunks", i, "tokens"),
+                        "must be a list of integer token ids",
+                        "int_type" if isinstance(chunk_tokens, list) else "list_type",
+                    )
+                ],
+            )
         tokens.extend(chunk_tokens)
     return tokens
 
@@ -202,7 +226,12 @@ def _stop(stop: Any) -> dict[str, Any]:
         return {"stop_strings": stop}
     if isinstance(stop, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
         return {"stop_tokens": stop}
-    raise ValidationFailed("sampling_params.stop must be a string, a list of strings or a list of token ids")
+    raise ValidationFailed(
+        "sampling_params.stop must be a string, a list of strings or a list of token ids",
+        details=[
+            problem(("sampling_params", "stop"), "must be a string, a list of strings or a list of token ids")
+        ],
+    )
 
 
 _SPEC_FIELD_LOC = {
@@ -215,10 +244,24 @@ _SPEC_FIELD_LOC = {
 def _spec_problems(exc: ValidationError) -> list[dict[str, Any]]:
     """The SamplingSpec's errors, each at the request field it came from."""
     problems = validation_problems(exc, prefix=())
-    for problem in problems:
-        field, *rest = problem["loc"] or [""]
-        problem["loc"] = [*_SPEC_FIELD_LOC.get(field, (field,)), *rest]
+    for item in problems:
+        field, *rest = item["loc"] or [""]
+        item["loc"] = [*_SPEC_FIELD_LOC.get(field, (field,)), *rest]
     return problems
+
+
+def _check_vocabulary(prompt: list[int], stop_tokens: list[int], *, vocab_size: int) -> None:
+    """A 422 naming the prompt and/or the stop tokens when an id is outside the pool's vocabulary."""
+    outside = f"a token id is outside the vocabulary [0, {vocab_size})"
+    problems = [
+        problem(loc, outside)
+        for loc, ids in ((("prompt", "chunks"), prompt), (("sampling_params", "stop"), stop_tokens))
+        if any(not 0 <= t < vocab_size for t in ids)
+    ]
+    if problems:
+        raise ValidationFailed(
+            f"a prompt or stop token id is outside the vocabulary [0, {vocab_size})", details=problems
+        )
 
 
 def submit_sample(
@@ -243,7 +286,10 @@ def submit_sample(
             raise NotSupported(f"sample option {option}")
     params = {} if request.sampling_params is None else request.sampling_params
     if not isinstance(params, dict):
-        raise ValidationFailed("sampling_params must be an object")
+        raise ValidationFailed(
+            "sampling_params must be an object",
+            details=[problem(("sampling_params",), "must be an object", "model_type")],
+        )
     # Before the bounds: a NaN temperature fails them too, but as "should be less than or equal to 100".
     require_finite(params, loc=("sampling_params",))
     prompt = _prompt_tokens(request.prompt)
@@ -270,11 +316,24 @@ def submit_sample(
     if spec.prompt_logprobs_last_n is not None and not (
         spec.prompt_logprobs and spec.prompt_logprobs_last_n <= len(prompt) - 1
     ):
+        needs = "needs prompt_logprobs and must be at most len(prompt) - 1"
         raise ValidationFailed(
-            "prompt_logprobs_last_n needs prompt_logprobs and must be at most len(prompt) - 1"
+            f"prompt_logprobs_last_n {needs}", details=[problem(("prompt_logprobs_last_n",), needs)]
         )
     if len(prompt) + spec.max_tokens > max_seq_len:
-        raise ValidationFailed(f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}")
+        # Without max_tokens the default fits whatever room the prompt leaves: the prompt is at fault.
+        at = ("prompt",) if max_tokens is None else ("sampling_params", "max_tokens")
+        raise ValidationFailed(
+            f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}",
+            details=[
+                problem(
+                    at,
+                    f"prompt ({len(prompt)} tokens) + max_tokens ({spec.max_tokens}) exceeds the pool's "
+                    f"max_seq_len {max_seq_len}",
+                    "too_long",
+                )
+            ],
+        )
     cost, most = (
         sample_tokens(spec.num_samples, len(prompt), spec.max_tokens),
         settings.tinker_max_tokens_per_round,
@@ -285,8 +344,8 @@ def submit_sample(
             f"request; at most {most} (fewer num_samples per request)",
             details={"kind": "tokens_per_request", "tokens": cost, "limit": most},
         )
-    if pool is not None and any(not 0 <= t < pool.vocab_size for t in spec.prompt + spec.stop_tokens):
-        raise ValidationFailed(f"a prompt or stop token id is outside the vocabulary [0, {pool.vocab_size})")
+    if pool is not None:
+        _check_vocabulary(spec.prompt, spec.stop_tokens, vocab_size=pool.vocab_size)
     item = ManualWorkItem(
         request_id=new_id("req"), run_id="" if run is None else run.id, seq_id=0, kind="sample", sampling=spec
     )

@@ -17,7 +17,7 @@ from sqlalchemy.orm import InstrumentedAttribute, Session, defer
 
 from app.config import Settings
 from app.db import rows_changed, utcnow
-from app.errors import AppError, Conflict, NotFound, RateLimited, ValidationFailed
+from app.errors import AppError, Conflict, NotFound, RateLimited, ValidationFailed, problem
 from app.pools.models import Pool
 from app.runs import service as runs
 from app.runs.admission import admission_problems, live_pool, waiting_reason
@@ -244,7 +244,9 @@ def _run_config(session: Session, body: CreateModelRequest) -> RunConfig:
             "full fine-tuning (create_model without lora_config); loraloom trains LoRA adapters"
         )
     if not lora.target_modules():
-        raise ValidationFailed("at least one of train_attn, train_mlp or train_unembed must be true")
+        no_modules = "at least one of train_attn, train_mlp or train_unembed must be true"
+        # `loc` as FastAPI's own 422s of this route (a typed body) write it: under "body".
+        raise ValidationFailed(no_modules, details=[problem(("body", "lora_config"), no_modules)])
     if body.optimizer_config.type != "adamw":
         raise NotSupported(f"optimizer {body.optimizer_config.type!r}; loraloom steps AdamW")
     pool = live_pool(session, base_model=body.base_model)
@@ -274,7 +276,8 @@ def create_model(
         # A twin create committed since the query above (READ COMMITTED), or load_weights made it.
         if (twin := _create_future(session, model_id)) is not None:
             return twin
-        raise ValidationFailed(f"model {model_id} exists already (loaded from saved weights)")
+        made = f"model {model_id} exists already (loaded from saved weights)"
+        raise ValidationFailed(made, details=[problem(("body", "model_seq_id"), made, "already_exists")])
     try:
         with session.begin_nested():  # a savepoint: a concurrent twin's create wins, not a 500
             new_model_run(

@@ -39,14 +39,14 @@ from sqlalchemy.orm import Session, defer
 
 from app.config import Settings
 from app.db import utcnow
-from app.errors import AppError, RateLimited, ValidationFailed
+from app.errors import AppError, RateLimited, ValidationFailed, problem
 from app.pools.models import Pool
 from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
 from app.runs.models import Run
 from app.runs.schemas import validation_problems
 from app.tinker import checkpoints, leases, proto
-from app.tinker.finite import all_finite, require_finite
+from app.tinker.finite import FINITE, all_finite, require_finite
 from app.tinker.leases import request_cleared
 from app.tinker.models import (
     REPLAYED_KINDS,
@@ -152,10 +152,21 @@ def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
     unknown = sorted(set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"})
     if unknown:
         raise NotSupported(f"loss_fn_inputs {unknown} (datum {index})")
+    # `loc` as the other loss input problems' (`_bad_field`): the input's name under its datum.
     if "target_tokens" not in inputs:
-        raise ValidationFailed(f"datum {index}: loss_fn_inputs needs target_tokens")
+        raise ValidationFailed(
+            f"datum {index}: loss_fn_inputs needs target_tokens",
+            details=[problem(("data", index, "target_tokens"), "needed in loss_fn_inputs", "missing")],
+        )
     if loss_fn != "cross_entropy" and not {"logprobs", "advantages"} <= set(inputs):
-        raise ValidationFailed(f"datum {index}: {loss_fn} needs loss_fn_inputs logprobs and advantages")
+        raise ValidationFailed(
+            f"datum {index}: {loss_fn} needs loss_fn_inputs logprobs and advantages",
+            details=[
+                problem(("data", index, name), f"{loss_fn} needs it in loss_fn_inputs", "missing")
+                for name in ("logprobs", "advantages")
+                if name not in inputs
+            ],
+        )
     rl = loss_fn != "cross_entropy"
     _aligned(
         index,
@@ -213,7 +224,10 @@ def _check_lengths(data: list[proto.Datum], *, max_len: int, pool: Pool | None) 
     for i, d in enumerate(data):
         if len(d.token_ids) > max_len:
             whose = "the pool's max_seq_len" if pool is not None else "the model's seq_len"
-            raise ValidationFailed(f"datum {i}: {len(d.token_ids)} tokens; {whose} is {max_len}")
+            too_long = f"{len(d.token_ids)} tokens; {whose} is {max_len}"
+            raise ValidationFailed(
+                f"datum {i}: {too_long}", details=[problem(("data", i, "model_input"), too_long, "too_long")]
+            )
 
 
 def _check_vocabulary(pool: Pool | None, data: list[ManualDatum]) -> None:
@@ -222,10 +236,15 @@ def _check_vocabulary(pool: Pool | None, data: list[ManualDatum]) -> None:
     reaches the model: trainer_core.manual)."""
     if pool is None:
         return
+    outside = f"a token id is outside the vocabulary [0, {pool.vocab_size})"
     for i, d in enumerate(data):
-        tokens = np.asarray(d.tokens + d.target_tokens)
-        if tokens.size and tokens.max() >= pool.vocab_size:
-            raise ValidationFailed(f"datum {i}: a token id is outside the vocabulary [0, {pool.vocab_size})")
+        problems = [
+            problem(("data", i, name), outside)
+            for name, ids in (("model_input", d.tokens), ("target_tokens", d.target_tokens))
+            if ids and max(ids) >= pool.vocab_size
+        ]
+        if problems:
+            raise ValidationFailed(f"datum {i}: {outside}", details=problems)
 
 
 def _existing(session: Session, *, model_id: str, seq_id: int) -> TinkerFuture | None:
@@ -351,7 +370,7 @@ def submit_forward_backward(
     try:
         model_id, seq_id = proto.forward_backward_target(body)
     except proto.ProtoError as exc:
-        raise ValidationFailed(f"malformed ForwardBackwardRequest: {exc}") from exc
+        raise _malformed(exc) from exc
     # The same checks as a JSON body's (a 1 KiB model_id came back whole in its 404).
     target = parse_request(OrderedRequest, {"model_id": model_id, "seq_id": seq_id}, call="forward_backward")
     run, existing = _in_order(session, tenant_id=tenant_id, body=target)
@@ -360,11 +379,14 @@ def submit_forward_backward(
     try:
         req = proto.decode_forward_backward_request(body)
     except proto.ProtoError as exc:
-        raise ValidationFailed(f"malformed ForwardBackwardRequest: {exc}") from exc
+        raise _malformed(exc) from exc
     if req.loss_fn not in LOSS_FNS:
         raise NotSupported(f"loss_fn {req.loss_fn!r} (supported: {', '.join(LOSS_FNS)})")
     if not req.data:
-        raise ValidationFailed("forward_backward needs at least one datum")
+        raise ValidationFailed(
+            "forward_backward needs at least one datum",
+            details=[problem(("data",), "needs at least one datum", "too_short")],
+        )
     _check_request_size(req.data, max_tokens=settings.tinker_max_tokens_per_round)
     max_len, pool = _datum_bound(session, run)
     _check_lengths(req.data, max_len=max_len, pool=pool)
@@ -383,6 +405,14 @@ def submit_forward_backward(
     return _submit(session, tenant_id=tenant_id, model_id=model_id, run=run, item=item, settings=settings)
 
 
+def _malformed(exc: proto.ProtoError) -> ValidationFailed:
+    """The 422 of a body that is not a ForwardBackwardRequest: the body as a whole is at fault (as a
+    malformed run create body's, `type` named after its format as pydantic's `json_invalid`)."""
+    return ValidationFailed(
+        f"malformed ForwardBackwardRequest: {exc}", details=[problem(("body",), str(exc), "protobuf_invalid")]
+    )
+
+
 def _loss_fn_config(loss_fn: str, config: dict[str, float | str]) -> dict[str, float]:
     """The request's loss_fn_config, as the loss reads it: numbers only, finite, keys the loss
     reads (`LOSS_FN_CONFIG_KEYS`: any other is refused by name, not ignored: a misspelt bound
@@ -391,18 +421,29 @@ def _loss_fn_config(loss_fn: str, config: dict[str, float | str]) -> dict[str, f
     if len(numbers) != len(config):
         raise NotSupported("text values in loss_fn_config")
     if len(numbers) > MAX_LOSS_FN_CONFIG_KEYS:
-        raise ValidationFailed(f"loss_fn_config has {len(numbers)} keys; at most {MAX_LOSS_FN_CONFIG_KEYS}")
+        most = f"at most {MAX_LOSS_FN_CONFIG_KEYS} keys"
+        raise ValidationFailed(
+            f"loss_fn_config has {len(numbers)} keys; {most}",
+            details=[problem(("loss_fn_config",), f"{len(numbers)} keys; {most}", "too_long")],
+        )
     if not all(np.isfinite(list(numbers.values()))):
-        raise ValidationFailed("loss_fn_config values must be finite (no NaN or infinity)")
+        raise ValidationFailed(
+            "loss_fn_config values must be finite (no NaN or infinity)",
+            details=[
+                problem(("loss_fn_config", shown(key)), FINITE, "finite_number")
+                for key, value in numbers.items()
+                if not math.isfinite(value)
+            ],
+        )
     known = LOSS_FN_CONFIG_KEYS[loss_fn]
     unknown = [key for key in numbers if key not in known]
     if unknown:
         reads = f"it reads {', '.join(known)}" if known else "it reads none"
-        problem = f"not a key {loss_fn} reads ({reads})"
+        not_read = f"not a key {loss_fn} reads ({reads})"
         raise invalid(
             "loss_fn_config",
             [
-                {"loc": ["loss_fn_config", shown(key)], "msg": problem, "type": "extra_forbidden"}
+                {"loc": ["loss_fn_config", shown(key)], "msg": not_read, "type": "extra_forbidden"}
                 for key in unknown
             ],
         )
@@ -524,10 +565,28 @@ def weights_path(model_id: str, name: str) -> str:
 
 
 def _saved_state(session: Session, *, tenant_id: str, path: str) -> tuple[Run, str]:
-    """`tinker://{model_id}/weights/{name}`, a live training checkpoint of the tenant
-    (`checkpoints.live_saves`) → (its run, the name)."""
-    _, run, _ = checkpoints.live_saves(session, tenant_id=tenant_id, path=path, kind="save_weights")
+    """`tinker://{model_id}/weights/{name}` (load_weights' `path`), a live training checkpoint of the
+    tenant (`checkpoints.live_saves`) → (its run, the name)."""
+    _, run, _ = checkpoints.live_saves(
+        session, tenant_id=tenant_id, path=path, kind="save_weights", loc=("path",)
+    )
     return run, path.rsplit("/", 1)[1]
+
+
+def _lora_mismatch(mine: dict[str, Any], saved: dict[str, Any]) -> ValidationFailed:
+    """The 422 of saved weights (`path`) whose LoRA shape is not the model's: one item per field."""
+    fields = sorted(k for k in mine.keys() | saved.keys() if mine.get(k) != saved.get(k))
+    return ValidationFailed(
+        "the saved weights have another LoRA shape (rank, alpha, target modules)",
+        details=[
+            problem(
+                ("path",),
+                f"lora.{field}: the saved weights have {saved.get(field)!r}, the model {mine.get(field)!r}",
+                "lora_mismatch",
+            )
+            for field in fields
+        ],
+    )
 
 
 def submit_load_weights(
@@ -546,7 +605,10 @@ def submit_load_weights(
             existing = _existing(session, model_id=model_id, seq_id=0)
             if existing is not None:
                 return existing
-            raise ValidationFailed(f"model {model_id} exists already")
+            raise ValidationFailed(
+                f"model {model_id} exists already",
+                details=[problem(("model_seq_id",), f"model {model_id} exists already", "already_exists")],
+            )
         config = RunConfig.model_validate(source.config)
         try:
             with session.begin_nested():  # a savepoint: a concurrent twin's load wins, not a 500
@@ -573,7 +635,7 @@ def submit_load_weights(
         if existing is not None:
             return existing
         if run.config["lora"] != source.config["lora"]:
-            raise ValidationFailed("the saved weights have another LoRA shape (rank, alpha, target modules)")
+            raise _lora_mismatch(run.config["lora"], source.config["lora"])
     item = ManualWorkItem(
         request_id=new_id("req"),
         run_id=run.id,
@@ -590,13 +652,16 @@ def sampler_path(model_id: str, name: str) -> str:
     return f"tinker://{model_id}/sampler_weights/{name}"
 
 
-def resolve_sampler_path(session: Session, *, tenant_id: str, path: str) -> tuple[str, int]:
+def resolve_sampler_path(
+    session: Session, *, tenant_id: str, path: str, loc: Sequence[str] = ("query", "path")
+) -> tuple[str, int]:
     """`tinker://{model_id}/sampler_weights/{name}`, a live sampler checkpoint of the tenant
     (`checkpoints.live_saves`) → (run id, the adapter step its newest save named). Every sample of a
     sampling client resolves its path again (app.tinker.sampling): the query reads this path's
-    saves only, not the model's every step."""
+    saves only, not the model's every step. `loc`: where the request carried the path (the default:
+    GET /api/v1/loraloom/resolve's query parameter)."""
     _, run, saves = checkpoints.live_saves(
-        session, tenant_id=tenant_id, path=path, kind="save_weights_for_sampler"
+        session, tenant_id=tenant_id, path=path, kind="save_weights_for_sampler", loc=loc
     )
     return run.id, int((saves[0].result or {})["loraloom_step"])
 
