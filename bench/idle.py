@@ -33,9 +33,13 @@ from trainer_core.worker import PoolTrainer, WorkerArgs
 class OnPolicyClient(MemoryPoolClient):
     """Hands out a run's step-k batch only once the run has finished step k."""
 
-    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
+    def claim(self, max_batches: int, run_ids: list[str] | None = None) -> list[ClaimedBatchStruct]:
         self.timing.first_claim = self.timing.first_claim or time.perf_counter()
-        ready = [b for b in self.pending if b.rollout_step <= self.runs[b.run_id].step][:max_batches]
+        ready = [
+            b
+            for b in self.pending
+            if b.rollout_step <= self.runs[b.run_id].step and (run_ids is None or b.run_id in run_ids)
+        ][:max_batches]
         taken = {b.id for b in ready}
         self.pending = [b for b in self.pending if b.id not in taken]
         return ready

@@ -127,8 +127,8 @@ class TimedClient(PoolServiceClient):
             self.request_seconds[f"{method} {route}"] += time.perf_counter() - started
             self.request_counts[f"{method} {route}"] += 1
 
-    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
-        batches = super().claim(max_batches)
+    def claim(self, max_batches: int, run_ids: list[str] | None = None) -> list[ClaimedBatchStruct]:
+        batches = super().claim(max_batches, run_ids)
         if batches:
             self.timing.first_claim = self.timing.first_claim or time.perf_counter()
         return batches

@@ -122,8 +122,9 @@ class DeletedRunsIn(_Request):
 class DeletedRunsOut(_Answer):
     deleted: list[str] = Field(
         description="The asked runs whose files the pool may remove: those the service holds with status "
-        "deleted. An id the service holds no row for (another service's run, or one purged after its "
-        "deletion's retention, or its tenant deleted) is never named: its files stay. A deleted run whose "
+        "deleted, and those deleted with their tenant (their ids kept as long as a deleted run's row). An id "
+        "the service holds nothing for (another service's run, or one purged after its deletion's "
+        "retention) is never named: its files stay. A deleted run whose "
         "checkpoint a queued or active run starts from (`init_from`), or whose saved state a Tinker load "
         "still reads, is left out until no run may need it. Sorted."
     )
@@ -153,9 +154,22 @@ TRAINING_BATCH_SCHEMA: dict[str, Any] = _training_batch_schema()
 """JSON schema of TrainingBatch (from the msgspec struct, so the docs cannot drift from the decoder)."""
 
 
+MAX_CLAIM_RUNS = 1024
+"""The most run ids one claim may name (`ClaimIn.run_ids`): a pool's most slots (`PoolRegister.slots`)."""
+
+
 class ClaimIn(_Request):
     pool_id: PoolId
     max_batches: int = Field(default=16, ge=1, le=256, description="At most this many batches in one lease.")
+    run_ids: list[IssuedRunId] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_CLAIM_RUNS,
+        description="Only batches of these runs (null: of any run, as before this field). A pool whose "
+        "buffer is full claims for its runs that have too little buffered, so one run's flood stays queued "
+        "here rather than in the pool's memory, and no other run waits behind it. An id that is not one "
+        "of the pool's active runs claims nothing; the claim stays fair across the named runs.",
+    )
 
 
 class ClaimedBatch(_Answer):

@@ -248,10 +248,11 @@ class DirectoryRunSource:
         """Run directories have no `init_from` (a run starts from its own checkpoint or fresh)."""
         return False
 
-    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
-        """Up to `max_batches` batches of the admitted runs, one run after the other (round robin)."""
+    def claim(self, max_batches: int, run_ids: list[str] | None = None) -> list[ClaimedBatchStruct]:
+        """Up to `max_batches` batches of the admitted runs (those `run_ids` names; None: all), one run
+        after the other (round robin)."""
         out: list[ClaimedBatchStruct] = []
-        turn = list(self._feeds)
+        turn = [run_id for run_id in self._feeds if run_ids is None or run_id in run_ids]
         while turn and len(out) < max_batches:
             still = []
             for run_id in turn:

@@ -43,7 +43,7 @@ class PoolClient(Protocol):
     def heartbeat(self) -> PoolHeartbeatOut: ...
     def deregister(self) -> None: ...
     def state(self) -> list[PoolRunState]: ...
-    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]: ...
+    def claim(self, max_batches: int, run_ids: list[str] | None = None) -> list[ClaimedBatchStruct]: ...
     def ack(self, acks: list[AckItem]) -> int: ...
     def restart_run(
         self, run_id: str, *, checkpoint_step: int, total_samples: int, total_tokens: int
@@ -67,6 +67,8 @@ class HttpRunSource:
         self._heartbeat_file = heartbeat_file
         self._init_from: dict[str, InitFrom] = {}
         """The `init_from` of the runs of the last `list_runs`."""
+        self._claim_filter = True
+        """False once the service refused a claim's `run_ids` (older than the filter): not asked again."""
 
     @property
     def lost(self) -> bool:
@@ -76,6 +78,7 @@ class HttpRunSource:
 
     def open(self, capabilities: PoolRegister) -> None:
         registered = self.client.register(capabilities)
+        self._claim_filter = True  # a service registered anew may be a newer one
         log.info(
             "registered pool %s (%d slots, world size %d)",
             registered.pool_id,
@@ -182,8 +185,26 @@ class HttpRunSource:
     def release_run(self, run_id: str) -> None:
         return None  # the service returns the run's leased batches itself (lease expiry, restart)
 
-    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
-        return self.client.claim(max_batches)
+    def claim(self, max_batches: int, run_ids: list[str] | None = None) -> list[ClaimedBatchStruct]:
+        """Up to `max_batches` batches, of the runs `run_ids` names (None: of any run). Against a service
+        older than that filter, a filtered claim gets nothing, as the pool before it claimed nothing
+        while its buffer was full: memory stays bounded, the fairness is that of the older pool."""
+        if run_ids is None:
+            return self.client.claim(max_batches)
+        if not self._claim_filter:
+            return []
+        try:
+            return self.client.claim(max_batches, run_ids)
+        except ApiError as exc:
+            if not refuses_claim_filter(exc):
+                raise
+            log.warning(
+                "the service does not take a claim's run_ids (%s): while its buffer is full, this pool "
+                "claims nothing, and a run may wait until the buffer drains (upgrade the service)",
+                exc,
+            )
+            self._claim_filter = False
+            return []
 
     def ack(self, acks: list[AckItem]) -> None:
         self.client.ack(acks)
@@ -198,6 +219,20 @@ class HttpRunSource:
 
     def report_step(self, run_id: str, report: StepReport) -> None:
         self.client.report_step(run_id, report)
+
+
+def refuses_claim_filter(exc: ApiError) -> bool:
+    """The 422 of a service older than `ClaimIn.run_ids`: its claim body forbids unknown fields. Told
+    apart from a newer service's refusal of the ids themselves (their loc goes on below `run_ids`),
+    which stays an error: taken as "older", it would turn the pool's fair claims off unseen."""
+    if exc.status != 422 or not isinstance(exc.details, list):
+        return False
+    return any(
+        isinstance(item, dict)
+        and item.get("type") == "extra_forbidden"
+        and item.get("loc") == ["body", "run_ids"]
+        for item in exc.details
+    )
 
 
 class _Heartbeat(threading.Thread):

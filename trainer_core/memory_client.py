@@ -103,10 +103,13 @@ class MemoryPoolClient:
             and run_id not in self.deleted
         ]
 
-    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
+    def claim(self, max_batches: int, run_ids: list[str] | None = None) -> list[ClaimedBatchStruct]:
+        """The first `max_batches` pending batches (of the runs `run_ids` names; None: of any run)."""
         self.timing.first_claim = self.timing.first_claim or time.perf_counter()
-        taken, self.pending = self.pending[:max_batches], self.pending[max_batches:]
-        return taken
+        wanted = [b for b in self.pending if run_ids is None or b.run_id in run_ids][:max_batches]
+        taken = {b.id for b in wanted}
+        self.pending = [b for b in self.pending if b.id not in taken]
+        return wanted
 
     def ack(self, acks: list[AckItem]) -> int:
         return len(acks)

@@ -107,8 +107,9 @@ class RunSource(RunLister, Protocol):
         """The pool no longer trains the run."""
         ...
 
-    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
-        """Up to `max_batches` rollout batches of the runs the pool trains; each run's in order."""
+    def claim(self, max_batches: int, run_ids: list[str] | None = None) -> list[ClaimedBatchStruct]:
+        """Up to `max_batches` rollout batches of the runs the pool trains (of those `run_ids` names;
+        None: of any), fair across runs; each run's in order."""
         ...
 
     def ack(self, acks: list[AckItem]) -> None:

@@ -142,13 +142,16 @@ class PoolServiceClient:
         )
         return DeletedRunsOut.model_validate_json(response.content).deleted
 
-    def claim(self, max_batches: int) -> list[ClaimedBatchStruct]:
-        body = ClaimIn(pool_id=self._pool_id(), max_batches=max_batches)
+    def claim(self, max_batches: int, run_ids: list[str] | None = None) -> list[ClaimedBatchStruct]:
+        """Lease up to `max_batches` batches: of the runs `run_ids` names, or of any run (None). A
+        service older than the filter refuses it with a 422 (`http_source.refuses_claim_filter`)."""
+        body = ClaimIn(pool_id=self._pool_id(), max_batches=max_batches, run_ids=run_ids)
         # msgpack: the stored payloads arrive as stored (binary arrays) and numpy reads them in place.
         response = self._request(
             "POST",
             "/v1/pool/batches/claim",
-            json=body.model_dump(mode="json"),
+            # Without the filter, the body an older service knows (it refuses unknown fields).
+            json=body.model_dump(mode="json", exclude_none=True),
             headers={"Accept": "application/msgpack"},
         )
         return claimed_batches(_claim_decoder.decode(response.content), msgpack=True)

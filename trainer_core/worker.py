@@ -98,7 +98,8 @@ from trainer_core.step import StepResult, train_step
 log = logging.getLogger("loraloom.worker")
 
 CLAIM_AHEAD_PACKS = 4
-"""Claim more rollout batches only while fewer than this many packs' worth of tokens are buffered."""
+"""Claim more rollout batches of any run only while fewer than this many packs' worth of tokens are
+buffered; above it, only for the runs short of a pack (`PoolTrainer._claim`)."""
 BASE_SAMPLING_POLL_S = 1.0
 """How often a pool without Tinker models asks for manual work (base-model sampling requests)."""
 
@@ -628,12 +629,8 @@ class PoolTrainer:
         """Master: claim batches, pack if ready."""
         if self.stop_requested or self._pool_lost(m):
             return Plan("stop")
-        # Claim only while the buffer is short of a few packs: what sits in memory is leased, and a
-        # flood of batches from one run must stay in the source's queue, not in this process.
-        training = any(run.leaving is None for run in self.slots.values())
-        if training and m.packer.buffered_tokens() < CLAIM_AHEAD_PACKS * m.packer.token_budget:
-            for claimed in m.source.claim(self.args.max_claim):
-                self._feed(m, claimed)
+        for claimed in self._claim(m):
+            self._feed(m, claimed)
         result = m.packer.pack() if m.packer.is_ready() else None
         if result is None:
             return Plan("stop") if self._should_exit(m) else Plan("idle")
@@ -647,6 +644,32 @@ class PoolTrainer:
             if pack.step_completed and run.leaving is None:
                 completing[slot] = pack.step
         return Plan("train", completing, result.micro_batches)
+
+    def _claim(self, m: _Master) -> list[ClaimedBatchStruct]:
+        """Master: the batches to buffer before this plan packs.
+
+        What sits in memory is leased, and a flood of batches from one run must stay in the source's
+        queue, not in this process: of any run, claim only while the buffer is short of a few packs.
+        Above that, one run's huge batch would hold every other run off for as long as it takes to
+        train. So the runs with less than a pack's worth of their own still claim, for themselves
+        alone (`run_ids`), as many batches as there are such runs: the packer's round-robin gives
+        them their turn in the next packs, and the buffer beyond the cap stays within about a pack
+        plus its last claim's batches per run.
+        """
+        training = [run for run in self.slots.values() if run.leaving is None]
+        if not training:
+            return []
+        if m.packer.buffered_tokens() < CLAIM_AHEAD_PACKS * m.packer.token_budget:
+            return m.source.claim(self.args.max_claim)
+        short = [
+            run.run_id
+            for run in training
+            if run.config.mode != "manual"  # a Tinker model's run gets no rollout batches
+            and m.packer.buffered_tokens(run.slot) < m.packer.token_budget
+        ]
+        if not short:
+            return []
+        return m.source.claim(min(len(short), self.args.max_claim), run_ids=short)
 
     def _feed(self, m: _Master, claimed: ClaimedBatchStruct) -> None:
         run = next((r for r in self.slots.values() if r.run_id == claimed.run_id), None)

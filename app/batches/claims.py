@@ -85,15 +85,26 @@ def _fair_candidates(session: Session, *, run_ids: Sequence[str], limit: int, ex
 
 
 def claim_batches(
-    session: Session, *, settings: Settings, pool_id: str, max_batches: int, now: datetime
+    session: Session,
+    *,
+    settings: Settings,
+    pool_id: str,
+    max_batches: int,
+    now: datetime,
+    run_ids: Sequence[str] | None = None,
 ) -> Claim:
     """Lease up to `max_batches` pending batches of the pool's active runs, with their payloads.
 
     Fair across runs (one flooding run cannot starve another), each run's batches in id
     order. FOR UPDATE SKIP LOCKED: two concurrent claimers never get the same batch.
+    `run_ids`: only these runs' batches (a pool with a full buffer claims for its runs that have
+    too little); an id that is not one of the pool's claimable runs claims nothing. None: any run.
     """
     expire_leases(session, now=now)
     runs = _claimable_runs(session, pool_id=pool_id)
+    if run_ids is not None:
+        wanted = set(run_ids)
+        runs = [(run_id, slot) for run_id, slot in runs if run_id in wanted]
     slots = dict(runs)
     lease = Claim(lease_expires_at=now + timedelta(seconds=settings.lease_seconds), items=[])
     seen: set[int] = set()

@@ -56,9 +56,15 @@ def claim_batches(
     settings: SettingsDep,
     accept: Annotated[str | None, Header()] = None,
 ) -> Response:
-    """Lease up to `max_batches` pending batches of active runs (fair across runs, each run's in id order)."""
+    """Lease up to `max_batches` pending batches of active runs (fair across runs, each run's in id order),
+    of the runs `run_ids` names when it is given."""
     claim = claims.claim_batches(
-        session, settings=settings, pool_id=body.pool_id, max_batches=body.max_batches, now=utcnow()
+        session,
+        settings=settings,
+        pool_id=body.pool_id,
+        max_batches=body.max_batches,
+        now=utcnow(),
+        run_ids=body.run_ids,
     )
     wants_msgpack = accept is not None and any(t in accept for t in MSGPACK_CONTENT_TYPES)
     # Encoded with msgspec rather than through the pydantic ClaimOut: ClaimStruct is the shape

@@ -320,8 +320,10 @@ class Packer:
         if problems:
             raise InvalidSampleError(slot=slot, batch_id=batch_id, index=index, reason=problems[0][1])
 
-    def buffered_tokens(self) -> int:
-        """Tokens waiting in all runs' buffers."""
+    def buffered_tokens(self, slot: int | None = None) -> int:
+        """Tokens waiting in one run's buffer, or in all of them."""
+        if slot is not None:
+            return self._state(slot).buffer.tokens
         return sum(state.buffer.tokens for state in self._runs.values())
 
     def buffered_samples(self, slot: int | None = None) -> int:
