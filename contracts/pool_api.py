@@ -158,9 +158,15 @@ MAX_CLAIM_RUNS = 1024
 """The most run ids one claim may name (`ClaimIn.run_ids`): a pool's most slots (`PoolRegister.slots`)."""
 
 
+MAX_CLAIM_BATCHES = 256
+"""The most batches one claim may lease (a pool's `--max-claim` is held to it)."""
+
+
 class ClaimIn(_Request):
     pool_id: PoolId
-    max_batches: int = Field(default=16, ge=1, le=256, description="At most this many batches in one lease.")
+    max_batches: int = Field(
+        default=16, ge=1, le=MAX_CLAIM_BATCHES, description="At most this many batches in one lease."
+    )
     run_ids: list[IssuedRunId] | None = Field(
         default=None,
         min_length=1,

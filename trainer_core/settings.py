@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from contracts.pool_api import MAX_CLAIM_BATCHES
 from contracts.run_config import DEFAULT_BASE_MODEL, DEFAULT_TARGET_MODULES
 
 DEFAULT_DATA_DIR = Path("./.loraloom/data")
@@ -153,7 +154,7 @@ class WorkerSettings(BaseSettings):
     """Seconds buffered work waits for a full pack before a partial one is trained."""
     poll_interval: float = Field(default=0.2, ge=0)
     """Seconds between polls of the run source when idle."""
-    max_claim: int = Field(default=64, ge=1)
+    max_claim: int = Field(default=64, ge=1, le=MAX_CLAIM_BATCHES)  # more: every claim a 422
     """Rollout batches claimed per request."""
     exit_when_idle: float | None = Field(default=None, ge=0)
     """Exit after this many seconds with no active run and nothing buffered (tests, benchmarks)."""
@@ -237,10 +238,12 @@ class WorkerSettings(BaseSettings):
 
     def flags(self) -> list[str]:
         """Every setting as `--name value` flags for `python -m trainer_core.worker`, the token
-        excepted (it travels in the environment: `ps` shows command lines). Launcher-only settings
-        are left out."""
+        excepted (it travels in the environment: `ps` shows command lines). The port is left out
+        (torchrun's own); the rank count is not, though no rank reads it: the ranks inherit the
+        launcher's environment, and without the flag its two variables disagreeing stopped every rank
+        after the launcher had let the flag settle it."""
         out: list[str] = []
-        skip = {"worker_token", "worker_token_file", "nproc_per_node", "master_port"}
+        skip = {"worker_token", "worker_token_file", "master_port"}
         for name in type(self).model_fields:
             value = getattr(self, name)
             if name in skip or value is None:

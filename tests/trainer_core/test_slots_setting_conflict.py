@@ -101,3 +101,19 @@ def test_the_other_settings_with_two_variables_are_refused_alike(
     for name, value in env.items():
         assert f"{name}='{value}'" in out, out
     assert flag in out
+
+
+def test_a_rank_count_flag_settles_its_variables_in_the_ranks_too(
+    clean_env, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The launcher takes `--nproc-per-node` over its two disagreeing variables; the ranks, which
+    inherit its environment, read the settings from the flags it passes them: the same flag must be
+    among them (every rank exited 2 naming the variables the user had already overridden)."""
+    from loraloom.commands.worker import build_settings
+    from trainer_core.worker import parse_args
+
+    monkeypatch.setenv("LORALOOM_NPROC_PER_NODE", "1")
+    monkeypatch.setenv("LORALOOM_WORKER_RANKS", "2")
+    settings = build_settings({"nproc_per_node": 2, "runs_dir": str(tmp_path / "runs")})
+    assert settings.nproc_per_node == 2
+    parse_args(settings.flags())  # a rank's start: no SystemExit
