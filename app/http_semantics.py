@@ -96,7 +96,7 @@ def media_type(content_type: str | None) -> str:
 def is_json(media: str) -> bool:
     """Whether `media` (from `media_type`) declares JSON: application/json or a `+json` type, the
     types FastAPI parses as JSON."""
-    return media == JSON_MEDIA_TYPE or media.endswith("+json")
+    return media == JSON_MEDIA_TYPE or (media.startswith("application/") and media.endswith("+json"))
 
 
 def require_json(content_type: str | None, *, has_body: bool) -> None:

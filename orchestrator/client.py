@@ -135,14 +135,15 @@ def _idempotency_headers(key: str | None) -> dict[str, str]:
     return {"Idempotency-Key": key or str(uuid.uuid4())}
 
 
-def _check_run_name(name: str) -> None:
-    """The service's rule for a run's name (contracts.names), checked before anything is sent: the
-    same message as its 422, with no request spent and nothing retried."""
+def _check_run_name(name: str, *, what: str = "run name") -> None:
+    """The service's rule for a run's name (contracts.names; an uploaded adapter's name follows it
+    too), checked before anything is sent: the same message as its 422, with no request spent and
+    nothing retried."""
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, not {type(name).__name__}")
     problem = run_name_problem(name)
     if problem is not None:
-        raise ValueError(f"run name {problem.message}")
+        raise ValueError(f"{what} {problem.message}")
 
 
 def _clean_params(**params: Any) -> dict[str, Any]:
@@ -352,6 +353,7 @@ class _Ops:
 
     @staticmethod
     def upload_adapter(adapter_dir: Path, name: str, base_model: str | None) -> _Op[dict[str, Any]]:
+        _check_run_name(name, what="adapter name")
         response = yield _Request(
             "POST",
             "/v1/adapters",

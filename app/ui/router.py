@@ -255,6 +255,8 @@ def run_page(request: Request, viewer: ViewerDep, run: OwnedRun, session: Sessio
     shown, older = adapters.adapters_page(
         session, run_id=run.id, limit=RUN_PAGE_ADAPTERS, after_step=None, newest_first=True
     )
+    if run.status == RunStatus.DELETED:  # their files went with the run, as the API's list says
+        shown, older = [], None
     return render(
         request,
         "run.html",
@@ -292,6 +294,7 @@ def download_adapter(
 ) -> OpenFileResponse:
     """A step, or `latest` for the newest, as the API's download takes them (app/adapters/router.py)."""
     # StepPath's pattern leaves "latest" or up to 9 ASCII digits.
+    adapters.refuse_if_run_deleted(run)
     adapter = adapters.get_adapter(
         session,
         run_id=run.id,

@@ -1,9 +1,12 @@
 """An uploaded adapter's name follows the run names' rule (contracts/names.py): it is listed and
 logged as a run's is. A newline, an escape or a bidirectional override in `?name=` was stored."""
 
+from pathlib import Path
+
 import pytest
 from fastapi.testclient import TestClient
 
+from orchestrator.client import LoraloomClient
 from tests.app.api import TenantHandle
 
 
@@ -50,3 +53,12 @@ def test_a_name_with_inner_spaces_and_any_script_passes_the_rule(
     error = _upload(client, tenant, "mon adaptateur — été 🚀")
     assert error["code"] == "invalid_adapter", error
     assert isinstance(error["details"], list) and error["details"][0]["loc"] == ["body"], error
+
+
+def test_the_sdk_refuses_such_a_name_before_sending_anything(tmp_path: Path) -> None:
+    """No request: the client points at a port nothing listens on, and the error is the rule's."""
+    with (
+        LoraloomClient("http://127.0.0.1:9", "llk_unused") as sdk,
+        pytest.raises(ValueError, match=r"adapter name must not contain U\+202E"),
+    ):
+        sdk.upload_adapter(tmp_path, name="evil\u202egpj")

@@ -101,3 +101,19 @@ def test_another_tenants_deleted_run_is_the_404_of_an_unknown_run(
             "message": f"run {deleted} not found",
             "details": None,
         }
+
+
+def test_the_dashboard_shows_no_download_of_a_deleted_runs_adapters(
+    client: TestClient, tenant: TenantHandle, deleted: str
+) -> None:
+    """The dashboard's run page listed them and its downloads were a "files are missing" 404."""
+    from tests.app.test_ui import sign_in
+
+    sign_in(client, tenant.key)
+    page = client.get(f"/ui/runs/{deleted}")
+    assert page.status_code == 200
+    assert f"/ui/runs/{deleted}/adapters/" not in page.text
+    for step in ("1", "latest"):
+        r = client.get(f"/ui/runs/{deleted}/adapters/{step}")
+        assert r.status_code == 404
+        assert r.json()["error"]["details"] == {"run_id": deleted, "status": "deleted"}
