@@ -8,7 +8,9 @@ read as what it is, so it holds none of:
   an escape or a carriage return rewrites what a terminal shows around it, a newline forges a log line;
 - invisible format characters (Unicode category Cf): bidirectional overrides and isolates
   (U+202A-U+202E, U+2066-U+2069) show `eval-gpt<U+202E>exe.txt` as another name, and zero-width
-  ones (U+200B, U+FEFF) make two names that look the same differ;
+  ones (U+200B, U+FEFF) make two names that look the same differ. Except the zero-width joiner and
+  non-joiner (U+200D, U+200C) between two visible characters: Persian, Indic scripts and emoji
+  sequences (👩‍💻) are written with them;
 - line and paragraph separators (U+2028, U+2029), and lone surrogates (not characters at all);
 - whitespace only, or whitespace at either end (`"gsm8k "` listed beside `"gsm8k"`).
 
@@ -29,8 +31,9 @@ RUN_NAME_RULE = (
 """The rule in words, for the API document and help texts."""
 
 RUN_NAME_PATTERN = (
-    r"^(?!\s)[^\x00-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
-    r"\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]*(?<!\s)$"
+    r"^(?![\s\u200c\u200d])(?!.*[\u200c\u200d](?:[\s\u200c\u200d]|$))(?!.*\s[\u200c\u200d])"
+    r"[^\x00-\x1f\x7f-\x9f\xad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
+    r"\u200b\u200e\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb]*(?<!\s)$"
 )
 """The rule as a JSON Schema pattern, for the API document's validators (generated clients, schema
 checkers): every refused character of the Basic Multilingual Plane (as of Unicode 14, Python 3.11's)
@@ -41,6 +44,9 @@ _BIDI_CONTROLS = frozenset(
     chr(code) for code in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))
 )
 """Format characters that reorder or direct text (Cf as well; named apart for a clearer message)."""
+
+_JOINERS = frozenset("\u200c\u200d")
+"""ZERO WIDTH NON-JOINER and JOINER: taken between two visible characters (see the module's text)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,14 @@ def _kind(char: str) -> str | None:
     return None
 
 
+def _between_visible(name: str, index: int) -> bool:
+    """Whether `name[index]` has a visible character on each side (neither whitespace, nor a joiner,
+    nor any other refused character)."""
+    if index == 0 or index == len(name) - 1:
+        return False
+    return all(not c.isspace() and _kind(c) is None for c in (name[index - 1], name[index + 1]))
+
+
 def run_name_problem(name: str) -> NameProblem | None:
     """Why `name` cannot be a run's name, or None. The first refused character is named (with its
     position, counted from 1), before any problem of whitespace: a C1 or separator is whitespace too."""
@@ -84,6 +98,8 @@ def run_name_problem(name: str) -> NameProblem | None:
         )
     for position, char in enumerate(name, start=1):
         kind = _kind(char)
+        if kind is not None and char in _JOINERS and _between_visible(name, position - 1):
+            continue
         if kind is not None:
             return NameProblem(
                 "run_name_character", f"must not contain {_described(char)} ({kind}, character {position})"

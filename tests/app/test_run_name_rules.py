@@ -108,8 +108,6 @@ def test_the_rule_refuses_every_c1_control_bidi_control_and_listed_format_charac
         *range(0x202A, 0x202F),
         *range(0x2066, 0x206A),
         0x200B,
-        0x200C,
-        0x200D,
         0x2060,
         0xFEFF,
         0x061C,
@@ -183,3 +181,17 @@ def test_the_api_documents_pattern_agrees_with_the_rule_on_every_bmp_character()
             if (pattern.fullmatch(name) is not None) != (run_name_problem(name) is None):
                 disagree.append(f"U+{code:04X} in {ascii(name)}")
     assert not disagree, disagree[:20]
+
+
+@pytest.mark.parametrize(
+    "name", ["\u0645\u06cc\u200c\u062e\u0648\u0627\u0647\u0645", "\U0001f469\u200d\U0001f4bb eval"]
+)
+def test_a_joiner_between_two_visible_characters_is_taken(name: str) -> None:
+    """Persian (ZERO WIDTH NON-JOINER) and emoji sequences (ZERO WIDTH JOINER) need them."""
+    assert run_name_problem(name) is None
+
+
+@pytest.mark.parametrize("name", ["\u200dab", "ab\u200c", "a \u200db", "a\u200d b", "a\u200d\u200db"])
+def test_a_joiner_at_an_end_beside_a_space_or_another_joiner_is_refused(name: str) -> None:
+    problem = run_name_problem(name)
+    assert problem is not None and problem.type == "run_name_character", name
