@@ -1,26 +1,31 @@
 """Safe extraction of adapter archives (tar.gz of a PEFT directory).
 
-An archive comes from the network, so it is treated as hostile: only regular
-files are written, never outside the destination (no absolute paths, no `..`,
-no links, no devices), with caps on size and member count. Extraction goes to a
-temporary sibling directory that replaces the destination in one rename
-(`contracts.durable.atomic_replace_dir`), so a sampler never sees half an adapter.
+An archive comes from the network, so it is treated as hostile: its headers are walked first,
+through the decompressor tarfile will use (`contracts.tar_headers`: none may cost tarfile more than
+linear time, as a pax header of digits did before Python 3.11.10); only regular files are written,
+never outside the destination (no absolute paths, no `..`, no links, no devices), with caps on size
+and member count. Extraction goes to a temporary sibling directory that replaces the destination in
+one rename (`contracts.durable.atomic_replace_dir`), so a sampler never sees half an adapter.
 """
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
 import json
 import logging
+import lzma
+import re
 import shutil
 import tarfile
 import uuid
 import zlib
 from pathlib import Path, PurePosixPath
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from contracts.durable import atomic_replace_dir
+from contracts.tar_headers import Stream, TarHeaderProblem, check_tar_headers
 from orchestrator.errors import LoraloomError
 
 log = logging.getLogger(__name__)
@@ -108,6 +113,63 @@ def _plan(
     return files
 
 
+TarMode = Literal["r:", "r:gz", "r:bz2", "r:xz"]
+
+# How each compression tarfile reads begins: gzip with deflate; bzip2 with a block size and the magic
+# of its first block or of its end (empty); xz. A plain tar begins with its first member's name.
+_MAGIC = re.compile(rb"(?P<gz>\x1f\x8b\x08)|(?P<bz2>BZh[1-9](?:1AY&SY|\x17rE8P\x90))|(?P<xz>\xfd7zXZ\x00)")
+
+# What a failing decompressor raises: gzip.BadGzipFile and bz2's "Invalid data stream" are OSErrors
+# (without an errno, unlike a failing disk), a truncated stream an EOFError.
+_DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError)
+
+
+def _tar_mode(fileobj: IO[bytes]) -> TarMode:
+    """The compression named by the archive's first bytes (the file is left where it stood)."""
+    start = fileobj.tell()
+    match = _MAGIC.match(fileobj.read(10))
+    fileobj.seek(start)
+    kind = match.lastgroup if match else None
+    return "r:gz" if kind == "gz" else "r:bz2" if kind == "bz2" else "r:xz" if kind == "xz" else "r:"
+
+
+def _decompressing(fileobj: IO[bytes], mode: TarMode) -> Stream:
+    """The uncompressed stream `tarfile.open(fileobj=fileobj, mode=mode)` reads, by the same classes
+    (closing it leaves `fileobj` open)."""
+    if mode == "r:gz":
+        return gzip.GzipFile(fileobj=fileobj, mode="rb")
+    if mode == "r:bz2":
+        return bz2.BZ2File(fileobj)
+    if mode == "r:xz":
+        return lzma.LZMAFile(fileobj)
+    return fileobj
+
+
+def _checked_tar_mode(fileobj: IO[bytes], *, max_bytes: int, max_members: int) -> TarMode:
+    """The mode to open the archive in, once its headers passed `check_tar_headers` (none that costs
+    tarfile more than linear time: on an old Python a man in the middle could have pinned the caller
+    for hours), read through the decompressor tarfile will use and no further than `max_bytes` of
+    member data; the file is left where it stood. The compression is named by its magic, not left to
+    "r:*": that tries each kind in turn, so a file that fails as the gzip stream it claims to be would
+    be parsed again, unchecked, as a plain tar (held in its gzip header's extra field)."""
+    start = fileobj.tell()
+    mode = _tar_mode(fileobj)
+    stream = _decompressing(fileobj, mode)
+    try:
+        check_tar_headers(stream, max_members=max_members, max_data_bytes=max_bytes)
+    except TarHeaderProblem as exc:
+        raise UnsafeArchive(f"bad adapter archive: {exc}") from exc
+    except _DECOMPRESSION_ERRORS as exc:
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise
+        raise UnsafeArchive(f"bad adapter archive: {exc}") from exc
+    finally:
+        if stream is not fileobj:
+            stream.close()
+    fileobj.seek(start)
+    return mode
+
+
 def read_marker(directory: Path) -> dict[str, Any] | None:
     """What `extract_adapter` recorded about the adapter in `directory`, if anything."""
     try:
@@ -131,12 +193,13 @@ def extract_adapter(
     `data` is the archive's bytes or a seekable file holding it (a download, kept off memory)."""
     dest = Path(dest)
     _check_replaceable(dest)
+    fileobj = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
+    mode = _checked_tar_mode(fileobj, max_bytes=max_bytes, max_members=max_members)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        fileobj = io.BytesIO(data) if isinstance(data, bytes | bytearray) else data
-        with tarfile.open(fileobj=fileobj, mode="r:*") as tar:
+        with tarfile.open(fileobj=fileobj, mode=mode) as tar:
             for member, rel in _plan(tar, max_bytes, max_members):
                 target = tmp.joinpath(*rel.parts)
                 # Belt and braces: the planned path must stay inside tmp.

@@ -1,8 +1,10 @@
 """An uploaded adapter, checked before anything of it is kept.
 
-Nothing of an upload is trusted: the tar's members are read one by one (never `extractall`),
-only the two PEFT files are accepted, each within its size limit, the config must be a JSON
-object and the weights a well-formed safetensors file whose header matches its data.
+Nothing of an upload is trusted: the tar's headers are walked before tarfile parses them
+(contracts/tar_headers.py: a pax header of digits held the GIL for seconds on Python < 3.11.10),
+its members are read one by one (never `extractall`), only the two PEFT files are accepted, each
+within its size limit, the config must be a JSON object and the weights a well-formed safetensors
+file whose header matches its data.
 """
 
 import hashlib
@@ -19,12 +21,20 @@ from app.errors import PayloadTooLarge, ValidationFailed
 from app.request_guard import MAX_JSON_DEPTH, too_deep
 from contracts.durable import fsync_path
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
+from contracts.tar_headers import MAX_EXTENDED_HEADER_BYTES, TarHeaderProblem, check_tar_headers
 
 MAX_CONFIG_BYTES = 1024 * 1024
 MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
 """The safetensors library refuses larger headers too."""
 
 _COPY_CHUNK = 1024 * 1024
+
+MAX_TAR_MEMBERS = 8
+"""Members of an uploaded tar walked before tarfile reads it (contracts/tar_headers.py). An adapter
+has two; a few more get the exact refusal below (an unexpected member, one given twice)."""
+MAX_TAR_EXTENDED_BYTES = 4 * MAX_EXTENDED_HEADER_BYTES
+"""Extended (pax, GNU long name) header data of an uploaded tar: a pax header for each of its two
+files, at the largest, and a global one."""
 
 MAX_JSON_INT_DIGITS = 1000
 """The longest integer an adapter's JSON (its config, the safetensors header) may hold: far above any
@@ -232,11 +242,23 @@ def nonfinite_tensors(path: Path) -> list[str]:
     return found
 
 
+def _check_headers(body: IO[bytes]) -> None:
+    """Refuse, before tarfile parses it, a tar whose headers would cost tarfile more than linear
+    time (an old Python's pax regex held the GIL for seconds: every request of the process waited)."""
+    start = body.tell()
+    try:
+        check_tar_headers(body, max_members=MAX_TAR_MEMBERS, max_extended_bytes=MAX_TAR_EXTENDED_BYTES)
+    except TarHeaderProblem as exc:
+        raise _invalid(f"the tar is refused before it is read: {exc}") from exc
+    body.seek(start)
+
+
 def extract_adapter_tar(body: IO[bytes], staging: Path, *, max_bytes: int) -> tuple[int, str]:
     """Validate the uploaded tar and write its two files into `staging`.
     Returns (total bytes, sha256 of the safetensors file)."""
     sizes: dict[str, int] = {}
     weights_sha = ""
+    _check_headers(body)
     try:
         with tarfile.open(fileobj=body, mode="r:") as tar:
             for member in tar:

@@ -1,0 +1,231 @@
+"""A linear-time check of a tar's header blocks, run before `tarfile` parses the archive.
+
+Python's `tarfile` parses a pax extended header with regular expressions, and before 3.11.10
+(CVE-2024-6232) `re.search(rb"\\d+ hdrcharset=([^\\n]+)\\n", buf)` takes time quadratic in a run of
+digits: a 42 KB tar holding 40,000 of them kept a thread for 19 s, holding the GIL all along (every
+other request of the process waited). Its record loop is quadratic in malformed records too, a
+negative base-256 size sends it backwards (a member list that grows forever), and a non-UTF-8
+`hdrcharset` raises UnicodeDecodeError, which is no `TarError`.
+
+So the header blocks are walked here first, the way `tarfile` walks them (`TarInfo.frombuf` parses
+each 512-byte block, so both see the same headers; data is skipped as `tarfile` skips it, pax `size`
+records included), and an archive is refused (`TarHeaderProblem`, naming what is wrong and where):
+- an extended header (pax `x`/`g`, Solaris `X`, GNU long name/link `L`/`K`) larger than
+  MAX_EXTENDED_HEADER_BYTES, or all of them together larger than the caller's bound
+  (MAX_EXTENDED_BYTES by default), or more than MAX_EXTENDED_HEADERS_IN_A_ROW before one member;
+- a pax header holding a run of more than MAX_DIGIT_RUN ASCII digits, more than MAX_PAX_RECORDS
+  records, a record that is not well formed or bytes other than padding after them, a `hdrcharset`
+  that is not UTF-8, a `size` in a global header, a negative size, or GNU sparse records (whose maps
+  `tarfile` reads from the data, quadratically too);
+- a GNU sparse member, a negative size, more members than the caller allows, or more member data than
+  its bound (a compressed stream is decompressed no further).
+What passes costs `tarfile` time linear in its headers: about a millisecond per 8 KiB at worst.
+
+Legitimate archives are far inside these bounds: Python's tarfile (any format), GNU tar and bsdtar
+write one extended header per member (two for GNU tar's long name and long link), holding a path of
+at most PATH_MAX (4096) bytes, times (`mtime=1732895123.123456789`), owners and a size.
+"""
+
+import io
+import re
+import tarfile
+from dataclasses import dataclass
+from typing import IO
+
+BLOCK = tarfile.BLOCKSIZE
+
+MAX_EXTENDED_HEADER_BYTES = 8 * 1024
+"""The most data one extended header may hold: twice PATH_MAX, for a path and a link target."""
+
+MAX_PAX_RECORDS = 64
+"""Records in one pax header: a path, a link target, three times, owners, a size, a few xattrs."""
+
+MAX_DIGIT_RUN = 32
+"""The longest run of ASCII digits a pax header may hold. Its records' lengths, times, ids and sizes
+run to 20 at most; the pre-3.11.10 regex costs (run length)² per run (8,000 digits: about 0.3 s)."""
+
+MAX_EXTENDED_HEADERS_IN_A_ROW = 4
+"""Extended headers before one member (a global one, a pax one, GNU long name and long link: no tool
+writes more). `tarfile` reads each by recursing into the next: a few hundred raise RecursionError."""
+
+MAX_EXTENDED_BYTES = 256 * 1024
+"""The data of all of an archive's extended headers together (the default of `check_tar_headers`):
+`tarfile` (3.11.7) takes 1-1.3 ms per 8 KiB of them at worst (runs of MAX_DIGIT_RUN digits
+throughout), some 40 ms for all. A 100-byte pax header (a path, three times) for each of 2,500
+members fits."""
+
+_PAX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
+_GNU_LONG_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+_EXTENDED_KIND = {
+    tarfile.XHDTYPE: "pax extended",
+    tarfile.XGLTYPE: "pax global",
+    tarfile.SOLARIS_XHDTYPE: "Solaris pax extended",
+    tarfile.GNUTYPE_LONGNAME: "GNU long name",
+    tarfile.GNUTYPE_LONGLINK: "GNU long link name",
+}
+
+_DIGIT_RUN = re.compile(rb"[0-9]+")
+_RECORD_LENGTH = re.compile(rb"([0-9]{1,20}) ")
+# What tarfile itself searches for, anywhere in the header's blocks; run only on checked ones.
+_HDRCHARSET = re.compile(rb"\d+ hdrcharset=([^\n]+)\n")
+
+
+Stream = IO[bytes] | io.BufferedIOBase
+"""A file, or what decompresses one (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile)."""
+
+
+class TarHeaderProblem(ValueError):
+    """The archive is refused before `tarfile` parses it; the message says why."""
+
+
+@dataclass(frozen=True)
+class TarHeaders:
+    """What the walk found: the members `tarfile` will list, and the bytes of data they hold."""
+
+    members: int
+    data_bytes: int
+
+
+def _block(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+def _skip(stream: Stream, count: int) -> None:
+    """Move past `count` bytes: a seek where the stream can (a decompressing one reads forward)."""
+    if stream.seekable():
+        stream.seek(count, io.SEEK_CUR)
+        return
+    while count > 0:
+        chunk = stream.read(min(count, 1024 * 1024))
+        if not chunk:
+            return
+        count -= len(chunk)
+
+
+def _read_header(stream: Stream) -> tarfile.TarInfo | None:
+    """The next header block as `tarfile` parses it, or None where `tarfile` stops (the end-of-archive
+    block, the end of the data, a block that is no header) or fails: it reads no further either."""
+    try:
+        return tarfile.TarInfo.frombuf(stream.read(BLOCK), tarfile.ENCODING, "surrogateescape")
+    except tarfile.HeaderError:
+        return None
+
+
+def _pax_records(buf: bytes, where: str) -> dict[bytes, bytes]:
+    """The records of a pax header's blocks, parsed as strictly as CPython does since 3.11.10: records
+    `"<length> <keyword>=<value>\\n"` back to back up to the first NUL or the end. Where these parse,
+    the older lenient loop reads the very same records; anything else is refused."""
+    records: dict[bytes, bytes] = {}
+    pos = count = 0
+    while pos < len(buf) and buf[pos] != 0:
+        count += 1
+        if count > MAX_PAX_RECORDS:
+            raise TarHeaderProblem(f"{where} holds more than {MAX_PAX_RECORDS} records")
+        match = _RECORD_LENGTH.match(buf, pos)
+        length = int(match[1]) if match else 0
+        end = pos + length - 1  # the record's newline
+        if match is None or length < 5 or end >= len(buf) or buf[end] != 0x0A:
+            raise TarHeaderProblem(f"{where} has a malformed record at byte {pos}")
+        keyword, equals, value = buf[match.end() : end].partition(b"=")
+        if not keyword or not equals:
+            raise TarHeaderProblem(f"{where} has a malformed record at byte {pos}")
+        records[keyword] = value  # a keyword given twice: the last one counts, as in tarfile
+        pos += length
+    # Nothing but padding after the records: tarfile's hdrcharset search scans the blocks whole.
+    if buf.count(0, pos) != len(buf) - pos:
+        raise TarHeaderProblem(f"{where} holds bytes other than padding after its records (byte {pos})")
+    return records
+
+
+def _check_pax(buf: bytes, *, where: str, is_global: bool) -> int | None:
+    """Check a pax header's blocks (all of them, padding included: tarfile searches them whole); the
+    size it gives the member that follows, if any."""
+    longest = max((len(run) for run in _DIGIT_RUN.findall(buf)), default=0)
+    if longest > MAX_DIGIT_RUN:
+        raise TarHeaderProblem(
+            f"{where} holds a run of {longest} digits (at most {MAX_DIGIT_RUN} are accepted)"
+        )
+    records = _pax_records(buf, where)
+    # Linear now (short digit runs, every record ends in a newline): what tarfile decodes as UTF-8,
+    # raising UnicodeDecodeError out of tarfile.open.
+    charset = _HDRCHARSET.search(buf) if b"hdrcharset=" in buf else None
+    if charset is not None:
+        try:
+            charset[1].decode("utf-8")
+        except UnicodeDecodeError:
+            raise TarHeaderProblem(f"{where} has a hdrcharset record that is not UTF-8") from None
+    if any(keyword.startswith(b"GNU.sparse.") for keyword in records):
+        raise TarHeaderProblem(f"{where} describes a GNU sparse file; sparse members are not accepted")
+    if b"size" not in records:
+        return None
+    if is_global:  # it would move every later member's data: no tool writes one
+        raise TarHeaderProblem(f"{where} sets a size for every member")
+    try:  # as tarfile reads it: a number Python's int() takes, else 0
+        size = int(records[b"size"].decode("utf-8", "surrogateescape"))
+    except ValueError:
+        size = 0
+    if size < 0:
+        raise TarHeaderProblem(f"{where} gives a negative size")
+    return size
+
+
+def _read_extended(stream: Stream, header: tarfile.TarInfo, where: str) -> bytes:
+    if not 0 <= header.size <= MAX_EXTENDED_HEADER_BYTES:
+        raise TarHeaderProblem(
+            f"{where} is {header.size} bytes (at most {MAX_EXTENDED_HEADER_BYTES} are accepted)"
+        )
+    return stream.read(_block(header.size))  # short at the end of the data: tarfile reads as much
+
+
+def check_tar_headers(
+    stream: Stream,
+    *,
+    max_members: int,
+    max_data_bytes: int | None = None,
+    max_extended_bytes: int = MAX_EXTENDED_BYTES,
+) -> TarHeaders:
+    """Walk the header blocks of the uncompressed tar that `stream` reads from where it stands (a
+    decompressing file for a compressed one), as `tarfile` will walk them; TarHeaderProblem, naming
+    what is wrong and where, for an archive `tarfile` must not be given (the module's docstring). Data
+    is skipped, by seeking where the stream can: the caller seeks back before `tarfile` opens it."""
+    offset = members = data_bytes = extended_bytes = 0
+    while (header := _read_header(stream)) is not None:
+        in_a_row = 0
+        pax_size: int | None = None  # the outermost pax `size` of the chain wins in tarfile
+        while header.type in _PAX_TYPES or header.type in _GNU_LONG_TYPES:
+            where = f"the {_EXTENDED_KIND[header.type]} header at byte {offset}"
+            in_a_row += 1
+            if in_a_row > MAX_EXTENDED_HEADERS_IN_A_ROW:
+                raise TarHeaderProblem(
+                    f"{where} is one of more than {MAX_EXTENDED_HEADERS_IN_A_ROW} extended headers in a row"
+                )
+            buf = _read_extended(stream, header, where)
+            extended_bytes += header.size
+            if extended_bytes > max_extended_bytes:
+                raise TarHeaderProblem(
+                    f"{where} takes the archive's extended headers past {max_extended_bytes} bytes"
+                )
+            if header.type in _PAX_TYPES:
+                size = _check_pax(buf, where=where, is_global=header.type == tarfile.XGLTYPE)
+                pax_size = size if pax_size is None else pax_size
+            offset += BLOCK + _block(header.size)
+            if (header := _read_header(stream)) is None:
+                return TarHeaders(members, data_bytes)  # tarfile fails here: "subsequent header"
+        where = f"the member header at byte {offset}"
+        if header.type == tarfile.GNUTYPE_SPARSE:
+            raise TarHeaderProblem(f"{where} is a GNU sparse file; sparse members are not accepted")
+        members += 1
+        if members > max_members:
+            raise TarHeaderProblem(f"{where} is one of more than {max_members} members")
+        size = header.size if pax_size is None else pax_size
+        if size < 0:
+            raise TarHeaderProblem(f"{where} gives a negative size")
+        offset += BLOCK
+        # tarfile skips the data of regular files and of types it does not know, and of no other.
+        if header.isreg() or header.type not in tarfile.SUPPORTED_TYPES:
+            data_bytes += size
+            if max_data_bytes is not None and data_bytes > max_data_bytes:
+                raise TarHeaderProblem(f"the archive expands beyond {max_data_bytes} bytes")
+            _skip(stream, _block(size))
+            offset += _block(size)
+    return TarHeaders(members, data_bytes)
