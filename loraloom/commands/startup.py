@@ -22,7 +22,6 @@ import signal
 import sys
 from types import FrameType
 
-
 _received = False
 """Whether a SIGINT came during start-up. Python swallows an exception raised while it runs a
 `__del__`, a weakref callback or a garbage collection ("Exception ignored in ..."): a Ctrl-C that
