@@ -41,6 +41,32 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def process_umask() -> int:
+    """The process's umask. Linux says it in /proc/self/status, read without changing it; elsewhere
+    it is read by setting it and putting it back, the strictest one meanwhile (a file another thread
+    creates in that instant gets fewer permissions, never more)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give `path` the permissions a plain `open()` (a file) or `mkdir()` (a directory) would have
+    given it: 0o666 or 0o777 less the umask. For what a library writes with a mode of its own:
+    safetensors' `save_file` (and transformers' `save_pretrained`, which uses it) always leaves 0600,
+    writing a temporary file and renaming it; `tempfile.mkdtemp` makes 0700. In a shared cache or
+    directory, those were unreadable to its other users, while every other file followed the umask."""
+    full = 0o777 if stat.S_ISDIR(os.stat(path).st_mode) else 0o666
+    os.chmod(path, full & ~process_umask())
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = beside(path)

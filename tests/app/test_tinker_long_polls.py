@@ -172,44 +172,63 @@ def test_each_check_holds_an_in_flight_place_and_waits_for_one(settings, monkeyp
         assert in_flight.in_flight(tenant.id) == 0
 
 
-def test_the_official_sdks_poll_waits_in_line_and_gets_its_result(settings, monkeypatch):
+def test_the_official_sdks_poll_waits_in_line_and_gets_its_result(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With the tenant's only place taken, the SDK's poll waits in line, is handed the place when
-    the other poll ends, and answers the result: no 429 (which the SDK backs off from, up to 30 s)."""
-    monkeypatch.setattr(tinker_router, "LONG_POLL_S", 1.5)
+    the other poll ends, and answers the result: no 429 (which the SDK backs off from, up to 30 s).
+
+    The other poll (the hog's) is held open until the SDK's poll has lined up, and only then ends
+    (its client goes away): however slow the SDK is to poll, it finds the place taken."""
+    monkeypatch.setattr(tinker_router, "LONG_POLL_S", 600.0)  # the hog's poll ends when its client goes
     app = create_app(settings.model_copy(update={"tinker_max_long_polls_per_tenant": 1}))
+    release_hog = threading.Event()
     with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         tenant = new_tenant(http)
         _, future, headers = _pending(http, tenant)
-        hog = threading.Thread(
-            target=http.post,
-            args=("/api/v1/retrieve_future",),
-            kwargs={"json": {"request_id": future}, "headers": headers},
-        )
+
+        async def hog_poll() -> None:
+            async with httpx.AsyncClient(base_url=server.url, timeout=None) as c:
+                poll = asyncio.create_task(
+                    c.post("/api/v1/retrieve_future", json={"request_id": future}, headers=headers)
+                )
+                await asyncio.to_thread(release_hog.wait)
+                poll.cancel()  # the client goes: its poll gives the place back at its next check
+                await asyncio.gather(poll, return_exceptions=True)
+
+        hog = threading.Thread(target=asyncio.run, args=(hog_poll(),))
         hog.start()
-        _wait_until(lambda: _open(app, tenant.id) == 1, "the hog's poll is open")
-        polls = _polls(app)
-        assert polls is not None
-        lined_up: list[bool] = []
-        refusals: list[str] = []
-        real_enter = polls.enter
-
-        async def counting(tenant_id: str, *, wait_s: float) -> bool:
-            lined_up.append(polls.in_flight(tenant_id) >= polls.most)
-            try:
-                return await real_enter(tenant_id, wait_s=wait_s)
-            except RateLimited:
-                refusals.append(tenant_id)
-                raise
-
-        monkeypatch.setattr(polls, "enter", counting)
-        service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + tenant.key)
         try:
-            training = service.create_lora_training_client(
-                base_model="loraloom-tiny", rank=4, train_unembed=False, train_mlp=False
-            ).result()
-            assert training.model_id.endswith(":train:0")
+            _wait_until(lambda: _open(app, tenant.id) == 1, "the hog's poll is open")
+            polls = _polls(app)
+            assert polls is not None
+            lined_up: list[bool] = []
+            refusals: list[str] = []
+            real_enter = polls.enter
+
+            async def counting(tenant_id: str, *, wait_s: float) -> bool:
+                lined_up.append(polls.in_flight(tenant_id) >= polls.most)
+                # The hog may go now: `real_enter` puts this poll in line before it yields to the
+                # event loop, which is where the server notices that the hog's client has gone.
+                release_hog.set()
+                try:
+                    return await real_enter(tenant_id, wait_s=wait_s)
+                except RateLimited:
+                    refusals.append(tenant_id)
+                    raise
+
+            monkeypatch.setattr(polls, "enter", counting)
+            service = tinker.ServiceClient(base_url=server.url, api_key="tml-" + tenant.key)
+            try:
+                training = service.create_lora_training_client(
+                    base_model="loraloom-tiny", rank=4, train_unembed=False, train_mlp=False
+                ).result()
+                assert training.model_id.endswith(":train:0")
+            finally:
+                service.close("success").result()
         finally:
-            service.close("success").result()
+            release_hog.set()
             hog.join(timeout=30)
         assert lined_up[0], "the SDK's poll found a place free: the test did not test the line"
         assert refusals == []
+        assert _open(app, tenant.id) == 0  # the hog's place went to the SDK's poll, which gave it back

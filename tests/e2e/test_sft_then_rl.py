@@ -3,13 +3,21 @@ taught), then RL (ppo, GRPO) from the SFT run's final adapter, through the embed
 subprocess) and a one-rank CPU pool. The validation reward (64 fixed problems x 8 samples at
 temperature 1) must order RL adapter > SFT adapter > base model.
 
-Sizes (measured on 2 AMD EPYC cores, 2026-11-27, the current loraloom-tiny): the base model scores
-about 0.145 (it never reverses: it answers with sums); 40 SFT steps of 64 examples take it to 0.45-0.47;
-60 RL steps at lr 5e-4 added 0.033-0.048 in three runs (RL 0.487-0.509). A validation mean has a noise
-of about 0.015. Measured again 2026-11-29 (an Intel Xeon instance, the same model and example, also at
-the code of 2026-11-29 morning): base 0.226-0.227, SFT 0.427-0.433 (a gain of 0.199-0.207: the gain
-asserted is 0.15, ten times the noise, as 0.2 failed once at 0.199), RL 0.459-0.480. With 150 SFT steps, the earlier size, the SFT adapter reached 0.88 and RL had nothing
-left to add (0.875-0.88: RL > SFT held in half the runs). About 40 s once the base model is cached.
+Sizes depend on the weights of the cached `loraloom-tiny`, and those on the machine that built it.
+The build is seeded and runs on one thread (`trainer_core.models.builtin.BUILD_THREADS`), so it is
+the same on one machine; torch's and MKL's kernels differ by instruction set (AVX2, AVX-512), so other
+CPUs may build other weights. Until 2026-11-29 the builder's thread count changed them too: the same
+validation (a script) of caches built on 2 AMD EPYC cores gave the base model 0.219 (built on 1
+thread), 0.162 (on 2) and 0.231 (1 thread, torch's AVX2 kernels off). The 0.145 of 2026-11-27 and the
+0.226 measured since most likely come from two such builds (other machines, other builders): the
+build and the validation code did not change in between.
+
+Measured 2026-11-29, torch 2.13: on 2 AMD EPYC cores (a 1-thread build) base 0.222, SFT 0.427 (a gain
+of 0.205), RL 0.471; on an Intel Xeon instance base 0.226-0.227, SFT 0.427-0.433 (gains 0.199-0.207),
+RL 0.459-0.480. The base model never reverses (it answers with sums). A validation mean has a noise of
+about 0.015: the gain asserted is 0.15, ten times the noise (0.2 failed once at 0.199). With 150 SFT
+steps the SFT adapter reached 0.88 and RL had nothing left to add (0.875-0.88: RL > SFT held in half
+the runs). About 40 s once the base model is cached (on a quiet machine).
 """
 
 import json

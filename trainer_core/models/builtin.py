@@ -10,7 +10,8 @@ so RL has room to improve it visibly, with signal from the first step. (A model 
 simply does not know some sums, e.g. the v3 warm-up at a constant lr, gives RL nothing
 it can learn in that time: rewards stay flat.) The checker format (`y`/`n`, then
 end-of-sequence) is learned too, but not to verify sums: its verdicts start close to a
-coin flip. Deterministic (seeded); cached on disk after the first build.
+coin flip. Deterministic on one machine (seeded, on `BUILD_THREADS` threads); cached on disk
+after the first build.
 """
 
 import contextlib
@@ -22,18 +23,20 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from contracts.durable import atomic_replace_dir, beside, final_name_of, fsync_path, untouched
+from contracts.durable import atomic_replace_dir, beside, final_name_of, follow_umask, fsync_path, untouched
 
 # The tokenizer is the SDK's character tokenizer: the model and the envs must share one vocabulary.
 from contracts.tokenizer import CharTokenizer
 from contracts.tokenizer_files import TOKENIZER_FILE, save_char_tokenizer
 from trainer_core.models.attention import PACKED_ATTENTION
+from trainer_core.models.construction import one_at_a_time
 
 TOKENIZER = CharTokenizer()
 
@@ -53,6 +56,13 @@ PROGRESS_EVERY_S = 5.0
 """The build logs a line with its progress this often."""
 WARMUP_LR = 3e-3
 """Phase 1 peak lr (linear warm-up over 50 steps, then cosine to 0); phase 2 starts at a tenth."""
+BUILD_THREADS = 1
+"""The warm-up runs on this many CPU threads, whatever the caller set (a pool: its cores split between
+its ranks; tests: 1). The thread count changes how torch splits its reductions, hence their rounding,
+and 750 steps of training carry a last-bit difference into other weights: built with 2 threads on
+one machine the weights differed (sha256 3112fb49... against 0cda5799... with 1), and so did the
+base model's validation reward in examples/sft_then_rl.py. Across CPUs the weights may still differ
+(torch and MKL pick their kernels by instruction set: AVX2, AVX-512), and across torch versions."""
 
 
 # A PretrainedConfig keyword LlamaConfig does not declare. Eager: the warm-up's padded batches need
@@ -120,9 +130,31 @@ def build(
     """Phase 1 teaches the sums (the cosine schedule matters: at a constant 3e-3 the model
     never learns them); phase 2, on noisy answers at a low lr, flattens the answer
     distribution while keeping the right answer its mode, so sampling at temperature 1
-    is right only part of the time and RL can sharpen it."""
+    is right only part of the time and RL can sharpen it.
+
+    Built on `BUILD_THREADS` CPU threads whatever the caller's setting, and the caller's torch RNG
+    is left as it was: a pool seeds its LoRA initialisations before it loads the base model, and
+    building it or finding it cached must not change what they draw."""
+    with torch.random.fork_rng(devices=[]), _threads(BUILD_THREADS):
+        return _warm_up(seed, clean_steps, noisy_steps, correct_fraction, max_operand)
+
+
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _warm_up(
+    seed: int, clean_steps: int, noisy_steps: int, correct_fraction: float, max_operand: int
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config())
+    with one_at_a_time():  # built during another thread's load, it would get that load's patches
+        model = LlamaForCausalLM(tiny_llama_config())
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR)
     model.train()
@@ -204,7 +236,8 @@ def load(
         # in transformers as a whole, model and tokenizer.
         with contextlib.suppress(OSError):
             save_char_tokenizer(path, TOKENIZER)
-    return LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    with one_at_a_time():  # transformers patches globals while it loads (`construction`)
+        return LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
 
 
 def _publish(model: PreTrainedModel, path: Path) -> None:
@@ -221,6 +254,7 @@ def _publish(model: PreTrainedModel, path: Path) -> None:
         # On disk before the rename: a crash must not leave a marked directory of partial files,
         # which no later start would rebuild.
         for file in tmp.iterdir():
+            follow_umask(file)  # save_pretrained's model.safetensors is 0600: a shared cache's users read it
             fsync_path(file)
         fsync_path(tmp)
         try:

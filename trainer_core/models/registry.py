@@ -8,6 +8,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from trainer_core.models import builtin
+from trainer_core.models.construction import one_at_a_time
 from trainer_core.models.precision import resolve_attn_implementation, resolve_dtype
 from trainer_core.models.rms_norm import use_functional_rms_norm
 
@@ -55,9 +56,10 @@ def load_base_model(
             raise FileNotFoundError(f"base model {name_or_path}: the directory {local} does not exist")
         source = str(local) if local.is_dir() else name_or_path
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype, attn_implementation=attn_implementation
-            )
+            with one_at_a_time():  # transformers patches globals while it loads (`construction`)
+                model = AutoModelForCausalLM.from_pretrained(
+                    source, dtype=dtype, attn_implementation=attn_implementation
+                )
         except (OSError, ValueError) as exc:  # not found, unreachable, not a model transformers knows
             raise BaseModelError(f"base model {name_or_path}: {' '.join(str(exc).split())}") from exc
     # Also casts what a checkpoint keeps in fp32 (transformers' `_keep_in_fp32_modules`): one dtype.

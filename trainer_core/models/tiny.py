@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from trainer_core.models.attention import PACKED_ATTENTION
+from trainer_core.models.construction import one_at_a_time
 
 Arch = Literal["llama", "qwen2", "qwen3", "mistral"]
 ARCHS: tuple[Arch, ...] = ("llama", "qwen2", "qwen3", "mistral")
@@ -93,7 +94,7 @@ def build_model(
     as it was.
     """
     config = tiny_config(arch, **config_overrides)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), one_at_a_time():  # from_config sets the default dtype
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(dtype).eval()
