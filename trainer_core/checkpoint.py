@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from contracts.durable import fsync_path
+from contracts.durable import follow_umask, fsync_path
 from contracts.layout import STABLE_MARKER, step_dir_name, step_of_dir_name
 from contracts.progress import Progress
 
@@ -153,6 +153,7 @@ def save_checkpoint(
     _clean_leftovers(ckpt_root)
 
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}step_{step}_", dir=ckpt_root))
+    follow_umask(tmp)  # it becomes `step_N`: not mkdtemp's 0700
     # safetensors needs contiguous CPU tensors that share no storage; copy only what must be.
     tensors: dict[str, Tensor] = {}
     seen: set[int] = set()
@@ -163,6 +164,7 @@ def save_checkpoint(
         seen.add(t.untyped_storage().data_ptr())
         tensors[key] = t
     save_file(tensors, str(tmp / ADAPTER_FILE), metadata={"step": str(step)})
+    follow_umask(tmp / ADAPTER_FILE)  # not safetensors' 0600
     fsync_path(tmp / ADAPTER_FILE)
     _torch_save(optimizer_state, tmp / OPTIMIZER_FILE)
     _write_text(tmp / PROGRESS_FILE, json.dumps({"step": step, "progress": progress}, sort_keys=True))

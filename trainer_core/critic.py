@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from contracts.durable import follow_umask
 from contracts.run_config import RunConfig
 
 __all__ = [
@@ -178,6 +179,7 @@ def save_value_head(heads: ValueHeads, slot: int, directory: Path) -> Path:
     """Write ``slot``'s head to ``directory / value_head.safetensors``."""
     path = Path(directory) / VALUE_HEAD_FILE
     save_file(heads.slot_state_dict(slot), str(path))
+    follow_umask(path)  # not safetensors' 0600
     return path
 
 

@@ -10,6 +10,7 @@ the delta by lora_alpha / r, as `MultiLoRALinear` does, so the adapter carries t
 and alpha unchanged.
 """
 
+import gzip
 import io
 import json
 import os
@@ -25,9 +26,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from contracts.durable import fsync_path
+from contracts.durable import follow_umask, fsync_path
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 from contracts.peft import PEFT_PREFIX, adapter_problems, split_factor
+from contracts.tar_headers import TarHeaderProblem, check_tar_headers
 from trainer_core.lora import MultiLoRA
 from trainer_core.models.precision import parse_dtype
 
@@ -103,8 +105,10 @@ def export_peft_adapter(
     tensors = peft_state_dict(handle, slot, dtype=dtype)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        follow_umask(tmp)  # it becomes `out`: not mkdtemp's 0700
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+        follow_umask(tmp / ADAPTER_WEIGHTS)  # not safetensors' 0600
         for name in ADAPTER_FILES:
             fsync_path(tmp / name)
         fsync_path(tmp)
@@ -233,14 +237,26 @@ def _replace_dir(src: Path, dst: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+MAX_ADAPTER_ARCHIVE_MEMBERS = 8
+"""An adapter archive holds two files; the service's own uploads allow 8 members."""
+
+
 def unpack_adapter_archive(data: bytes, dest: str | os.PathLike[str]) -> Path:
     """Write the PEFT files of an adapter archive (tar or tar.gz, as the service serves them) into
     `dest`. Only regular members named as the adapter files are read: nothing else of the archive
     reaches the file system."""
+    # The headers are checked before tarfile reads them (contracts/tar_headers.py: Python's own parse
+    # of a hostile pax header is quadratic before 3.11.10), with one compression named by the bytes.
+    tar_bytes = gzip.decompress(data) if data[:2] == GZIP_MAGIC else data
+    try:
+        check_tar_headers(io.BytesIO(tar_bytes), max_members=MAX_ADAPTER_ARCHIVE_MEMBERS)
+    except TarHeaderProblem as exc:
+        raise ValueError(f"the adapter archive is refused: {exc}") from exc
     out = Path(dest)
     out.mkdir(parents=True, exist_ok=True)
     found: set[str] = set()
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:") as tar:
         for member in tar.getmembers():
             if member.name in ADAPTER_FILES and member.isfile():
                 f = tar.extractfile(member)

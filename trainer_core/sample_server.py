@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from contracts.durable import follow_umask
 from contracts.tinker_work import ManualResult, ManualWorkItem, SampledSequence
 from trainer_core.device_errors import raise_if_fatal
 from trainer_core.export import export_peft_adapter
@@ -90,6 +91,7 @@ def save_sampler_weights(
     tmp.mkdir(parents=True)
     state = {k: v.detach().to("cpu").contiguous() for k, v in lora.slot_state_dict(run.slot).items()}
     save_file(state, str(tmp / ADAPTER_FILE))
+    follow_umask(tmp / ADAPTER_FILE)  # not safetensors' 0600: an external sampler may be another user
     lora_config = run.config.lora
     (tmp / CONFIG_FILE).write_text(
         json.dumps(
