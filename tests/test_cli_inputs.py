@@ -313,13 +313,13 @@ sys.meta_path.insert(0, PauseAtImport())
 
 
 def _interrupt_while_importing(
-    script: list[str], tmp_path: Path, module: str
+    script: list[str], tmp_path: Path, module: str, *, pause: str = PAUSE_AT_IMPORT
 ) -> subprocess.CompletedProcess[str]:
-    """Run `script` (`--version`) with a sitecustomize that pauses it on its first import of
-    `module`; send SIGINT once it says it is paused; its exit code and output."""
+    """Run `script` (`--version`) with a sitecustomize (`pause`) that pauses it on its first import
+    of `module`; send SIGINT once it says it is paused; its exit code and output."""
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(PAUSE_AT_IMPORT)
+    (site / "sitecustomize.py").write_text(pause)
     env = {**os.environ, "PYTHONPATH": str(site), "LORALOOM_TEST_PAUSE_AT": module}
     env.pop("LORALOOM_DEBUG", None)
     with subprocess.Popen(

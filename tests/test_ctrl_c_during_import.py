@@ -6,8 +6,6 @@ imports, but the `loraloom` package is imported before it, and its `__init__` im
 traceback. Real processes, paused inside that import by a `sitecustomize`
 (tests/test_cli_inputs.py's helpers), then sent SIGINT; none is waited on without a timeout."""
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -90,27 +88,6 @@ def test_a_ctrl_c_swallowed_during_start_up_still_exits_130(tmp_path: Path) -> N
     command went on (`runs watch` ran until killed). `started()` now exits 130 for it."""
     if not LORALOOM.exists():
         pytest.skip(f"no installed loraloom command at {LORALOOM} (make install)")
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(PAUSE_IN_A_FINALIZER)
-    env = {**os.environ, "PYTHONPATH": str(site), "LORALOOM_TEST_PAUSE_AT": "typer"}
-    with subprocess.Popen(
-        [str(LORALOOM), "--version"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        preexec_fn=_default_sigint,
-    ) as proc:
-        try:
-            assert proc.stdout is not None
-            first = proc.stdout.readline()
-            assert first == "paused\n", (first, proc.communicate(timeout=60))
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:  # never left waiting on a paused child
-                proc.kill()
-    assert "SystemExit" in err  # Python's own "Exception ignored" report: the exit was swallowed
-    assert (proc.returncode, out) == (130, "")  # and the version was not printed
+    done = _interrupt_while_importing([str(LORALOOM)], tmp_path, "typer", pause=PAUSE_IN_A_FINALIZER)
+    assert "SystemExit" in done.stderr  # Python's own "Exception ignored" report: the exit was swallowed
+    assert (done.returncode, done.stdout) == (130, "")  # and the version was not printed

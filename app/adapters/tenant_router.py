@@ -5,7 +5,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, status
 from pydantic import AfterValidator, BaseModel
-from pydantic_core import PydanticCustomError
 
 from app.adapters import uploads
 from app.adapters.models import TenantAdapter
@@ -13,20 +12,12 @@ from app.adapters.pool_router import UploadBody
 from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, ValidationFailed, raises
+from app.runs.schemas import checked_run_name
 from app.timestamps import UtcDatetime
-from contracts.names import RUN_NAME_PATTERN, RUN_NAME_RULE, run_name_problem
+from contracts.names import RUN_NAME_PATTERN, RUN_NAME_RULE
 from contracts.run_config import DEFAULT_BASE_MODEL
 
 router = APIRouter(tags=["adapters"])
-
-
-def _checked_adapter_name(name: str) -> str:
-    # The run names' rule: an uploaded adapter's name is listed and logged as a run's is (a newline
-    # or a bidi override in it forged lines and reordered what a list showed).
-    problem = run_name_problem(name)
-    if problem is not None:  # `{problem}`: the message is data, never a format template
-        raise PydanticCustomError(problem.type, "{problem}", {"problem": problem.message})
-    return name
 
 
 AdapterName = Annotated[
@@ -37,7 +28,9 @@ AdapterName = Annotated[
         description=f"The adapter's name: {RUN_NAME_RULE}.",
         json_schema_extra={"pattern": RUN_NAME_PATTERN},
     ),
-    AfterValidator(_checked_adapter_name),
+    # The run names' rule: an uploaded adapter's name is listed and logged as a run's is (a newline
+    # or a bidi override in it forged lines and reordered what a list showed).
+    AfterValidator(checked_run_name),
 ]
 
 AdapterIdPath = Annotated[

@@ -68,7 +68,8 @@ class InitFromRun(BaseModel):
         return self
 
 
-def _checked_run_name(name: str) -> str:
+def checked_run_name(name: str) -> str:
+    """The name rule (contracts.names) as a pydantic validator: a run's name, an uploaded adapter's."""
     problem = run_name_problem(name)
     if problem is not None:  # `{problem}`: the message is data, never a format template
         raise PydanticCustomError(problem.type, "{problem}", {"problem": problem.message})
@@ -84,7 +85,7 @@ RunName = Annotated[
         examples=["gsm8k-r8"],
         json_schema_extra={"pattern": RUN_NAME_PATTERN},  # documented; AfterValidator enforces the rule
     ),
-    AfterValidator(_checked_run_name),
+    AfterValidator(checked_run_name),
 ]
 """A new run's name (contracts.names: the one rule the SDK and the CLI check too). Rows stored
 before the rule keep their names: only what comes in is checked."""
