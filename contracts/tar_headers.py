@@ -64,6 +64,9 @@ _EXTENDED_KIND = {
     tarfile.GNUTYPE_LONGLINK: "GNU long link name",
 }
 
+MAX_MEMBER_BYTES = 1 << 48
+"""A member size past any real archive (256 TiB): refused before the scan seeks past it."""
+
 _DIGIT_RUN = re.compile(rb"[0-9]+")
 _RECORD_LENGTH = re.compile(rb"([0-9]{1,20}) ")
 # What tarfile itself searches for, anywhere in the header's blocks; run only on checked ones.
@@ -177,6 +180,14 @@ def _read_extended(stream: Stream, header: tarfile.TarInfo, where: str) -> bytes
     return stream.read(_block(header.size))  # short at the end of the data: tarfile reads as much
 
 
+def _member_size(size: int, where: str) -> int:
+    if size < 0:
+        raise TarHeaderProblem(f"{where} gives a negative size")
+    if size > MAX_MEMBER_BYTES:  # a seek that far overflows (a 500, where the body's limit was a 413)
+        raise TarHeaderProblem(f"{where} gives a size of {size} bytes, more than any archive holds")
+    return size
+
+
 def check_tar_headers(
     stream: Stream,
     *,
@@ -217,9 +228,7 @@ def check_tar_headers(
         members += 1
         if members > max_members:
             raise TarHeaderProblem(f"{where} is one of more than {max_members} members")
-        size = header.size if pax_size is None else pax_size
-        if size < 0:
-            raise TarHeaderProblem(f"{where} gives a negative size")
+        size = _member_size(header.size if pax_size is None else pax_size, where)
         offset += BLOCK
         # tarfile skips the data of regular files and of types it does not know, and of no other.
         if header.isreg() or header.type not in tarfile.SUPPORTED_TYPES:

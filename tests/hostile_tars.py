@@ -126,6 +126,14 @@ def refused_archives(config: bytes = b"{}") -> dict[str, tuple[bytes, str]]:
             config_member + with_size_field(header(WEIGHTS_NAME), -BLOCK) + END,
             f"member header at byte {len(config_member)} gives a negative size",
         ),
+        "a size field past any archive (the scan's seek overflowed: a 500)": (
+            config_member + with_size_field(header(WEIGHTS_NAME), 2**80) + END,
+            f"gives a size of {2**80} bytes, more than any archive holds",
+        ),
+        "a pax size past any archive": (
+            extended(pax_record(b"size", b"9" * 30)) + config_member + END,
+            "more than any archive holds",
+        ),
         "a GNU sparse member": (
             header(CONFIG_NAME, kind=tarfile.GNUTYPE_SPARSE) + END,
             "is a GNU sparse file",
