@@ -63,8 +63,21 @@ def follow_umask(path: Path) -> None:
     safetensors' `save_file` (and transformers' `save_pretrained`, which uses it) always leaves 0600,
     writing a temporary file and renaming it; `tempfile.mkdtemp` makes 0700. In a shared cache or
     directory, those were unreadable to its other users, while every other file followed the umask."""
-    full = 0o777 if stat.S_ISDIR(os.stat(path).st_mode) else 0o666
-    os.chmod(path, full & ~process_umask())
+    # Through a descriptor opened without following a link: a name swapped for a symlink meanwhile
+    # (in a group-writable directory) fails here instead of widening the link's target.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            # A shared directory's setgid (its files keep its group) and sticky bits stay.
+            wanted = (0o777 & ~process_umask()) | (mode & (stat.S_ISGID | stat.S_ISVTX))
+        elif stat.S_ISREG(mode):
+            wanted = 0o666 & ~process_umask()
+        else:
+            raise OSError(f"{path} is neither a regular file nor a directory")
+        os.fchmod(fd, wanted)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

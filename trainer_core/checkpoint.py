@@ -153,7 +153,6 @@ def save_checkpoint(
     _clean_leftovers(ckpt_root)
 
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}step_{step}_", dir=ckpt_root))
-    follow_umask(tmp)  # it becomes `step_N`: not mkdtemp's 0700
     # safetensors needs contiguous CPU tensors that share no storage; copy only what must be.
     tensors: dict[str, Tensor] = {}
     seen: set[int] = set()
@@ -170,6 +169,9 @@ def save_checkpoint(
     _write_text(tmp / PROGRESS_FILE, json.dumps({"step": step, "progress": progress}, sort_keys=True))
     if extra is not None:
         _torch_save(extra, tmp / EXTRA_FILE)
+    # It becomes `step_N`: not mkdtemp's 0700. Widened last, once its files are written: no one else
+    # can place anything in it while they are.
+    follow_umask(tmp)
     fsync_path(tmp)
 
     final = ckpt_root / step_dir_name(step)

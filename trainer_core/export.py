@@ -17,6 +17,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -105,12 +106,12 @@ def export_peft_adapter(
     tensors = peft_state_dict(handle, slot, dtype=dtype)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        follow_umask(tmp)  # it becomes `out`: not mkdtemp's 0700
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(tensors, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         follow_umask(tmp / ADAPTER_WEIGHTS)  # not safetensors' 0600
         for name in ADAPTER_FILES:
             fsync_path(tmp / name)
+        follow_umask(tmp)  # it becomes `out`: not mkdtemp's 0700; widened once its files are in
         fsync_path(tmp)
         _replace_dir(tmp, out)
         fsync_path(out.parent)
@@ -240,6 +241,8 @@ def _replace_dir(src: Path, dst: Path) -> None:
 GZIP_MAGIC = b"\x1f\x8b"
 MAX_ADAPTER_ARCHIVE_MEMBERS = 8
 """An adapter archive holds two files; the service's own uploads allow 8 members."""
+MAX_ADAPTER_ARCHIVE_BYTES = 8 * 1024**3
+"""The most member data an adapter archive may unpack to (the SDK's bound too)."""
 
 
 def unpack_adapter_archive(data: bytes, dest: str | os.PathLike[str]) -> Path:
@@ -247,16 +250,21 @@ def unpack_adapter_archive(data: bytes, dest: str | os.PathLike[str]) -> Path:
     `dest`. Only regular members named as the adapter files are read: nothing else of the archive
     reaches the file system."""
     # The headers are checked before tarfile reads them (contracts/tar_headers.py: Python's own parse
-    # of a hostile pax header is quadratic before 3.11.10), with one compression named by the bytes.
-    tar_bytes = gzip.decompress(data) if data[:2] == GZIP_MAGIC else data
+    # of a hostile pax header is quadratic before 3.11.10), through the one compression the bytes
+    # name, streamed: the decompressed archive is never held whole.
+    gz = data[:2] == GZIP_MAGIC
     try:
-        check_tar_headers(io.BytesIO(tar_bytes), max_members=MAX_ADAPTER_ARCHIVE_MEMBERS)
-    except TarHeaderProblem as exc:
+        check_tar_headers(
+            gzip.GzipFile(fileobj=io.BytesIO(data)) if gz else io.BytesIO(data),
+            max_members=MAX_ADAPTER_ARCHIVE_MEMBERS,
+            max_data_bytes=MAX_ADAPTER_ARCHIVE_BYTES,
+        )
+    except (TarHeaderProblem, EOFError, OSError, zlib.error) as exc:  # OSError: gzip's "not a gzip"
         raise ValueError(f"the adapter archive is refused: {exc}") from exc
     out = Path(dest)
     out.mkdir(parents=True, exist_ok=True)
     found: set[str] = set()
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes), mode="r:") as tar:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz" if gz else "r:") as tar:
         for member in tar.getmembers():
             if member.name in ADAPTER_FILES and member.isfile():
                 f = tar.extractfile(member)

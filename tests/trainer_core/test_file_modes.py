@@ -125,3 +125,29 @@ def test_the_built_in_models_cache_follows_the_umask(
     path = builtin.cached_path(cache)
     assert (path / "model.safetensors").is_file()
     assert _modes(cache) == _expected(cache, umask)
+
+
+def test_a_shared_directorys_setgid_and_sticky_bits_stay(tmp_path: Path) -> None:
+    """In a setgid directory (files keep its group: the usual shared-group setup) the bit must stay,
+    or the files written into the widened directory lose the group they are shared with."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o700 | stat.S_ISGID | stat.S_ISVTX)
+    old = os.umask(0o027)
+    try:
+        follow_umask(shared)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o750 | stat.S_ISGID | stat.S_ISVTX
+
+
+def test_a_name_swapped_for_a_symlink_is_refused_not_followed(tmp_path: Path) -> None:
+    """Its target (another file of the pool's user) keeps its mode: the chmod does not follow."""
+    private = tmp_path / "private"
+    private.write_bytes(b"secret")
+    private.chmod(0o600)
+    link = tmp_path / "adapter.safetensors"
+    link.symlink_to(private)
+    with pytest.raises(OSError):
+        follow_umask(link)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o600
