@@ -135,7 +135,10 @@ def build(
     Built on `BUILD_THREADS` CPU threads whatever the caller's setting, and the caller's torch RNG
     is left as it was: a pool seeds its LoRA initialisations before it loads the base model, and
     building it or finding it cached must not change what they draw."""
-    with torch.random.fork_rng(devices=[]), _threads(BUILD_THREADS):
+    # The whole build under the process's model lock (`construction`): transformers patches globals
+    # while another thread loads, and the seed, the RNG and the thread count are the process's: two
+    # builds overlapping drew each other's initial weights and left the caller on one thread.
+    with one_at_a_time(), torch.random.fork_rng(devices=[]), _threads(BUILD_THREADS):
         return _warm_up(seed, clean_steps, noisy_steps, correct_fraction, max_operand)
 
 
@@ -153,8 +156,7 @@ def _warm_up(
     seed: int, clean_steps: int, noisy_steps: int, correct_fraction: float, max_operand: int
 ) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    with one_at_a_time():  # built during another thread's load, it would get that load's patches
-        model = LlamaForCausalLM(tiny_llama_config())
+    model = LlamaForCausalLM(tiny_llama_config())
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR)
     model.train()

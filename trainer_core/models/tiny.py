@@ -94,7 +94,9 @@ def build_model(
     as it was.
     """
     config = tiny_config(arch, **config_overrides)
-    with torch.random.fork_rng(devices=[]), one_at_a_time():  # from_config sets the default dtype
+    # The lock first: the RNG is the process's, and another thread's seeding or its fork's restore
+    # while this one builds would change its weights (`construction`).
+    with one_at_a_time(), torch.random.fork_rng(devices=[]):  # from_config sets the default dtype
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(dtype).eval()
