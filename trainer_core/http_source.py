@@ -7,6 +7,7 @@ batches after its checkpoint to the queue, and stores adapters, metrics and chec
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -67,8 +68,9 @@ class HttpRunSource:
         self._heartbeat_file = heartbeat_file
         self._init_from: dict[str, InitFrom] = {}
         """The `init_from` of the runs of the last `list_runs`."""
-        self._claim_filter = True
-        """False once the service refused a claim's `run_ids` (older than the filter): not asked again."""
+        self._filter_refused_at: float | None = None
+        """When the service last refused a claim's `run_ids` (older than the filter): not asked again
+        for CLAIM_FILTER_RETRY_S (a service upgraded under a registered pool is found again)."""
 
     @property
     def lost(self) -> bool:
@@ -78,7 +80,7 @@ class HttpRunSource:
 
     def open(self, capabilities: PoolRegister) -> None:
         registered = self.client.register(capabilities)
-        self._claim_filter = True  # a service registered anew may be a newer one
+        self._filter_refused_at = None  # a service registered anew may be a newer one
         log.info(
             "registered pool %s (%d slots, world size %d)",
             registered.pool_id,
@@ -191,7 +193,8 @@ class HttpRunSource:
         while its buffer was full: memory stays bounded, the fairness is that of the older pool."""
         if run_ids is None:
             return self.client.claim(max_batches)
-        if not self._claim_filter:
+        refused_at = self._filter_refused_at
+        if refused_at is not None and time.monotonic() - refused_at < CLAIM_FILTER_RETRY_S:
             return []
         try:
             return self.client.claim(max_batches, run_ids)
@@ -203,7 +206,7 @@ class HttpRunSource:
                 "claims nothing, and a run may wait until the buffer drains (upgrade the service)",
                 exc,
             )
-            self._claim_filter = False
+            self._filter_refused_at = time.monotonic()
             return []
 
     def ack(self, acks: list[AckItem]) -> None:
@@ -219,6 +222,10 @@ class HttpRunSource:
 
     def report_step(self, run_id: str, report: StepReport) -> None:
         self.client.report_step(run_id, report)
+
+
+CLAIM_FILTER_RETRY_S = 300.0
+"""How long a pool whose service refused a claim's `run_ids` claims without them before asking again."""
 
 
 def refuses_claim_filter(exc: ApiError) -> bool:

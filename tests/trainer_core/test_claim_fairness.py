@@ -250,3 +250,21 @@ def test_the_packer_gives_a_newcomer_its_turn_beside_a_huge_buffer(
         got.append(result.runs[bob_slot].samples if bob_slot in result.runs else 0)
     assert got[-1] > 0 and sum(got) >= 1
     assert packer.buffered_samples(alice_slot) > 4000  # alice's buffer is still there
+
+
+def test_the_filter_is_asked_for_again_after_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service upgraded under a registered pool is found: the refusal is remembered for
+    CLAIM_FILTER_RETRY_S, then the filter is tried again (it was off until the pool registered anew)."""
+    from trainer_core import http_source
+
+    now = [1000.0]
+    monkeypatch.setattr(http_source.time, "monotonic", lambda: now[0])
+    client = _client(OlderService)
+    source = HttpRunSource(client)
+    assert source.claim(1, run_ids=[BOB]) == []
+    now[0] += http_source.CLAIM_FILTER_RETRY_S - 1
+    assert source.claim(1, run_ids=[BOB]) == []
+    assert client.claims == [(1, [BOB])]  # remembered
+    now[0] += 2
+    assert source.claim(1, run_ids=[BOB]) == []  # refused again (this service is still the older one)
+    assert client.claims == [(1, [BOB]), (1, [BOB])]  # asked again
