@@ -5,6 +5,8 @@ move `tarfile` where a naive walk does not look, and legitimate archives at the 
 import gzip
 import io
 import tarfile
+from collections.abc import Callable
+from typing import Any
 
 from contracts.tar_headers import MAX_DIGIT_RUN, MAX_EXTENDED_HEADER_BYTES, MAX_PAX_RECORDS
 
@@ -175,3 +177,14 @@ def gzip_polyglot() -> bytes:
     with gzip.GzipFile(fileobj=body, mode="wb", mtime=0) as gz:
         gz.write(b"junk, not a tar" * 100)
     return bytes(bomb) + body.getvalue()[10:]  # its deflate data, CRC and size after the field
+
+
+def refusing(calls: list[str], what: str) -> Callable[..., Any]:
+    """A stand-in for a tarfile entry point that records its name in `calls`, then refuses as
+    tarfile refuses a bad archive: a test sees whether tarfile was reached, never a hang."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        calls.append(what)
+        raise tarfile.ReadError(f"{what} was called")
+
+    return call

@@ -30,6 +30,7 @@ from tests.hostile_tars import (
     pax_digit_bomb,
     pax_record,
     refused_archives,
+    refusing,
 )
 
 ADAPTER = {FILES[0]: json.dumps(CONFIG).encode(), FILES[1]: save(TENSORS)}
@@ -41,16 +42,9 @@ def tarfile_opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     call is recorded, then refused as tarfile refuses a bad archive (a 422, never a 500)."""
     calls: list[str] = []
 
-    def refuse(what: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(what)
-            raise tarfile.ReadError(f"{what} was called")
-
-        return call
-
-    monkeypatch.setattr(tarfile, "open", refuse("tarfile.open"))
-    monkeypatch.setattr(tarfile.TarInfo, "_proc_pax", refuse("TarInfo._proc_pax"))
-    monkeypatch.setattr(tarfile.TarInfo, "_proc_gnulong", refuse("TarInfo._proc_gnulong"))
+    monkeypatch.setattr(tarfile, "open", refusing(calls, "tarfile.open"))
+    monkeypatch.setattr(tarfile.TarInfo, "_proc_pax", refusing(calls, "TarInfo._proc_pax"))
+    monkeypatch.setattr(tarfile.TarInfo, "_proc_gnulong", refusing(calls, "TarInfo._proc_gnulong"))
     yield calls
 
 

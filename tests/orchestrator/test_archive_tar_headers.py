@@ -32,6 +32,7 @@ from tests.hostile_tars import (
     pax_digit_bomb,
     pax_record,
     refused_archives,
+    refusing,
 )
 
 COMPRESSIONS: dict[str, Callable[[bytes], bytes]] = {
@@ -48,15 +49,8 @@ def tarfile_parsed(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     a bad archive."""
     calls: list[str] = []
 
-    def refuse(what: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(what)
-            raise tarfile.ReadError(f"{what} was called")
-
-        return call
-
-    monkeypatch.setattr(tarfile.TarInfo, "_proc_pax", refuse("TarInfo._proc_pax"))
-    monkeypatch.setattr(tarfile.TarInfo, "_proc_gnulong", refuse("TarInfo._proc_gnulong"))
+    monkeypatch.setattr(tarfile.TarInfo, "_proc_pax", refusing(calls, "TarInfo._proc_pax"))
+    monkeypatch.setattr(tarfile.TarInfo, "_proc_gnulong", refusing(calls, "TarInfo._proc_gnulong"))
     yield calls
 
 

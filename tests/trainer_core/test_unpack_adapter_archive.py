@@ -2,25 +2,15 @@
 before `tarfile` reads them (contracts/tar_headers.py), as the service and the SDK do."""
 
 import gzip
-import io
 import tarfile
 from pathlib import Path
 
 import pytest
 
 from contracts.layout import ADAPTER_FILES
+from tests.app.test_adapters import tar_bytes
 from tests.hostile_tars import pax_digit_bomb
 from trainer_core.export import unpack_adapter_archive
-
-
-def _archive(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 @pytest.mark.parametrize("compress", [False, True], ids=["tar", "tar.gz"])
@@ -40,6 +30,6 @@ def test_a_pax_digit_bomb_is_refused_before_tarfile_reads_it(
 @pytest.mark.parametrize("compress", [False, True], ids=["tar", "tar.gz"])
 def test_an_adapter_archive_is_unpacked_as_before(tmp_path: Path, compress: bool) -> None:
     files = {name: name.encode() for name in ADAPTER_FILES}
-    data = _archive(files)
+    data = tar_bytes(files)
     out = unpack_adapter_archive(gzip.compress(data) if compress else data, tmp_path / "out")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files
