@@ -141,6 +141,13 @@ class Settings(BaseSettings):
     sweep_interval_seconds: float = Field(default=2.0, gt=0)
     """How often the background sweeper checks leases, pool liveness and run heartbeats."""
 
+    housekeeping_interval_seconds: float = Field(default=30.0, gt=0)
+    """How often the sweeper also runs its housekeeping: the retention purges, the dashboard
+    sessions' and done Tinker futures' purges, the adapter pruning and the reconcile pass. Their
+    deadlines are hours and days, so running them at every sweep only burned CPU (half of an idle
+    service's); a sweep that left a backlog (a bounded chunk each time) is followed by another at
+    the next sweep."""
+
     tinker_future_ttl_seconds: float = Field(default=86_400.0, ge=0)
     """How long the sweeper keeps a done Tinker future (its result, for retrieve_future); after that
     retrieve_future answers 404. The records of models and saved weights are kept as long as their

@@ -8,10 +8,18 @@ with trash a removal left (reconciled, a bounded share a sweep: app/adapters/rec
 Each sweep runs in a worker thread (the database calls block) with its own sessions; each
 of its jobs commits on its own, so one failing never holds back the others, and no
 failure ever stops the loop. The retention purges commit each chunk on its own (app/retention.py).
+
+Two cadences: the liveness jobs (leases, pools, heartbeats, Tinker work that can no longer be
+served: clients wait on them) at every sweep, `settings.sweep_interval_seconds`; the housekeeping
+(purges, pruning, reconcile: deadlines of hours and days) at the first sweep, then every
+`settings.housekeeping_interval_seconds`, and at the next sweep again while it leaves a backlog.
+Each job costs a transaction or more even when it finds nothing (1-3 ms of CPU), so running the
+housekeeping at every sweep was half of an idle service's CPU (docs/benchmarks.md).
 """
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -84,6 +92,11 @@ class SweepResult:
     """Entries of runs/.trash a removal cut short left, deleted."""
     errors: list[str] = field(default_factory=list)
     """The jobs that failed (logged with their traceback)."""
+    housekeeping: bool = False
+    """Whether this sweep ran the housekeeping jobs (from `purged_futures` on)."""
+    housekeeping_backlog: bool = False
+    """Housekeeping stopped at its per-sweep bound with more to do (a purge's MAX_PURGE_CHUNKS, an
+    adapter or reconcile pass not caught up): the background loop runs it again at the next sweep."""
 
 
 def _job(
@@ -108,7 +121,8 @@ def _chunks(
     result: SweepResult,
 ) -> list[T]:
     """Run `chunk` as a job, each call its own transaction, while `more` says there may be more, at
-    most MAX_PURGE_CHUNKS times; stops at a failure (logged and named in `result`, as any job's)."""
+    most MAX_PURGE_CHUNKS times; stops at a failure (logged and named in `result`, as any job's).
+    Stopping at the bound with more to do marks `result.housekeeping_backlog`."""
     done: list[T] = []
     for _ in range(MAX_PURGE_CHUNKS):
         out = _job(factory, name, chunk, result)
@@ -117,6 +131,8 @@ def _chunks(
         done.append(out)
         if not more(out):
             break
+    else:
+        result.housekeeping_backlog = True
     return done
 
 
@@ -129,6 +145,7 @@ def sweep_once(
     adapter_scan: AdapterScan | None = None,
     reconcile_scan: ReconcileScan | None = None,
     listening_since: datetime | None = None,
+    housekeeping: bool = True,
 ) -> SweepResult:
     """One pass: expired leases → pending; silent pools → dead (their batches → pending);
     runs whose orchestrator went silent → evicted; Tinker models whose session went silent →
@@ -141,7 +158,8 @@ def sweep_once(
     row refers to, and stale trash → deleted (`reconcile_scan`: where the pass stands; None begins
     one). `listening_since`: when this process's sweeper started; a heartbeat timeout (a run's, a
     Tinker session's) counts from there at the earliest, as none could land while the service was
-    down."""
+    down. `housekeeping` False: the liveness jobs only, up to the failing of Tinker work (the
+    background loop's cadence, in the module's docstring)."""
     now = now or utcnow()
     result = SweepResult()
     result.expired_leases = _job(factory, "expire_leases", lambda s: expire_leases(s, now=now), result) or 0
@@ -177,6 +195,9 @@ def sweep_once(
         result,
     )
     result.failed_futures = (left or 0) + (unclaimed or 0)
+    if not housekeeping:
+        return result
+    result.housekeeping = True
     ttl = settings.tinker_future_ttl_seconds
     purge = lambda s: purge_done_futures(s, now=now, ttl_seconds=ttl)  # noqa: E731
     result.purged_futures = _job(factory, "purge_tinker_futures", purge, result) or 0
@@ -221,6 +242,10 @@ def sweep_once(
     )
     # After the pruning: what it removed itself is not looked at again.
     _reconcile(factory, settings=settings, now=now, scan=reconcile_scan or ReconcileScan(), result=result)
+    if not (adapter_scan is None or adapter_scan.caught_up) or not (
+        reconcile_scan is None or reconcile_scan.caught_up
+    ):
+        result.housekeeping_backlog = True
     return result
 
 
@@ -278,22 +303,49 @@ def _reconcile(
         result.errors.append(name)
 
 
+class HousekeepingClock:
+    """Whether the background loop's next sweep runs the housekeeping jobs: the first sweep, then
+    once `interval_s` has passed since the last one began, and at once while it leaves a backlog."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._next: float | None = None  # None: due (nothing ran yet, or a backlog is left)
+        self._began = 0.0
+
+    def begin(self) -> bool:
+        """Whether the sweep beginning now runs the housekeeping."""
+        self._began = self._clock()
+        return self._next is None or self._began >= self._next
+
+    def ran(self, *, backlog: bool) -> None:
+        """The sweep begun last ran the housekeeping, and left a backlog or not."""
+        self._next = None if backlog else self._began + self.interval_s
+
+
 async def run_sweeper(app: FastAPI) -> None:
-    """Sweep every settings.sweep_interval_seconds until cancelled (at shutdown)."""
+    """Sweep every settings.sweep_interval_seconds until cancelled (at shutdown), with the
+    housekeeping on the cadence of `HousekeepingClock`."""
     settings: Settings = app.state.settings
     factory: sessionmaker[Session] = app.state.session_factory
     scan, reconcile = AdapterScan(), ReconcileScan()
+    clock = HousekeepingClock(settings.housekeeping_interval_seconds)
     listening_since = utcnow()
     while True:
+        housekeeping = clock.begin()
         try:
-            await asyncio.to_thread(
+            result = await asyncio.to_thread(
                 sweep_once,
                 factory,
                 settings=settings,
                 adapter_scan=scan,
                 reconcile_scan=reconcile,
                 listening_since=listening_since,
+                housekeeping=housekeeping,
             )
         except Exception:  # sweep_once catches its jobs' errors; this is the last guard
             log.exception("sweeper: sweep failed")
+        else:
+            if housekeeping:
+                clock.ran(backlog=result.housekeeping_backlog)
         await asyncio.sleep(settings.sweep_interval_seconds)
