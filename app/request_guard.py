@@ -14,7 +14,7 @@ and so before any database session opens.
   401 or 403 at once, its body unread (a 66 MB anonymous body took 5.4 s of the event loop and
   1.7 GB on its way to a 401). The worker token is compared in place; a Tinker key is looked up in
   the key caches (app/key_cache.py), and, when they do not know it, in the database in a worker
-  thread (the key is then cached for the route, which looks it up again). The database connection
+  thread (the key is then cached for the route). The database connection
   is held for that lookup only, never while the body arrives.
 - And on the tenants' bulk routes (rollout batches, `/v1/adapters`), so that anonymous bodies
   cannot fill the body budget below (a 503 for every tenant's upload): a missing or malformed
@@ -78,7 +78,7 @@ from app.auth import (
 )
 from app.config import Settings
 from app.errors import AppError, RateLimited, ServiceUnavailable, Unauthorized, error_body
-from app.key_cache import key_miss_cache
+from app.key_cache import CachedKey, key_cache, key_miss_cache
 from app.serving import MAX_HEADER_BYTES
 from app.tenants.models import ApiKey
 from app.tinker.auth import tinker_key_hash
@@ -392,24 +392,27 @@ async def _tenant_credential(request: Request, state: State) -> Credential:
 
 def _tenant_key_credential(state: State, digest: str) -> Credential:
     """401 when no valid key has this hash (remembered in the miss cache, as the route's lookup
-    would), else the key's tenant, for its share of the body budget. A valid key is not cached here:
-    the route's lookup caches it, so the batch route's first request with a key still takes the
-    documented handler (tests/app/test_lean_ingest.py); the tenant is known either way, so a
-    tenant's stalled bodies, which never reach the route to cache the key, are still charged to it.
-    A database error lets the request through, charged to no tenant: the route looks the key up
-    again and answers what it would have (its uniform 503 if the database is still failing), not
-    the guard."""
+    would), else the key's tenant, for its share of the body budget. A valid key is cached as the
+    route's lookup caches it (app/auth.py `known_key`, the revocation bound included), so the route
+    does not look it up again: a batch whose key's cache entry had just expired took the documented
+    handler and a second lookup (tests/app/test_lean_ingest.py). The tenant is known either way, so
+    a tenant's stalled bodies, which never reach the route, are still charged to it. A database
+    error lets the request through, charged to no tenant: the route looks the key up again and
+    answers what it would have (its uniform 503 if the database is still failing), not the guard."""
     settings: Settings = state.settings
+    valid = key_cache(state, settings.api_key_cache_seconds)
+    read_in = valid.generation  # before the read: a revocation clearing the cache meanwhile wins
     try:
         with state.session_factory() as session:
             row = session.execute(
-                select(ApiKey.tenant_id, ApiKey.revoked_at).where(ApiKey.key_hash == digest)
+                select(ApiKey.id, ApiKey.tenant_id, ApiKey.revoked_at).where(ApiKey.key_hash == digest)
             ).first()
     except SQLAlchemyError:
         return _LET_THROUGH
     if row is None or row.revoked_at is not None:
         key_miss_cache(state, settings.api_key_miss_cache_seconds).put(digest, True)
         return Credential(Unauthorized(INVALID_KEY, challenge=INVALID_TOKEN_CHALLENGE))
+    valid.put(digest, CachedKey(tenant_id=row.tenant_id, api_key_id=row.id), read_in=read_in)
     return Credential(tenant_id=row.tenant_id)
 
 

@@ -108,3 +108,20 @@ def test_pending_limits_in_the_insert_statement_refuse_and_store_nothing(setting
         assert details["kind"] == "pending_batches" and details["pending_batches"] == 2
     assert fast_calls  # the refusals above came from the fast path
     assert batch_count(settings) == 2 and len(rollout_files(settings)) == 2  # the refused file is gone
+
+
+def test_a_large_first_batch_takes_the_fast_path_once_the_guard_looked_its_key_up(settings, fast_calls):
+    """A body the request guard looks the key up for (over its 64 KiB precheck) finds the key cached
+    by that lookup: no documented handler, no second lookup (before, every such request after the
+    cache entry expired took both)."""
+    seeded = seed_run(settings)
+    body = batch_body(400)
+    assert len(json.dumps(body)) > 64 << 10
+    with TestClient(create_app(settings)) as client:
+        resp = post_batch(client, seeded, body)
+        assert resp.status_code == 201, resp.text
+        assert fast_calls == [seeded.run_id]
+        small = post_batch(client, seeded, batch_body(1, seed=9))
+        assert small.status_code == 201
+        assert fast_calls == [seeded.run_id, seeded.run_id]
+    assert batch_count(settings) == 2
