@@ -3,9 +3,12 @@
 Python's `tarfile` parses a pax extended header with regular expressions, and before 3.11.10
 (CVE-2024-6232) `re.search(rb"\\d+ hdrcharset=([^\\n]+)\\n", buf)` takes time quadratic in a run of
 digits: a 42 KB tar holding 40,000 of them kept a thread for 19 s, holding the GIL all along (every
-other request of the process waited). Its record loop is quadratic in malformed records too, a
-negative base-256 size sends it backwards (a member list that grows forever), and a non-UTF-8
-`hdrcharset` raises UnicodeDecodeError, which is no `TarError`.
+other request of the process waited). The search runs over the header's blocks whole, so a run inside
+a record's value costs as much as one anywhere else: (run length)² for each run, 2-3 ns per unit
+(3.11.7; a value of 4,000 digits: 48 ms, of 8,000: 0.2 s). 3.11.10, 3.12.6 and 3.13 parse the records
+first and search no more (3.13.0: 0.15 ms for 8,000 digits). Its record loop is quadratic in
+malformed records too, a negative base-256 size sends it backwards (a member list that grows
+forever), and a non-UTF-8 `hdrcharset` raises UnicodeDecodeError, which is no `TarError`.
 
 So the header blocks are walked here first, the way `tarfile` walks them (`TarInfo.frombuf` parses
 each 512-byte block, so both see the same headers; data is skipped as `tarfile` skips it, pax `size`
@@ -19,11 +22,13 @@ records included), and an archive is refused (`TarHeaderProblem`, naming what is
   `tarfile` reads from the data, quadratically too);
 - a GNU sparse member, a negative size, more members than the caller allows, or more member data than
   its bound (a compressed stream is decompressed no further).
-What passes costs `tarfile` time linear in its headers: about a millisecond per 8 KiB at worst.
+What passes costs `tarfile` time linear in its headers: 3-4 ms per 8 KiB at worst (3.11.7).
 
 Legitimate archives are far inside these bounds: Python's tarfile (any format), GNU tar and bsdtar
 write one extended header per member (two for GNU tar's long name and long link), holding a path of
-at most PATH_MAX (4096) bytes, times (`mtime=1732895123.123456789`), owners and a size.
+at most PATH_MAX (4096) bytes (a file name of digits has at most NAME_MAX, 255), times
+(`mtime=1732895123.123456789`), owners, a size, and xattrs (bsdtar stores them by default, GNU tar
+with `--xattrs`: `SCHILY.xattr.<name>=<value>`, or `LIBARCHIVE.xattr.<name>=<base64>`).
 """
 
 import io
@@ -40,9 +45,20 @@ MAX_EXTENDED_HEADER_BYTES = 8 * 1024
 MAX_PAX_RECORDS = 64
 """Records in one pax header: a path, a link target, three times, owners, a size, a few xattrs."""
 
-MAX_DIGIT_RUN = 32
-"""The longest run of ASCII digits a pax header may hold. Its records' lengths, times, ids and sizes
-run to 20 at most; the pre-3.11.10 regex costs (run length)² per run (8,000 digits: about 0.3 s)."""
+MAX_DIGIT_RUN = 256
+"""The longest run of ASCII digits a pax header may hold, in a record's length or in its value alike
+(the pre-3.11.10 search costs (run length)² per run wherever it is). Lengths, times, ids and sizes run
+to 20 at most; a file name of digits to 255 (NAME_MAX), an xattr's value (bsdtar's default) to a few
+hundred. A header of MAX_EXTENDED_HEADER_BYTES filled with runs of this length (the worst case: each
+run's cost grows with its square, their number with 1/length) takes tarfile 3.11.7 3-4 ms; with runs
+of 32, 64, 128, 512: 0.7, 0.9, 1.6, 9-10 ms; a single run of 8,000 digits, 0.2 s."""
+
+MAX_DIGIT_COST = 8 * 1024 * 1024
+"""The sum of (digit run length)² over all of an archive's pax headers: what the pre-3.11.10 search
+costs the archive (2-3 ns a unit on 3.11.7: some 20 ms). Runs of 32 digits filling MAX_EXTENDED_BYTES
+come to 8.1M (the worst case before MAX_DIGIT_RUN was raised from 32); a header of 8 KiB filled with
+runs of 256, 2M (four fit); a 200-digit xattr, 40,000. Without it, MAX_EXTENDED_BYTES of runs of 256
+would take 100-140 ms."""
 
 MAX_EXTENDED_HEADERS_IN_A_ROW = 4
 """Extended headers before one member (a global one, a pax one, GNU long name and long link: no tool
@@ -50,9 +66,9 @@ writes more). `tarfile` reads each by recursing into the next: a few hundred rai
 
 MAX_EXTENDED_BYTES = 256 * 1024
 """The data of all of an archive's extended headers together (the default of `check_tar_headers`):
-`tarfile` (3.11.7) takes 1-1.3 ms per 8 KiB of them at worst (runs of MAX_DIGIT_RUN digits
-throughout), some 40 ms for all. A 100-byte pax header (a path, three times) for each of 2,500
-members fits."""
+`tarfile` (3.11.7) takes 3-4 ms per 8 KiB of them at worst (runs of MAX_DIGIT_RUN digits
+throughout), and MAX_DIGIT_COST bounds the archive's digits together: 15-19 ms at worst (4 such headers,
+or 32 of runs of 32 digits). A 100-byte pax header (a path, three times) for each of 2,500 members fits."""
 
 _PAX_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
 _GNU_LONG_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
@@ -69,8 +85,8 @@ MAX_MEMBER_BYTES = 1 << 48
 
 _DIGIT_RUN = re.compile(rb"[0-9]+")
 _RECORD_LENGTH = re.compile(rb"([0-9]{1,20}) ")
-# What tarfile itself searches for, anywhere in the header's blocks; run only on checked ones.
-_HDRCHARSET = re.compile(rb"\d+ hdrcharset=([^\n]+)\n")
+_HDRCHARSET = b" hdrcharset="
+_DIGITS = frozenset(b"0123456789")
 
 
 Stream = IO[bytes] | io.BufferedIOBase
@@ -140,21 +156,44 @@ def _pax_records(buf: bytes, where: str) -> dict[bytes, bytes]:
     return records
 
 
-def _check_pax(buf: bytes, *, where: str, is_global: bool) -> int | None:
-    """Check a pax header's blocks (all of them, padding included: tarfile searches them whole); the
-    size it gives the member that follows, if any."""
-    longest = max((len(run) for run in _DIGIT_RUN.findall(buf)), default=0)
+def _hdrcharset(buf: bytes) -> bytes | None:
+    """What tarfile before 3.11.10 takes for the header's charset: group 1 of the first match of
+    `re.search(rb"\\d+ hdrcharset=([^\\n]+)\\n", buf)`, found in linear time (the search itself is
+    quadratic in the header's digit runs). A match's digits run up to " hdrcharset=" (a digit run ends
+    at the space), so matches start in the order of those occurrences: the first one preceded by a
+    digit and followed by a non-empty line is the search's."""
+    at = buf.find(_HDRCHARSET)
+    while at != -1:
+        start = at + len(_HDRCHARSET)
+        if at > 0 and buf[at - 1] in _DIGITS and start < len(buf) and buf[start] != 0x0A:
+            end = buf.find(b"\n", start)
+            if end == -1:
+                return None  # no line ends after this one, nor after any later one
+            return buf[start:end]
+        at = buf.find(_HDRCHARSET, start)
+    return None
+
+
+def _digit_cost(buf: bytes, where: str) -> int:
+    """The header's share of MAX_DIGIT_COST; refused if a run is longer than MAX_DIGIT_RUN."""
+    runs = [len(run) for run in _DIGIT_RUN.findall(buf)]
+    longest = max(runs, default=0)
     if longest > MAX_DIGIT_RUN:
         raise TarHeaderProblem(
             f"{where} holds a run of {longest} digits (at most {MAX_DIGIT_RUN} are accepted)"
         )
+    return sum(n * n for n in runs)
+
+
+def _check_pax(buf: bytes, *, where: str, is_global: bool) -> int | None:
+    """Check a pax header's blocks (all of them, padding included: tarfile searches them whole; their
+    digits are counted by `_digit_cost`); the size it gives the member that follows, if any."""
     records = _pax_records(buf, where)
-    # Linear now (short digit runs, every record ends in a newline): what tarfile decodes as UTF-8,
-    # raising UnicodeDecodeError out of tarfile.open.
-    charset = _HDRCHARSET.search(buf) if b"hdrcharset=" in buf else None
+    # What tarfile decodes as UTF-8, raising UnicodeDecodeError out of tarfile.open.
+    charset = _hdrcharset(buf)
     if charset is not None:
         try:
-            charset[1].decode("utf-8")
+            charset.decode("utf-8")
         except UnicodeDecodeError:
             raise TarHeaderProblem(f"{where} has a hdrcharset record that is not UTF-8") from None
     if any(keyword.startswith(b"GNU.sparse.") for keyword in records):
@@ -199,7 +238,7 @@ def check_tar_headers(
     decompressing file for a compressed one), as `tarfile` will walk them; TarHeaderProblem, naming
     what is wrong and where, for an archive `tarfile` must not be given (the module's docstring). Data
     is skipped, by seeking where the stream can: the caller seeks back before `tarfile` opens it."""
-    offset = members = data_bytes = extended_bytes = 0
+    offset = members = data_bytes = extended_bytes = digit_cost = 0
     while (header := _read_header(stream)) is not None:
         in_a_row = 0
         pax_size: int | None = None  # the outermost pax `size` of the chain wins in tarfile
@@ -217,6 +256,12 @@ def check_tar_headers(
                     f"{where} takes the archive's extended headers past {max_extended_bytes} bytes"
                 )
             if header.type in _PAX_TYPES:
+                digit_cost += _digit_cost(buf, where)
+                if digit_cost > MAX_DIGIT_COST:
+                    raise TarHeaderProblem(
+                        f"{where} takes the digits of the archive's pax headers past their bound (the sum "
+                        f"of the squares of their runs' lengths, at most {MAX_DIGIT_COST})"
+                    )
                 size = _check_pax(buf, where=where, is_global=header.type == tarfile.XGLTYPE)
                 pax_size = size if pax_size is None else pax_size
             offset += BLOCK + _block(header.size)

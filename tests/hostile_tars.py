@@ -59,10 +59,11 @@ def pax_digit_bomb(digits: int = 40_000) -> bytes:
     return extended(b"1" * digits) + END
 
 
-def largest_accepted_pax() -> bytes:
-    """A pax header of exactly MAX_EXTENDED_HEADER_BYTES, its value runs of MAX_DIGIT_RUN digits:
-    the most `tarfile`'s regexes are given."""
-    pattern = b"1" * MAX_DIGIT_RUN + b"a"
+def largest_accepted_pax(run: int = MAX_DIGIT_RUN) -> bytes:
+    """A pax header of exactly MAX_EXTENDED_HEADER_BYTES, its value runs of `run` digits (by default
+    the longest accepted: the most one header gives `tarfile`'s regexes; 0: no digits but the
+    record's length, so that many fit in the archive's digit bound)."""
+    pattern = b"1" * run + b"a"
     value = pattern * (MAX_EXTENDED_HEADER_BYTES // len(pattern) + 1)
     while len(record := pax_record(b"comment", value)) > MAX_EXTENDED_HEADER_BYTES:
         value = value[: -(len(record) - MAX_EXTENDED_HEADER_BYTES)]

@@ -129,7 +129,7 @@ def _python_tar(tmp_path: Path, fmt: int) -> bytes:
 
 
 def _at_the_bounds() -> bytes:
-    """Each file after the largest pax header accepted (8 KiB, runs of 32 digits), a global one first."""
+    """Each file after the largest pax header accepted (8 KiB, runs of MAX_DIGIT_RUN digits), a global one first."""
     body = extended(pax_record(b"comment", b"global"), tarfile.XGLTYPE)
     for name, data in ADAPTER.items():
         body += extended(largest_accepted_pax()) + member(name, data)
