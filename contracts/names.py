@@ -1,5 +1,7 @@
 """What a run's name may hold: the one rule, checked by the service (POST /v1/runs, JSON or TOML),
-the SDK (orchestrator.client) and the CLI (`loraloom runs create`) before anything is sent.
+the SDK (orchestrator.client) and the CLI (`loraloom runs create`) before anything is sent. The same
+rule holds for every other label a client gives and others are shown (`label_problem`): an uploaded
+adapter's name, each tag of a Tinker session.
 
 A name is shown wherever a run is: run lists, the dashboard, events, log lines, terminals. It must
 read as what it is, so it holds none of:
@@ -51,7 +53,8 @@ _JOINERS = frozenset("\u200c\u200d")
 
 @dataclass(frozen=True)
 class NameProblem:
-    """Why a name is refused: `type` for a 422's detail, `message` completing "name ..."."""
+    """Why a name (or another label) is refused: `type` for a 422's detail, `message` completing
+    "name ..." (or the label's field)."""
 
     type: str
     message: str
@@ -87,27 +90,33 @@ def _between_visible(name: str, index: int) -> bool:
     return all(not c.isspace() and _kind(c) is None for c in (name[index - 1], name[index + 1]))
 
 
-def run_name_problem(name: str) -> NameProblem | None:
-    """Why `name` cannot be a run's name, or None. The first refused character is named (with its
-    position, counted from 1), before any problem of whitespace: a C1 or separator is whitespace too."""
-    if not name:
+def label_problem(text: str, *, max_chars: int, kind: str) -> NameProblem | None:
+    """Why `text` cannot be a label shown to others (this module's rule, within `max_chars`), or
+    None. The first refused character is named (with its position, counted from 1), before any
+    problem of whitespace: a C1 or separator is whitespace too. `kind` names the problem types
+    (`{kind}_character`, `{kind}_whitespace`; `string_too_short`/`string_too_long` as pydantic's)."""
+    if not text:
         return NameProblem("string_too_short", "must not be empty")
-    if len(name) > MAX_RUN_NAME_CHARS:
-        return NameProblem(
-            "string_too_long", f"must be at most {MAX_RUN_NAME_CHARS} characters, not {len(name)}"
-        )
-    for position, char in enumerate(name, start=1):
-        kind = _kind(char)
-        if kind is not None and char in _JOINERS and _between_visible(name, position - 1):
+    if len(text) > max_chars:
+        return NameProblem("string_too_long", f"must be at most {max_chars} characters, not {len(text)}")
+    for position, char in enumerate(text, start=1):
+        refused = _kind(char)
+        if refused is not None and char in _JOINERS and _between_visible(text, position - 1):
             continue
-        if kind is not None:
+        if refused is not None:
             return NameProblem(
-                "run_name_character", f"must not contain {_described(char)} ({kind}, character {position})"
+                f"{kind}_character", f"must not contain {_described(char)} ({refused}, character {position})"
             )
-    if name.isspace():
-        return NameProblem("run_name_whitespace", "must not be only whitespace")
-    if name[0].isspace():
-        return NameProblem("run_name_whitespace", f"must not start with whitespace ({_described(name[0])})")
-    if name[-1].isspace():
-        return NameProblem("run_name_whitespace", f"must not end with whitespace ({_described(name[-1])})")
+    if text.isspace():
+        return NameProblem(f"{kind}_whitespace", "must not be only whitespace")
+    if text[0].isspace():
+        return NameProblem(f"{kind}_whitespace", f"must not start with whitespace ({_described(text[0])})")
+    if text[-1].isspace():
+        return NameProblem(f"{kind}_whitespace", f"must not end with whitespace ({_described(text[-1])})")
     return None
+
+
+def run_name_problem(name: str) -> NameProblem | None:
+    """Why `name` cannot be a run's name (or an uploaded adapter's), or None: `label_problem` within
+    MAX_RUN_NAME_CHARS, its problem types `run_name_character` and `run_name_whitespace`."""
+    return label_problem(name, max_chars=MAX_RUN_NAME_CHARS, kind="run_name")

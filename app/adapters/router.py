@@ -59,6 +59,15 @@ async def _run_with_adapters(run: OwnedRunDep) -> Run:  # no I/O: no thread
 RunWithAdaptersDep = Annotated[Run, Depends(_run_with_adapters)]
 
 
+async def _run_with_metrics(run: OwnedRunDep) -> Run:  # no I/O: no thread
+    """The caller's run, if it has not been deleted: as `_run_with_adapters`, for its metrics."""
+    service.refuse_if_run_deleted(run, what="metrics")
+    return run
+
+
+RunWithMetricsDep = Annotated[Run, Depends(_run_with_metrics)]
+
+
 def _header(description: str) -> dict[str, Any]:
     return {"description": description, "schema": {"type": "string"}}
 
@@ -275,12 +284,13 @@ def download_adapter_file(
     "/v1/runs/{run_id}/metrics", response_model=MetricsList, operation_id="getMetrics", tags=["metrics"]
 )
 def get_metrics(
-    run: OwnedRunDep,
+    run: RunWithMetricsDep,
     session: SessionDep,
     since_step: Annotated[int, Query(ge=0, le=10_000_000, description="Only steps >= this.")] = 0,
     limit: LimitQuery = MAX_LIMIT,
 ) -> MetricsList:
     """Per step, oldest first: the trainer's loss, entropy, KL, grad norm, lr, tokens, … and the
-    mean/std/min/max/count of the rewards (and per-sample metrics) received for that rollout step."""
+    mean/std/min/max/count of the rewards (and per-sample metrics) received for that rollout step.
+    A deleted run's metrics are a 404, as its adapters are (`_run_with_metrics`)."""
     items, next_step = metrics_page(session, run_id=run.id, since_step=since_step, limit=limit)
     return MetricsList(items=items, next_since_step=next_step)

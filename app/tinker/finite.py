@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from app.errors import ValidationFailed
+from app.tinker.schemas import field_named
 
 FINITE = "must be a finite number (NaN, Infinity and -Infinity are not numbers JSON allows)"
 
@@ -39,13 +40,14 @@ def first_non_finite(value: object) -> tuple[str, ...] | None:
 
 
 def require_finite(value: object, *, loc: tuple[str, ...]) -> None:
-    """A 422 naming the field (`loc` + its path in `value`) when `value` holds a non-finite float."""
+    """A 422 naming the field (`loc` + its path in `value`; a body field's `loc` starts with "body",
+    which the message leaves out) when `value` holds a non-finite float."""
     where = first_non_finite(value)
     if where is None:
         return
     path = [*loc, *where]
     raise ValidationFailed(
-        f"{'.'.join(path)} {FINITE}",
+        f"{field_named(path)} {FINITE}",
         details=[{"loc": path, "msg": FINITE, "type": "finite_number"}],
     )
 

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, defer
 
 from app.config import Settings
 from app.db import conflict_insert, utcnow
-from app.errors import NotFound, ValidationFailed, problem
+from app.errors import NotFound, ValidationFailed
 from app.pools.service import get_alive_pool
 from app.runs.admission import live_pool
 from app.runs.models import Run
@@ -36,10 +36,12 @@ from app.tinker.models import TinkerBaseTurn, TinkerFuture, TinkerModel, TinkerS
 from app.tinker.schemas import (
     BASE_MODEL_PATTERN,
     BASE_SAMPLER_PREFIX,
+    BODY_LOC,
     MAX_BASE_MODEL_CHARS,
     MAX_SAMPLER_ID_CHARS,
     CreateSamplingSessionRequest,
     SampleRequest,
+    body_problem,
     invalid,
     parse_request,
     shown,
@@ -120,7 +122,9 @@ def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str,
     request = parse_request(CreateSamplingSessionRequest, body, call="create_sampling_session")
     path, base_model = request.model_path, request.base_model
     if path is not None:
-        run_id, step = resolve_sampler_path(session, tenant_id=tenant_id, path=path, loc=("model_path",))
+        run_id, step = resolve_sampler_path(
+            session, tenant_id=tenant_id, path=path, loc=(*BODY_LOC, "model_path")
+        )
         # A session samples nothing but (run, step, path), so one row serves every client of the
         # same weights: a new row per call let a tenant add rows without bound (hostile probe,
         # finding 11). Rows are bounded by the sampler saves, and purged once their run has left
@@ -152,7 +156,7 @@ def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str,
     needed = "one of model_path (a tinker:// sampler path) or base_model is needed"
     raise ValidationFailed(
         "create_sampling_session needs model_path (a tinker:// sampler path) or base_model",
-        details=[problem((field,), needed, "missing") for field in ("model_path", "base_model")],
+        details=[body_problem((field,), needed, "missing") for field in ("model_path", "base_model")],
     )
 
 
@@ -179,14 +183,14 @@ def get_sampling_session(session: Session, *, tenant_id: str, sampler_id: str) -
 def _prompt_tokens(prompt: Any) -> list[int]:
     if not isinstance(prompt, dict):
         wrong = ("needed", "missing") if prompt is None else ("must be an object with chunks", "model_type")
-        raise ValidationFailed("prompt needs chunks", details=[problem(("prompt",), *wrong)])
+        raise ValidationFailed("prompt needs chunks", details=[body_problem(("prompt",), *wrong)])
     chunks = prompt.get("chunks")
     if not isinstance(chunks, list):
         missing = "chunks" not in prompt
         raise ValidationFailed(
             "prompt needs chunks",
             details=[
-                problem(
+                body_problem(
                     ("prompt", "chunks"),
                     "needed" if missing else "must be a list of chunks",
                     "missing" if missing else "list_type",
@@ -204,7 +208,7 @@ def _prompt_tokens(prompt: Any) -> list[int]:
             raise ValidationFailed(
                 "prompt chunks' tokens must be lists of integer token ids",
                 details=[
-                    problem(
+                    body_problem(
                         ("prompt", "chunks", i, "tokens"),
                         "must be a list of integer token ids",
                         "int_type" if isinstance(chunk_tokens, list) else "list_type",
@@ -229,7 +233,9 @@ def _stop(stop: Any) -> dict[str, Any]:
     raise ValidationFailed(
         "sampling_params.stop must be a string, a list of strings or a list of token ids",
         details=[
-            problem(("sampling_params", "stop"), "must be a string, a list of strings or a list of token ids")
+            body_problem(
+                ("sampling_params", "stop"), "must be a string, a list of strings or a list of token ids"
+            )
         ],
     )
 
@@ -242,11 +248,12 @@ _SPEC_FIELD_LOC = {
 
 
 def _spec_problems(exc: ValidationError) -> list[dict[str, Any]]:
-    """The SamplingSpec's errors, each at the request field it came from."""
+    """The SamplingSpec's errors, each at the request field it came from (under "body")."""
     problems = validation_problems(exc, prefix=())
     for item in problems:
         field, *rest = item["loc"] or [""]
-        item["loc"] = [*_SPEC_FIELD_LOC.get(field, (field,)), *rest]
+        where = _SPEC_FIELD_LOC.get(field, (field,)) if field else ()  # (): the spec as a whole
+        item["loc"] = [*BODY_LOC, *where, *rest]
     return problems
 
 
@@ -254,7 +261,7 @@ def _check_vocabulary(prompt: list[int], stop_tokens: list[int], *, vocab_size: 
     """A 422 naming the prompt and/or the stop tokens when an id is outside the pool's vocabulary."""
     outside = f"a token id is outside the vocabulary [0, {vocab_size})"
     problems = [
-        problem(loc, outside)
+        body_problem(loc, outside)
         for loc, ids in ((("prompt", "chunks"), prompt), (("sampling_params", "stop"), stop_tokens))
         if any(not 0 <= t < vocab_size for t in ids)
     ]
@@ -288,10 +295,10 @@ def submit_sample(
     if not isinstance(params, dict):
         raise ValidationFailed(
             "sampling_params must be an object",
-            details=[problem(("sampling_params",), "must be an object", "model_type")],
+            details=[body_problem(("sampling_params",), "must be an object", "model_type")],
         )
     # Before the bounds: a NaN temperature fails them too, but as "should be less than or equal to 100".
-    require_finite(params, loc=("sampling_params",))
+    require_finite(params, loc=(*BODY_LOC, "sampling_params"))
     prompt = _prompt_tokens(request.prompt)
     max_tokens = params.get("max_tokens")
     try:
@@ -318,7 +325,7 @@ def submit_sample(
     ):
         needs = "needs prompt_logprobs and must be at most len(prompt) - 1"
         raise ValidationFailed(
-            f"prompt_logprobs_last_n {needs}", details=[problem(("prompt_logprobs_last_n",), needs)]
+            f"prompt_logprobs_last_n {needs}", details=[body_problem(("prompt_logprobs_last_n",), needs)]
         )
     if len(prompt) + spec.max_tokens > max_seq_len:
         # Without max_tokens the default fits whatever room the prompt leaves: the prompt is at fault.
@@ -326,7 +333,7 @@ def submit_sample(
         raise ValidationFailed(
             f"prompt + max_tokens exceeds the pool's max_seq_len {max_seq_len}",
             details=[
-                problem(
+                body_problem(
                     at,
                     f"prompt ({len(prompt)} tokens) + max_tokens ({spec.max_tokens}) exceeds the pool's "
                     f"max_seq_len {max_seq_len}",

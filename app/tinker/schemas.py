@@ -6,6 +6,7 @@ we use are bounded. Responses carry exactly the fields the SDK reads.
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
@@ -18,7 +19,7 @@ from pydantic import (
     ValidationError,
 )
 
-from app.errors import ValidationFailed
+from app.errors import ValidationFailed, problem
 from app.runs.schemas import validation_problems
 from contracts.run_config import KNOWN_TARGET_MODULES
 
@@ -60,6 +61,13 @@ UserMetadata = Annotated[dict[str, Any] | None, AfterValidator(_storable_metadat
 user_metadata_adapter: TypeAdapter[dict[str, Any] | None] = TypeAdapter(UserMetadata)
 
 MAX_TAG_CHARS = 256
+MAX_TAGS = 64
+"""A session's tags: at most MAX_TAGS of MAX_TAG_CHARS characters each. Their characters are not
+checked: the service keeps no tag (create_session drops them), and the official SDK sends
+`TINKER_TAGS` split on commas as written (`"a, b,"` is `["a", " b", ""]`), which the run names'
+rule would refuse, failing the client's creation."""
+
+Tag = Annotated[str, Field(max_length=MAX_TAG_CHARS)]
 MAX_MODEL_SEQ_ID = 1_000_000
 MAX_SEQ_ID = 2**31 - 1
 """A request's `seq_id` (the column is a 32-bit integer)."""
@@ -129,10 +137,28 @@ class _Request(BaseModel):
 _R = TypeVar("_R", bound=_Request)
 
 
+BODY_LOC = ("body",)
+"""Where every Tinker 422 names a field of the request's body: under "body", as FastAPI writes a
+typed body's (`["body", "tags", "3"]`), whether the route's body is typed or read by its service (a
+JSON object, a protobuf ForwardBackwardRequest). A path or query parameter is under "path"/"query"."""
+
+
+def body_problem(loc: Sequence[str | int], msg: str, kind: str = "value_error") -> dict[str, Any]:
+    """`app.errors.problem` at `loc` in the request's body (`BODY_LOC` + `loc`)."""
+    return problem((*BODY_LOC, *loc), msg, kind)
+
+
+def field_named(loc: Sequence[str]) -> str:
+    """A field's path as a message names it: `data.3.model_input`, without the leading "body" every
+    body field's `loc` has (`body` for the body as a whole)."""
+    inner = loc[len(BODY_LOC) :] if tuple(loc[: len(BODY_LOC)]) == BODY_LOC else loc
+    return ".".join(inner) or "body"
+
+
 def invalid(what: str, problems: list[dict[str, Any]], *, note: str = "") -> ValidationFailed:
     """A 422 whose message names each field that is wrong (`loc: msg`, the first few): the SDK
     shows users the message, not the details."""
-    said = "; ".join(f"{'.'.join(p['loc']) or 'body'}: {p['msg']}" for p in problems[:8])
+    said = "; ".join(f"{field_named(p['loc'])}: {p['msg']}" for p in problems[:8])
     return ValidationFailed(f"invalid {what}: {said}{note}", details=problems)
 
 
@@ -141,14 +167,14 @@ def parse_request(model: type[_R], body: object, *, call: str) -> _R:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise invalid(f"{call} request", validation_problems(exc, prefix=())) from exc
+        raise invalid(f"{call} request", validation_problems(exc, prefix=BODY_LOC)) from exc
 
 
 SeqId = Annotated[int, Field(ge=0, le=MAX_SEQ_ID)]
 
 
 class CreateSessionRequest(_Request):
-    tags: list[Annotated[str, Field(max_length=MAX_TAG_CHARS)]] = Field(default_factory=list, max_length=64)
+    tags: list[Tag] = Field(default_factory=list, max_length=MAX_TAGS)
     user_metadata: UserMetadata = None
     sdk_version: str = Field(default="unknown", max_length=64)
 

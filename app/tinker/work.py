@@ -58,12 +58,14 @@ from app.tinker.models import (
     unfinished,
 )
 from app.tinker.schemas import (
+    BODY_LOC,
     MAX_SAVE_NAME_CHARS,
     LoadWeightsRequest,
     OptimStepRequest,
     OrderedRequest,
     SaveWeightsForSamplerRequest,
     SaveWeightsRequest,
+    body_problem,
     invalid,
     parse_request,
     shown,
@@ -104,7 +106,7 @@ def _flat(tensor: proto.Tensor | None) -> np.ndarray | None:
 def _bad_field(index: int, name: str, problem: str) -> ValidationFailed:
     return ValidationFailed(
         f"datum {index}: {name} {problem}",
-        details=[{"loc": ["data", str(index), name], "msg": problem, "type": "value_error"}],
+        details=[body_problem(("data", index, name), problem)],
     )
 
 
@@ -143,7 +145,7 @@ def _aligned(index: int, raw: proto.Datum, names: tuple[str, ...]) -> None:
             problem = f"{name} has {tensor.data.size} entries; the model input has {n} tokens"
             raise ValidationFailed(
                 f"datum {index}: invalid loss_fn_inputs: {problem}",
-                details=[{"loc": ["data", str(index), name], "msg": problem, "type": "value_error"}],
+                details=[body_problem(("data", index, name), problem)],
             )
 
 
@@ -156,13 +158,13 @@ def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
     if "target_tokens" not in inputs:
         raise ValidationFailed(
             f"datum {index}: loss_fn_inputs needs target_tokens",
-            details=[problem(("data", index, "target_tokens"), "needed in loss_fn_inputs", "missing")],
+            details=[body_problem(("data", index, "target_tokens"), "needed in loss_fn_inputs", "missing")],
         )
     if loss_fn != "cross_entropy" and not {"logprobs", "advantages"} <= set(inputs):
         raise ValidationFailed(
             f"datum {index}: {loss_fn} needs loss_fn_inputs logprobs and advantages",
             details=[
-                problem(("data", index, name), f"{loss_fn} needs it in loss_fn_inputs", "missing")
+                body_problem(("data", index, name), f"{loss_fn} needs it in loss_fn_inputs", "missing")
                 for name in ("logprobs", "advantages")
                 if name not in inputs
             ],
@@ -186,7 +188,7 @@ def _datum(index: int, raw: proto.Datum, loss_fn: str) -> ManualDatum:
     except ValidationError as exc:
         raise ValidationFailed(
             f"datum {index}: invalid loss_fn_inputs",
-            details=validation_problems(exc, prefix=("data", str(index))),
+            details=validation_problems(exc, prefix=(*BODY_LOC, "data", str(index))),
         ) from exc
 
 
@@ -226,7 +228,8 @@ def _check_lengths(data: list[proto.Datum], *, max_len: int, pool: Pool | None) 
             whose = "the pool's max_seq_len" if pool is not None else "the model's seq_len"
             too_long = f"{len(d.token_ids)} tokens; {whose} is {max_len}"
             raise ValidationFailed(
-                f"datum {i}: {too_long}", details=[problem(("data", i, "model_input"), too_long, "too_long")]
+                f"datum {i}: {too_long}",
+                details=[body_problem(("data", i, "model_input"), too_long, "too_long")],
             )
 
 
@@ -239,7 +242,7 @@ def _check_vocabulary(pool: Pool | None, data: list[ManualDatum]) -> None:
     outside = f"a token id is outside the vocabulary [0, {pool.vocab_size})"
     for i, d in enumerate(data):
         problems = [
-            problem(("data", i, name), outside)
+            body_problem(("data", i, name), outside)
             for name, ids in (("model_input", d.tokens), ("target_tokens", d.target_tokens))
             if ids and max(ids) >= pool.vocab_size
         ]
@@ -385,7 +388,7 @@ def submit_forward_backward(
     if not req.data:
         raise ValidationFailed(
             "forward_backward needs at least one datum",
-            details=[problem(("data",), "needs at least one datum", "too_short")],
+            details=[body_problem(("data",), "needs at least one datum", "too_short")],
         )
     _check_request_size(req.data, max_tokens=settings.tinker_max_tokens_per_round)
     max_len, pool = _datum_bound(session, run)
@@ -424,13 +427,13 @@ def _loss_fn_config(loss_fn: str, config: dict[str, float | str]) -> dict[str, f
         most = f"at most {MAX_LOSS_FN_CONFIG_KEYS} keys"
         raise ValidationFailed(
             f"loss_fn_config has {len(numbers)} keys; {most}",
-            details=[problem(("loss_fn_config",), f"{len(numbers)} keys; {most}", "too_long")],
+            details=[body_problem(("loss_fn_config",), f"{len(numbers)} keys; {most}", "too_long")],
         )
     if not all(np.isfinite(list(numbers.values()))):
         raise ValidationFailed(
             "loss_fn_config values must be finite (no NaN or infinity)",
             details=[
-                problem(("loss_fn_config", shown(key)), FINITE, "finite_number")
+                body_problem(("loss_fn_config", shown(key)), FINITE, "finite_number")
                 for key, value in numbers.items()
                 if not math.isfinite(value)
             ],
@@ -442,10 +445,7 @@ def _loss_fn_config(loss_fn: str, config: dict[str, float | str]) -> dict[str, f
         not_read = f"not a key {loss_fn} reads ({reads})"
         raise invalid(
             "loss_fn_config",
-            [
-                {"loc": ["loss_fn_config", shown(key)], "msg": not_read, "type": "extra_forbidden"}
-                for key in unknown
-            ],
+            [body_problem(("loss_fn_config", shown(key)), not_read, "extra_forbidden") for key in unknown],
         )
     if known:
         try:
@@ -453,7 +453,7 @@ def _loss_fn_config(loss_fn: str, config: dict[str, float | str]) -> dict[str, f
         except ValidationError as exc:
             raise invalid(
                 "loss_fn_config",
-                validation_problems(exc, prefix=("loss_fn_config",)),
+                validation_problems(exc, prefix=(*BODY_LOC, "loss_fn_config")),
                 note=" (the clip bounds: 0 <= clip_low_threshold <= 1 <= clip_high_threshold)",
             ) from exc
     return numbers
@@ -471,7 +471,7 @@ _T = TypeVar("_T")
 def _needed(value: _T | None, field: str, *, when: str) -> _T:
     """`value`, a field load_weights needs `when` it is given another (a 422 naming it if absent)."""
     if value is None:
-        raise invalid("load_weights request", [{"loc": [field], "msg": f"needed {when}", "type": "missing"}])
+        raise invalid("load_weights request", [body_problem((field,), f"needed {when}", "missing")])
     return value
 
 
@@ -483,7 +483,7 @@ def _save_name(path: str | None, default: str) -> str:
         problem = (
             f"the weights' name must be 1-{MAX_SAVE_NAME_CHARS} of [A-Za-z0-9._-], not starting with a dot"
         )
-        raise invalid("name", [{"loc": ["path"], "msg": problem, "type": "value_error"}])
+        raise invalid("name", [body_problem(("path",), problem)])
     return name
 
 
@@ -499,12 +499,12 @@ def submit_optim_step(
     if not isinstance(params, dict):
         raise NotSupported("optimizers other than Adam (send adam_params)")
     # Before the bounds: a NaN fails them too, but as "should be less than or equal to 1".
-    require_finite(params, loc=("adam_params",))
+    require_finite(params, loc=(*BODY_LOC, "adam_params"))
     defaults = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
     try:
         adam = AdamStep.model_validate({"grad_clip_norm": 0.0, **defaults, **params})
     except ValidationError as exc:
-        raise invalid("adam_params", validation_problems(exc, prefix=("adam_params",))) from exc
+        raise invalid("adam_params", validation_problems(exc, prefix=(*BODY_LOC, "adam_params"))) from exc
     item = ManualWorkItem(
         request_id=new_id("req"), run_id=run.id, seq_id=seq_id, kind="optim_step", adam=adam
     )
@@ -568,7 +568,7 @@ def _saved_state(session: Session, *, tenant_id: str, path: str) -> tuple[Run, s
     """`tinker://{model_id}/weights/{name}` (load_weights' `path`), a live training checkpoint of the
     tenant (`checkpoints.live_saves`) → (its run, the name)."""
     _, run, _ = checkpoints.live_saves(
-        session, tenant_id=tenant_id, path=path, kind="save_weights", loc=("path",)
+        session, tenant_id=tenant_id, path=path, kind="save_weights", loc=(*BODY_LOC, "path")
     )
     return run, path.rsplit("/", 1)[1]
 
@@ -579,7 +579,7 @@ def _lora_mismatch(mine: dict[str, Any], saved: dict[str, Any]) -> ValidationFai
     return ValidationFailed(
         "the saved weights have another LoRA shape (rank, alpha, target modules)",
         details=[
-            problem(
+            body_problem(
                 ("path",),
                 f"lora.{field}: the saved weights have {saved.get(field)!r}, the model {mine.get(field)!r}",
                 "lora_mismatch",
@@ -607,7 +607,9 @@ def submit_load_weights(
                 return existing
             raise ValidationFailed(
                 f"model {model_id} exists already",
-                details=[problem(("model_seq_id",), f"model {model_id} exists already", "already_exists")],
+                details=[
+                    body_problem(("model_seq_id",), f"model {model_id} exists already", "already_exists")
+                ],
             )
         config = RunConfig.model_validate(source.config)
         try:

@@ -1,9 +1,9 @@
 """Every 422 lists its problems in `details` as `{loc, msg, type}` items (README "Errors"), the Tinker
 API's too. A probe found many of its 422s with `"details": null`: a base model's `sample` of
 max_tokens 4096 and 64 samples answered "prompt + max_tokens exceeds the pool's max_seq_len 1024" and
-no details. Each refusal is driven through HTTP here and the field its details name checked (`loc` as
-the route's other 422s write it: relative to the body on the routes that parse it themselves, under
-"body" on those FastAPI validates); a 422 raised with no details at all names the body (the safety
+no details. Each refusal is driven through HTTP here and the field its details name checked (`loc` of a
+body field under "body" on every Tinker route, whether FastAPI validates its body or it parses the
+body itself); a 422 raised with no details at all names the body (the safety
 net in app/errors.py). Both databases."""
 
 import math
@@ -126,35 +126,39 @@ def test_sample_refusals_name_the_field(client: TestClient, tenant: TenantHandle
     # The probe's request.
     r = _sample(client, headers, sampler_id, num_samples=64, sampling_params={"max_tokens": 4096})
     assert "prompt + max_tokens exceeds the pool's max_seq_len 1024" in r.json()["error"]["message"]
-    (item,) = _refused_at(r, ["sampling_params", "max_tokens"], kind="too_long")
+    (item,) = _refused_at(r, ["body", "sampling_params", "max_tokens"], kind="too_long")
     assert "4096" in item["msg"] and "1024" in item["msg"]
     # Without max_tokens the default fits what the prompt leaves: a prompt alone too long is at fault.
     long_prompt = {"chunks": [{"tokens": [1] * 1024}]}
     r = _sample(client, headers, sampler_id, prompt=long_prompt, sampling_params={})
-    _refused_at(r, ["prompt"], kind="too_long")
+    _refused_at(r, ["body", "prompt"], kind="too_long")
 
-    _refused_at(_sample(client, headers, sampler_id, prompt=None), ["prompt"], kind="missing")
-    _refused_at(_sample(client, headers, sampler_id, prompt=5), ["prompt"], kind="model_type")
-    _refused_at(_sample(client, headers, sampler_id, prompt={}), ["prompt", "chunks"], kind="missing")
+    _refused_at(_sample(client, headers, sampler_id, prompt=None), ["body", "prompt"], kind="missing")
+    _refused_at(_sample(client, headers, sampler_id, prompt=5), ["body", "prompt"], kind="model_type")
+    _refused_at(_sample(client, headers, sampler_id, prompt={}), ["body", "prompt", "chunks"], kind="missing")
     _refused_at(
-        _sample(client, headers, sampler_id, prompt={"chunks": {}}), ["prompt", "chunks"], kind="list_type"
+        _sample(client, headers, sampler_id, prompt={"chunks": {}}),
+        ["body", "prompt", "chunks"],
+        kind="list_type",
     )
     two_chunks = {"chunks": [{"tokens": [1]}, {"tokens": [2, "3"]}]}
     _refused_at(
         _sample(client, headers, sampler_id, prompt=two_chunks),
-        ["prompt", "chunks", "1", "tokens"],
+        ["body", "prompt", "chunks", "1", "tokens"],
         kind="int_type",
     )
     _refused_at(
-        _sample(client, headers, sampler_id, sampling_params=[]), ["sampling_params"], kind="model_type"
+        _sample(client, headers, sampler_id, sampling_params=[]),
+        ["body", "sampling_params"],
+        kind="model_type",
     )
     _refused_at(
         _sample(client, headers, sampler_id, sampling_params={"max_tokens": 3, "stop": 5}),
-        ["sampling_params", "stop"],
+        ["body", "sampling_params", "stop"],
     )
     _refused_at(
         _sample(client, headers, sampler_id, prompt_logprobs_last_n=1),  # without prompt_logprobs
-        ["prompt_logprobs_last_n"],
+        ["body", "prompt_logprobs_last_n"],
     )
     r = _sample(
         client,
@@ -163,18 +167,18 @@ def test_sample_refusals_name_the_field(client: TestClient, tenant: TenantHandle
         prompt={"chunks": [{"tokens": [1, 300]}]},
         sampling_params={"max_tokens": 3, "stop": [2, 256]},
     )
-    _refused_at(r, ["prompt", "chunks"], ["sampling_params", "stop"])
+    _refused_at(r, ["body", "prompt", "chunks"], ["body", "sampling_params", "stop"])
     r = _sample(client, headers, sampler_id, sampling_params={"max_tokens": 3, "stop": [256]})
-    _refused_at(r, ["sampling_params", "stop"])
+    _refused_at(r, ["body", "sampling_params", "stop"])
 
 
 def test_create_sampling_session_refusals_name_the_field(client: TestClient, tenant: TenantHandle) -> None:
     headers = tinker_headers(tenant)
     r = client.post("/api/v1/create_sampling_session", json={"session_id": "ses_x"}, headers=headers)
-    _refused_at(r, ["model_path"], ["base_model"], kind="missing")
+    _refused_at(r, ["body", "model_path"], ["body", "base_model"], kind="missing")
     for path in ("tinker://m/nowhere/x", "tinker://m/weights/x"):  # malformed; not sampler weights
         r = client.post("/api/v1/create_sampling_session", json={"model_path": path}, headers=headers)
-        _refused_at(r, ["model_path"], kind="checkpoint_path")
+        _refused_at(r, ["body", "model_path"], kind="checkpoint_path")
 
 
 # --------------------------------------------------------------------------- forward_backward
@@ -193,18 +197,18 @@ def test_forward_backward_refusals_name_the_datum_and_field(client: TestClient, 
         return _forward_backward(client, headers, _fwdbwd_body(model_id, 1, data, **request))
 
     _refused_at(_forward_backward(client, headers, b"\x0a\xff"), ["body"], kind="protobuf_invalid")
-    _refused_at(post([]), ["data"], kind="too_short")
+    _refused_at(post([]), ["body", "data"], kind="too_short")
     no_targets = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={})
-    _refused_at(post([_datum([1, 2, 3]), no_targets]), ["data", "1", "target_tokens"], kind="missing")
+    _refused_at(post([_datum([1, 2, 3]), no_targets]), ["body", "data", "1", "target_tokens"], kind="missing")
     r = post([_datum([1, 2, 3], logprobs=[-1.0, -1.0])], loss_fn="ppo")
-    _refused_at(r, ["data", "0", "advantages"], kind="missing")
-    _refused_at(post([_datum([1] * 1026)]), ["data", "0", "model_input"], kind="too_long")
+    _refused_at(r, ["body", "data", "0", "advantages"], kind="missing")
+    _refused_at(post([_datum([1] * 1026)]), ["body", "data", "0", "model_input"], kind="too_long")
     _refused_at(
         post([_datum([1, 2, 3]), _datum([1, 300, 3])]),
-        ["data", "1", "model_input"],
-        ["data", "1", "target_tokens"],
+        ["body", "data", "1", "model_input"],
+        ["body", "data", "1", "target_tokens"],
     )
-    _refused_at(post([_datum([1, 2, 300])]), ["data", "0", "target_tokens"])
+    _refused_at(post([_datum([1, 2, 300])]), ["body", "data", "0", "target_tokens"])
 
 
 def test_loss_fn_config_refusals_name_the_key(client: TestClient, tenant: TenantHandle) -> None:
@@ -225,9 +229,9 @@ def test_loss_fn_config_refusals_name_the_key(client: TestClient, tenant: Tenant
             client, headers, forward_backward_request_to_proto(request).SerializeToString()
         )
 
-    _refused_at(post({f"k{i}": 1.0 for i in range(33)}), ["loss_fn_config"], kind="too_long")
+    _refused_at(post({f"k{i}": 1.0 for i in range(33)}), ["body", "loss_fn_config"], kind="too_long")
     r = post({"clip_low_threshold": math.nan, "clip_high_threshold": 1.2})
-    _refused_at(r, ["loss_fn_config", "clip_low_threshold"], kind="finite_number")
+    _refused_at(r, ["body", "loss_fn_config", "clip_low_threshold"], kind="finite_number")
 
 
 # --------------------------------------------------------------------------- models and checkpoints
@@ -255,7 +259,7 @@ def test_create_model_and_checkpoint_path_refusals_name_the_field(
     _refused_at(r, ["path", "checkpoint_id"], kind="checkpoint_path")
     load = {"path": "tinker://m/sampler_weights/x", "model_id": "m", "seq_id": 1}  # not a training state
     r = client.post("/api/v1/load_weights", json=load, headers=headers)
-    _refused_at(r, ["path"], kind="checkpoint_path")
+    _refused_at(r, ["body", "path"], kind="checkpoint_path")
 
 
 def test_loading_weights_of_another_lora_shape_names_each_field(
@@ -277,6 +281,8 @@ def test_loading_weights_of_another_lora_shape_names_each_field(
     assert r.status_code == 200, r.text
     load = {"path": f"tinker://{source}/weights/st1", "model_id": r.json()["model_id"], "seq_id": 1}
     details = _refused_at(
-        client.post("/api/v1/load_weights", json=load, headers=headers), ["path"], kind="lora_mismatch"
+        client.post("/api/v1/load_weights", json=load, headers=headers),
+        ["body", "path"],
+        kind="lora_mismatch",
     )
     assert details[0]["msg"] == "lora.rank: the saved weights have 4, the model 8", details

@@ -130,7 +130,7 @@ def test_loss_inputs_longer_than_the_datum_are_refused_before_they_are_converted
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert "target_tokens has 1048576 entries; the model input has 3 tokens" in error["message"]
-    assert error["details"][0]["loc"] == ["data", "0", "target_tokens"]
+    assert error["details"][0]["loc"] == ["body", "data", "0", "target_tokens"]
     assert converted == [] and floats == []
     assert _stored(db) == 0
 

@@ -79,7 +79,7 @@ def test_token_ids_are_whole_non_negative_int32_with_or_without_a_pool(client, t
     for label, body in cases.items():
         r = _post(client, body, headers)
         _assert_refused(r, "datum 0", "token ids")
-        assert r.json()["error"]["details"][0]["loc"][:2] == ["data", "0"], label
+        assert r.json()["error"]["details"][0]["loc"][:3] == ["body", "data", "0"], label
     # A float tensor of whole numbers is a tensor of ids (the SDK may send either dtype).
     ok = _post(client, _raw_body(model_id, 1, [1, 2], _tensor([2.0, 3.0], _F32)), headers)
     assert ok.status_code == 200, ok.text

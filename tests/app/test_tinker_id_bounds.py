@@ -57,23 +57,27 @@ def test_long_ids_in_bodies_are_422s_naming_the_field(http: httpx.Client, db: Se
     before = stored(db)
     long_path = f"tinker://{LONG}/weights/x"
     cases: list[tuple[str, dict[str, Any], list[str]]] = [
-        ("optim_step", {"model_id": LONG, "seq_id": 1, "adam_params": {}}, ["model_id"]),
-        ("save_weights", {"model_id": LONG, "seq_id": 1}, ["model_id"]),
-        ("save_weights_for_sampler", {"model_id": LONG, "seq_id": 1}, ["model_id"]),
-        ("load_weights", {"path": long_path, "model_id": model_id, "seq_id": 1}, ["path"]),
+        ("optim_step", {"model_id": LONG, "seq_id": 1, "adam_params": {}}, ["body", "model_id"]),
+        ("save_weights", {"model_id": LONG, "seq_id": 1}, ["body", "model_id"]),
+        ("save_weights_for_sampler", {"model_id": LONG, "seq_id": 1}, ["body", "model_id"]),
+        ("load_weights", {"path": long_path, "model_id": model_id, "seq_id": 1}, ["body", "path"]),
         (
             "load_weights",
             {"path": f"tinker://{model_id}/weights/x", "model_id": LONG, "seq_id": 1},
-            ["model_id"],
+            ["body", "model_id"],
         ),
-        ("load_weights", {"path": f"tinker://{model_id}/weights/x", "session_id": LONG}, ["session_id"]),
-        ("create_sampling_session", {"model_path": long_path}, ["model_path"]),
-        ("create_sampling_session", {"base_model": LONG}, ["base_model"]),
-        ("asample", _sample(LONG), ["sampling_session_id"]),
+        (
+            "load_weights",
+            {"path": f"tinker://{model_id}/weights/x", "session_id": LONG},
+            ["body", "session_id"],
+        ),
+        ("create_sampling_session", {"model_path": long_path}, ["body", "model_path"]),
+        ("create_sampling_session", {"base_model": LONG}, ["body", "base_model"]),
+        ("asample", _sample(LONG), ["body", "sampling_session_id"]),
         # Not a NUL (the request guard refuses those in any body): a control character, a space.
-        ("create_sampling_session", {"base_model": "tiny\u0001"}, ["base_model"]),
-        ("asample", _sample("smp_\u007f"), ["sampling_session_id"]),
-        ("optim_step", {"model_id": "ses_x :train:0", "seq_id": 1, "adam_params": {}}, ["model_id"]),
+        ("create_sampling_session", {"base_model": "tiny\u0001"}, ["body", "base_model"]),
+        ("asample", _sample("smp_\u007f"), ["body", "sampling_session_id"]),
+        ("optim_step", {"model_id": "ses_x :train:0", "seq_id": 1, "adam_params": {}}, ["body", "model_id"]),
         ("session_heartbeat", {"session_id": LONG}, ["body", "session_id"]),
         ("get_info", {"model_id": LONG}, ["body", "model_id"]),
         ("retrieve_future", {"request_id": LONG}, ["body", "request_id"]),
@@ -100,7 +104,7 @@ def test_long_ids_in_bodies_are_422s_naming_the_field(http: httpx.Client, db: Se
         content=forward_backward_request_to_proto(request).SerializeToString(),
         headers=headers | {"Content-Type": "application/x-protobuf"},
     )
-    _refused_naming(r, ["model_id"])
+    _refused_naming(r, ["body", "model_id"])
     assert stored(db) == before
 
 

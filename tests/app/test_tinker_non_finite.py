@@ -59,12 +59,13 @@ def _future(db: Session, request_id: str) -> TinkerFuture:
     return future
 
 
-def _refused_naming(r: Any, loc: list[str]) -> None:
+def _refused_naming(r: Any, field: list[str]) -> None:
+    """A 422 naming the body's `field`: its message by the field's path, its `loc` under "body"."""
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert error["code"] == "validation_error"
-    assert error["message"] == f"{'.'.join(loc)} {FINITE}"
-    assert error["details"] == [{"loc": loc, "msg": FINITE, "type": "finite_number"}]
+    assert error["message"] == f"{'.'.join(field)} {FINITE}"
+    assert error["details"] == [{"loc": ["body", *field], "msg": FINITE, "type": "finite_number"}]
 
 
 # --- in: what clients send ------------------------------------------------------------------
