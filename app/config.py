@@ -245,6 +245,14 @@ class Settings(BaseSettings):
     metrics_token: SecretStr | None = None
     """Bearer token required on GET /metrics. Unset: /metrics is open (keep it off the public network)."""
 
+    metrics_cache_seconds: float = Field(default=5.0, ge=0, le=60)
+    """How long GET /metrics serves the figures it read from the database (runs, batches, steps,
+    slots, pools) before it reads them again (per service process); one reading at a time, and a
+    scrape that comes meanwhile gets the previous figures. Each reading is a dozen counting queries
+    over the runs, batches and step tables, so scrapes cost the database at most one reading per this
+    many seconds however many clients scrape. 0: read at every scrape that does not overlap one
+    under way. The request counts and latencies are always those of the moment."""
+
     api_key_cache_seconds: float = Field(default=2.0, ge=0, le=60)
     """How long a process trusts an API key it looked up (0: look up on every request). A key revoked
     in another process (or replica) stops working within this bound; in the revoking process, at once."""

@@ -54,6 +54,8 @@ Every refusal is the uniform error body of app/errors.py.
 import asyncio
 import json
 import re
+import sys
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 from urllib.parse import parse_qsl, unquote, unquote_to_bytes
 
@@ -268,11 +270,12 @@ class BodyGuard:
             if scope.get("path") == TAR_UPLOAD_ROUTE
             else headers.get(b"content-type", b"")
         )
-        check_depth = not _TYPED_BATCH_ROUTE.match(scope.get("path", ""))
+        # msgspec decodes the batch route's body (an over-long integer is its own 422, naming the field).
+        typed = _TYPED_BATCH_ROUTE.match(scope.get("path", "")) is not None
         if len(body) > _LARGE_BODY_BYTES and _is_json(content_type):
-            problem = await run_in_threadpool(_json_problem, content_type, body, check_depth=check_depth)
+            problem = await run_in_threadpool(_json_problem, content_type, body, typed=typed)
         else:
-            problem = _json_problem(content_type, body, check_depth=check_depth)
+            problem = _json_problem(content_type, body, typed=typed)
         if problem is not None:
             await _refuse(send, 422, problem)
             return None
@@ -597,7 +600,7 @@ def _is_json(content_type: bytes) -> bool:
     return media in ("", "application/json") or media.endswith(_JSON_MEDIA_SUFFIX)
 
 
-def _json_problem(content_type: bytes, body: bytes, *, check_depth: bool = True) -> dict[str, Any] | None:
+def _json_problem(content_type: bytes, body: bytes, *, typed: bool = False) -> dict[str, Any] | None:
     if not body or not _is_json(content_type):
         return None
     if not body.isascii():
@@ -605,8 +608,12 @@ def _json_problem(content_type: bytes, body: bytes, *, check_depth: bool = True)
             body.decode("utf-8")
         except UnicodeDecodeError as exc:
             return _invalid(["body"], f"not UTF-8 (byte {exc.start})", "unicode_error")
-    if check_depth and too_deep(body):
+    if not typed and too_deep(body):
         return _invalid(["body"], f"nested deeper than {MAX_JSON_DEPTH} levels", "too_deep")
+    if not typed:
+        too_long = long_integer_in_json(body)
+        if too_long is not None:
+            return error_body("validation_error", integer_too_long_message(too_long), [too_long])
     # A raw NUL byte is not valid JSON (the parser refuses it later); an escaped one is `\u0000`
     # not preceded by an escaped backslash (`\\u0000` is a backslash, then the text "u0000").
     if b"\\u0000" not in body or b"\\u0000" not in body.replace(b"\\\\", b""):
@@ -694,3 +701,95 @@ def nul_path(data: Any) -> list[str] | None:
         elif isinstance(item, list):
             stack.extend((value, [*path, str(i)]) for i, value in enumerate(item))
     return None
+
+
+# --- integers longer than Python converts -------------------------------------------------------
+# int() of a decimal string of more than sys.get_int_max_str_digits() digits (4300 by default) raises
+# a ValueError that speaks of Python's internals ("use sys.set_int_max_str_digits()"). json.loads
+# and tomllib convert every integer with it, so a client's 5,000-digit number came back as that
+# message (the runs route) or a bare 400 "There was an error parsing the body" (FastAPI's typed
+# bodies). These find such a number, and its field, so that it is a 422 that says what is wrong.
+
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= c <= 0x39 else 0x2E for c in range(256))
+"""Each byte as b"0" if an ASCII digit, else b".": a run of digits becomes a run of b"0"."""
+
+
+def max_int_digits() -> int:
+    """The most digits of a decimal integer Python converts (0: no limit)."""
+    return sys.get_int_max_str_digits()
+
+
+def integer_too_long(loc: list[str], digits: int, limit: int) -> dict[str, Any]:
+    """The 422 detail item of a number of `digits` digits at `loc` (more than `limit`)."""
+    return {
+        "loc": loc,
+        "msg": f"number too long: {digits} digits (at most {limit})",
+        "type": "integer_too_long",
+        "limit": limit,
+        "actual": digits,
+    }
+
+
+def integer_too_long_message(detail: dict[str, Any]) -> str:
+    return f"{'.'.join(detail['loc'])}: {detail['msg']}"
+
+
+def has_digit_run(text: bytes, longer_than: int) -> bool:
+    """Whether `text` holds more than `longer_than` ASCII digits in a row (in a string or not):
+    linear, C-speed passes (a substring search, not a regular expression, whose retries at each
+    digit of a long run would be quadratic), block by block."""
+    needle = b"0" * (longer_than + 1)
+    for start in range(0, len(text), _BLOCK_BYTES):
+        if needle in text[start : start + _BLOCK_BYTES + longer_than].translate(_DIGITS_AS_ZERO):
+            return True
+    return False
+
+
+class LongInteger(NamedTuple):
+    """Stands, in a parsed value, for an integer literal of more digits than Python converts."""
+
+    digits: int
+
+
+def first_path(data: Any, found: Callable[[Any], bool]) -> tuple[list[str], Any] | None:
+    """(path, value) of the first value (in document order) for which `found` is true, or None.
+    Iterative: any depth."""
+    stack: list[tuple[Any, list[str]]] = [(data, [])]
+    while stack:
+        item, path = stack.pop()
+        if found(item):
+            return path, item
+        if isinstance(item, dict):
+            stack.extend((value, [*path, str(key)]) for key, value in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((value, [*path, str(i)]) for i, value in reversed(list(enumerate(item))))
+    return None
+
+
+def long_integer_in_json(body: bytes) -> dict[str, Any] | None:
+    """The 422 detail item of the first integer in a JSON body with more digits than Python converts
+    (its field in `loc` when the body parses), or None. Cheap unless the body holds such a run of
+    digits: only then is it parsed (an integer's digits are never split, so none can be longer)."""
+    limit = max_int_digits()
+    if not limit or not has_digit_run(body, limit):
+        return None
+    seen: list[LongInteger] = []
+
+    def parse_int(text: str) -> int | LongInteger:
+        digits = len(text.lstrip("-"))
+        if digits > limit:
+            seen.append(LongInteger(digits))
+            return seen[-1]
+        return int(text)
+
+    try:
+        data = json.loads(body, parse_int=parse_int)
+    except ValueError:  # malformed after the number (or not UTF-8): the number is still what it is
+        data = None
+    if not seen:
+        return None  # the digits were in strings, or in a float (which converts whatever its length)
+    found = first_path(data, lambda item: isinstance(item, LongInteger))
+    if found is None:  # a key given twice kept its later value: the body still holds the number
+        return integer_too_long(["body"], seen[0].digits, limit)
+    path, number = found
+    return integer_too_long(["body", *path], number.digits, limit)

@@ -46,7 +46,7 @@ class Claim:
     items: list[ClaimedItem]
 
 
-_ROLLOUT_RUN = func.coalesce(Run.config["mode"].as_string(), "rollout") != "manual"
+ROLLOUT_RUN = func.coalesce(Run.config["mode"].as_string(), "rollout") != "manual"
 """A run that trains on rollout batches: not a Tinker model's (`mode` manual), which the ingestion
 refuses batches for (service.RunIsManual). Checked here too, so that no batch stored for one (before
 that refusal existed) is ever trained into it, using up the gradients its user accumulated."""
@@ -58,7 +58,7 @@ def _claimable_runs(session: Session, *, pool_id: str) -> list[tuple[str, int | 
     pool = get_alive_pool(session, pool_id=pool_id)
     rows = session.execute(
         select(Run.id, Run.slot)
-        .where(Run.status == RunStatus.ACTIVE, Run.base_model == pool.base_model, _ROLLOUT_RUN)
+        .where(Run.status == RunStatus.ACTIVE, Run.base_model == pool.base_model, ROLLOUT_RUN)
         .order_by(Run.id)
     )
     return [(r.id, r.slot) for r in rows]

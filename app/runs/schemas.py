@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 import tomllib
 from typing import Annotated, Any, Literal
 
@@ -10,7 +11,16 @@ from pydantic_core import PydanticCustomError
 
 from app import http_semantics
 from app.errors import PayloadTooLarge, UnsupportedMediaType, ValidationFailed
-from app.request_guard import nested_deeper, nul_path, too_deep
+from app.request_guard import (
+    first_path,
+    integer_too_long,
+    integer_too_long_message,
+    long_integer_in_json,
+    max_int_digits,
+    nested_deeper,
+    nul_path,
+    too_deep,
+)
 from app.runs.models import Run
 from app.timestamps import UtcDatetime
 from contracts.names import MAX_RUN_NAME_CHARS, RUN_NAME_PATTERN, RUN_NAME_RULE, run_name_problem
@@ -238,6 +248,38 @@ def size_problem(data: Any) -> ValidationFailed | None:
     return None if excess is None else _too_big(["body"], "the body", excess)
 
 
+def _parsed(body: bytes, media_type: str) -> Any:
+    """The body parsed as its media type says, or a 415/422 domain error."""
+    # Both parsers' errors are ValueErrors, and so is what Python's int() says of an integer of more
+    # than 4300 digits (sys.get_int_max_str_digits), which neither parser turns into its own error:
+    # that one is answered as the number too long, in its field (app/request_guard.py).
+    if media_type in TOML_CONTENT_TYPES:
+        try:
+            text = body.decode("utf-8")
+            return tomllib.loads(text)
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise _malformed("TOML", str(exc)) from exc
+        except ValueError as exc:
+            too_long = long_integer_in_toml(text)
+            if too_long is not None:
+                raise ValidationFailed(integer_too_long_message(too_long), details=[too_long]) from exc
+            raise _malformed("TOML", str(exc)) from exc
+    elif media_type == "" or http_semantics.is_json(media_type):  # none: JSON (the request guard agrees)
+        try:
+            return json.loads(body)
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError among them
+            too_long = long_integer_in_json(
+                body
+            )  # the request guard answers it first; not if called directly
+            if too_long is not None:
+                raise ValidationFailed(integer_too_long_message(too_long), details=[too_long]) from exc
+            raise _malformed("JSON", str(exc)) from exc
+    else:
+        raise UnsupportedMediaType(
+            f"unsupported Content-Type {media_type!r}; send application/json or application/toml"
+        )
+
+
 def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
     """Parse and validate a create-run body, JSON or TOML, or raise a 413/415/422 domain error."""
     media_type = http_semantics.media_type(content_type)
@@ -248,22 +290,7 @@ def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
         )
     if too_deep(body):  # before a (recursive) parser sees it
         raise _malformed("TOML" if media_type in TOML_CONTENT_TYPES else "JSON", "nested too deeply")
-    # Both parsers' errors are ValueErrors, and so is what Python's int() says of an integer of more
-    # than 4300 digits (sys.get_int_max_str_digits), which neither parser turns into its own error.
-    if media_type in TOML_CONTENT_TYPES:
-        try:
-            data: Any = tomllib.loads(body.decode("utf-8"))
-        except ValueError as exc:  # UnicodeDecodeError and TOMLDecodeError among them
-            raise _malformed("TOML", str(exc)) from exc
-    elif media_type == "" or http_semantics.is_json(media_type):  # none: JSON (the request guard agrees)
-        try:
-            data = json.loads(body)
-        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError among them
-            raise _malformed("JSON", str(exc)) from exc
-    else:
-        raise UnsupportedMediaType(
-            f"unsupported Content-Type {media_type!r}; send application/json or application/toml"
-        )
+    data = _parsed(body, media_type)
     too_big = size_problem(data)
     if too_big is not None:
         raise too_big
@@ -283,6 +310,47 @@ def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
             ],
         )
     return _validated(data)
+
+
+_TOML_DECIMAL = re.compile(r"[+-]?[0-9](?:_?[0-9])*")
+"""A run of digits as a TOML decimal integer writes it (underscores between digits; int() counts
+the digits only). Each match consumes its run: linear."""
+
+_LONG_INTEGER_MARK = "\x00long integer {}\x00"
+"""What a too long number is replaced with to find its field: a string no body can hold (NUL)."""
+
+
+def long_integer_in_toml(text: str) -> dict[str, Any] | None:
+    """The 422 detail item of an integer in a TOML body with more digits than Python converts, or
+    None (no run of that many digits). For a body tomllib refused with int()'s ValueError: tomllib
+    says neither where nor which. Each run of more digits than that is replaced by a string
+    standing for it, and the body parsed again to find which field holds one; when that does not
+    parse (such a run inside a string too), the detail names the body."""
+    limit = max_int_digits()
+    if not limit:
+        return None
+    long_runs: list[int] = []
+
+    def mark(match: re.Match[str]) -> str:
+        digits = sum(c.isdigit() for c in match.group())
+        if digits <= limit:
+            return match.group()
+        long_runs.append(digits)
+        return json.dumps(_LONG_INTEGER_MARK.format(len(long_runs) - 1))  # a TOML basic string too
+
+    marked = _TOML_DECIMAL.sub(mark, text)
+    if not long_runs:
+        return None
+    try:
+        data = tomllib.loads(marked)
+    except ValueError:
+        return integer_too_long(["body"], long_runs[0], limit)
+    marks = {_LONG_INTEGER_MARK.format(i): digits for i, digits in enumerate(long_runs)}
+    found = first_path(data, lambda item: isinstance(item, str) and item in marks)
+    if found is None:
+        return integer_too_long(["body"], long_runs[0], limit)
+    path, mark_found = found
+    return integer_too_long(["body", *path], marks[mark_found], limit)
 
 
 def _validated(data: dict[str, Any]) -> RunCreate:

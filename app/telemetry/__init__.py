@@ -3,9 +3,11 @@
 Two kinds of families, chosen so that several uvicorn workers (and several replicas) answer alike:
 
 - Figures of the system (runs by state, batches and bytes ingested, pending/leased batches, slots,
-  pool liveness, the pool's own step figures) are read from the database at scrape time
-  (`collector.py`). The database is the source of truth, so every worker and every replica reports
-  the same numbers, and they survive restarts. Counters are counts of rows that are never deleted
+  pool liveness, the pool's own step figures) are read from the database (`collector.py`), at most
+  once per LORALOOM_METRICS_CACHE_SECONDS per process: one reading serves every scrape meanwhile,
+  and never two run at once (each is a dozen counting queries; /metrics is open by default). The
+  database is the source of truth, so every worker and every replica reports the same numbers
+  (each up to that many seconds old), and they survive restarts. Counters are counts of rows that are never deleted
   (runs are marked deleted, not removed).
 - Request counts and latencies are per process (`http.py`). With several workers, set
   PROMETHEUS_MULTIPROC_DIR to an empty directory shared by the workers: prometheus_client then

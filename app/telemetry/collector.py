@@ -1,22 +1,26 @@
-"""Families read from the database at scrape time (see __init__ for why)."""
+"""Families read from the database at scrape time (see __init__ for why), and the cache that makes
+one reading serve every scrape for a few seconds."""
 
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from datetime import datetime
+from threading import Event, Lock
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from app.adapters.models import StepMetrics
+from app.batches.claims import ROLLOUT_RUN
 from app.batches.models import Batch
 from app.db import utcnow
 from app.pools.models import Pool
 from app.runs.models import Run
 from app.telemetry.purged import PURGED_BATCH_BYTES, PURGED_BATCHES, PURGED_RUNS, PURGED_STEPS, purged_totals
 from app.timestamps import as_utc
-from contracts.status import BatchState, PoolStatus, RunStatus
+from contracts.status import MOVABLE_RUN_STATUSES, BatchState, PoolStatus, RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,10 @@ POOL_FIGURES = {
 
 
 class DatabaseCollector(Collector):
+    """Every database family, read at each `collect` (a dozen counting queries over the runs, batches
+    and step tables: tens of milliseconds and one pooled connection each time). The service serves
+    them through a `ScrapeCache`, never once per scrape."""
+
     def __init__(self, factory: sessionmaker[Session]) -> None:
         self.factory = factory
 
@@ -59,6 +67,78 @@ class DatabaseCollector(Collector):
         up.add_metric([], 1)
         yield up
         yield from families
+
+
+class ScrapeCache:
+    """The database families of the latest reading, served for `ttl_s` seconds after it ended; then
+    the next scrape reads again. One reading at a time (single flight): a scrape that comes while
+    one is under way gets the previous reading at once, or, before the first one ever ended, waits
+    for it. So /metrics costs the database at most one reading per `ttl_s`, however many clients
+    scrape (an open /metrics let anonymous clients run these queries as fast as they could send
+    requests, slowing every tenant's requests down). Thread-safe: the route runs in a thread pool."""
+
+    def __init__(
+        self, read: Callable[[], list[Metric]], ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._read = read
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = Lock()
+        self._latest: list[Metric] | None = None
+        self._fresh_until = 0.0
+        self._reading: Event | None = None
+        """Set when the reading under way ends (None: none is)."""
+
+    def families(self) -> list[Metric]:
+        while True:
+            with self._lock:
+                if self._latest is not None and (
+                    self._reading is not None or self._clock() < self._fresh_until
+                ):
+                    return self._latest  # fresh, or the previous one while the next is being read
+                if self._reading is None:
+                    done = self._reading = Event()
+                    break  # this scrape reads
+                done = self._reading  # the first reading ever is under way
+            done.wait()
+            with self._lock:
+                if self._latest is not None:
+                    return self._latest
+            # that reading raised: read ourselves (DatabaseCollector answers a database it cannot
+            # read with database_up 0, so this is only for what it does not catch)
+        try:
+            families = self._read()
+            with self._lock:
+                self._latest = families
+                self._fresh_until = self._clock() + self.ttl_s
+        finally:
+            with self._lock:
+                self._reading = None
+            done.set()
+        return families
+
+
+class CachedCollector(Collector):
+    """What a registry collects: the cache's families (the cache lives on app.state, so the
+    per-scrape registry of the multiprocess mode shares it)."""
+
+    def __init__(self, cache: ScrapeCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.cache.families()
+
+
+def database_cache(factory: sessionmaker[Session], ttl_s: float) -> ScrapeCache:
+    collector = DatabaseCollector(factory)
+    return ScrapeCache(lambda: list(collector.collect()), ttl_s)
+
+
+QUEUED_HELP = (
+    "Batches by base model and state: pending = stored and still to be trained (batches of queued "
+    "and active runs; a deleted, evicted, completed or failed run's pending batches are never "
+    "claimed again and are not counted), claimed = leased to a pool until acked or returned."
+)
 
 
 def _families(session: Session) -> Iterator[Metric]:
@@ -96,15 +176,15 @@ def _families(session: Session) -> Iterator[Metric]:
     steps.add_metric([], reported + purged.get(PURGED_STEPS, 0))
     yield steps
 
-    queue = GaugeMetricFamily(
-        "loraloom_batches_queued",
-        "Batches waiting (pending) or being trained (claimed), by base model.",
-        labels=["base_model", "state"],
-    )
+    queue = GaugeMetricFamily("loraloom_batches_queued", QUEUED_HELP, labels=["base_model", "state"])
+    # Pending: what a pool will still claim (app/batches/claims.py claims only active rollout runs'
+    # batches; a queued run's are claimed once it is admitted). A run that leaves keeps its batch
+    # rows until the retention purge; they are never trained.
+    still_trained = and_(Batch.state == BatchState.PENDING, Run.status.in_(MOVABLE_RUN_STATUSES), ROLLOUT_RUN)
     rows = session.execute(
         select(Run.base_model, Batch.state, func.count())
         .join(Run, Run.id == Batch.run_id)
-        .where(Batch.state.in_([BatchState.PENDING, BatchState.CLAIMED]))
+        .where(or_(Batch.state == BatchState.CLAIMED, still_trained))
         .group_by(Run.base_model, Batch.state)
     ).tuples()
     totals: dict[tuple[str, str], int] = {

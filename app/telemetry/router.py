@@ -9,7 +9,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.auth import INVALID_TOKEN_CHALLENGE, SettingsDep, bearer_token, same_secret
 from app.errors import Unauthorized, raises
-from app.telemetry.collector import DatabaseCollector
+from app.telemetry.collector import CachedCollector
 from app.telemetry.http import multiprocess_dir
 
 router = APIRouter(tags=["health"])
@@ -40,7 +40,9 @@ def metrics(
     _: Annotated[HTTPAuthorizationCredentials | None, Security(METRICS_SCHEME)],
 ) -> Response:
     """Prometheus metrics (requests, batches, runs, slots, pools). With LORALOOM_METRICS_TOKEN set,
-    scrapers send `Authorization: Bearer <token>`."""
+    scrapers send `Authorization: Bearer <token>`. The figures read from the database are at most
+    LORALOOM_METRICS_CACHE_SECONDS old (one reading serves every scrape meanwhile); the request
+    counts are those of the moment."""
     token = settings.metrics_token
     if token is not None and not same_secret(bearer_token(request), token.get_secret_value()):
         raise Unauthorized("invalid metrics token", challenge=INVALID_TOKEN_CHALLENGE)
@@ -49,5 +51,5 @@ def metrics(
         # The request families of every worker, summed from the shared directory.
         registry = CollectorRegistry()
         MultiProcessCollector(registry, path=multiprocess_dir())  # type: ignore[no-untyped-call]
-        registry.register(DatabaseCollector(request.app.state.session_factory))
+        registry.register(CachedCollector(request.app.state.metrics_cache))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
