@@ -1,5 +1,5 @@
 """HTTP semantics the router leaves out: HEAD on every GET route, a 405's complete `Allow`, and
-a 415 for a body of a type a route does not read.
+a 415 for a body of a type a route does not read (`require_json`; on /v1 by `JsonBodyRoute`).
 
 FastAPI's routes answer exactly the methods they declare, so a HEAD (what link checkers, monitors
 and resuming download clients send first) was a 405. `HeadAsGet` answers it as the GET, without the
@@ -8,9 +8,13 @@ OpenAPI document's operations).
 """
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
-from fastapi import routing
+from fastapi import params, routing
+from fastapi.exceptions import RequestValidationError
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -114,3 +118,41 @@ def require_json(content_type: str | None, *, has_body: bool) -> None:
         f"{said}; send {JSON_MEDIA_TYPE}",
         details={"content_type": shown or None, "accepted": [JSON_MEDIA_TYPE]},
     )
+
+
+def reads_json_body(route: Any) -> bool:
+    """Whether FastAPI reads `route`'s body as JSON: it declares a body (a pydantic model, a dict),
+    and not a form. A route that reads its own body (`Request.body()`) declares none."""
+    body = getattr(route, "body_field", None)
+    return body is not None and not isinstance(body.field_info, params.Form)
+
+
+class JsonBodyRoute(routing.APIRoute):
+    """The route class of the /v1 routers: a route with a typed JSON body answers a body sent as
+    another type, or without a Content-Type, with `require_json`'s 415 instead of FastAPI's 422 (the
+    body validated as bytes: "Input should be a valid dictionary", which sends a client looking for
+    a wrong field rather than at its Content-Type).
+
+    The 415 replaces the 422 the route would have answered, and nothing else: the caller's 401, 403
+    and 404 (its dependencies) come first, as on the Tinker API, and a request that worked before
+    still does (JSON of any spelling FastAPI reads; no body on a route whose body is optional). A
+    route whose body FastAPI does not read (none, a form, one it reads itself) is left as it is.
+    The OpenAPI document lists the 415 of these routes (app/openapi.py)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        # Called for the route and for each inclusion of its router (FastAPI >= 0.130): each
+        # handler is wrapped, the body field being the endpoint's own.
+        handler = super().get_route_handler()
+        if not reads_json_body(self):
+            return handler
+
+        async def json_only(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError:
+                # FastAPI read the body (it is cached on the request) and found it invalid: a body it
+                # did not read as JSON is why, whatever else is wrong.
+                require_json(request.headers.get("content-type"), has_body=bool(await request.body()))
+                raise
+
+        return json_only

@@ -10,7 +10,8 @@ domain errors:
   `code` is an enum of every code of app/errors.py's classes. An operation's errors come from
   the `@raises` marks of its handler and of every dependency it resolves (auth: 401/403,
   `OwnedRunDep`: 404), plus 422 when it takes parameters or a body and 413 when it takes a body
-  (BodySizeLimit) and 400 (an unparsable body). FastAPI's default `HTTPValidationError` 422 is replaced;
+  (BodySizeLimit) and 400 (an unparsable body), and 415 when its route class answers a typed JSON
+  body of another type with one (`JsonBodyRoute`). FastAPI's default `HTTPValidationError` 422 is replaced;
 - named schemas: an inline object schema with a title (hand-written bodies, msgspec's schemas)
   becomes a component, so generated classes get the model's name;
 - two documents: the public one (tenant and admin operations) at /openapi.json and the pool's
@@ -27,7 +28,15 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
 from app.auth import WORKER_SCHEME
-from app.errors import AppError, PayloadTooLarge, ValidationFailed, all_codes, error_classes
+from app.errors import (
+    AppError,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    ValidationFailed,
+    all_codes,
+    error_classes,
+)
+from app.http_semantics import JsonBodyRoute, reads_json_body
 
 POOL_OPENAPI_URL = "/v1/pool/openapi.json"
 ERROR_REF = "#/components/schemas/Error"
@@ -100,6 +109,8 @@ def route_errors(route: Any, operation: dict[str, Any]) -> list[type[AppError]]:
     if operation.get("requestBody"):
         # BodySizeLimit's 413, and the 400 of a body FastAPI cannot even parse (`http_error`).
         found += [PayloadTooLarge, AppError]
+    if isinstance(getattr(route, "original_route", route), JsonBodyRoute) and reads_json_body(route):
+        found.append(UnsupportedMediaType)
     return list(dict.fromkeys(found))
 
 

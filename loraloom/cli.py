@@ -291,26 +291,36 @@ def tenants_list(url: UrlOpt = DEFAULT_URL, key: AdminKeyOpt = None, as_json: Js
 def tenants_update(
     tenant_id: TenantIdArg,
     max_concurrent_runs: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--max-concurrent-runs",
             "--quota",
             help="How many of its runs may hold a slot at once. Lowered below its active runs, they keep "
             "their slots and its queued runs wait; raised, its queued runs that now fit start at once.",
         ),
-    ],
+    ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            "--name",
+            help="Its new name, unique whatever the case (another tenant's is refused; another case of "
+            "its own is a rename). Its id, keys and runs stay.",
+        ),
+    ] = None,
     url: UrlOpt = DEFAULT_URL,
     key: AdminKeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Change a tenant's quota of concurrent runs."""
+    """Change a tenant's quota of concurrent runs, its name, or both."""
+    if max_concurrent_runs is None and name is None:
+        _fail("nothing to change: pass --max-concurrent-runs (--quota), --name or both")
+    body: dict[str, Any] = {}
+    if max_concurrent_runs is not None:
+        body["max_concurrent_runs"] = max_concurrent_runs
+    if name is not None:
+        body["name"] = name
     t = api(
-        "PATCH",
-        f"/v1/tenants/{tenant_id}",
-        url=url,
-        key=key,
-        key_env="LORALOOM_ADMIN_KEY",
-        json_body={"max_concurrent_runs": max_concurrent_runs},
+        "PATCH", f"/v1/tenants/{tenant_id}", url=url, key=key, key_env="LORALOOM_ADMIN_KEY", json_body=body
     )
     if as_json:
         _echo_json(t)

@@ -16,12 +16,13 @@ from app.adapters.uploads import open_archive
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
+from app.http_semantics import JsonBodyRoute
 from app.runs.deps import RunIdPath
 from app.runs.schemas import RunOut
 from app.runs.service import get_run
 from contracts.pool_api import AdapterStored, CheckpointReport, StepReport, TrainerEvict
 
-router = APIRouter(tags=["pool"])
+router = APIRouter(tags=["pool"], route_class=JsonBodyRoute)
 
 # Uploads up to this size stay in memory; larger ones spill to a temporary file.
 _SPOOL_MEMORY_BYTES = 8 * 1024 * 1024

@@ -10,6 +10,7 @@ from app.batches import claims
 from app.batches.schemas import MSGPACK_CONTENT_TYPES
 from app.db import SessionDep, utcnow
 from app.errors import Conflict, NotFound, raises
+from app.http_semantics import JsonBodyRoute
 from app.runs.deps import RunIdPath
 from contracts.arrays import decode_stored, to_lists
 from contracts.pool_api import (
@@ -23,7 +24,7 @@ from contracts.pool_api import (
     RestartOut,
 )
 
-router = APIRouter(tags=["pool"])
+router = APIRouter(tags=["pool"], route_class=JsonBodyRoute)
 
 _json_encoder = msgspec.json.Encoder()
 _msgpack_encoder = msgspec.msgpack.Encoder()

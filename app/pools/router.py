@@ -5,6 +5,7 @@ from fastapi import APIRouter, Query, status
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
+from app.http_semantics import JsonBodyRoute
 from app.pools import service
 from contracts.pool_api import (
     DeletedRunsIn,
@@ -18,7 +19,7 @@ from contracts.pool_api import (
 )
 from contracts.progress import Progress
 
-router = APIRouter(prefix="/v1/pool", tags=["pool"])
+router = APIRouter(prefix="/v1/pool", tags=["pool"], route_class=JsonBodyRoute)
 
 
 @router.post(

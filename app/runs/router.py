@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, Request, Response, status
 from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
 from app.errors import Conflict, UnsupportedMediaType, raises
+from app.http_semantics import JsonBodyRoute
 from app.pagination import DEFAULT_LIMIT, CursorQuery, LimitQuery
 from app.runs import service
 from app.runs.admission import waiting_reason
@@ -24,7 +25,7 @@ from app.runs.schemas import (
 )
 from contracts.status import RunStatus
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"])
+router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=JsonBodyRoute)
 
 
 async def _raw_body(request: Request) -> bytes:

@@ -6,7 +6,8 @@ from fastapi import APIRouter, Path, Request, Response, status
 
 from app.auth import AdminDep, SettingsDep
 from app.db import SessionDep
-from app.errors import Conflict, NotFound, raises
+from app.errors import Conflict, NotFound, ValidationFailed, problem, raises
+from app.http_semantics import JsonBodyRoute
 from app.key_cache import key_cache
 from app.tenants import quota, removal, service
 from app.tenants.schemas import (
@@ -19,7 +20,7 @@ from app.tenants.schemas import (
     TenantUpdate,
 )
 
-router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
+router = APIRouter(prefix="/v1/tenants", tags=["tenants"], route_class=JsonBodyRoute)
 
 # Documented, not enforced: an id of another shape is simply not found (404).
 TenantIdPath = Annotated[
@@ -48,15 +49,28 @@ def list_tenants(_: AdminDep, session: SessionDep) -> TenantList:
 
 
 @router.patch("/{tenant_id}", operation_id="updateTenant")
-@raises(NotFound)
+@raises(NotFound, Conflict)
 def update_tenant(
     tenant_id: TenantIdPath, body: TenantUpdate, _: AdminDep, session: SessionDep, settings: SettingsDep
 ) -> TenantOut:
-    """Change a tenant's quota of concurrent runs (admin). Lowered below its active runs, they keep
-    their slots and its queued runs wait until it is under the new quota; raised, its queued runs
-    that now fit are admitted at once."""
-    tenant = quota.update_quota(
-        session, tenant_id=tenant_id, max_concurrent_runs=body.max_concurrent_runs, settings=settings
+    """Change a tenant's quota of concurrent runs, its name, or both (admin). Lowered below its active
+    runs, they keep their slots and its queued runs wait until it is under the new quota; raised, its
+    queued runs that now fit are admitted at once. A name another tenant has whatever the case is a
+    409 naming that tenant (`details.tenant_id`, `details.name`)."""
+    if body.max_concurrent_runs is None and body.name is None:
+        wanted = "give max_concurrent_runs, name or both"
+        raise ValidationFailed(
+            f"nothing to change: {wanted}",
+            details=[
+                problem(("body", field), wanted, "missing") for field in ("max_concurrent_runs", "name")
+            ],
+        )
+    tenant = quota.update_tenant(
+        session,
+        tenant_id=tenant_id,
+        max_concurrent_runs=body.max_concurrent_runs,
+        name=body.name,
+        settings=settings,
     )
     return TenantOut.model_validate(tenant)
 

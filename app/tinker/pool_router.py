@@ -6,10 +6,11 @@ from pydantic import BaseModel
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
 from app.errors import Conflict, NotFound, raises
+from app.http_semantics import JsonBodyRoute
 from app.tinker import sampling, work
 from contracts.tinker_work import ManualClaimIn, ManualClaimOut, ManualResultsIn
 
-router = APIRouter(prefix="/v1/pool/manual", tags=["pool"])
+router = APIRouter(prefix="/v1/pool/manual", tags=["pool"], route_class=JsonBodyRoute)
 
 
 class ManualResultsOut(BaseModel):

@@ -2,7 +2,8 @@
 of concurrent runs after its creation. Lowered below its active runs, those keep their slots and its
 queued runs wait until it is under the new quota; raised, its queued runs that now fit are admitted at
 once (not at the next run leaving a slot). Bounds as at creation, 404 for an unknown tenant, 422 for a
-field other than the quota, admin key only; an audit event for each change."""
+body changing nothing or an invalid name (renames: test_h415_tenant_rename.py), admin key only; an audit
+event for each change."""
 
 import json
 import threading
@@ -117,8 +118,8 @@ def test_the_same_quota_again_changes_nothing(client: TestClient, db: Session) -
         ({"max_concurrent_runs": True}, "max_concurrent_runs"),
         ({"max_concurrent_runs": 2.5}, "max_concurrent_runs"),
         ({}, "max_concurrent_runs"),
-        ({"max_concurrent_runs": 3, "name": "renamed"}, "name"),
-        ({"name": "renamed"}, "name"),
+        ({"max_concurrent_runs": 3, "name": ""}, "name"),
+        ({"name": "bad\nname"}, "name"),
     ],
 )
 def test_bad_bodies_are_refused_naming_the_field_and_nothing_changes(
