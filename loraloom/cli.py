@@ -38,6 +38,7 @@ from loraloom.commands.http import DEFAULT_URL, AdminKeyOpt, JsonOpt, KeyOpt, Ur
 from loraloom.commands.http import echo_json as _echo_json
 from loraloom.commands.http import table as _table
 from loraloom.commands.ids import KeyIdArg, RunIdArg, TenantIdArg
+from loraloom.commands.shown import terminal_safe
 from loraloom.commands.worker import worker
 
 cli = typer.Typer(
@@ -93,7 +94,7 @@ def _fail(message: str, kind: ExitCode = ExitCode.USAGE) -> NoReturn:
 
 def _print_run(run: dict[str, Any]) -> None:
     slot = f", slot {run['slot']}" if run.get("slot") is not None else ""
-    typer.echo(f"{run['id']}  {run['name']}  {run['status']}{slot}")
+    typer.echo(f"{run['id']}  {terminal_safe(run['name'])}  {run['status']}{slot}")
 
 
 def _print_run_details(run: dict[str, Any]) -> None:
@@ -119,8 +120,8 @@ def _print_run_details(run: dict[str, Any]) -> None:
         ("last heartbeat", run["last_heartbeat_at"]),
     ]
     for label, value in fields:
-        if value is not None:
-            typer.echo(f"{label + ':':<16}{value}")
+        if value is not None:  # free text (a reason) on lines of its own, never posing as a field
+            typer.echo(f"{label + ':':<16}{terminal_safe(str(value), indent=16)}")
 
 
 # --- local commands --------------------------------------------------------------------

@@ -11,6 +11,7 @@ import typer
 from contracts.http import api_prefix_problem, tinker_surface_hint
 from loraloom.commands.answers import Answer, read_object
 from loraloom.commands.errors import CliError, ExitCode, http_error
+from loraloom.commands.shown import terminal_safe
 from orchestrator import bounded
 from orchestrator.client import (
     DEFAULT_DEADLINE_S,
@@ -123,7 +124,7 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) ->
 
 
 def _cell(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    return f"{value:.4g}" if isinstance(value, float) else terminal_safe(str(value))
 
 
 def check_url(url: str) -> None:

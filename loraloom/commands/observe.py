@@ -28,6 +28,7 @@ from loraloom.commands.http import (
     table,
 )
 from loraloom.commands.ids import RunIdArg, StepOpt
+from loraloom.commands.shown import terminal_safe
 from orchestrator.archive import MARKER_NAME, DestinationInUse, extract_adapter
 from orchestrator.bounded import Sink
 from orchestrator.client import DEFAULT_MAX_DOWNLOAD_BYTES, DEFAULT_TRANSFER_DEADLINE_S
@@ -315,7 +316,8 @@ def runs_watch(
                 typer.echo(json.dumps({"status": run["status"], "step": step, "metrics": latest}))
             elif not on_terminal and shown != (step, run["status"]):
                 figures = "".join(f" {name}={value}" for name, value in latest.items())
-                typer.echo(f"{run['name']}: step {step}/{total} {run['status']}{figures}", err=True)
+                name = terminal_safe(run["name"])
+                typer.echo(f"{name}: step {step}/{total} {run['status']}{figures}", err=True)
                 shown = (step, run["status"])
             if run["status"] in FINAL:
                 break
@@ -324,7 +326,8 @@ def runs_watch(
     finally:
         bar.close()
     reason = run.get("eviction_reason") or run.get("failure_reason")
-    typer.echo(f"{run_id} {run['status']}" + (f": {reason}" if reason else ""), err=as_json)
+    shown_reason = f": {terminal_safe(reason)}" if reason else ""
+    typer.echo(f"{run_id} {run['status']}{shown_reason}", err=as_json)
     if run["status"] != "completed":
         raise typer.Exit(int(ExitCode.RUN_NOT_COMPLETED))
 
