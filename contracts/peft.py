@@ -39,6 +39,26 @@ UNSUPPORTED_FEATURES = (
 """PEFT options a slot cannot represent (one rank and alpha for every module, plain A and B): set to
 anything but false, null or empty, the adapter is refused."""
 
+MAX_TENSOR_DIMS = 8
+"""The most dimensions a tensor of an adapter may have. A LoRA factor has 2 (A (r, in), B (out, r));
+8 leaves room for any layer type a pool might one day adapt (a 3-D convolution's kernel has 5) and
+bounds the arithmetic on a shape an uploader wrote: the product of 80,000 dimensions of 10**18 took
+49 s of big-integer multiplication, holding the GIL (every other request of the process waited)."""
+
+MAX_ADAPTER_TENSORS = 16_384
+"""The most tensors an adapter's safetensors file may list: two factors per adapted module, at most 8
+module types per layer (a run's `lora.target_modules`, contracts/run_config.py), so 1,024 layers (the
+largest models have ~130). Where the pool's model is known (an uploaded adapter, against the live pool
+of its base model) its own count bounds it more tightly. A header of 1,000,000 tensors cost 104 s of
+CPU, 2 GB of memory and a 331 MB 422 (one problem per tensor)."""
+
+MAX_SHOWN_CHARS = 100
+"""A tensor's or module's name, or a value of adapter_config.json, in a message: the uploader's text,
+as long as the file holding it, shown up to this many characters."""
+
+MAX_SHOWN_DIMS = 4
+"""A shape in a message: its first dimensions, then how many it has."""
+
 ModuleDims = Callable[[str], tuple[int, int] | str]
 """A module's qualified name in the base model ("model.layers.0.self_attn.q_proj") → its
 (in_features, out_features), or why the model has no such module to adapt."""
@@ -61,6 +81,26 @@ def split_factor(name: str) -> tuple[str, str] | None:
         if name.endswith(suffix) and len(name) > len(PEFT_PREFIX) + len(suffix):
             return name[len(PEFT_PREFIX) : -len(suffix)], factor
     return None
+
+
+def shown(value: object) -> str:
+    """`value!r` for a message, cut to MAX_SHOWN_CHARS characters (the rest counted): an integer of
+    hundreds of digits by its length, not its digits."""
+    if whole_number(value) and abs(value) >= 10**20:
+        return f"(an integer of {len(str(abs(value)))} digits)"
+    if isinstance(value, str) and len(value) > MAX_SHOWN_CHARS:
+        return f"{value[:MAX_SHOWN_CHARS]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def shown_shape(shape: object) -> str:
+    """A tensor's shape for a message: `[16, 4096]`; a long one by its first MAX_SHOWN_DIMS dimensions
+    and its length (`[1, 2, 3, 4, ... (80000 dimensions)]`), each dimension as `shown` puts it."""
+    if not isinstance(shape, list):
+        return shown(shape)
+    dims = ", ".join(shown(d) for d in shape[:MAX_SHOWN_DIMS])
+    return f"[{dims}]" if len(shape) <= MAX_SHOWN_DIMS else f"[{dims}, ... ({len(shape)} dimensions)]"
 
 
 def whole_number(value: object) -> TypeGuard[int]:
@@ -131,7 +171,7 @@ def _named(key: str, value: object) -> str:
     """`key=value` for a message; an integer of hundreds of digits by its length, not its digits."""
     if whole_number(value) and abs(value) >= 10**20:
         return f"{key} (an integer of {len(str(abs(value)))} digits)"
-    return f"{key}={value!r}"
+    return f"{key}={shown(value)}"
 
 
 def _of_a_run(field: str) -> str:
@@ -159,21 +199,25 @@ def config_problems(config: object, *, max_rank: int) -> list[AdapterProblem]:
         return [AdapterProblem("body", f"{ADAPTER_CONFIG} must be a JSON object")]
     problems: list[AdapterProblem] = []
     if config.get("peft_type") != "LORA":
-        problems.append(AdapterProblem("peft_type", f"peft_type is {config.get('peft_type')!r}, not 'LORA'"))
+        problems.append(
+            AdapterProblem("peft_type", f"peft_type is {shown(config.get('peft_type'))}, not 'LORA'")
+        )
     used = [key for key in UNSUPPORTED_FEATURES if config.get(key)]
     if config.get("bias", "none") != "none":
         used.append("bias")
     for key in used:
         problems.append(
             AdapterProblem(
-                key, f"unsupported adapter features: {key}={config[key]!r} (a slot is a plain LoRA)"
+                key, f"unsupported adapter features: {key}={shown(config[key])} (a slot is a plain LoRA)"
             )
         )
     if (rank_problem := _rank_problem(config.get("r"), max_rank=max_rank)) is not None:
         problems.append(rank_problem)
     alpha = config.get("lora_alpha")
     if not _number(alpha) or alpha != alpha:  # NaN
-        problems.append(AdapterProblem("lora_alpha", f"lora_alpha={alpha!r} must be a finite number > 0"))
+        problems.append(
+            AdapterProblem("lora_alpha", f"lora_alpha={shown(alpha)} must be a finite number > 0")
+        )
     elif not ALPHA_BOUNDS.holds(alpha):
         message = (
             f"{_named('lora_alpha', alpha)} must be a finite number > 0"
@@ -197,7 +241,11 @@ def weights_problems(header: Mapping[str, object], *, rank: object, dims: Module
     cannot load: a name not of a LoRA factor, a module `dims` does not know, a dtype that is not
     floating point, a shape other than A (r, in) and B (out, r) with the config's `rank` (not checked
     when the rank is not a whole number: that is the config's problem), a module with one factor and
-    not the other. One problem per tensor, in the header's order, then one per unpaired module."""
+    not the other. One problem per tensor, in the header's order, then one per unpaired module; only
+    one, before any tensor is looked at, when it lists more than MAX_ADAPTER_TENSORS."""
+    tensors = len(header) - ("__metadata__" in header)
+    if tensors > MAX_ADAPTER_TENSORS:
+        return [_weights(too_many_tensors(tensors, MAX_ADAPTER_TENSORS))]
     problems: list[AdapterProblem] = []
     factors: dict[str, list[str]] = {}
     for name, info in header.items():
@@ -207,7 +255,7 @@ def weights_problems(header: Mapping[str, object], *, rank: object, dims: Module
         if split is None:
             problems.append(
                 _weights(
-                    f"unexpected tensor {name!r} (expected {PEFT_PREFIX}<module>.lora_A.weight or "
+                    f"unexpected tensor {shown(name)} (expected {PEFT_PREFIX}<module>.lora_A.weight or "
                     f"{PEFT_PREFIX}<module>.lora_B.weight)"
                 )
             )
@@ -218,23 +266,29 @@ def weights_problems(header: Mapping[str, object], *, rank: object, dims: Module
         dtype = info.get("dtype") if isinstance(info, Mapping) else None
         shape = info.get("shape") if isinstance(info, Mapping) else None
         if isinstance(found, str):
-            problems.append(_weights(f"tensor {name!r}: {found}"))
+            problems.append(_weights(f"tensor {shown(name)}: {found}"))
         elif dtype not in FLOAT_DTYPES:
             problems.append(
                 _weights(
-                    f"tensor {name!r} has dtype {dtype}, not floating point ({', '.join(sorted(FLOAT_DTYPES))})"
+                    f"tensor {shown(name)} has dtype {_bare(dtype)}, not floating point "
+                    f"({', '.join(sorted(FLOAT_DTYPES))})"
                 )
             )
         elif whole_number(rank):
             fan_in, fan_out = found
             want = [rank, fan_in] if factor == "lora_A" else [fan_out, rank]
             if shape != want:
-                problems.append(_weights(f"tensor {name!r} has shape {shape}, expected {want} (r={rank})"))
+                problems.append(
+                    _weights(
+                        f"tensor {shown(name)} has shape {shown_shape(shape)}, expected {want} (r={rank})"
+                    )
+                )
     for module, found_factors in factors.items():
         if sorted(found_factors) != ["lora_A", "lora_B"]:
             problems.append(
                 _weights(
-                    f"layer {PEFT_PREFIX + module!r} has {sorted(found_factors)}: it needs one lora_A and one lora_B"
+                    f"layer {shown(PEFT_PREFIX + module)} has {_factors(found_factors)}: "
+                    "it needs one lora_A and one lora_B"
                 )
             )
     return problems
@@ -250,5 +304,21 @@ def adapter_problems(
     return config_problems(config, max_rank=max_rank) + weights_problems(header, rank=rank, dims=dims)
 
 
+def too_many_tensors(count: int, limit: int, *, of: str = "an adapter") -> str:
+    return f"it lists {count} tensors; {of} has at most {limit} (a lora_A and a lora_B per adapted module)"
+
+
 def _weights(message: str) -> AdapterProblem:
     return AdapterProblem(ADAPTER_WEIGHTS, message)
+
+
+def _bare(value: object) -> str:
+    """A dtype as the header names it (`I32`), unquoted when it is a short string."""
+    return value if isinstance(value, str) and len(value) <= MAX_SHOWN_CHARS else shown(value)
+
+
+def _factors(found: list[str]) -> str:
+    """A module's factors for a message: `['lora_A']`, or by count when there are many."""
+    if len(found) <= MAX_SHOWN_DIMS:
+        return str(sorted(found))
+    return f"{found.count('lora_A')} lora_A and {found.count('lora_B')} lora_B factors"

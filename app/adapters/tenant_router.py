@@ -3,15 +3,16 @@ GET /v1/adapters, GET and DELETE /v1/adapters/{adapter_id} (thin: parse, call th
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, status
+from fastapi import APIRouter, Depends, Path, Query, Request, status
 from pydantic import AfterValidator, BaseModel
 
 from app.adapters import uploads
 from app.adapters.models import TenantAdapter
 from app.adapters.pool_router import UploadBody
+from app.adapters.upload import TAR_MEDIA_TYPE, require_tar
 from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
-from app.errors import Conflict, NotFound, ValidationFailed, raises
+from app.errors import Conflict, NotFound, UnsupportedMediaType, ValidationFailed, problem, raises
 from app.runs.schemas import checked_run_name
 from app.timestamps import UtcDatetime
 from contracts.names import RUN_NAME_PATTERN, RUN_NAME_RULE
@@ -43,6 +44,27 @@ AdapterIdPath = Annotated[
         json_schema_extra={"pattern": r"^adp_[0-9a-f]{12}$"},
     ),
 ]
+
+
+_SINGLE_QUERY = ("name", "base_model")
+"""The upload's query parameters, each taken once: FastAPI keeps the last of a repeated one
+(`?name=a&name=b` stored "b")."""
+
+
+@raises(UnsupportedMediaType)
+async def _tar_upload(request: Request) -> None:  # no I/O: no thread
+    """Refuse, before the body is read, an upload sent as another type than a tar (`require_tar`), or
+    with a query parameter given twice."""
+    require_tar(request.headers.get("content-type"))
+    for key in _SINGLE_QUERY:
+        if len(request.query_params.getlist(key)) > 1:
+            message = f"query parameter {key!r} is given more than once; give it once"
+            raise ValidationFailed(
+                message, details=[problem(["query", key], message, "repeated_query_parameter")]
+            )
+
+
+TarUpload = Annotated[None, Depends(_tar_upload)]
 
 
 class TenantAdapterOut(BaseModel):
@@ -84,13 +106,15 @@ class TenantAdapterList(BaseModel):
         "requestBody": {
             "required": True,
             "description": "Uncompressed tar holding exactly adapter_config.json and adapter_model.safetensors.",
-            "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+            "content": {TAR_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
         }
     },
 )
 @raises(ValidationFailed, Conflict, NotFound)
 def upload(
     principal: TenantDep,
+    # Before the body: a refusal of its type or of the query reads none of it.
+    _: TarUpload,
     body: UploadBody,
     session: SessionDep,
     settings: SettingsDep,

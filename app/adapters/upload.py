@@ -9,7 +9,6 @@ file whose header matches its data.
 
 import hashlib
 import json
-import math
 import os
 import tarfile
 from pathlib import Path
@@ -17,15 +16,30 @@ from typing import IO, Any, TypeGuard
 
 import numpy as np
 
-from app.errors import PayloadTooLarge, ValidationFailed
+from app.errors import PayloadTooLarge, UnsupportedMediaType, ValidationFailed
+from app.http_semantics import SHOWN_MEDIA_TYPE_CHARS, media_type
 from app.request_guard import MAX_JSON_DEPTH, too_deep
 from contracts.durable import fsync_path
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
+from contracts.peft import (
+    MAX_ADAPTER_TENSORS,
+    MAX_TENSOR_DIMS,
+    shown,
+    shown_shape,
+    too_many_tensors,
+    whole_number,
+)
 from contracts.tar_headers import MAX_EXTENDED_HEADER_BYTES, TarHeaderProblem, check_tar_headers
 
 MAX_CONFIG_BYTES = 1024 * 1024
-MAX_SAFETENSORS_HEADER_BYTES = 100 * 1024 * 1024
-"""The safetensors library refuses larger headers too."""
+MAX_HEADER_BYTES_PER_TENSOR = 512
+"""A tensor's entry in a safetensors header, on average: a PEFT factor's takes ~130 bytes
+(`"base_model.model.model.layers.31.self_attn.q_proj.lora_A.weight":{"dtype":"BF16","shape":[16,4096],
+"data_offsets":[...]}`)."""
+MAX_SAFETENSORS_HEADER_BYTES = MAX_ADAPTER_TENSORS * MAX_HEADER_BYTES_PER_TENSOR
+"""8 MiB: an adapter of MAX_ADAPTER_TENSORS tensors fits with room to spare. The header is parsed whole
+(the safetensors library's own limit is 100 MB, which parsed as 1,000,000 tensors: seconds of CPU and
+2 GB of memory before anything was refused)."""
 
 _COPY_CHUNK = 1024 * 1024
 
@@ -60,6 +74,30 @@ _DTYPE_BYTES = {
     "U64": 8,
     "F64": 8,
 }
+
+
+TAR_MEDIA_TYPE = "application/x-tar"
+"""The one Content-Type of an adapter upload: what the SDK (orchestrator/client.py), the pool
+(trainer_core/service_client.py), clients generated from the OpenAPI document and the README's curl
+send."""
+_COMPRESSED = frozenset({"application/gzip", "application/x-gzip", "application/x-compressed-tar"})
+
+
+def require_tar(content_type: str | None) -> None:
+    """The 415 of an upload sent as anything but an uncompressed tar (application/x-tar, parameters
+    aside), or without a Content-Type, naming the type it takes. A body of any type was read as a tar:
+    a JSON or form body, or none declared, got a 201 or a 422 about a tar the client never meant to
+    send. (Before the body is read: the route's dependencies run first.)"""
+    media = media_type(content_type)
+    if media == TAR_MEDIA_TYPE:
+        return
+    shown_type = media[:SHOWN_MEDIA_TYPE_CHARS]  # a header can be 8 KB long
+    said = f"unsupported Content-Type {shown_type!r}" if shown_type else "a body without a Content-Type"
+    how = "the tar uncompressed, as " if media in _COMPRESSED else ""
+    raise UnsupportedMediaType(
+        f"{said}; send {how}{TAR_MEDIA_TYPE}",
+        details={"content_type": shown_type or None, "accepted": [TAR_MEDIA_TYPE]},
+    )
 
 
 def _invalid(message: str, *, field: str = "body", kind: str = "invalid_tar") -> ValidationFailed:
@@ -142,10 +180,13 @@ def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
         if len(prefix) < 8:
             raise _bad_safetensors("shorter than its 8-byte header length")
         header_len = int.from_bytes(prefix, "little")
-        if header_len > min(size - 8, MAX_SAFETENSORS_HEADER_BYTES):
+        if header_len > MAX_SAFETENSORS_HEADER_BYTES:
             raise _bad_safetensors(
-                f"header length {header_len} is larger than the file or {MAX_SAFETENSORS_HEADER_BYTES}"
+                f"its header is {header_len} bytes (at most {MAX_SAFETENSORS_HEADER_BYTES}: "
+                f"{MAX_HEADER_BYTES_PER_TENSOR} per tensor of at most {MAX_ADAPTER_TENSORS})"
             )
+        if header_len > size - 8:
+            raise _bad_safetensors(f"header length {header_len} is larger than the file")
         raw = f.read(header_len)
     try:
         header = _parse_json(raw)
@@ -162,33 +203,73 @@ def _valid_offsets(offsets: object, data_len: int) -> TypeGuard[list[int]]:
     return (
         isinstance(offsets, list)
         and len(offsets) == 2
-        and all(isinstance(o, int) for o in offsets)
+        and all(whole_number(o) for o in offsets)
         and 0 <= offsets[0] <= offsets[1] <= data_len
     )
+
+
+def _shape_problem(shape: object, *, itemsize: int, data_len: int) -> str | None:
+    """What is wrong with a tensor's shape, looked at before any arithmetic on it: a list of at most
+    MAX_TENSOR_DIMS whole numbers >= 0, none larger than the data could hold (`data_len` bytes of
+    `itemsize`-byte elements; a 0 elsewhere in the shape would make it hold none: no adapter's tensor
+    is empty)."""
+    if not isinstance(shape, list):
+        return "a malformed shape (not a list of dimensions)"
+    if len(shape) > MAX_TENSOR_DIMS:
+        return f"{len(shape)} dimensions (at most {MAX_TENSOR_DIMS})"
+    if not all(whole_number(d) and d >= 0 for d in shape):
+        return f"a malformed shape {shown_shape(shape)} (dimensions are whole numbers >= 0)"
+    if any(d > data_len // itemsize for d in shape):
+        return (
+            f"shape {shown_shape(shape)}, more {itemsize}-byte elements than the file's {data_len} "
+            "bytes of data"
+        )
+    return None
+
+
+def _nbytes_at_most(shape: list[int], *, itemsize: int, limit: int) -> int | None:
+    """The bytes of a tensor of `shape`, or None once the product passes `limit` (it stops there:
+    never more than one dimension's factor past the limit)."""
+    if 0 in shape:
+        return 0
+    total = itemsize
+    for d in shape:
+        total *= d
+        if total > limit:
+            return None
+    return total
 
 
 def _check_tensor(name: str, info: object, data_len: int) -> None:
     """One tensor's entry: a known dtype, a shape, and a byte range inside the data that matches them."""
     if not isinstance(info, dict):
-        raise _bad_safetensors(f"tensor {name!r} has no description")
+        raise _bad_safetensors(f"tensor {shown(name)} has no description")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in _DTYPE_BYTES:
-        raise _bad_safetensors(f"tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise _bad_safetensors(f"tensor {name!r} has a malformed shape")
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BYTES:
+        raise _bad_safetensors(f"tensor {shown(name)} has unknown dtype {shown(dtype)}")
+    itemsize = _DTYPE_BYTES[dtype]
+    if (problem := _shape_problem(shape, itemsize=itemsize, data_len=data_len)) is not None:
+        raise _bad_safetensors(f"tensor {shown(name)} has {problem}")
+    assert isinstance(shape, list)  # checked by _shape_problem
     if not _valid_offsets(offsets, data_len):
-        raise _bad_safetensors(f"tensor {name!r} has data_offsets outside the file")
-    if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
-        raise _bad_safetensors(f"tensor {name!r}: data_offsets do not match shape {shape} and dtype {dtype}")
+        raise _bad_safetensors(f"tensor {shown(name)} has data_offsets outside the file")
+    span = offsets[1] - offsets[0]
+    if _nbytes_at_most(shape, itemsize=itemsize, limit=span) != span:
+        raise _bad_safetensors(
+            f"tensor {shown(name)}: data_offsets do not match shape {shown_shape(shape)} and dtype {dtype}"
+        )
 
 
 def check_safetensors(path: Path) -> int:
-    """Parse and check a safetensors header: every tensor has a known dtype, a shape, and a
-    byte range inside the file that matches them. Returns the number of tensors."""
+    """Parse and check a safetensors header: at most MAX_ADAPTER_TENSORS tensors (counted before any
+    is looked at), every one with a known dtype, a shape, and a byte range inside the file that
+    matches them. Returns the number of tensors."""
     header, data_len = _read_safetensors_header(path)
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _bad_safetensors("__metadata__ must map strings to strings")
+    if len(header) > MAX_ADAPTER_TENSORS:
+        raise _bad_safetensors(too_many_tensors(len(header), MAX_ADAPTER_TENSORS))
     for name, info in header.items():
         _check_tensor(name, info, data_len)
     if not header:
@@ -266,11 +347,11 @@ def extract_adapter_tar(body: IO[bytes], staging: Path, *, max_bytes: int) -> tu
                 name = member.name.removeprefix("./")
                 if name not in ADAPTER_FILES:
                     raise _invalid(
-                        f"unexpected archive member {member.name!r}: the tar must hold exactly "
+                        f"unexpected archive member {shown(member.name)}: the tar must hold exactly "
                         f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
                     )
                 if not member.isreg() or member.issparse():
-                    raise _invalid(f"archive member {member.name!r} is not a regular file")
+                    raise _invalid(f"archive member {shown(member.name)} is not a regular file")
                 if name in sizes:
                     raise _invalid(f"archive member {name!r} appears twice")
                 limit = MAX_CONFIG_BYTES if name == ADAPTER_CONFIG else max_bytes

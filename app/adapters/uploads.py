@@ -32,7 +32,16 @@ from app.runs.models import Run
 from app.tenants.service import lock_tenant
 from contracts.ids import new_id
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from contracts.peft import ModuleDims, adapter_problems, finite_positive, split_factor, whole_number
+from contracts.peft import (
+    ModuleDims,
+    adapter_problems,
+    config_problems,
+    finite_positive,
+    shown,
+    split_factor,
+    too_many_tensors,
+    whole_number,
+)
 from contracts.status import RunStatus
 
 log = logging.getLogger(__name__)
@@ -51,6 +60,10 @@ def uploads_dir(settings: Settings) -> Path:
     return settings.data_dir / "adapters"
 
 
+MAX_LISTED_PROBLEMS = 20
+"""At most this many problems in an `invalid_adapter` refusal's details, and one more counting the rest
+(`_capped`): an adapter of thousands of wrong tensors was listed one problem each, a 331 MB 422."""
+
 MAX_NAMED_RUNS = 20
 """At most this many run ids in an `adapter_in_use` refusal's details (`runs` counts them all)."""
 
@@ -64,6 +77,17 @@ class AdapterInUse(Conflict):
 def _problem(field: str, message: str, kind: str) -> dict[str, Any]:
     """One item of an `invalid_adapter` 422's details (README "Errors": `{loc, msg, type}`)."""
     return {"loc": ["body", field], "msg": message, "type": kind}
+
+
+def _capped(problems: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first MAX_LISTED_PROBLEMS problems, and one item counting the rest."""
+    if len(problems) <= MAX_LISTED_PROBLEMS:
+        return problems
+    rest = len(problems) - MAX_LISTED_PROBLEMS
+    return [
+        *problems[:MAX_LISTED_PROBLEMS],
+        {"loc": ["body"], "msg": f"and {rest} more problems, not listed", "type": "more_problems"},
+    ]
 
 
 def _shared_problem_type(field: str) -> str:
@@ -96,7 +120,7 @@ def _pool_dims(pool: Pool, base_model: str) -> ModuleDims:
         m = _MODULE.match(module)
         if m is None or m.group(2) not in shapes:
             return (
-                f"its module {module!r} is not one the pool of {base_model!r} adapts "
+                f"its module {shown(module)} is not one the pool of {base_model!r} adapts "
                 f"(...layers.<N>.<one of {sorted(shapes)}>)"
             )
         layer = int(m.group(1))
@@ -106,6 +130,14 @@ def _pool_dims(pool: Pool, base_model: str) -> ModuleDims:
         return fan_in, fan_out
 
     return dims
+
+
+def _pool_tensor_limit(pool: Pool) -> int:
+    """The most tensors an adapter of the pool's model can have: a lora_A and a lora_B for each module
+    type it adapts (what it registered the features of) in each of its layers (`_pool_dims` refuses
+    any other module)."""
+    assert pool.module_shapes is not None and pool.num_layers is not None  # checked by _check
+    return 2 * len(pool.module_shapes) * pool.num_layers
 
 
 def _target_modules_problems(
@@ -119,7 +151,7 @@ def _target_modules_problems(
         return [
             _problem(
                 "target_modules",
-                f"target_modules {declared!r} is not a list of names",
+                f"target_modules {shown(declared)} is not a list of names",
                 "adapter_config_invalid",
             )
         ]
@@ -128,8 +160,8 @@ def _target_modules_problems(
         return [
             _problem(
                 "target_modules",
-                f"target_modules {declared!r}: {unknown or 'none'} not adaptable by the pool of "
-                f"{base_model!r} ({pool.target_modules})",
+                f"target_modules {shown(declared)}: {shown(unknown) if unknown else 'none'} not "
+                f"adaptable by the pool of {base_model!r} ({pool.target_modules})",
                 "target_modules_not_adaptable",
             )
         ]
@@ -143,7 +175,7 @@ def _target_modules_problems(
         return [
             _problem(
                 "target_modules",
-                f"target_modules {modules} but the weights adapt {sorted(seen)}",
+                f"target_modules {sorted(set(modules))} but the weights adapt {sorted(seen)}",
                 "target_modules_mismatch",
             )
         ]
@@ -179,13 +211,22 @@ def _check(
     modules = _module_names(config.get("target_modules")) or []
     header, _ = _read_safetensors_header(staging / ADAPTER_WEIGHTS)
     header.pop("__metadata__", None)
-    # The pool's own import rules (contracts/peft.py), with what the service knows of its model.
-    shared = adapter_problems(config, header, max_rank=pool.max_rank, dims=_pool_dims(pool, base_model))
-    problems = (
-        [_problem(p.field, p.message, _shared_problem_type(p.field)) for p in shared]
-        + _target_modules_problems(config, header, pool, base_model)
-        + _nonfinite_problems(staging / ADAPTER_WEIGHTS)
-    )
+    # Counted before any tensor is looked at: what the pool's model can hold bounds the work.
+    limit = _pool_tensor_limit(pool)
+    if len(header) > limit:
+        message = too_many_tensors(len(header), limit, of=f"an adapter of the pool of {base_model!r}")
+        problems = [
+            _problem(p.field, p.message, _shared_problem_type(p.field))
+            for p in config_problems(config, max_rank=pool.max_rank)
+        ] + [_problem(ADAPTER_WEIGHTS, message, "too_many_tensors")]
+    else:
+        # The pool's own import rules (contracts/peft.py), with what the service knows of its model.
+        shared = adapter_problems(config, header, max_rank=pool.max_rank, dims=_pool_dims(pool, base_model))
+        problems = (
+            [_problem(p.field, p.message, _shared_problem_type(p.field)) for p in shared]
+            + _target_modules_problems(config, header, pool, base_model)
+            + _nonfinite_problems(staging / ADAPTER_WEIGHTS)
+        )
     return (
         rank if whole_number(rank) else 0,
         float(alpha) if finite_positive(alpha) else 0.0,
@@ -215,10 +256,11 @@ def upload_adapter(
         size, sha = extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
         rank, alpha, modules, problems = _check(staging, base_model=base_model, session=session)
         if problems:
+            listed = _capped(problems)
             raise ValidationFailed(
-                "the adapter does not fit the base model: " + "; ".join(p["msg"] for p in problems),
+                "the adapter does not fit the base model: " + "; ".join(p["msg"] for p in listed),
                 code="invalid_adapter",
-                details=problems,
+                details=listed,
             )
         with open(staging / ARCHIVE, "wb") as f:
             _write_archive(staging, f)
