@@ -40,6 +40,7 @@ from app.runs.service import evict_silent_runs
 from app.tinker.abandoned import evict_abandoned_models
 from app.tinker.leases import fail_unclaimed_base_samples, fail_work_of_left_runs, purge_done_futures
 from app.tinker.service import purge_finished_sessions
+from app.ui.sessions import PURGE_BATCH as UI_SESSIONS_PURGE_BATCH
 from app.ui.sessions import purge_expired_sessions
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,9 @@ class SweepResult:
     housekeeping: bool = False
     """Whether this sweep ran the housekeeping jobs (from `purged_futures` on)."""
     housekeeping_backlog: bool = False
-    """Housekeeping stopped at its per-sweep bound with more to do (a purge's MAX_PURGE_CHUNKS, an
-    adapter or reconcile pass not caught up): the background loop runs it again at the next sweep."""
+    """Housekeeping stopped at its per-sweep bound with more to do (a purge's MAX_PURGE_CHUNKS, the
+    dashboard sessions' batch, the adapter scan's chunks, the reconcile pass's time budget): the
+    background loop runs it again at the next sweep. A job that failed is no backlog."""
 
 
 def _job(
@@ -203,6 +205,8 @@ def sweep_once(
     result.purged_futures = _job(factory, "purge_tinker_futures", purge, result) or 0
     sessions = lambda s: purge_expired_sessions(s, now=now)  # noqa: E731
     result.purged_ui_sessions = _job(factory, "purge_ui_sessions", sessions, result) or 0
+    if result.purged_ui_sessions >= UI_SESSIONS_PURGE_BATCH:  # one batch a call: there may be more
+        result.housekeeping_backlog = True
     keep_runs, keep_events = settings.deleted_run_retention_seconds, settings.event_retention_seconds
     runs = _chunks(
         factory,
@@ -242,10 +246,6 @@ def sweep_once(
     )
     # After the pruning: what it removed itself is not looked at again.
     _reconcile(factory, settings=settings, now=now, scan=reconcile_scan or ReconcileScan(), result=result)
-    if not (adapter_scan is None or adapter_scan.caught_up) or not (
-        reconcile_scan is None or reconcile_scan.caught_up
-    ):
-        result.housekeeping_backlog = True
     return result
 
 
@@ -260,7 +260,8 @@ def _prune_adapters(
 ) -> None:
     """Chunks of `prune_step_adapters` as `_chunks` runs them, each followed, once committed, by the
     removal of its runs' files (each run its own transaction, under its row lock). The scan moves on
-    only past a committed chunk: a failed one is read again by the next sweep."""
+    only past a committed chunk: a failed one is read again by the next housekeeping (a failure is
+    no backlog: retried at every sweep, it would only repeat its traceback)."""
     scan.begin(now)
     for _ in range(MAX_PURGE_CHUNKS):
         prune = partial(
@@ -277,6 +278,7 @@ def _prune_adapters(
         if not out.more:
             scan.caught_up = True
             return
+    result.housekeeping_backlog = True  # stopped at the bound with more to read
 
 
 def _reconcile(
@@ -301,6 +303,8 @@ def _reconcile(
     result.emptied_trash_entries = done.trash_entries
     if done.failed:
         result.errors.append(name)
+    elif not scan.caught_up:  # the sweep's budget ran out mid-pass
+        result.housekeeping_backlog = True
 
 
 class HousekeepingClock:

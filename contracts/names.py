@@ -1,7 +1,7 @@
 """What a run's name may hold: the one rule, checked by the service (POST /v1/runs, JSON or TOML),
 the SDK (orchestrator.client) and the CLI (`loraloom runs create`) before anything is sent. The same
-rule holds for every other label a client gives and others are shown (`label_problem`): an uploaded
-adapter's name, each tag of a Tinker session.
+rule, of another length, can hold for any label a client gives and others are shown (`label_problem`);
+an uploaded adapter's name takes the run names' own.
 
 A name is shown wherever a run is: run lists, the dashboard, events, log lines, terminals. It must
 read as what it is, so it holds none of:

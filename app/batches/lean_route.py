@@ -16,7 +16,8 @@ endpoint is known to pass without the database:
   its 64 characters.
 
 Anything else (no or an unknown key, a cache miss, a bad header: every 401, 415 and 422 of the
-route) goes to the documented handler, which answers as it always did (and fills the key cache).
+route) goes to the documented handler, which answers as it always did (and fills the key cache;
+so does the request guard's lookup of a large body's key, app/request_guard.py).
 On the fast path the checks that remain run in the same order as the dependencies: the tenant's
 in-flight limit (429), then the run (404, another tenant's included), then the service, whose
 errors the app's handlers turn into the uniform body. The session is committed before the

@@ -13,6 +13,8 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from app import sweeper
+from app.adapters.pruning import AdapterScan, AdaptersPruned
+from app.adapters.reconcile import Reconciled, ReconcileScan
 from app.batches.models import Batch
 from app.config import Settings
 from app.db import make_engine, make_session_factory
@@ -131,3 +133,52 @@ def test_the_background_loop_follows_the_cadence(settings: Settings, monkeypatch
     with TestClient(create_app(fast)):
         assert enough.wait(30), calls
     assert calls[:5] == [True, True, False, False, False]
+
+
+def test_what_is_a_backlog_and_what_is_not(
+    settings: Settings, factory: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job stopped at its bound with more to do is a backlog; a job that failed is not (retried at
+    every sweep, it would only repeat its traceback every 2 s)."""
+
+    def sweep(**fakes: Any) -> sweeper.SweepResult:
+        with monkeypatch.context() as m:
+            for name, fake in fakes.items():
+                m.setattr(sweeper, name, fake)
+            return sweeper.sweep_once(
+                factory, settings=settings, adapter_scan=AdapterScan(), reconcile_scan=caught_up()
+            )
+
+    def caught_up() -> ReconcileScan:
+        scan = ReconcileScan()
+        scan.begin(datetime.now(UTC))
+        for cursor in (scan.runs, scan.uploads, scan.trash):
+            cursor.done = True
+        return scan
+
+    def failing(*_args: Any, **_kwargs: Any) -> Any:
+        raise RuntimeError("boom")
+
+    quiet = sweep()
+    assert quiet.errors == [] and quiet.housekeeping and not quiet.housekeeping_backlog
+
+    more = AdaptersPruned(after_id=7, more=True)
+    at_bound = sweep(prune_step_adapters=lambda *a, **k: more, MAX_PURGE_CHUNKS=2)
+    assert at_bound.errors == [] and at_bound.housekeeping_backlog
+
+    failed = sweep(prune_step_adapters=failing)
+    assert failed.errors == ["prune_step_adapters"] and not failed.housekeeping_backlog
+
+    mid_pass = sweep(reconcile_adapter_files=lambda *a, scan, **k: _unfinished(scan, failed=[]))
+    assert mid_pass.errors == [] and mid_pass.housekeeping_backlog
+    part_failed = sweep(reconcile_adapter_files=lambda *a, scan, **k: _unfinished(scan, failed=["trash"]))
+    assert part_failed.errors == ["reconcile_adapter_files"] and not part_failed.housekeeping_backlog
+
+    full_batch = sweep(purge_expired_sessions=lambda *a, **k: sweeper.UI_SESSIONS_PURGE_BATCH)
+    assert full_batch.errors == [] and full_batch.housekeeping_backlog
+
+
+def _unfinished(scan: ReconcileScan, *, failed: list[str]) -> Reconciled:
+    """A reconcile share that left the pass under way (its budget ran out, or a part failed)."""
+    scan.trash.done = False
+    return Reconciled(failed=failed)
