@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from app.adapters.upload import MAX_TAR_EXTENDED_BYTES, MAX_TAR_MEMBERS
@@ -20,7 +21,6 @@ from app.config import Settings
 from contracts.tar_headers import MAX_EXTENDED_HEADER_BYTES
 from orchestrator.archive import adapter_dir_tar, extract_adapter
 from tests.app.api import POOL_SPEC, TenantHandle, create_run, register
-from tests.app.test_adapter_upload_types import CONFIG, TENSORS
 from tests.app.test_adapters import FILES, save, upload
 from tests.hostile_tars import (
     END,
@@ -33,6 +33,11 @@ from tests.hostile_tars import (
     refusing,
 )
 
+CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+TENSORS = {
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 32),
+    "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(32, 4),
+}
 ADAPTER = {FILES[0]: json.dumps(CONFIG).encode(), FILES[1]: save(TENSORS)}
 
 

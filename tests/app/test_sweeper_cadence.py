@@ -21,6 +21,7 @@ from app.db import make_engine, make_session_factory
 from app.events.models import Event
 from app.events.service import record_event
 from app.main import create_app
+from app.ui.sessions import PURGE_BATCH as UI_SESSIONS_PURGE_BATCH
 from tests.app.factories import claimed_batch, committed, make_run, make_tenant
 
 EVENT_RETENTION = 3_600.0
@@ -174,7 +175,7 @@ def test_what_is_a_backlog_and_what_is_not(
     part_failed = sweep(reconcile_adapter_files=lambda *a, scan, **k: _unfinished(scan, failed=["trash"]))
     assert part_failed.errors == ["reconcile_adapter_files"] and not part_failed.housekeeping_backlog
 
-    full_batch = sweep(purge_expired_sessions=lambda *a, **k: sweeper.UI_SESSIONS_PURGE_BATCH)
+    full_batch = sweep(purge_expired_sessions=lambda *a, **k: UI_SESSIONS_PURGE_BATCH)
     assert full_batch.errors == [] and full_batch.housekeeping_backlog
 
 
