@@ -6,10 +6,8 @@ of CPU and a 331 MB 422 listing each. Both adapter uploads run the same check: t
 a 422 of a bounded size, nothing is stored, and the costly step is shown not to have run (its calls
 counted), never timed."""
 
-import io
 import json
 import math
-import tarfile
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +22,7 @@ from app.adapters.upload import MAX_SAFETENSORS_HEADER_BYTES
 from app.config import Settings
 from contracts.peft import MAX_ADAPTER_TENSORS, MAX_TENSOR_DIMS, AdapterProblem, adapter_problems
 from tests.app.api import POOL_SPEC, WORKER_HEADERS, TenantHandle, create_run, register
+from tests.app.test_adapters import tar_bytes
 
 CONFIG = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
 Q_PROJ = "base_model.model.model.layers.{layer}.self_attn.q_proj"
@@ -32,14 +31,16 @@ MAX_REFUSAL_BYTES = 32 * 1024
 counting the rest) of a few hundred characters each, in `message` and in `details`."""
 
 
-def _tar(members: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+def _upload(
+    client: TestClient, tenant: TenantHandle, weights: bytes, config: dict[str, Any] | None = None
+) -> Any:
+    """POST /v1/adapters of an adapter whose safetensors file is `weights` (and its config)."""
+    return client.post(
+        "/v1/adapters",
+        params={"name": "mine"},
+        content=_adapter(weights, CONFIG if config is None else config),
+        headers=tenant.headers | {"Content-Type": "application/x-tar"},
+    )
 
 
 def _safetensors(header: dict[str, Any], data: bytes, *, pad_to: int = 0) -> bytes:
@@ -50,7 +51,9 @@ def _safetensors(header: dict[str, Any], data: bytes, *, pad_to: int = 0) -> byt
 
 
 def _adapter(weights: bytes, config: dict[str, Any] = CONFIG) -> bytes:
-    return _tar({"adapter_config.json": json.dumps(config).encode(), "adapter_model.safetensors": weights})
+    return tar_bytes(
+        {"adapter_config.json": json.dumps(config).encode(), "adapter_model.safetensors": weights}
+    )
 
 
 def _one_tensor(shape: object, *, data: bytes = b"\0" * 4) -> bytes:
@@ -184,12 +187,7 @@ def test_a_long_shape_is_cut_in_the_message(
         {f"{Q_PROJ.format(layer=0)}.lora_A.weight": {"dtype": "F32", "shape": ones, "data_offsets": [0, 4]}},
         b"\0" * 4,
     )
-    r = client.post(
-        "/v1/adapters",
-        params={"name": "mine"},
-        content=_adapter(weights),
-        headers=tenant.headers | {"Content-Type": "application/x-tar"},
-    )
+    r = _upload(client, tenant, weights)
     error = _refused(r, kind="adapter_weights_mismatch")
     assert (
         f"has shape [1, 1, 1, 1, ... ({MAX_TENSOR_DIMS} dimensions)], expected [4, 32]" in error["message"]
@@ -278,12 +276,7 @@ def test_more_tensors_than_the_pools_model_can_have_are_refused_before_any_is_ch
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(9):
         tensors |= _pair(layer)
-    r = client.post(
-        "/v1/adapters",
-        params={"name": "mine"},
-        content=_adapter(save(tensors), CONFIG | {"r": 1000}),
-        headers=tenant.headers | {"Content-Type": "application/x-tar"},
-    )
+    r = _upload(client, tenant, save(tensors), CONFIG | {"r": 1000})
     error = _refused(r, kind="too_many_tensors")
     assert "it lists 18 tensors; an adapter of the pool of 'loraloom-tiny' has at most 16" in error["message"]
     assert [d["loc"] for d in error["details"]] == [["body", "r"], ["body", "adapter_model.safetensors"]]
@@ -296,12 +289,7 @@ def test_more_tensors_than_the_pools_model_can_have_are_refused_before_any_is_ch
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(4, 32)
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(32, 4)
-    r = client.post(
-        "/v1/adapters",
-        params={"name": "mine"},
-        content=_adapter(save(tensors), CONFIG | {"target_modules": POOL_SPEC["target_modules"]}),
-        headers=tenant.headers | {"Content-Type": "application/x-tar"},
-    )
+    r = _upload(client, tenant, save(tensors), CONFIG | {"target_modules": POOL_SPEC["target_modules"]})
     assert r.status_code == 201, r.text
     assert looked_at == [16]
 
@@ -315,12 +303,7 @@ def test_the_problems_of_a_refused_upload_are_listed_up_to_a_bound(
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(30):
         tensors |= _pair(layer, dims=31)
-    r = client.post(
-        "/v1/adapters",
-        params={"name": "mine"},
-        content=_adapter(save(tensors)),
-        headers=tenant.headers | {"Content-Type": "application/x-tar"},
-    )
+    r = _upload(client, tenant, save(tensors))
     error = _refused(r, kind="adapter_weights_mismatch")
     details = error["details"]
     assert len(details) == uploads.MAX_LISTED_PROBLEMS + 1, details
@@ -342,12 +325,7 @@ def test_a_long_tensor_name_is_cut_in_the_message(
     long = "x" * 100_000
     name = long if where == "unexpected" else f"base_model.model.{long}.lora_A.weight"
     tensors = _pair() | {name: torch.zeros(4, 32)}
-    r = client.post(
-        "/v1/adapters",
-        params={"name": "mine"},
-        content=_adapter(save(tensors)),
-        headers=tenant.headers | {"Content-Type": "application/x-tar"},
-    )
+    r = _upload(client, tenant, save(tensors))
     error = _refused(r, kind="adapter_weights_mismatch")
     assert "... (100000 characters)" in error["message"], error
     _nothing_stored(client, tenant, settings)
