@@ -310,7 +310,8 @@ def runs_watch(
         while True:
             step = run["progress"]["step"]
             bar.update(step - bar.n)
-            latest = _latest_metrics(run_id, step, url=url, key=key) if step else {}
+            deleted = run["status"] == "deleted"  # its metrics are a 404
+            latest = _latest_metrics(run_id, step, url=url, key=key) if step and not deleted else {}
             bar.set_postfix({"status": run["status"], **latest}, refresh=True)
             if as_json:
                 typer.echo(json.dumps({"status": run["status"], "step": step, "metrics": latest}))
@@ -336,7 +337,14 @@ def _latest_metrics(run_id: str, step: int, *, url: str, key: str | None) -> dic
     """The trainer's figures of `step` (asked for by step: the first page of a run's metrics ends at
     step 200)."""
     params = {"since_step": step, "limit": 1}
-    items = api("GET", f"/v1/runs/{run_id}/metrics", url=url, key=key, params=params)["items"]
+    try:
+        items = api("GET", f"/v1/runs/{run_id}/metrics", url=url, key=key, params=params)["items"]
+    except CliError as refused:
+        # Deleted since it was read (a deleted run's metrics are a 404): no figures; the next read
+        # of the run says it is deleted, and the watch ends as it does for any run that stopped.
+        if isinstance(refused.details, dict) and refused.details.get("status") == "deleted":
+            return {}
+        raise
     last = items[0] if items and items[0]["step"] == step else {}
     return {k: f"{last[k]:.4g}" for k in ("loss", "grad_norm") if isinstance(last.get(k), int | float)}
 

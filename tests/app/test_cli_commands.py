@@ -310,3 +310,18 @@ def test_the_token_check_passes_the_services_own_token(svc: Service) -> None:
 def test_debug_shows_the_traceback(svc: Service) -> None:
     result = runner.invoke(cli, ["--debug", "runs", "show", "run_000000000000"], env=svc.env)
     assert result.exit_code != 0 and result.exception is not None  # raised, not reported
+
+
+def test_watching_a_deleted_run_that_trained_ends_as_deleted(svc: Service) -> None:
+    """A deleted run's metrics are a 404: the watch asked for them before it looked at the status,
+    and failed with that 404 (exit 3) instead of ending as deleted (8)."""
+    run_id = svc.create_run("gone", max_steps=5)
+    svc.report_step(run_id, 1)
+    assert runner.invoke(cli, ["runs", "delete", run_id], env=svc.env).exit_code == 0
+    result = runner.invoke(cli, ["runs", "watch", run_id], env=svc.env)
+    assert result.exit_code == 8, result.output
+    assert f"{run_id} deleted" in result.output
+    # Deleted between the watch's read of the run and its read of the metrics: no figures, no error.
+    from loraloom.commands.observe import _latest_metrics
+
+    assert _latest_metrics(run_id, 1, url=svc.url, key=svc.key) == {}
