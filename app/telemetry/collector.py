@@ -69,13 +69,27 @@ class DatabaseCollector(Collector):
         yield from families
 
 
+STALLED_READING_S = 30.0
+"""A reading under way for longer than this (and than the cache's ttl) is taken as stalled (a
+database that stopped answering: no statement timeout ends it): scrapes get `database_up 0` alone,
+as for a database that cannot be read, not figures that stopped changing, nor a wait without end."""
+
+
+def database_down() -> list[Metric]:
+    """What a scrape answers of a database it cannot read (DatabaseCollector's failure too)."""
+    up = GaugeMetricFamily("loraloom_database_up", "1 if the scrape could read the database.")
+    up.add_metric([], 0)
+    return [up]
+
+
 class ScrapeCache:
     """The database families of the latest reading, served for `ttl_s` seconds after it ended; then
     the next scrape reads again. One reading at a time (single flight): a scrape that comes while
     one is under way gets the previous reading at once, or, before the first one ever ended, waits
     for it. So /metrics costs the database at most one reading per `ttl_s`, however many clients
     scrape (an open /metrics let anonymous clients run these queries as fast as they could send
-    requests, slowing every tenant's requests down). Thread-safe: the route runs in a thread pool."""
+    requests, slowing every tenant's requests down). A reading that stalls (STALLED_READING_S) makes
+    scrapes answer the database down. Thread-safe: the route runs in a thread pool."""
 
     def __init__(
         self, read: Callable[[], list[Metric]], ttl_s: float, clock: Callable[[], float] = time.monotonic
@@ -88,19 +102,28 @@ class ScrapeCache:
         self._fresh_until = 0.0
         self._reading: Event | None = None
         """Set when the reading under way ends (None: none is)."""
+        self._reading_since = 0.0
+
+    @property
+    def stalled_after_s(self) -> float:
+        return max(self.ttl_s, STALLED_READING_S)
 
     def families(self) -> list[Metric]:
         while True:
             with self._lock:
-                if self._latest is not None and (
-                    self._reading is not None or self._clock() < self._fresh_until
-                ):
+                now = self._clock()
+                if self._reading is not None and now - self._reading_since > self.stalled_after_s:
+                    return database_down()
+                if self._latest is not None and (self._reading is not None or now < self._fresh_until):
                     return self._latest  # fresh, or the previous one while the next is being read
                 if self._reading is None:
                     done = self._reading = Event()
+                    self._reading_since = now
                     break  # this scrape reads
                 done = self._reading  # the first reading ever is under way
-            done.wait()
+                waited = self._reading_since + self.stalled_after_s - now
+            if not done.wait(max(waited, 0.0)):
+                return database_down()  # that reading stalled
             with self._lock:
                 if self._latest is not None:
                     return self._latest

@@ -196,3 +196,47 @@ def test_multiprocess_mode_shares_the_cache(
         for _ in range(3):
             scrape(client)
         assert readings.count == 1
+
+
+def test_a_stalled_reading_answers_the_database_down() -> None:
+    """A reading that never ends (a database that stopped answering) served the last figures as
+    healthy forever, and held every first scrape waiting without end: past STALLED_READING_S the
+    scrapes answer `database_up 0` alone, at once."""
+    from app.telemetry.collector import STALLED_READING_S, ScrapeCache
+
+    now = [0.0]
+    entered, release = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def read() -> list[Any]:
+        calls.append(1)
+        entered.set()
+        assert release.wait(30), "never released"
+        return [f"figures {len(calls)}"]
+
+    def down(families: list[Any]) -> bool:
+        (family,) = families
+        return family.name == "loraloom_database_up" and [s.value for s in family.samples] == [0]
+
+    cache = ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0])
+    first, out = _in_thread(cache.families)  # the first reading ever, held
+    assert entered.wait(30)
+    now[0] = STALLED_READING_S + 1
+    assert down(cache.families())  # neither a wait without end nor figures
+    release.set()
+    first.join(30)
+    assert out == [["figures 1"]]
+    now[0] += 1
+    assert cache.families() == ["figures 1"]  # fresh again
+
+    entered.clear()
+    release.clear()
+    now[0] += 10  # expired: the next scrape reads, and that reading stalls
+    second, out = _in_thread(cache.families)
+    assert entered.wait(30)
+    assert cache.families() == ["figures 1"]  # while it may still end: the previous figures
+    now[0] += STALLED_READING_S + 1
+    assert down(cache.families())
+    release.set()
+    second.join(30)
+    assert out == [["figures 2"]] and len(calls) == 2
