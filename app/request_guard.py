@@ -268,8 +268,8 @@ class BodyGuard:
             # answer) is whole, and is run as before.
             scope[CLIENT_GONE] = True
             return None
-        # The adapter upload's body is a tar whatever its declared type (curl's --data-binary says
-        # form-urlencoded, a bare client nothing, which counts as JSON): never checked as JSON.
+        # The adapter upload's body is never checked as JSON: its route answers another type than a
+        # tar with its own 415 (a JSON check here would answer a mislabelled tar "not UTF-8" first).
         content_type = (
             b"application/x-tar"
             if scope.get("path") == TAR_UPLOAD_ROUTE

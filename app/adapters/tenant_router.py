@@ -113,7 +113,7 @@ class TenantAdapterList(BaseModel):
 @raises(ValidationFailed, Conflict, NotFound)
 def upload(
     principal: TenantDep,
-    # Before the body: a refusal of its type or of the query reads none of it.
+    # Before the body is looked at (the request guard has read it, within the body budget).
     _: TarUpload,
     body: UploadBody,
     session: SessionDep,

@@ -87,7 +87,8 @@ def require_tar(content_type: str | None) -> None:
     """The 415 of an upload sent as anything but an uncompressed tar (application/x-tar, parameters
     aside), or without a Content-Type, naming the type it takes. A body of any type was read as a tar:
     a JSON or form body, or none declared, got a 201 or a 422 about a tar the client never meant to
-    send. (Before the body is read: the route's dependencies run first.)"""
+    send. (A dependency of the route: before the body is looked at, once the request guard has read it
+    within the body budget.)"""
     media = media_type(content_type)
     if media == TAR_MEDIA_TYPE:
         return
