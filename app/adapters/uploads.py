@@ -140,11 +140,9 @@ def _pool_tensor_limit(pool: Pool) -> int:
     return 2 * len(pool.module_shapes) * pool.num_layers
 
 
-def _target_modules_problems(
-    config: dict[str, Any], header: dict[str, Any], pool: Pool, base_model: str
-) -> list[dict[str, Any]]:
-    """`target_modules`: a non-empty list of modules the pool adapts, exactly those the weights adapt
-    (the run that starts from the adapter must declare the same; app/runs/init_from.py)."""
+def _declared_modules_problems(config: dict[str, Any], pool: Pool, base_model: str) -> list[dict[str, Any]]:
+    """`target_modules` as the config declares it: a non-empty list of modules the pool adapts (the
+    config alone: no tensor looked at)."""
     declared = config.get("target_modules")
     modules = _module_names(declared)
     if modules is None:
@@ -165,6 +163,18 @@ def _target_modules_problems(
                 "target_modules_not_adaptable",
             )
         ]
+    return []
+
+
+def _target_modules_problems(
+    config: dict[str, Any], header: dict[str, Any], pool: Pool, base_model: str
+) -> list[dict[str, Any]]:
+    """`target_modules`: a non-empty list of modules the pool adapts, exactly those the weights adapt
+    (the run that starts from the adapter must declare the same; app/runs/init_from.py)."""
+    declared_problems = _declared_modules_problems(config, pool, base_model)
+    if declared_problems:
+        return declared_problems
+    modules = _module_names(config.get("target_modules")) or []
     seen: set[str] = set()
     for name in header:
         split = split_factor(name)
@@ -218,7 +228,11 @@ def _check(
         problems = [
             _problem(p.field, p.message, _shared_problem_type(p.field))
             for p in config_problems(config, max_rank=pool.max_rank)
-        ] + [_problem(ADAPTER_WEIGHTS, message, "too_many_tensors")]
+        ] + [
+            # What the config declares still says why (a module the pool does not adapt), unread tensors aside.
+            *_declared_modules_problems(config, pool, base_model),
+            _problem(ADAPTER_WEIGHTS, message, "too_many_tensors"),
+        ]
     else:
         # The pool's own import rules (contracts/peft.py), with what the service knows of its model.
         shared = adapter_problems(config, header, max_rank=pool.max_rank, dims=_pool_dims(pool, base_model))

@@ -282,6 +282,15 @@ def test_more_tensors_than_the_pools_model_can_have_are_refused_before_any_is_ch
     assert [d["loc"] for d in error["details"]] == [["body", "r"], ["body", "adapter_model.safetensors"]]
     assert looked_at == []
     _nothing_stored(client, tenant, settings)
+    # A module the pool does not adapt is still named: the likelier cause of the count.
+    r = _upload(client, tenant, save(tensors), CONFIG | {"target_modules": ["q_proj", "gate_proj"]})
+    error = _refused(r, kind="too_many_tensors")
+    assert [(d["loc"], d["type"]) for d in error["details"]] == [
+        (["body", "target_modules"], "target_modules_not_adaptable"),
+        (["body", "adapter_model.safetensors"], "too_many_tensors"),
+    ]
+    assert looked_at == []
+    _nothing_stored(client, tenant, settings)
     # As many as the model has, every module of both layers: kept.
     tensors = {}
     for layer in range(2):
