@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from threading import Event, Lock
+from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -23,6 +24,8 @@ from app.timestamps import as_utc
 from contracts.status import MOVABLE_RUN_STATUSES, BatchState, PoolStatus, RunStatus
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 OTHER_MODEL = "<other>"
 """The base_model label of runs for a base model no pool ever registered (tenant-chosen strings)."""
@@ -82,8 +85,8 @@ def database_down() -> list[Metric]:
     return [up]
 
 
-class ScrapeCache:
-    """The database families of the latest reading, served for `ttl_s` seconds after it ended; then
+class ScrapeCache(Generic[T]):
+    """The database families of the latest reading (or another value: the rendered page), served for `ttl_s` seconds after it ended; then
     the next scrape reads again. One reading at a time (single flight): a scrape that comes while
     one is under way gets the previous reading at once, or, before the first one ever ended, waits
     for it. So /metrics costs the database at most one reading per `ttl_s`, however many clients
@@ -92,13 +95,18 @@ class ScrapeCache:
     scrapes answer the database down. Thread-safe: the route runs in a thread pool."""
 
     def __init__(
-        self, read: Callable[[], list[Metric]], ttl_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        read: Callable[[], T],
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        stalled: Callable[[], T] | None = None,
     ) -> None:
         self._read = read
         self.ttl_s = ttl_s
         self._clock = clock
+        self._stalled: Callable[[], T] = stalled or database_down  # type: ignore[assignment]
         self._lock = Lock()
-        self._latest: list[Metric] | None = None
+        self._latest: T | None = None
         self._fresh_until = 0.0
         self._reading: Event | None = None
         """Set when the reading under way ends (None: none is)."""
@@ -108,12 +116,12 @@ class ScrapeCache:
     def stalled_after_s(self) -> float:
         return max(self.ttl_s, STALLED_READING_S)
 
-    def families(self) -> list[Metric]:
+    def get(self) -> T:
         while True:
             with self._lock:
                 now = self._clock()
                 if self._reading is not None and now - self._reading_since > self.stalled_after_s:
-                    return database_down()
+                    return self._stalled()
                 if self._latest is not None and (self._reading is not None or now < self._fresh_until):
                     return self._latest  # fresh, or the previous one while the next is being read
                 if self._reading is None:
@@ -123,7 +131,7 @@ class ScrapeCache:
                 done = self._reading  # the first reading ever is under way
                 waited = self._reading_since + self.stalled_after_s - now
             if not done.wait(max(waited, 0.0)):
-                return database_down()  # that reading stalled
+                return self._stalled()  # that reading stalled
             with self._lock:
                 if self._latest is not None:
                     return self._latest
@@ -145,14 +153,14 @@ class CachedCollector(Collector):
     """What a registry collects: the cache's families (the cache lives on app.state, so the
     per-scrape registry of the multiprocess mode shares it)."""
 
-    def __init__(self, cache: ScrapeCache) -> None:
+    def __init__(self, cache: "ScrapeCache[list[Metric]]") -> None:
         self.cache = cache
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.cache.families()
+        yield from self.cache.get()
 
 
-def database_cache(factory: sessionmaker[Session], ttl_s: float) -> ScrapeCache:
+def database_cache(factory: sessionmaker[Session], ttl_s: float) -> ScrapeCache[list[Metric]]:
     collector = DatabaseCollector(factory)
     return ScrapeCache(lambda: list(collector.collect()), ttl_s)
 

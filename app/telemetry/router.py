@@ -4,13 +4,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request, Response, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.auth import INVALID_TOKEN_CHALLENGE, SettingsDep, bearer_token, same_secret
 from app.errors import Unauthorized, raises
-from app.telemetry.collector import CachedCollector
-from app.telemetry.http import multiprocess_dir
+from app.telemetry.collector import ScrapeCache
 
 router = APIRouter(tags=["health"])
 
@@ -41,15 +39,10 @@ def metrics(
 ) -> Response:
     """Prometheus metrics (requests, batches, runs, slots, pools). With LORALOOM_METRICS_TOKEN set,
     scrapers send `Authorization: Bearer <token>`. The figures read from the database are at most
-    LORALOOM_METRICS_CACHE_SECONDS old (one reading serves every scrape meanwhile); the request
-    counts are those of the moment."""
+    LORALOOM_METRICS_CACHE_SECONDS old (one reading serves every scrape meanwhile), the page at most
+    a second (one rendering serves every scrape meanwhile)."""
     token = settings.metrics_token
     if token is not None and not same_secret(bearer_token(request), token.get_secret_value()):
         raise Unauthorized("invalid metrics token", challenge=INVALID_TOKEN_CHALLENGE)
-    registry: CollectorRegistry = request.app.state.metrics_registry
-    if multiprocess_dir() is not None:
-        # The request families of every worker, summed from the shared directory.
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=multiprocess_dir())  # type: ignore[no-untyped-call]
-        registry.register(CachedCollector(request.app.state.metrics_cache))
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    page: ScrapeCache[bytes] = request.app.state.metrics_page  # app/telemetry/setup.py
+    return Response(page.get(), media_type=CONTENT_TYPE_LATEST)

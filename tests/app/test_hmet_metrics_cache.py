@@ -107,6 +107,7 @@ def test_the_figures_are_reused_for_the_configured_seconds(
     with _client(settings, 5.0) as client:
         cache = client.app.state.metrics_cache  # type: ignore[attr-defined]
         monkeypatch.setattr(cache, "_clock", lambda: now[0])
+        client.app.state.metrics_page.ttl_s = 0.0  # type: ignore[attr-defined]  # (its own test below)
         tenant: TenantHandle = new_tenant(client)
         _, before = scrape(client)
         create_run(client, tenant)
@@ -114,7 +115,7 @@ def test_the_figures_are_reused_for_the_configured_seconds(
         _, cached = scrape(client)
         assert readings.count == 1
         assert value(cached, "loraloom_runs_created_total") == value(before, "loraloom_runs_created_total")
-        # The request families are counted per request, never cached: this scrape sees the previous one.
+        # The request families are counted per request (the page aside): this scrape sees the previous one.
         route = {"method": "GET", "route": "/metrics", "status": "200"}
         assert value(cached, "loraloom_http_requests_total", **route) == (
             value(before, "loraloom_http_requests_total", **route) + 1
@@ -148,9 +149,9 @@ def test_concurrent_first_scrapes_wait_for_one_reading(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(collector, "Event", AnnouncedEvent)  # the cache's events only
     cache = collector.ScrapeCache(read, ttl_s=5.0)
-    leader, first = _in_thread(cache.families)
+    leader, first = _in_thread(cache.get)
     assert entered.wait(WAIT_S)
-    others = [_in_thread(cache.families) for _ in range(SCRAPES)]
+    others = [_in_thread(cache.get) for _ in range(SCRAPES)]
     for _ in range(SCRAPES):
         assert waiting.acquire(timeout=WAIT_S), "a scrape did not wait for the reading under way"
     go_on.set()
@@ -173,8 +174,8 @@ def test_a_reading_that_raises_lets_the_next_scrape_read() -> None:
 
     cache = ScrapeCache(read, ttl_s=5.0)
     with pytest.raises(RuntimeError):
-        cache.families()
-    assert cache.families() == ["figures"] and len(calls) == 2
+        cache.get()
+    assert cache.get() == ["figures"] and len(calls) == 2
 
 
 def test_the_setting_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,24 +220,56 @@ def test_a_stalled_reading_answers_the_database_down() -> None:
         return family.name == "loraloom_database_up" and [s.value for s in family.samples] == [0]
 
     cache = ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0])
-    first, out = _in_thread(cache.families)  # the first reading ever, held
+    first, out = _in_thread(cache.get)  # the first reading ever, held
     assert entered.wait(30)
     now[0] = STALLED_READING_S + 1
-    assert down(cache.families())  # neither a wait without end nor figures
+    assert down(cache.get())  # neither a wait without end nor figures
     release.set()
     first.join(30)
     assert out == [["figures 1"]]
     now[0] += 1
-    assert cache.families() == ["figures 1"]  # fresh again
+    assert cache.get() == ["figures 1"]  # fresh again
 
     entered.clear()
     release.clear()
     now[0] += 10  # expired: the next scrape reads, and that reading stalls
-    second, out = _in_thread(cache.families)
+    second, out = _in_thread(cache.get)
     assert entered.wait(30)
-    assert cache.families() == ["figures 1"]  # while it may still end: the previous figures
+    assert cache.get() == ["figures 1"]  # while it may still end: the previous figures
     now[0] += STALLED_READING_S + 1
-    assert down(cache.families())
+    assert down(cache.get())
     release.set()
     second.join(30)
     assert out == [["figures 2"]] and len(calls) == 2
+
+
+def test_the_page_is_rendered_once_a_second_at_most(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rendering costs with the number of series (a client's requests of every route, method and
+    bad header made 740 KB of it, 0.25 s a rendering): scrapes within a second share one."""
+    from prometheus_client import generate_latest
+
+    from app.telemetry import setup
+
+    rendered: list[int] = []
+    real = generate_latest
+
+    def counted(registry: Any) -> bytes:
+        rendered.append(1)
+        return real(registry)
+
+    monkeypatch.setattr(setup, "generate_latest", counted)
+    with _client(settings, 60.0) as client:
+        page = client.app.state.metrics_page  # type: ignore[attr-defined]
+        assert page.ttl_s == setup.PAGE_SECONDS
+        now = [0.0]
+        page._clock = lambda: now[0]
+        first = client.get("/metrics")
+        client.get("/v1/no-such-route")  # a new series, not in the page for this second
+        assert client.get("/metrics").text == first.text and rendered == [1]
+        now[0] = setup.PAGE_SECONDS
+        assert "no-such-route" not in first.text
+        assert client.get("/metrics").text != first.text and rendered == [1, 1]
+    with _client(settings, 0.0) as client:  # no cache asked: every scrape renders
+        assert client.app.state.metrics_page.ttl_s == 0.0  # type: ignore[attr-defined]
