@@ -41,6 +41,15 @@ MAX_SAFETENSORS_HEADER_BYTES = MAX_ADAPTER_TENSORS * MAX_HEADER_BYTES_PER_TENSOR
 (the safetensors library's own limit is 100 MB, which parsed as 1,000,000 tensors: seconds of CPU and
 2 GB of memory before anything was refused)."""
 
+MAX_METADATA_ENTRIES = 1024
+"""Entries of a safetensors header's `__metadata__` (PEFT writes one: `format`)."""
+MAX_HEADER_TOKENS = 24 * MAX_ADAPTER_TENSORS + 8 * MAX_METADATA_ENTRIES
+"""Quotes and commas a safetensors header may hold, counted before it is parsed (at C speed): a
+tensor's entry has 10 quotes and at most 12 commas (a shape of MAX_TENSOR_DIMS), a metadata entry 4
+quotes and a comma. It bounds the parser's work, which the size alone does not: 8 MiB of 700,000
+one-character metadata entries took 3.1 s, holding the GIL (every tenant's requests waited), and
+8 MiB of a shape's `1,` would be 4 million integers."""
+
 _COPY_CHUNK = 1024 * 1024
 
 MAX_TAR_MEMBERS = 8
@@ -189,6 +198,12 @@ def _read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
         if header_len > size - 8:
             raise _bad_safetensors(f"header length {header_len} is larger than the file")
         raw = f.read(header_len)
+    tokens = raw.count(b'"') + raw.count(b",")
+    if tokens > MAX_HEADER_TOKENS:
+        raise _bad_safetensors(
+            f"its header holds {tokens} quotes and commas (at most {MAX_HEADER_TOKENS}: an adapter of at "
+            f"most {MAX_ADAPTER_TENSORS} tensors and {MAX_METADATA_ENTRIES} metadata entries)"
+        )
     try:
         header = _parse_json(raw)
     except IntegerTooLong as exc:
@@ -269,6 +284,8 @@ def check_safetensors(path: Path) -> int:
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise _bad_safetensors("__metadata__ must map strings to strings")
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise _bad_safetensors(f"__metadata__ has {len(metadata)} entries (at most {MAX_METADATA_ENTRIES})")
     if len(header) > MAX_ADAPTER_TENSORS:
         raise _bad_safetensors(too_many_tensors(len(header), MAX_ADAPTER_TENSORS))
     for name, info in header.items():

@@ -257,6 +257,38 @@ def test_a_header_over_its_bound_is_refused_before_it_is_parsed(
     assert r.status_code == 201, r.text[:2000]
 
 
+def test_a_header_of_many_small_entries_is_refused_before_it_is_parsed(
+    client: TestClient,
+    tenant: TenantHandle,
+    settings: Settings,
+    send: Upload,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A header within its size made of tiny entries (the prober's 700,000 metadata entries in 8 MiB:
+    3.1 s of parsing, the GIL held): its quotes and commas are counted first. Fewer, but more metadata
+    entries than an adapter has, are refused once parsed."""
+    parsed: list[int] = []
+    real = upload_module._parse_json
+
+    def counted(raw: bytes) -> Any:
+        parsed.append(len(raw))
+        return real(raw)
+
+    monkeypatch.setattr(upload_module, "_parse_json", counted)
+    legit = save(_pair())
+    header_len = int.from_bytes(legit[:8], "little")
+    header = json.loads(legit[8 : 8 + header_len])
+    data = legit[8 + header_len :]
+    flood = header | {"__metadata__": {str(i): "" for i in range(700_000)}}
+    error = _refused(send(_adapter(_safetensors(flood, data))))
+    assert "quotes and commas (at most" in error["message"], error
+    assert [n for n in parsed if n > 1 << 20] == []
+    many = header | {"__metadata__": {str(i): "" for i in range(upload_module.MAX_METADATA_ENTRIES + 1)}}
+    error = _refused(send(_adapter(_safetensors(many, data))))
+    assert f"__metadata__ has {upload_module.MAX_METADATA_ENTRIES + 1} entries" in error["message"], error
+    _nothing_stored(client, tenant, settings)
+
+
 def test_more_tensors_than_the_pools_model_can_have_are_refused_before_any_is_checked(
     client: TestClient,
     tenant: TenantHandle,
