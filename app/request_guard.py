@@ -608,6 +608,11 @@ def _is_json(content_type: bytes) -> bool:
 def _json_problem(content_type: bytes, body: bytes, *, typed: bool = False) -> dict[str, Any] | None:
     if not body or not _is_json(content_type):
         return None
+    # JSON is UTF-8 (RFC 8259), where a NUL byte is never text; Python's json.loads also reads UTF-16
+    # and UTF-32 bytes, ASCII-looking ones with a NUL between their characters, which every scan here
+    # (digits, `\\u0000`) would read past.
+    if (nul := body.find(b"\x00")) != -1:
+        return _invalid(["body"], f"not UTF-8: a NUL byte at {nul} (UTF-16 or UTF-32 text?)", "unicode_error")
     if not body.isascii():
         try:
             body.decode("utf-8")
@@ -619,8 +624,8 @@ def _json_problem(content_type: bytes, body: bytes, *, typed: bool = False) -> d
         too_long = long_integer_in_json(body, locate=len(body) <= _LOCATED_BODY_BYTES)
         if too_long is not None:
             return error_body("validation_error", integer_too_long_message(too_long), [too_long])
-    # A raw NUL byte is not valid JSON (the parser refuses it later); an escaped one is `\u0000`
-    # not preceded by an escaped backslash (`\\u0000` is a backslash, then the text "u0000").
+    # A raw NUL byte was refused above; an escaped one is `\u0000` not preceded by an escaped
+    # backslash (`\\u0000` is a backslash, then the text "u0000").
     if b"\\u0000" not in body or b"\\u0000" not in body.replace(b"\\\\", b""):
         return None
     if len(body) > _LOCATED_BODY_BYTES:

@@ -205,3 +205,27 @@ def test_a_large_anonymous_body_is_not_walked_to_name_the_field(
     )
     assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"] == ["body", "max_concurrent_runs"]
     assert walked == [1]
+
+
+def test_a_utf16_body_is_refused_as_not_utf8(client: TestClient, tenant: TenantHandle) -> None:
+    """Python's json.loads reads UTF-16 bytes too, which look like ASCII with a NUL between their
+    characters: the guard's scans read past a too-long number (a 400 "error parsing the body") or a
+    NUL in a tag (a 200). JSON is UTF-8: a NUL byte is refused, naming where."""
+    too_long = ('{"max_concurrent_runs": ' + "1" * 5_000 + "}").encode("utf-16-le")
+    r = client.patch(
+        f"/v1/tenants/{tenant.id}",
+        content=too_long,
+        headers=ADMIN_HEADERS | {"Content-Type": "application/json"},
+    )
+    assert r.status_code == 422, r.text
+    (detail,) = r.json()["error"]["details"]
+    assert (
+        detail["loc"] == ["body"] and detail["type"] == "unicode_error" and "NUL byte at 1" in detail["msg"]
+    )
+    tags = '{"tags": ["a\\u0000"], "sdk_version": "x"}'.encode("utf-16-le")
+    r = client.post(
+        "/api/v1/create_session",
+        content=tags,
+        headers={"X-API-Key": tenant.key, "Content-Type": "application/json"},
+    )
+    assert r.status_code == 422 and r.json()["error"]["details"][0]["type"] == "unicode_error", r.text
