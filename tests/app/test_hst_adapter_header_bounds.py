@@ -226,59 +226,50 @@ def test_more_tensors_than_an_adapter_has_are_refused_before_any_is_checked(
     _nothing_stored(client, tenant, settings)
 
 
-def test_a_header_over_its_bound_is_refused_before_it_is_parsed(
-    client: TestClient,
-    tenant: TenantHandle,
-    settings: Settings,
-    send: Upload,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A well-formed adapter whose header is padded past the bound (the format pads with spaces): the
-    bound was the safetensors library's 100 MB, parsed whole (1,000,000 tensors: 2 GB of memory)."""
-    parsed: list[int] = []
+@pytest.fixture
+def parsed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the safetensors headers (and configs) the upload parsed as JSON."""
+    sizes: list[int] = []
     real = upload_module._parse_json
 
     def counted(raw: bytes) -> Any:
-        parsed.append(len(raw))
+        sizes.append(len(raw))
         return real(raw)
 
     monkeypatch.setattr(upload_module, "_parse_json", counted)
-    tensors = _pair()
-    legit = save(tensors)
+    return sizes
+
+
+def _legit_header() -> tuple[dict[str, Any], bytes]:
+    """The header of a real adapter's weights, parsed, and their data."""
+    legit = save(_pair())
     header_len = int.from_bytes(legit[:8], "little")
-    header = json.loads(legit[8 : 8 + header_len])
-    weights = _safetensors(header, legit[8 + header_len :], pad_to=MAX_SAFETENSORS_HEADER_BYTES + 1)
+    return json.loads(legit[8 : 8 + header_len]), legit[8 + header_len :]
+
+
+def test_a_header_over_its_bound_is_refused_before_it_is_parsed(
+    client: TestClient, tenant: TenantHandle, settings: Settings, send: Upload, parsed: list[int]
+) -> None:
+    """A well-formed adapter whose header is padded past the bound (the format pads with spaces): the
+    bound was the safetensors library's 100 MB, parsed whole (1,000,000 tensors: 2 GB of memory)."""
+    header, data = _legit_header()
+    weights = _safetensors(header, data, pad_to=MAX_SAFETENSORS_HEADER_BYTES + 1)
     error = _refused(send(_adapter(weights)))
     assert f"its header is {MAX_SAFETENSORS_HEADER_BYTES + 1} bytes (at most" in error["message"], error
     assert [n for n in parsed if n > MAX_SAFETENSORS_HEADER_BYTES] == []
     _nothing_stored(client, tenant, settings)
-    at_bound = _safetensors(header, legit[8 + header_len :], pad_to=MAX_SAFETENSORS_HEADER_BYTES)
+    at_bound = _safetensors(header, data, pad_to=MAX_SAFETENSORS_HEADER_BYTES)
     r = send(_adapter(at_bound))
     assert r.status_code == 201, r.text[:2000]
 
 
 def test_a_header_of_many_small_entries_is_refused_before_it_is_parsed(
-    client: TestClient,
-    tenant: TenantHandle,
-    settings: Settings,
-    send: Upload,
-    monkeypatch: pytest.MonkeyPatch,
+    client: TestClient, tenant: TenantHandle, settings: Settings, send: Upload, parsed: list[int]
 ) -> None:
     """A header within its size made of tiny entries (the prober's 700,000 metadata entries in 8 MiB:
     3.1 s of parsing, the GIL held): its quotes and commas are counted first. Fewer, but more metadata
     entries than an adapter has, are refused once parsed."""
-    parsed: list[int] = []
-    real = upload_module._parse_json
-
-    def counted(raw: bytes) -> Any:
-        parsed.append(len(raw))
-        return real(raw)
-
-    monkeypatch.setattr(upload_module, "_parse_json", counted)
-    legit = save(_pair())
-    header_len = int.from_bytes(legit[:8], "little")
-    header = json.loads(legit[8 : 8 + header_len])
-    data = legit[8 + header_len :]
+    header, data = _legit_header()
     flood = header | {"__metadata__": {str(i): "" for i in range(700_000)}}
     error = _refused(send(_adapter(_safetensors(flood, data))))
     assert "quotes and commas (at most" in error["message"], error
