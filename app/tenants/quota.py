@@ -14,7 +14,7 @@ another tenant has is a 409 naming that tenant; another case of the tenant's own
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -25,7 +25,7 @@ from app.runs.admission import lock_admission
 from app.runs.models import Run
 from app.runs.service import admit_queued_runs
 from app.tenants.models import Tenant
-from app.tenants.service import get_tenant, lock_tenant
+from app.tenants.service import get_tenant, lock_tenant, tenant_named
 from contracts.status import RunStatus
 
 
@@ -67,7 +67,7 @@ def update_tenant(
 
 def _rename(session: Session, *, tenant: Tenant, name: str) -> None:
     """`tenant.name = name`, or the 409 of a name another tenant has whatever the case."""
-    holder = _holder(session, name=name, tenant_id=tenant.id)
+    holder = tenant_named(session, name=name, other_than=tenant.id)
     if holder is not None:
         raise _name_taken(name, holder)
     try:
@@ -76,14 +76,7 @@ def _rename(session: Session, *, tenant: Tenant, name: str) -> None:
         with session.begin_nested():
             tenant.name = name
     except IntegrityError as exc:
-        raise _name_taken(name, _holder(session, name=name, tenant_id=tenant.id)) from exc
-
-
-def _holder(session: Session, *, name: str, tenant_id: str) -> Tenant | None:
-    """The tenant other than `tenant_id` whose name is `name` whatever the case."""
-    return session.scalar(
-        select(Tenant).where(func.lower(Tenant.name) == name.lower(), Tenant.id != tenant_id)
-    )
+        raise _name_taken(name, tenant_named(session, name=name, other_than=tenant.id)) from exc
 
 
 def _name_taken(name: str, holder: Tenant | None) -> Conflict:

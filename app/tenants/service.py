@@ -17,9 +17,9 @@ KEY_PREFIX_CHARS = 12
 
 def create_tenant(session: Session, *, name: str, max_concurrent_runs: int) -> Tenant:
     """A new tenant; a 409 if a tenant's name equals `name` whatever the case (`Acme` is `acme`)."""
-    existing = session.scalar(select(Tenant.name).where(func.lower(Tenant.name) == name.lower()))
+    existing = tenant_named(session, name=name)
     if existing is not None:
-        raise _name_taken(name, existing)
+        raise _name_taken(name, existing.name)
     tenant = Tenant(id=new_id("ten"), name=name, max_concurrent_runs=max_concurrent_runs)
     try:
         # A savepoint, so that losing a race on the unique name (uq_tenants_lower_name) is a 409,
@@ -36,6 +36,13 @@ def create_tenant(session: Session, *, name: str, max_concurrent_runs: int) -> T
         details={"name": name, "max_concurrent_runs": max_concurrent_runs},
     )
     return tenant
+
+
+def tenant_named(session: Session, *, name: str, other_than: str | None = None) -> Tenant | None:
+    """The tenant (other than `other_than`) whose name is `name` whatever the case
+    (`uq_tenants_lower_name`)."""
+    stmt = select(Tenant).where(func.lower(Tenant.name) == name.lower())
+    return session.scalar(stmt if other_than is None else stmt.where(Tenant.id != other_than))
 
 
 def _name_taken(name: str, existing: str | None) -> Conflict:

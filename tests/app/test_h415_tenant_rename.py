@@ -17,6 +17,7 @@ from app.config import Settings
 from app.events.models import Event
 from app.tenants import quota
 from app.tenants.models import Tenant
+from app.tenants.service import tenant_named
 from tests.app.api import ADMIN_HEADERS, WORKER_HEADERS, TenantHandle, create_run, new_tenant
 from tests.app.factories import committed, make_tenant
 
@@ -119,14 +120,14 @@ def test_a_racing_rename_loses_with_a_409_naming_the_winner(
     refuses the write, and the 409 still names the tenant that has the name, not a 500."""
     holder = new_tenant(client, name="Hooli")
     tenant = new_tenant(client, name="acme")
-    real = quota._holder
+    real = tenant_named
     calls: list[str] = []
 
-    def blind_once(session: Session, *, name: str, tenant_id: str) -> Tenant | None:
+    def blind_once(session: Session, *, name: str, other_than: str | None = None) -> Tenant | None:
         calls.append(name)
-        return None if len(calls) == 1 else real(session, name=name, tenant_id=tenant_id)
+        return None if len(calls) == 1 else real(session, name=name, other_than=other_than)
 
-    monkeypatch.setattr(quota, "_holder", blind_once)
+    monkeypatch.setattr(quota, "tenant_named", blind_once)
     r = _patch(client, tenant.id, {"name": "hooli"})
     assert r.status_code == 409, r.text
     assert r.json()["error"]["details"] == {"tenant_id": holder.id, "name": "Hooli"}
@@ -142,18 +143,20 @@ def test_a_rival_committed_between_the_check_and_the_write_is_named_in_the_409(
     """A real race at a pause point: right after the rename's check found the name free, another
     transaction creates a tenant of that name and commits. (SQLite serialises writers: no race there.)"""
     tenant = new_tenant(client, name="acme")
-    real = quota._holder
+    real = tenant_named
     rival: list[str] = []
 
-    def rival_commits_after_the_check(session: Session, *, name: str, tenant_id: str) -> Tenant | None:
-        found = real(session, name=name, tenant_id=tenant_id)
+    def rival_commits_after_the_check(
+        session: Session, *, name: str, other_than: str | None = None
+    ) -> Tenant | None:
+        found = real(session, name=name, other_than=other_than)
         if not rival:
             assert found is None
             with committed(settings) as other:
                 rival.append(make_tenant(other, name="Pied-Piper")[0].id)
         return found
 
-    monkeypatch.setattr(quota, "_holder", rival_commits_after_the_check)
+    monkeypatch.setattr(quota, "tenant_named", rival_commits_after_the_check)
     r = _patch(client, tenant.id, {"name": "pied-piper", "max_concurrent_runs": 3})
     assert r.status_code == 409, r.text
     assert r.json()["error"]["details"] == {"tenant_id": rival[0], "name": "Pied-Piper"}
