@@ -248,10 +248,11 @@ class Settings(BaseSettings):
     metrics_cache_seconds: float = Field(default=5.0, ge=0, le=60)
     """How long GET /metrics serves the figures it read from the database (runs, batches, steps,
     slots, pools) before it reads them again (per service process); one reading at a time, and a
-    scrape that comes meanwhile gets the previous figures. Each reading is a dozen counting queries
-    over the runs, batches and step tables, so scrapes cost the database at most one reading per this
-    many seconds however many clients scrape. 0: read at every scrape that does not overlap one
-    under way. The request counts and latencies are always those of the moment."""
+    scrape that comes meanwhile gets the previous figures (with several workers, waits for the new
+    ones). Each reading is a dozen counting queries over the runs, batches and step tables, so
+    scrapes cost the database at most one reading per this many seconds however many clients
+    scrape. 0: read at every scrape that does not overlap one under way. The page is rendered at
+    most once a second, so request counts and latencies are up to a second old."""
 
     api_key_cache_seconds: float = Field(default=2.0, ge=0, le=60)
     """How long a process trusts an API key it looked up (0: look up on every request). A key revoked

@@ -7,7 +7,8 @@ Two kinds of families, chosen so that several uvicorn workers (and several repli
   once per LORALOOM_METRICS_CACHE_SECONDS per process: one reading serves every scrape meanwhile,
   and never two run at once (each is a dozen counting queries; /metrics is open by default). The
   database is the source of truth, so every worker and every replica reports the same numbers
-  (each up to that many seconds old), and they survive restarts. Counters are counts of rows that are never deleted
+  (each up to that many seconds old: monotonic for a scraper whose interval is longer, see
+  `ScrapeCache`), and they survive restarts. Counters are counts of rows that are never deleted
   (runs are marked deleted, not removed).
 - Request counts and latencies are per process (`http.py`). With several workers, set
   PROMETHEUS_MULTIPROC_DIR to an empty directory shared by the workers: prometheus_client then

@@ -74,8 +74,10 @@ class DatabaseCollector(Collector):
 
 STALLED_READING_S = 30.0
 """A reading under way for longer than this (and than the cache's ttl) is taken as stalled (a
-database that stopped answering: no statement timeout ends it): scrapes get `database_up 0` alone,
-as for a database that cannot be read, not figures that stopped changing, nor a wait without end."""
+database that stopped answering: no statement timeout ends it). The cache then gives up on it and
+the next scrape reads again; meanwhile, and while that one is under way too, scrapes get
+`database_up 0` alone, as for a database that cannot be read: not figures that stopped changing,
+nor a wait without end."""
 
 
 def database_down() -> list[Metric]:
@@ -85,14 +87,35 @@ def database_down() -> list[Metric]:
     return [up]
 
 
+class _Reading:
+    """One reading under way: `done` is set when it ends; `started` orders it among the others."""
+
+    __slots__ = ("done", "started")
+
+    def __init__(self, started: float) -> None:
+        self.done = Event()
+        self.started = started
+
+
 class ScrapeCache(Generic[T]):
-    """The database families of the latest reading (or another value: the rendered page), served for `ttl_s` seconds after it ended; then
-    the next scrape reads again. One reading at a time (single flight): a scrape that comes while
-    one is under way gets the previous reading at once, or, before the first one ever ended, waits
-    for it. So /metrics costs the database at most one reading per `ttl_s`, however many clients
+    """The database families of the latest reading (or another value: the rendered page), served for
+    `ttl_s` seconds after it ended; then the next scrape reads again. One reading at a time (single
+    flight), so /metrics costs the database at most one reading per `ttl_s`, however many clients
     scrape (an open /metrics let anonymous clients run these queries as fast as they could send
-    requests, slowing every tenant's requests down). A reading that stalls (STALLED_READING_S) makes
-    scrapes answer the database down. Thread-safe: the route runs in a thread pool."""
+    requests, slowing every tenant's requests down).
+
+    A scrape that comes while a reading is under way gets the previous reading at once when
+    `previous_while_reading` (one process: its answers never go back in time, and a flood of
+    scrapers holds no thread); otherwise, and before the first reading ever ended, it waits for that
+    reading. Several workers (the multiprocess mode) each have a cache: a worker's previous reading
+    may be older than the one another worker just answered, and a counter seen to drop is a reset
+    to Prometheus, so there scrapes wait for the fresh reading (a scrape then sees figures at most
+    `ttl_s` plus a reading old: monotonic for a scraper whose interval is longer).
+
+    A reading under way past STALLED_READING_S is given up: the next scrape starts another one (at
+    most one given-up reading is left running: a database that hangs every connection holds two
+    threads, not one per 30 s), and scrapes answer `stalled()` (the database down) until one ends.
+    Thread-safe: the route runs in a thread pool."""
 
     def __init__(
         self,
@@ -100,17 +123,20 @@ class ScrapeCache(Generic[T]):
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
         stalled: Callable[[], T] | None = None,
+        previous_while_reading: bool = True,
     ) -> None:
         self._read = read
         self.ttl_s = ttl_s
         self._clock = clock
         self._stalled: Callable[[], T] = stalled or database_down  # type: ignore[assignment]
+        self.previous_while_reading = previous_while_reading
         self._lock = Lock()
         self._latest: T | None = None
+        self._latest_started = float("-inf")
         self._fresh_until = 0.0
-        self._reading: Event | None = None
-        """Set when the reading under way ends (None: none is)."""
-        self._reading_since = 0.0
+        self._reading: _Reading | None = None
+        self._given_up: _Reading | None = None
+        """A stalled reading still running (its thread is not ours to stop)."""
 
     @property
     def stalled_after_s(self) -> float:
@@ -120,33 +146,39 @@ class ScrapeCache(Generic[T]):
         while True:
             with self._lock:
                 now = self._clock()
-                if self._reading is not None and now - self._reading_since > self.stalled_after_s:
-                    return self._stalled()
-                if self._latest is not None and (self._reading is not None or now < self._fresh_until):
-                    return self._latest  # fresh, or the previous one while the next is being read
-                if self._reading is None:
-                    done = self._reading = Event()
-                    self._reading_since = now
+                reading = self._reading
+                if reading is not None and now - reading.started > self.stalled_after_s:
+                    if self._given_up is not None and not self._given_up.done.is_set():
+                        return self._stalled()  # two readings hang: the database does not answer
+                    self._given_up, self._reading = reading, None
+                    return self._stalled()  # and the next scrape reads again
+                if self._latest is not None and now < self._fresh_until:
+                    return self._latest
+                if self._latest is not None and reading is not None and self.previous_while_reading:
+                    return self._latest  # the previous figures while the next are being read
+                if reading is None:
+                    reading = self._reading = _Reading(now)
                     break  # this scrape reads
-                done = self._reading  # the first reading ever is under way
-                waited = self._reading_since + self.stalled_after_s - now
-            if not done.wait(max(waited, 0.0)):
+                waited = reading.started + self.stalled_after_s - now
+            if not reading.done.wait(max(waited, 0.0)):
                 return self._stalled()  # that reading stalled
             with self._lock:
-                if self._latest is not None:
+                if self._latest is not None and self._latest_started >= reading.started:
                     return self._latest
             # that reading raised: read ourselves (DatabaseCollector answers a database it cannot
             # read with database_up 0, so this is only for what it does not catch)
         try:
-            families = self._read()
+            value = self._read()
             with self._lock:
-                self._latest = families
-                self._fresh_until = self._clock() + self.ttl_s
+                if reading.started >= self._latest_started:  # a given-up reading ending late is older
+                    self._latest, self._latest_started = value, reading.started
+                    self._fresh_until = self._clock() + self.ttl_s
         finally:
             with self._lock:
-                self._reading = None
-            done.set()
-        return families
+                if self._reading is reading:
+                    self._reading = None
+            reading.done.set()
+        return value
 
 
 class CachedCollector(Collector):
@@ -160,9 +192,13 @@ class CachedCollector(Collector):
         yield from self.cache.get()
 
 
-def database_cache(factory: sessionmaker[Session], ttl_s: float) -> ScrapeCache[list[Metric]]:
+def database_cache(
+    factory: sessionmaker[Session], ttl_s: float, previous_while_reading: bool = True
+) -> ScrapeCache[list[Metric]]:
     collector = DatabaseCollector(factory)
-    return ScrapeCache(lambda: list(collector.collect()), ttl_s)
+    return ScrapeCache(
+        lambda: list(collector.collect()), ttl_s, previous_while_reading=previous_while_reading
+    )
 
 
 QUEUED_HELP = (

@@ -22,7 +22,9 @@ def install_metrics(app: FastAPI) -> HttpMetrics:
     database families are read at most once per `metrics_cache_seconds`, and the page rendered at most
     once per PAGE_SECONDS (app/telemetry/collector.py `ScrapeCache`)."""
     seconds = app.state.settings.metrics_cache_seconds
-    cache = database_cache(app.state.session_factory, seconds)
+    # Several workers: a scrape waits for the reading under way (ScrapeCache, on counters).
+    one_process = multiprocess_dir() is None
+    cache = database_cache(app.state.session_factory, seconds, previous_while_reading=one_process)
     app.state.metrics_cache = cache
     registry = CollectorRegistry()
     registry.register(CachedCollector(cache))
@@ -39,7 +41,9 @@ def install_metrics(app: FastAPI) -> HttpMetrics:
 
     # A page stalled as long as the database's reading is rendered again: the reading's cache then
     # answers the database down at once.
-    app.state.metrics_page = ScrapeCache(render, min(PAGE_SECONDS, seconds), stalled=render)
+    app.state.metrics_page = ScrapeCache(
+        render, min(PAGE_SECONDS, seconds), stalled=render, previous_while_reading=one_process
+    )
     http = HttpMetrics(None if multiprocess_dir() is not None else registry)
     app.include_router(router)
     return http

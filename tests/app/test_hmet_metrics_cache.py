@@ -4,7 +4,8 @@ Each reading is a dozen counting queries over the runs, batches and step tables;
 default, and every scrape read them: 32 anonymous clients scraping for 12 s took another tenant's
 GET /v1/runs from a 35 ms p95 to 1.4 s. Now a reading serves every scrape for a few seconds, a
 scrape during a reading gets the previous figures (or, before the first reading ended, waits for
-it: never two readings at once), and the request counts stay those of the moment. The pauses are
+it: never two readings at once), and the request counts are at most a second old (the page's cache). A reading that stalls is given
+up. With several workers a scrape waits for the reading under way. The pauses are
 events in the reading, never sleeps. Both databases."""
 
 import threading
@@ -75,8 +76,11 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
 
 def test_scrapes_during_a_reading_get_the_previous_figures(settings: Settings, readings: Readings) -> None:
     """Even with no reuse at all (0 s), a scrape that comes while a reading is under way does not start
-    another: it answers at once with the previous figures."""
+    another: it answers at once with the previous figures. (The page's own cache is bypassed: it
+    would answer the previous page by itself.)"""
     with _client(settings, 0.0) as client:
+        page = client.app.state.metrics_page  # type: ignore[attr-defined]
+        page.get = page._read
         tenant = new_tenant(client)
         create_run(client, tenant)
         _, first = scrape(client)
@@ -273,3 +277,125 @@ def test_the_page_is_rendered_once_a_second_at_most(
         assert client.get("/metrics").text != first.text and rendered == [1, 1]
     with _client(settings, 0.0) as client:  # no cache asked: every scrape renders
         assert client.app.state.metrics_page.ttl_s == 0.0  # type: ignore[attr-defined]
+
+
+def _blocking_reads(
+    hang_first: int,
+) -> tuple[Callable[[], list[Any]], list[threading.Event], threading.Event]:
+    """A read whose first `hang_first` calls each stop at a pause point until the returned event is
+    set (each announces itself on its own event); later calls answer at once."""
+    entered = [threading.Event() for _ in range(hang_first)]
+    release = threading.Event()
+    calls: list[int] = []
+
+    def read() -> list[Any]:
+        calls.append(1)
+        n = len(calls)
+        if n <= hang_first:
+            entered[n - 1].set()
+            assert release.wait(WAIT_S), "never released"
+        return [f"figures {n}"]
+
+    return read, entered, release
+
+
+def _is_down(families: list[Any]) -> bool:
+    (family,) = families
+    return family.name == "loraloom_database_up" and [s.value for s in family.samples] == [0]
+
+
+def test_a_stalled_reading_is_given_up_and_the_next_scrape_reads_again() -> None:
+    """A reading that never ends (a hung connection) kept the cache answering the database down for
+    good, even once the database answered again: past STALLED_READING_S the next scrape reads anew.
+    At most one given-up reading is left running: a second stall answers down without a third."""
+    from app.telemetry.collector import STALLED_READING_S, ScrapeCache
+
+    now = [0.0]
+    read, entered, release = _blocking_reads(hang_first=2)
+    cache = ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0])
+    try:
+        first, _ = _in_thread(cache.get)  # hangs
+        assert entered[0].wait(WAIT_S)
+        now[0] = STALLED_READING_S + 1
+        assert _is_down(cache.get())  # gives the first up
+        second, _ = _in_thread(cache.get)  # reads again: hangs too
+        assert entered[1].wait(WAIT_S)
+        now[0] += STALLED_READING_S + 1
+        assert _is_down(cache.get())  # the first still hangs: no third reading
+        assert _is_down(cache.get())
+        release.set()  # the database answers again
+        first.join(WAIT_S)
+        second.join(WAIT_S)
+        now[0] += 6  # both late answers have expired
+        assert cache.get() == ["figures 3"]  # a fresh reading
+    finally:
+        release.set()
+
+
+def test_a_given_up_reading_that_ends_late_does_not_replace_newer_figures() -> None:
+    from app.telemetry.collector import STALLED_READING_S, ScrapeCache
+
+    now = [0.0]
+    read, entered, release = _blocking_reads(hang_first=1)
+    cache = ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0])
+    try:
+        first, out = _in_thread(cache.get)
+        assert entered[0].wait(WAIT_S)
+        now[0] = STALLED_READING_S + 1
+        assert _is_down(cache.get())
+        assert cache.get() == ["figures 2"]  # the next scrape's own reading
+        release.set()
+        first.join(WAIT_S)
+        assert out == [["figures 1"]]
+        assert cache.get() == ["figures 2"]  # not the older reading that ended last
+    finally:
+        release.set()
+
+
+def test_with_several_workers_a_scrape_waits_for_the_reading_under_way() -> None:
+    """Each worker has its own cache: a worker's previous figures may be older than those another
+    worker just answered, a counter going back (a reset to Prometheus). So there a scrape that
+    comes during a reading waits for it (announced at its pause point) and gets the new figures."""
+    from app.telemetry import collector
+
+    now = [0.0]
+    read, entered, release = _blocking_reads(hang_first=2)
+    cache = collector.ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0], previous_while_reading=False)
+    release.set()
+    assert cache.get() == ["figures 1"]
+    release.clear()
+    now[0] += 6
+    leader, first = _in_thread(cache.get)
+    assert entered[1].wait(WAIT_S)
+    waiting = threading.Event()
+    real_wait = threading.Event.wait
+
+    def announced(event: threading.Event, timeout: float | None = None) -> bool:
+        waiting.set()
+        return real_wait(event, timeout)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(threading.Event, "wait", announced)  # the cache's events are threading.Events
+            follower, second = _in_thread(cache.get)
+            assert waiting.wait(WAIT_S), "the scrape did not wait for the reading under way"
+        release.set()
+        leader.join(WAIT_S)
+        follower.join(WAIT_S)
+        assert first == second == [["figures 2"]]
+    finally:
+        release.set()
+
+
+def test_multiprocess_mode_makes_both_caches_wait(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    with _client(settings, 5.0) as client:
+        state = client.app.state  # type: ignore[attr-defined]
+        assert not state.metrics_cache.previous_while_reading
+        assert not state.metrics_page.previous_while_reading
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    with _client(settings, 5.0) as client:
+        state = client.app.state  # type: ignore[attr-defined]
+        assert state.metrics_cache.previous_while_reading and state.metrics_page.previous_while_reading
