@@ -48,6 +48,7 @@ from app.db import make_engine, make_session_factory
 from app.pools.models import Pool
 from app.runs.models import Run
 from app.tenants.models import ApiKey, Tenant
+from bench.options import add_pg_admin_url
 from contracts.arrays import encode as encode_arrays
 from contracts.arrays import to_arrays
 from contracts.ids import new_id
@@ -89,12 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "so that load from other processes on the machine affects them alike",
     )
     p.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
-    p.add_argument(
-        "--pg-admin-url",
-        default=os.environ.get(
-            "LORALOOM_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
-        ),
-    )
+    add_pg_admin_url(p)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

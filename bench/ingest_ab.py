@@ -39,6 +39,7 @@ from bench.ingest import (
     stop_service,
     tree_cpu_seconds,
 )
+from bench.options import add_pg_admin_url
 from loraloom.launch import start_service_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, default=60, help="batches per service per round")
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--pre-encoded", action="store_true", help="bodies encoded before the clock starts")
-    p.add_argument("--pg-admin-url", default="postgresql+psycopg://root@127.0.0.1:5432/postgres")
+    add_pg_admin_url(p)
     args = p.parse_args(argv)
     if args.rounds < 2 or args.rounds % 2:
         p.error("--rounds must be an even number of at least 2")

@@ -10,7 +10,6 @@ back after each execution (outside the timing). Prints the median and best round
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -24,18 +23,14 @@ from app.db import make_engine, make_session_factory, pg_execute
 from app.rollouts.service import _WRITE_STATS_AND_EVENT_PG
 from app.runs.models import Run
 from bench.ingest import create_database, drop_database, seed
+from bench.options import add_pg_admin_url
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--executions", type=int, default=400, help="per round, way and statement")
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument(
-        "--pg-admin-url",
-        default=os.environ.get(
-            "LORALOOM_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
-        ),
-    )
+    add_pg_admin_url(p)
     args = p.parse_args(argv)
     url = create_database(args.pg_admin_url)
     try:

@@ -13,7 +13,6 @@ is the figure. The same binary (msgpack) batches as bench/ingest.py, 64 samples 
 """
 
 import argparse
-import os
 import random
 import shutil
 import statistics
@@ -28,6 +27,7 @@ from app.config import Settings
 from app.db import make_engine, make_session_factory
 from app.runs.models import Run
 from bench.ingest import _binary, create_database, drop_database, make_batches, seed
+from bench.options import add_pg_admin_url
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -41,12 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         help="where the payload files go (e.g. /dev/shm: fsyncs then cost nothing, which leaves the "
         "database work as most of what varies); default: the system's temporary directory",
     )
-    p.add_argument(
-        "--pg-admin-url",
-        default=os.environ.get(
-            "LORALOOM_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
-        ),
-    )
+    add_pg_admin_url(p)
     args = p.parse_args(argv)
     shape = argparse.Namespace(samples=64, prompt_len=200, completion_len=400, seq_len=2048)
     bodies = [_binary(b) for b in make_batches(shape, args.distinct, random.Random(0))]

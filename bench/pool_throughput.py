@@ -28,6 +28,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.ingest import create_database, drop_database, start_service
+from bench.options import add_pg_admin_url
 from contracts.pool_api import ClaimedBatchStruct, PoolRegister, RunAfterPush, StepReport
 from contracts.run_config import RunConfig
 from trainer_core.dist import World
@@ -50,7 +51,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--completion-len", type=int, default=384)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--pg-admin-url", default="postgresql+psycopg://root@127.0.0.1:5432/postgres")
+    add_pg_admin_url(p)
     return p.parse_args(argv)
 
 

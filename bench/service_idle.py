@@ -21,6 +21,7 @@ from pathlib import Path
 
 from app import migrate
 from bench.ingest import create_database, drop_database, start_service, stop_service, tree_cpu_seconds
+from bench.options import add_pg_admin_url
 
 CONFIGS: dict[str, dict[str, str]] = {
     "defaults": {},
@@ -57,12 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="measured window per process")
     p.add_argument("--settle", type=float, default=5.0, help="seconds after start-up before the window")
     p.add_argument("--rounds", type=int, default=2, help="alternations of the configurations")
-    p.add_argument(
-        "--pg-admin-url",
-        default=os.environ.get(
-            "LORALOOM_TEST_PG_ADMIN_URL", "postgresql+psycopg://root@127.0.0.1:5432/postgres"
-        ),
-    )
+    add_pg_admin_url(p)
     args = p.parse_args(argv)
     url = create_database(args.pg_admin_url)
     figures: dict[str, list[float]] = {name: [] for name in CONFIGS}

@@ -15,12 +15,13 @@ explained, first with the partial index `ix_tinker_futures_claimable`, then afte
 import argparse
 import statistics
 import time
-import uuid
 
 from sqlalchemy import Connection, Engine, create_engine, text
 
 from app import migrate
 from app.tinker.work import claim_query
+from bench.ingest import create_database, drop_database
+from bench.options import add_pg_admin_url
 
 INDEX = "ix_tinker_futures_claimable"
 
@@ -97,13 +98,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--done", type=int, default=5000, help="completed futures per run")
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--pg-admin-url", default="postgresql+psycopg://root@127.0.0.1:5432/postgres")
+    add_pg_admin_url(p)
     args = p.parse_args()
-    name = f"loraloom_bench_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(args.pg_admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = args.pg_admin_url.rsplit("/", 1)[0] + f"/{name}"
+    url = create_database(args.pg_admin_url)
     try:
         migrate.upgrade(url)
         engine = create_engine(url)
@@ -132,9 +129,7 @@ def main() -> None:
             )
         engine.dispose()
     finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        drop_database(args.pg_admin_url, url)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from app import migrate
 from app.config import Settings
 from app.tinker.pool_router import claim_manual_work
 from bench.ingest import create_database, drop_database
+from bench.options import add_pg_admin_url
 from contracts.tinker_work import ManualClaimIn
 
 
@@ -130,7 +131,7 @@ def main() -> None:
         "--max-tokens", type=int, default=262_144, help="the round's budget (the setting's default)"
     )
     p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--pg-admin-url", default="postgresql+psycopg://root@127.0.0.1:5432/postgres")
+    add_pg_admin_url(p)
     args = p.parse_args()
     url = create_database(args.pg_admin_url)
     try:

@@ -31,6 +31,7 @@ from app.config import Settings
 from app.main import create_app
 from app.tinker import checkpoints, sampling, service, work
 from bench.ingest import create_database, drop_database
+from bench.options import add_pg_admin_url
 from tests.app.api import new_tenant, register
 from tests.app.tinker_calls import answer_work, new_model, tinker_headers
 from tests.common import ADMIN_KEY, WORKER_TOKEN
@@ -135,7 +136,7 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=50_000, help="older saves of each name")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--sqlite", action="store_true", help="a scratch SQLite file instead of Postgres")
-    p.add_argument("--pg-admin-url", default="postgresql+psycopg://root@127.0.0.1:5432/postgres")
+    add_pg_admin_url(p)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         # A scratch database, as bench.ingest makes and drops one.
