@@ -218,12 +218,13 @@ def _register_wide_pool(client: TestClient) -> None:
 
 def test_a_valid_key_uploads_large_adapters_the_first_time_and_after(settings: Settings) -> None:
     app = create_app(settings)
+    app.state.api_key_cache = ApiKeyCache(60.0)  # the default 2 s could expire within a slow request
     lookups = _key_lookups(app)
     with TestClient(app) as client:
         _register_wide_pool(client)
         tenant = new_tenant(client)
         headers = tenant.headers | {"Content-Type": TAR}
-        key_cache(app.state, settings.api_key_cache_seconds).clear()
+        key_cache(app.state, 60.0).clear()
         before = len(lookups)
         r = client.post("/v1/adapters", params={"name": "first"}, content=_big_adapter(), headers=headers)
         assert r.status_code == 201, r.text

@@ -117,7 +117,9 @@ def test_a_large_first_batch_takes_the_fast_path_once_the_guard_looked_its_key_u
     seeded = seed_run(settings)
     body = batch_body(400)
     assert len(json.dumps(body)) > 64 << 10
-    with TestClient(create_app(settings)) as client:
+    app = create_app(settings)
+    app.state.api_key_cache = ApiKeyCache(60.0)  # the default 2 s could expire within a slow first request
+    with TestClient(app) as client:
         resp = post_batch(client, seeded, body)
         assert resp.status_code == 201, resp.text
         assert fast_calls == [seeded.run_id]
