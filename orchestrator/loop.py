@@ -50,7 +50,7 @@ from contracts.status import RunStatus
 from contracts.wire import TrainingBatch
 from orchestrator.client import BatchFormat, EvictedBy
 from orchestrator.engine import MultiAgentEngine, Rollouts, RunBatch, ValidationResult
-from orchestrator.errors import Conflict, RunEvicted
+from orchestrator.errors import Conflict, NotFound, RunEvicted, RunFailed
 from orchestrator.models import AdapterDownload, AdapterInfo, BatchInfo, Heartbeat, Page, Run
 from orchestrator.trackers import TrackerLogger
 
@@ -202,7 +202,11 @@ class RolloutLoop:
     async def _submitted_samples(self, run_id: str) -> int:
         total, cursor = 0, None
         for _ in range(100_000):
-            page = await self.client.list_batches(run_id, cursor=cursor)
+            try:
+                page = await self.client.list_batches(run_id, cursor=cursor)
+            except NotFound as exc:
+                _raise_if_deleted(exc, run_id)
+                raise
             total += sum(b.num_samples for b in page.items)
             cursor = page.next_cursor
             if not cursor:
@@ -479,3 +483,11 @@ class RolloutLoop:
     def run_sync(self) -> list[StepReport]:
         """`run()` in a fresh event loop, for scripts."""
         return asyncio.run(self.run())
+
+
+def _raise_if_deleted(exc: NotFound, run_id: str) -> None:
+    """A run deleted since it was read answers its batches 404 with `details.status` "deleted":
+    the same RunFailed as a run read as deleted (`Run.raise_if_stopped`)."""
+    details = exc.details if isinstance(exc.details, dict) else {}
+    if details.get("status") == RunStatus.DELETED:
+        raise RunFailed(f"run {run_id} is deleted", run_id=run_id, run_status=RunStatus.DELETED) from exc

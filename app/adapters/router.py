@@ -13,9 +13,9 @@ from app.adapters.models import Adapter
 from app.adapters.schemas import AdapterList, AdapterOut, MetricsList
 from app.auth import SettingsDep
 from app.db import SessionDep
-from app.errors import NotFound, RangeNotSatisfiable, ValidationFailed, raises
+from app.errors import RangeNotSatisfiable, ValidationFailed, raises
 from app.pagination import MAX_LIMIT, CursorQuery, LimitQuery, decode_id_cursor, encode_id_cursor
-from app.runs.deps import OwnedRunDep
+from app.runs.deps import undeleted_run
 from app.runs.models import Run
 from contracts.layout import ADAPTER_CONFIG, ADAPTER_FILES, ADAPTER_WEIGHTS
 from contracts.pool_api import INT32_MAX
@@ -48,24 +48,9 @@ IfNoneMatch = Annotated[
 ]
 
 
-@raises(NotFound)
-async def _run_with_adapters(run: OwnedRunDep) -> Run:  # no I/O: no thread
-    """The caller's run, if it has not been deleted: a deleted run's adapters are a 404, listed or
-    downloaded alike (`service.refuse_if_run_deleted`)."""
-    service.refuse_if_run_deleted(run)
-    return run
-
-
-RunWithAdaptersDep = Annotated[Run, Depends(_run_with_adapters)]
-
-
-async def _run_with_metrics(run: OwnedRunDep) -> Run:  # no I/O: no thread
-    """The caller's run, if it has not been deleted: as `_run_with_adapters`, for its metrics."""
-    service.refuse_if_run_deleted(run, what="metrics")
-    return run
-
-
-RunWithMetricsDep = Annotated[Run, Depends(_run_with_metrics)]
+# A deleted run's adapters (listed or downloaded) and metrics are a 404 (app/runs/deps.py).
+RunWithAdaptersDep = Annotated[Run, Depends(undeleted_run("adapters"))]
+RunWithMetricsDep = Annotated[Run, Depends(undeleted_run("metrics"))]
 
 
 def _header(description: str) -> dict[str, Any]:
@@ -291,6 +276,6 @@ def get_metrics(
 ) -> MetricsList:
     """Per step, oldest first: the trainer's loss, entropy, KL, grad norm, lr, tokens, … and the
     mean/std/min/max/count of the rewards (and per-sample metrics) received for that rollout step.
-    A deleted run's metrics are a 404, as its adapters are (`_run_with_metrics`)."""
+    A deleted run's metrics are a 404, as its adapters are."""
     items, next_step = metrics_page(session, run_id=run.id, since_step=since_step, limit=limit)
     return MetricsList(items=items, next_since_step=next_step)

@@ -181,19 +181,6 @@ def _refuse_if_deleted(run: Run, settings: Settings) -> None:
 # ---------------------------------------------------------------- adapter download
 
 
-def refuse_if_run_deleted(run: Run, *, what: str = "adapters") -> None:
-    """The 404 of a deleted run's adapters, listed or downloaded (or of its `what`: its metrics).
-    Their files went with the run's directory (`delete_run`), while their rows stay until the run is
-    purged (app/retention.py): the listing named steps whose every download was a 404.
-    `details.status` tells a client the run is deleted, not unknown (GET /v1/runs/{run_id} still
-    shows the run, as `deleted`)."""
-    if run.status == RunStatus.DELETED:
-        raise NotFound(
-            f"run {run.id} was deleted, and its {what} with it",
-            details={"run_id": run.id, "status": RunStatus.DELETED.value},
-        )
-
-
 def adapters_page(
     session: Session, *, run_id: str, limit: int, after_step: int | None, newest_first: bool = False
 ) -> tuple[list[Adapter], int | None]:

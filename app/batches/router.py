@@ -18,8 +18,9 @@ from app.batches.schemas import (
 from app.db import SessionDep
 from app.errors import Conflict, UnsupportedMediaType, raises
 from app.pagination import CursorQuery, decode_id_cursor, encode_id_cursor
-from app.runs.deps import OwnedRunDep
+from app.runs.deps import OwnedRunDep, undeleted_run
 from app.runs.idempotency import idempotency_key_header
+from app.runs.models import Run
 from contracts.pool_api import INT32_MAX
 from contracts.status import BatchState
 
@@ -110,15 +111,21 @@ router.add_api_route(
 )
 
 
+# A deleted run's batch rows stay until the run is purged (app/retention.py), their payloads gone
+# with its directory and the pending ones never to be trained: a 404, as its metrics and adapters.
+RunWithBatchesDep = Annotated[Run, Depends(undeleted_run("batches"))]
+
+
 @router.get("/v1/runs/{run_id}/batches", operation_id="listBatches", response_model=BatchPage)
 def list_batches(
-    run: OwnedRunDep,
+    run: RunWithBatchesDep,
     session: SessionDep,
     state: Annotated[BatchState | None, Query(description="Only batches in this state.")] = None,
     limit: Annotated[int, Query(ge=1, le=500, description="Page size.")] = 50,
     cursor: CursorQuery = None,
 ) -> BatchPage:
-    """The run's batches in id order (the order they are trained in), with their state."""
+    """The run's batches in id order (the order they are trained in), with their state.
+    A deleted run's batches are a 404, as its metrics and adapters are."""
     after = None if cursor is None else decode_id_cursor(cursor, max_id=INT32_MAX)
     rows, next_id = service.list_batches(session, run_id=run.id, state=state, limit=limit, cursor=after)
     return BatchPage(

@@ -34,6 +34,7 @@ from app.db import SessionDep
 from app.errors import Forbidden, NotFound, RateLimited, Unauthorized
 from app.events.router import LastEventId, event_stream, start_of
 from app.runs import service as runs
+from app.runs.deps import refuse_if_run_deleted
 from app.runs.models import Run
 from app.runs.schemas import REASON_CHARS
 from app.serving import proxy_headers_configured
@@ -255,7 +256,8 @@ def run_page(request: Request, viewer: ViewerDep, run: OwnedRun, session: Sessio
     shown, older = adapters.adapters_page(
         session, run_id=run.id, limit=RUN_PAGE_ADAPTERS, after_step=None, newest_first=True
     )
-    if run.status == RunStatus.DELETED:  # their files went with the run, as the API's list says
+    deleted = run.status == RunStatus.DELETED
+    if deleted:  # their files went with the run, as the API's list says (and its metrics: views.py)
         shown, older = [], None
     return render(
         request,
@@ -268,6 +270,7 @@ def run_page(request: Request, viewer: ViewerDep, run: OwnedRun, session: Sessio
         adapters=shown,
         older_adapters=older is not None,
         movable=run.status in (RunStatus.QUEUED, RunStatus.ACTIVE),
+        deleted=deleted,
     )
 
 
@@ -294,7 +297,7 @@ def download_adapter(
 ) -> OpenFileResponse:
     """A step, or `latest` for the newest, as the API's download takes them (app/adapters/router.py)."""
     # StepPath's pattern leaves "latest" or up to 9 ASCII digits.
-    adapters.refuse_if_run_deleted(run)
+    refuse_if_run_deleted(run, what="adapters")
     adapter = adapters.get_adapter(
         session,
         run_id=run.id,

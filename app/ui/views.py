@@ -7,6 +7,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.adapters.metrics_view import metrics_page
+from app.adapters.schemas import MetricsItem
 from app.events.feed import FeedPosition, read_feed
 from app.pools.models import Pool
 from app.rollouts.models import RolloutStats
@@ -34,10 +35,12 @@ def runs_of(session: Session, *, tenant_id: str, status: str | None, name: str |
         stmt = stmt.where(Run.name.contains(name, autoescape=True))
     runs = list(session.scalars(stmt.order_by(Run.created_at.desc(), Run.id.desc()).limit(RUNS_PER_PAGE)))
     latest: dict[str, float] = {}
-    if runs:
+    # A deleted run's rewards are no longer shown, as the API's metrics of it are a 404.
+    with_metrics = [r.id for r in runs if r.status != RunStatus.DELETED]
+    if with_metrics:
         rows = session.execute(
             select(RolloutStats.run_id, RolloutStats.reward_mean)
-            .where(RolloutStats.run_id.in_([r.id for r in runs]), RolloutStats.reward_count > 0)
+            .where(RolloutStats.run_id.in_(with_metrics), RolloutStats.reward_count > 0)
             .order_by(RolloutStats.rollout_step.desc())
         ).tuples()
         for run_id, mean in rows:
@@ -46,8 +49,9 @@ def runs_of(session: Session, *, tenant_id: str, status: str | None, name: str |
 
 
 def run_page_data(session: Session, *, run: Run) -> dict[str, Any]:
-    """Series for the charts and the first events, as the page's JSON block and its tables."""
-    items, _ = metrics_page(session, run_id=run.id, since_step=0, limit=CHART_STEPS)
+    """Series for the charts and the first events, as the page's JSON block and its tables. A deleted
+    run's series are empty, as the API's metrics of it are a 404 (the rows stay until the purge)."""
+    items = [] if run.status == RunStatus.DELETED else _chart_items(session, run_id=run.id)
     reward = [[i.step, i.reward.mean] for i in items if i.reward is not None]
     loss = [[i.step, i.loss] for i in items if i.loss is not None]
     events, position, _ = read_feed(session, run_id=run.id, after=None, since=None, limit=EVENTS_SHOWN)
@@ -61,6 +65,11 @@ def run_page_data(session: Session, *, run: Run) -> dict[str, Any]:
         "events": events,
         "cursor": position.encode() if position else "",
     }
+
+
+def _chart_items(session: Session, *, run_id: str) -> list[MetricsItem]:
+    items, _ = metrics_page(session, run_id=run_id, since_step=0, limit=CHART_STEPS)
+    return items
 
 
 def cursor_of(txid: int, event_id: int) -> str:

@@ -279,16 +279,25 @@ def test_the_run_page_stops_following_a_run_deleted_while_it_is_open(
         wait = WebDriverWait(browser, 30, poll_frequency=0.2)
         wait.until(lambda _: paths.count(stream) >= 2)  # following the run: opened again as each ends
         assert _gone_notice(browser) is None
+        assert _curves_shown(browser)
 
         assert http.delete(f"/v1/runs/{run_id}", headers=auth).status_code == 200
         assert wait.until(_gone_notice) == "This run was deleted."
         assert browser.find_element(By.ID, "status").text == "deleted"
+        assert not _curves_shown(browser)  # its metrics went with it, as the API answers them
         _asks_no_more(paths, stream)
 
         # Opened again later, the page of the deleted run says so and opens no stream.
         browser.refresh()
         assert wait.until(_gone_notice) == "This run was deleted."
+        assert not _curves_shown(browser)
         _asks_no_more(paths, stream)
+
+
+def _curves_shown(driver: webdriver.Chrome) -> bool:
+    """The charts are displayed, and no notice says the run's metrics were deleted."""
+    notices = driver.find_elements(By.ID, "curves-deleted")
+    return driver.find_element(By.ID, "charts").is_displayed() and not any(n.is_displayed() for n in notices)
 
 
 # A stream refused with a 404 (the run's row gone) was asked for again every 2 s, 4 s, ... up to every

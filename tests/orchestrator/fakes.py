@@ -175,6 +175,9 @@ class FakeLoopClient:
     ) -> Page[BatchInfo]:
         self.calls.append("list_batches")
         fake = self._get(run_id)
+        if fake.run.status == "deleted":  # as the service: a deleted run's batches are a 404
+            details = {"run_id": run_id, "status": "deleted"}
+            raise NotFound(f"run {run_id} was deleted", status=404, code="not_found", details=details)
         items = [
             BatchInfo(
                 id=i,

@@ -115,6 +115,24 @@ async def test_failed_run_raises_run_failed(tmp_path: Path) -> None:
         await loop.run()
 
 
+async def test_a_run_deleted_before_its_batches_are_counted_raises_run_failed(tmp_path: Path) -> None:
+    """Read active, then deleted before the loop counts what it submitted: the batches' 404 (the
+    service's answer for a deleted run's batches) is the RunFailed of a run read as deleted."""
+
+    class DeletedMeanwhile(FakeLoopClient):
+        async def list_batches(self, run_id: str, **kw: Any) -> Any:
+            self.update(run_id, status="deleted")
+            return await super().list_batches(run_id, **kw)
+
+    client = DeletedMeanwhile()
+    run_id = client.add_run()
+    loop = RolloutLoop(client, make_engine(run_id, ScriptedSampler(varied)), loop_config(tmp_path))
+    with pytest.raises(RunFailed) as info:
+        await loop.run()
+    assert (info.value.run_id, info.value.run_status) == (run_id, "deleted")
+    assert client.calls[:2] == ["get_run", "list_batches"]
+
+
 async def test_respects_max_async_level(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     client = FakeLoopClient()
     run_id = client.add_run(batch_size=4, max_async_level=1)

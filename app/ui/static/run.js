@@ -57,8 +57,26 @@
       const status = document.getElementById("status");
       status.textContent = ev.action.slice(4) === "admitted" ? "active" : ev.action.slice(4);
       status.className = "status status-" + status.textContent;
+      if (ev.action === "run.deleted") hideCurves();
     }
     addEvent(ev);
+  }
+
+  // A deleted run's metrics are gone with it (the API answers them 404): its curves are hidden, as
+  // the page the service renders for a deleted run hides them (templates/run.html).
+  function hideCurves() {
+    const charts = document.getElementById("charts");
+    charts.hidden = true;
+    charts.classList.remove("charts"); // its `display: grid` would override `hidden`
+    series.reward.clear();
+    series.loss.clear();
+    document.getElementById("latest-reward").textContent = "\u2013";
+    if (!document.getElementById("curves-deleted")) {
+      const notice = document.createElement("p");
+      notice.id = "curves-deleted";
+      notice.textContent = "Deleted with the run: its metrics are no longer shown.";
+      charts.before(notice);
+    }
   }
 
   draw("reward-chart", series.reward);
