@@ -118,6 +118,8 @@ registration, heartbeats, claims, acks, step reports) take small JSON documents.
 
 TAR_UPLOAD_ROUTE = "/v1/adapters"
 """The tenants' adapter upload: its body is an uncompressed tar (app/adapters/tenant_router.py)."""
+_POOL_TAR_UPLOAD_ROUTE = re.compile(r"^/v1/pool/runs/[^/]+/adapters/[^/]+$")
+"""The pool's adapter upload: a tar too (app/adapters/pool_router.py), with the same 415."""
 
 SAMPLE_ROUTE = "/api/v1/asample"
 SAMPLE_BYTES_PER_TOKEN = 16
@@ -268,11 +270,11 @@ class BodyGuard:
             # answer) is whole, and is run as before.
             scope[CLIENT_GONE] = True
             return None
-        # The adapter upload's body is never checked as JSON: its route answers another type than a
-        # tar with its own 415 (a JSON check here would answer a mislabelled tar "not UTF-8" first).
+        # The adapter uploads' bodies are never checked as JSON: their routes answer another type than
+        # a tar with their own 415 (a JSON check here would answer a mislabelled tar "not UTF-8" first).
         content_type = (
             b"application/x-tar"
-            if scope.get("path") == TAR_UPLOAD_ROUTE
+            if scope.get("path") == TAR_UPLOAD_ROUTE or _POOL_TAR_UPLOAD_ROUTE.match(scope.get("path", ""))
             else headers.get(b"content-type", b"")
         )
         # msgspec decodes the batch route's body (an over-long integer is its own 422, naming the field).

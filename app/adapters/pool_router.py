@@ -12,10 +12,11 @@ from app.adapters import service
 from app.adapters.file_response import OpenFileResponse
 from app.adapters.models import TenantAdapter
 from app.adapters.schemas import CheckpointOut, StepParam
+from app.adapters.upload import TAR_MEDIA_TYPE, require_tar
 from app.adapters.uploads import open_archive
 from app.auth import SettingsDep, WorkerDep
 from app.db import SessionDep
-from app.errors import Conflict, NotFound, raises
+from app.errors import Conflict, NotFound, UnsupportedMediaType, raises
 from app.http_semantics import JsonBodyRoute
 from app.runs.deps import RunIdPath
 from app.runs.schemas import RunOut
@@ -41,6 +42,18 @@ async def _upload_body(request: Request) -> AsyncIterator[IO[bytes]]:
 UploadBody = Annotated[IO[bytes], Depends(_upload_body)]
 
 
+@raises(UnsupportedMediaType)
+async def _tar_media_type(request: Request) -> None:  # no I/O: no thread
+    """The 415 of an adapter sent as another type than an uncompressed tar (`require_tar`), as the
+    tenants' upload answers it: any body was read as a tar (a gzip got a 422 about a tar, a body of
+    the right bytes under a wrong type a 201). The pool's client sends application/x-tar
+    (trainer_core/service_client.py upload_adapter)."""
+    require_tar(request.headers.get("content-type"))
+
+
+TarMediaType = Annotated[None, Depends(_tar_media_type)]
+
+
 @router.put(
     "/v1/pool/runs/{run_id}/adapters/{step}",
     status_code=status.HTTP_201_CREATED,
@@ -50,7 +63,7 @@ UploadBody = Annotated[IO[bytes], Depends(_upload_body)]
         "requestBody": {
             "required": True,
             "description": "Uncompressed tar holding exactly adapter_config.json and adapter_model.safetensors.",
-            "content": {"application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+            "content": {TAR_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
         }
     },
 )
@@ -58,6 +71,8 @@ UploadBody = Annotated[IO[bytes], Depends(_upload_body)]
 def upload_adapter(
     # The worker token first: dependencies resolve in order, and the body is only read once it passed.
     _: WorkerDep,
+    # Then its type (before the run is looked up, or the body looked at), as on POST /v1/adapters.
+    __: TarMediaType,
     run_id: RunIdPath,
     step: StepParam,
     body: UploadBody,

@@ -113,7 +113,7 @@ def _pool_dims(pool: Pool, base_model: str) -> ModuleDims:
     a layer the model has (`...layers.<N>.[<block>.]<type>`). The rest of its path (which parent holds
     the layers, which block holds the module) the service cannot know: a path the model does not have
     is refused by the pool, when a run starts from the adapter (trainer_core/export.py)."""
-    assert pool.module_shapes is not None and pool.num_layers is not None  # checked by _check
+    assert pool.module_shapes is not None and pool.num_layers is not None  # checked by _pool_to_check_against
     shapes, num_layers = pool.module_shapes, pool.num_layers
 
     def dims(module: str) -> tuple[int, int] | str:
@@ -136,7 +136,7 @@ def _pool_tensor_limit(pool: Pool) -> int:
     """The most tensors an adapter of the pool's model can have: a lora_A and a lora_B for each module
     type it adapts (what it registered the features of) in each of its layers (`_pool_dims` refuses
     any other module)."""
-    assert pool.module_shapes is not None and pool.num_layers is not None  # checked by _check
+    assert pool.module_shapes is not None and pool.num_layers is not None  # checked by _pool_to_check_against
     return 2 * len(pool.module_shapes) * pool.num_layers
 
 
@@ -199,14 +199,10 @@ def _nonfinite_problems(weights: Path) -> list[dict[str, Any]]:
     ]
 
 
-def _check(
-    staging: Path, *, base_model: str, session: Session
-) -> tuple[int, float, list[str], list[dict[str, Any]]]:
-    """(rank, alpha, target modules, problems) of the adapter in `staging`."""
+def _pool_to_check_against(session: Session, *, base_model: str) -> Pool:
+    """The live pool of `base_model`, which an upload is checked against; the 422 `no_pool` when
+    none serves it (or one registered without its model's modules: nothing to check against)."""
     pool = live_pool(session, base_model=base_model)
-    # The read ends before the weights are scanned (up to max_body_bytes): no lock (SQLite's write
-    # lock) or connection is held meanwhile.
-    session.commit()
     if pool is None or pool.module_shapes is None or pool.num_layers is None:
         message = (
             f"no live pool serves {base_model!r} to check the adapter against; start one and upload again"
@@ -216,6 +212,14 @@ def _check(
             code="no_pool",
             details=[{"loc": ["query", "base_model"], "msg": message, "type": "no_pool"}],
         )
+    return pool
+
+
+def _check(
+    staging: Path, *, pool: Pool, base_model: str
+) -> tuple[int, float, list[str], list[dict[str, Any]]]:
+    """(rank, alpha, target modules, problems) of the adapter in `staging`, against `pool`
+    (`_pool_to_check_against`)."""
     config = json.loads((staging / ADAPTER_CONFIG).read_text())  # checked by extract_adapter_tar
     rank, alpha = config.get("r"), config.get("lora_alpha")
     modules = _module_names(config.get("target_modules")) or []
@@ -258,9 +262,16 @@ def upload_adapter(
     more), and exactly under the tenant's row lock just before the row is added, so that uploads
     at once cannot together take the tenant past them. The files are moved into place before the
     row is flushed, and removed again if the transaction does not commit."""
+    # Refusals that need nothing of the body come before it is unpacked, in this order: the tenant's
+    # quota (409 `adapter_quota`), then a live pool to check against (422 `no_pool`); then the tar's
+    # own problems (422 `invalid_adapter`, 413) and what the pool refuses of it. `no_pool` came after
+    # the tar was unpacked and its safetensors header parsed: work (up to max_body_bytes) for an
+    # upload no body could make succeed, and a malformed tar got `invalid_adapter`, then, fixed,
+    # `no_pool`. The pool's PUT refuses its run's state before the tar alike (service.store_adapter).
     _check_quota(session, tenant_id=tenant_id, settings=settings)
+    pool = _pool_to_check_against(session, base_model=base_model)
     # The read ends here: no lock (SQLite's write lock) or connection is held while the body is
-    # unpacked, scanned and compressed.
+    # unpacked, scanned and compressed (the pool's row is kept as read: expire_on_commit=False).
     session.commit()
     root = uploads_dir(settings)
     root.mkdir(parents=True, exist_ok=True)
@@ -268,7 +279,7 @@ def upload_adapter(
     lock_fd: int | None = fd
     try:
         size, sha = extract_adapter_tar(body, staging, max_bytes=settings.max_body_bytes)
-        rank, alpha, modules, problems = _check(staging, base_model=base_model, session=session)
+        rank, alpha, modules, problems = _check(staging, pool=pool, base_model=base_model)
         if problems:
             listed = _capped(problems)
             raise ValidationFailed(

@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from orchestrator.client import LoraloomClient
-from tests.app.api import TenantHandle
+from tests.app.api import POOL_SPEC, TenantHandle, register
 
 
 def _upload(client: TestClient, tenant: TenantHandle, name: str, body: bytes = b"") -> dict[str, object]:
@@ -49,7 +49,9 @@ def test_a_hostile_adapter_name_is_a_422_naming_the_query_field_and_nothing_is_s
 def test_a_name_with_inner_spaces_and_any_script_passes_the_rule(
     client: TestClient, tenant: TenantHandle
 ) -> None:
-    """Refused for its empty body (not a tar), not for its name."""
+    """Refused for its empty body (not a tar), not for its name (a pool to check it against: without
+    one, the upload is refused for that before its body is read)."""
+    register(client, module_shapes={m: [32, 32] for m in POOL_SPEC["target_modules"]}, num_layers=2)
     error = _upload(client, tenant, "mon adaptateur — été 🚀")
     assert error["code"] == "invalid_adapter", error
     assert isinstance(error["details"], list) and error["details"][0]["loc"] == ["body"], error

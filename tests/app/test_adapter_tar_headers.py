@@ -42,6 +42,13 @@ ADAPTER = {FILES[0]: json.dumps(CONFIG).encode(), FILES[1]: save(TENSORS)}
 
 
 @pytest.fixture
+def pool(client: TestClient) -> None:
+    """A live pool of the adapters' model: without one, POST /v1/adapters is refused (`no_pool`)
+    before its tar is read."""
+    register(client, module_shapes={m: [32, 32] for m in POOL_SPEC["target_modules"]}, num_layers=2)
+
+
+@pytest.fixture
 def tarfile_opened(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """What tarfile was asked to do: open an archive, or parse a pax or GNU long-name header. Each
     call is recorded, then refused as tarfile refuses a bad archive (a 422, never a 500)."""
@@ -78,7 +85,11 @@ def _nothing_stored(client: TestClient, tenant: TenantHandle, settings: Settings
 
 
 def test_the_pax_digit_bomb_is_refused_before_tarfile_parses_any_header(
-    client: TestClient, tenant: TenantHandle, settings: Settings, monkeypatch: pytest.MonkeyPatch
+    client: TestClient,
+    tenant: TenantHandle,
+    settings: Settings,
+    pool: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     parsed: list[bytes] = []
     monkeypatch.setattr(tarfile.TarInfo, "_proc_pax", lambda self, tar: parsed.append(self.name))
@@ -91,7 +102,12 @@ def test_the_pax_digit_bomb_is_refused_before_tarfile_parses_any_header(
 
 @pytest.mark.parametrize("case", sorted(refused_archives()))
 def test_hostile_headers_are_refused_by_name_and_tarfile_never_opens_them(
-    client: TestClient, tenant: TenantHandle, settings: Settings, tarfile_opened: list[str], case: str
+    client: TestClient,
+    tenant: TenantHandle,
+    settings: Settings,
+    pool: None,
+    tarfile_opened: list[str],
+    case: str,
 ) -> None:
     body, reason = refused_archives(ADAPTER[FILES[0]])[case]
     _assert_refused(_post(client, tenant, body), reason)
@@ -100,7 +116,7 @@ def test_hostile_headers_are_refused_by_name_and_tarfile_never_opens_them(
 
 
 def test_the_uploads_own_bounds_on_members_and_extended_headers(
-    client: TestClient, tenant: TenantHandle, settings: Settings, tarfile_opened: list[str]
+    client: TestClient, tenant: TenantHandle, settings: Settings, pool: None, tarfile_opened: list[str]
 ) -> None:
     members = b"".join(member(f"m{i}") for i in range(MAX_TAR_MEMBERS + 1)) + END
     _assert_refused(_post(client, tenant, members), f"one of more than {MAX_TAR_MEMBERS} members")

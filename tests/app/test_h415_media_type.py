@@ -247,8 +247,9 @@ def test_the_documents_list_the_415_of_these_routes_and_no_other(app: FastAPI) -
         for op in item.values()
         if isinstance(op, dict) and "415" in op.get("responses", {})
     }
-    # The routes that answer their own 415: a run's creation (TOML), a batch's (msgpack), an upload (tar).
-    assert with_415 == set(CALLS) | POOL_ONLY | {"createRun", "submitBatch", "uploadTenantAdapter"}
+    # The routes that answer their own 415: a run's creation (TOML), a batch's (msgpack), the uploads (tar).
+    own = {"createRun", "submitBatch", "uploadTenantAdapter", "uploadAdapter"}
+    assert with_415 == set(CALLS) | POOL_ONLY | own
     for doc in (public, pool):
         for item in doc["paths"].values():
             for op in item.values():

@@ -40,6 +40,7 @@ def test_an_adapter_whose_xattrs_hold_long_digit_runs_is_stored(
 def test_an_xattr_past_the_bound_is_refused_and_nothing_stored(
     client: TestClient, tenant: TenantHandle, settings: Settings
 ) -> None:
+    register(client, module_shapes={m: [32, 32] for m in POOL_SPEC["target_modules"]}, num_layers=2)
     answer = _post(client, tenant, _with_xattrs("7" * (MAX_DIGIT_RUN + 1)))
     _assert_refused(
         answer, f"holds a run of {MAX_DIGIT_RUN + 1} digits (at most {MAX_DIGIT_RUN} are accepted)"
