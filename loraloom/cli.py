@@ -33,16 +33,17 @@ import tomli_w
 import typer
 
 from loraloom.commands import observe, preflight, revisions
-from loraloom.commands.errors import CliError, ErrorHandlingGroup, ExitCode, require_worker_extra
+from loraloom.commands.errors import CliError, ExitCode, require_worker_extra
 from loraloom.commands.http import DEFAULT_URL, AdminKeyOpt, JsonOpt, KeyOpt, UrlOpt, api, request
 from loraloom.commands.http import echo_json as _echo_json
 from loraloom.commands.http import table as _table
 from loraloom.commands.ids import KeyIdArg, RunIdArg, TenantIdArg
+from loraloom.commands.plain_flags import PlainFlagsGroup
 from loraloom.commands.shown import terminal_safe
 from loraloom.commands.worker import worker
 
 cli = typer.Typer(
-    cls=ErrorHandlingGroup,
+    cls=PlainFlagsGroup,  # the CLI's error handling, and --help without <bool> beside flags
     help="loraloom: multi-tenant RL training service for LoRA adapters.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -638,16 +639,29 @@ def runs_show(
     _echo_json(run) if as_json else _print_run_details(run)
 
 
+EVICTED_FROM_THE_CLI = "evicted from the command line"
+"""The reason `runs evict` sends when given none. The API has no default (its `reason` is required,
+a 422 without one); the dashboard's form sends "evicted from the dashboard" the same way."""
+
+
 @runs_cli.command("evict")
 def runs_evict(
     run_id: RunIdArg,
-    reason: Annotated[str, typer.Option("--reason", help="Why (kept with the run, and in evicted.txt).")],
+    reason: Annotated[
+        str,
+        typer.Option(
+            "--reason",
+            help="Why (kept with the run, and in evicted.txt). Left out or blank: the default.",
+        ),
+    ] = EVICTED_FROM_THE_CLI,
     url: UrlOpt = DEFAULT_URL,
     key: KeyOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Evict a queued or active run; its slot goes to the oldest queued run."""
-    run = api("POST", f"/v1/runs/{run_id}/evict", url=url, key=key, json_body={"reason": reason})
+    # Blank as the dashboard's form does: `--reason "$WHY"` with WHY unset is no reason, not a 422.
+    body = {"reason": reason if reason.strip() else EVICTED_FROM_THE_CLI}
+    run = api("POST", f"/v1/runs/{run_id}/evict", url=url, key=key, json_body=body)
     _echo_json(run) if as_json else _print_run(run)
 
 

@@ -6,12 +6,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from app.errors import error_body
+from app.timestamps import as_utc
+from app.ui import views
 from app.ui.error_pages import install_error_pages
 from app.ui.login_limits import login_failures_for
-from app.ui.router import SignInRequired, TooBusy, render, router, static_files
+from app.ui.router import SignInRequired, TooBusy, render, router, static_files, templates
 
 
 def install_ui(app: FastAPI) -> None:
+    # The pages' <time> elements, in UTC: SQLite hands a stored time back naive, and a Postgres
+    # session in another time zone would hand it back in that zone.
+    templates.env.filters.update(utc=as_utc, iso_utc=views.iso_utc)
     app.state.ui_login_failures = login_failures_for(app.state.settings)
     app.include_router(router)
     app.mount("/ui/static", static_files, name="ui-static")

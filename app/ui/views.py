@@ -1,6 +1,7 @@
 """What the dashboard's pages show, read from the database (no HTTP here)."""
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -13,12 +14,19 @@ from app.pools.models import Pool
 from app.rollouts.models import RolloutStats
 from app.runs.models import Run
 from app.tenants.models import Tenant
+from app.timestamps import as_utc
 from contracts.run_config import RunConfig
 from contracts.status import PoolStatus, RunStatus
 
 RUNS_PER_PAGE = 100
 CHART_STEPS = 1000
 EVENTS_SHOWN = 200
+
+
+def iso_utc(value: datetime) -> str:
+    """A stored time for a `<time datetime>` (the `iso_utc` template filter): ISO 8601 in UTC with
+    its `Z`, as the API writes the same time (the page's live events carry the API's)."""
+    return as_utc(value).isoformat().removesuffix("+00:00") + "Z"
 
 
 @dataclass(frozen=True)
