@@ -9,7 +9,6 @@ import io
 import json
 import tarfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typer.testing import CliRunner
 
 from contracts.wire import TrainingBatch, TrainingSample
 from loraloom.cli import cli
+from loraloom.commands import observe
 from loraloom.commands.worker import check_token
 from orchestrator.client import LoraloomClient
 from tests.app.api import POOL_SPEC, WORKER_HEADERS
@@ -173,13 +173,40 @@ def test_metrics_show_and_plot_the_mean_reward(svc: Service, tmp_path: Path) -> 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_runs_watch_follows_a_run_to_its_end(svc: Service) -> None:
-    run_id = svc.create_run("watched", max_steps=2)
+class StepsSeen:
+    """The steps the watch read in its polls of the run (`loraloom.commands.observe.api` wrapped), so
+    that the trainer reports a step once the watch has seen what it is to see, by condition."""
 
-    def trainer() -> None:  # the pool reports both steps while the watch polls
-        for step in (1, 2):
-            time.sleep(0.3)
-            svc.report_step(run_id, step)
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, run_id: str) -> None:
+        self.steps: list[int] = []
+        self.changed = threading.Condition()
+        real = observe.api
+
+        def watched(method: str, path: str, **kwargs: Any) -> Any:
+            answer = real(method, path, **kwargs)
+            if (method, path) == ("GET", f"/v1/runs/{run_id}"):
+                with self.changed:
+                    self.steps.append(answer["progress"]["step"])
+                    self.changed.notify_all()
+            return answer
+
+        monkeypatch.setattr(observe, "api", watched)
+
+    def wait(self, step: int, times: int = 1) -> None:
+        """Until the watch has read `step` `times` times (or it never will: the assertions say why)."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.steps.count(step) >= times, timeout=30)
+
+
+def test_runs_watch_follows_a_run_to_its_end(svc: Service, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_id = svc.create_run("watched", max_steps=2)
+    seen = StepsSeen(monkeypatch, run_id)
+
+    def trainer() -> None:  # the pool reports each step once the watch has seen the one before
+        seen.wait(0, times=2)  # two polls of step 0: one line for both
+        svc.report_step(run_id, 1)
+        seen.wait(1)
+        svc.report_step(run_id, 2)
 
     thread = threading.Thread(target=trainer)
     thread.start()
@@ -188,9 +215,13 @@ def test_runs_watch_follows_a_run_to_its_end(svc: Service) -> None:
     assert result.exit_code == 0, result.output
     assert f"{run_id} completed" in result.output
     # Not a terminal: a line per change of step or status, not a bar frame per poll (the watch
-    # polled step 0 several times while the trainer slept).
+    # polled step 0 at least twice before the trainer reported step 1).
+    assert seen.steps.count(0) >= 2 and seen.steps.count(1) >= 1, seen.steps
     lines = result.output.splitlines()
     assert lines.count("watched: step 0/2 active") == 1, result.output
+    assert [line for line in lines if line.startswith("watched: step 1/2 ")] == [
+        "watched: step 1/2 active loss=1 grad_norm=0.5"
+    ], result.output
     assert "watched: step 2/2 completed loss=0.5 grad_norm=0.5" in lines, result.output
 
     # A run that ends any other way: exit code 8, with the reason.

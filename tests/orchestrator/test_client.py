@@ -7,7 +7,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,7 +21,7 @@ from orchestrator import errors
 from orchestrator.client import AsyncLoraloomClient, BatchFormat, LoraloomClient
 from orchestrator.models import Run
 from tests.orchestrator.fake_service import FakeService
-from tests.orchestrator.servers import FAST, FaultInjector
+from tests.orchestrator.servers import FAST, FaultInjector, Seen
 
 
 @pytest.fixture
@@ -69,15 +71,87 @@ def test_create_run_idempotent_replay(client: LoraloomClient, service: FakeServi
         client.create_run("idem", {"batch_size": 3}, idempotency_key="key-create-1")
 
 
-@pytest.mark.parametrize("fault", ["503", "500", "drop", "drop_after", "slow:0.4"])
+@dataclass
+class StallingFaults(FaultInjector):
+    """The fault injector with one more fault, "stall": the request is read, held until the client
+    gives up on it (its timeout closes the connection), then handled, its answer going nowhere: a
+    server that took the request too late. Unlike "slow:<seconds>", nothing depends on how long the
+    client's wait is against the server's."""
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self._take_stall(scope["method"], scope["path"]):
+            headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+            self.seen.append(Seen(scope["method"], scope["path"], headers.get("idempotency-key"), STALL))
+            await self._stall(scope, receive)
+        else:
+            await super().__call__(scope, receive, send)
+
+    def _take_stall(self, method: str, path: str) -> bool:
+        with self._lock:
+            queue = self._faults.get((method, path))
+            if queue and queue[0] == STALL:
+                queue.popleft()
+                return True
+            return False
+
+    async def _stall(self, scope: dict, receive: Any) -> None:
+        body: list[bytes] = []
+        while (message := await receive())["type"] == "http.request":
+            body.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        while (await receive())["type"] != "http.disconnect":  # the client's timeout
+            pass
+        replayed = iter([{"type": "http.request", "body": b"".join(body), "more_body": False}])
+
+        async def receive_again() -> dict:
+            return next(replayed, {"type": "http.disconnect"})
+
+        async def nowhere(message: dict) -> None:
+            pass
+
+        await self.app(scope, receive_again, nowhere)
+
+
+STALL = "stall"
+
+
+@pytest.fixture(scope="module")
+def faults(service: FakeService) -> StallingFaults:
+    return StallingFaults(service.app)
+
+
+class TimesOutStalls(httpx.HTTPTransport):
+    """Gives the requests the server is told to stall a short timeout, and every other request the
+    client's own: an answered request never becomes a retry because the machine was slow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stalled: dict[tuple[str, str], int] = {}
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        what = (request.method, request.url.path)
+        if self.stalled.get(what, 0) > 0:
+            self.stalled[what] -= 1
+            request.extensions["timeout"] = httpx.Timeout(STALL_TIMEOUT_S).as_dict()
+        return super().handle_request(request)
+
+
+STALL_TIMEOUT_S = 0.2
+
+
+@pytest.mark.parametrize("fault", ["503", "500", "drop", "drop_after", STALL])
 @pytest.mark.parametrize("fmt", ["msgpack", "json"])
 def test_submit_retries_reuse_one_key_and_store_once(
     base_url: str, service: FakeService, faults: FaultInjector, fault: str, fmt: BatchFormat
 ) -> None:
-    with LoraloomClient(base_url, service.api_key, retry=FAST, timeout=0.2) as client:
+    transport = TimesOutStalls()
+    with LoraloomClient(base_url, service.api_key, retry=FAST, transport=transport) as client:
         run = client.create_run("retry", {})
         path = f"/v1/runs/{run.id}/batches"
         faults.inject("POST", path, fault, fault)
+        if fault == STALL:
+            transport.stalled[("POST", path)] = 2
         info = client.submit_batch(run.id, _batch(step=3), fmt=fmt)
     seen = faults.requests_to("POST", path)
     assert [s.fault for s in seen] == [fault, fault, None]
@@ -347,10 +421,16 @@ def test_wait_until_active_waits_out_the_queue(client: LoraloomClient, service: 
     """The README's create-then-submit got a 409 while the run was still queued."""
     run = client.create_run("queued", {})
     service.set_status(run.id, "queued", slot=None, waiting_reason="all 1 slots are taken")
-    threading.Timer(0.3, lambda: service.set_status(run.id, "active", slot=0, waiting_reason=None)).start()
-    started = time.monotonic()
+
+    def activate_after_two_heartbeats() -> None:  # two rounds of poll and heartbeat while queued
+        deadline = time.monotonic() + 5  # a client that never heartbeats: the assertion below says so
+        while service.heartbeats.get(run.id, 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        service.set_status(run.id, "active", slot=0, waiting_reason=None)
+
+    threading.Thread(target=activate_after_two_heartbeats, daemon=True).start()
     active = client.wait_until_active(run.id, timeout=10, poll=0.05)
-    assert active.status == "active" and time.monotonic() - started >= 0.3
+    assert active.status == "active"
     assert service.heartbeats[run.id] >= 2  # alive while it waited (heartbeat_timeout)
     client.submit_batch(run.id, _batch())
     assert client.wait_until_active(run.id, timeout=0) == client.get_run(run.id)  # already active
