@@ -8,13 +8,14 @@ from typing import Annotated
 
 import anyio
 from fastapi import APIRouter, Header, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import Receive, Scope, Send
 
 from app.auth import TenantDep
 from app.db import SessionDep
+from app.events.deletion import DELETION_ACTION, deletion_delivered
 from app.events.feed import FeedPosition, read_feed
 from app.events.schemas import EventList, EventOut
 from app.limits import InFlight
@@ -101,7 +102,12 @@ def _page(
         200: {
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
             "description": "JSON page, or an SSE stream",
-        }
+        },
+        204: {
+            "description": "SSE only: the run was deleted and its `run.deleted` event is behind "
+            "`Last-Event-ID` (or `cursor`): the stream has nothing more to send, and an EventSource "
+            "stops reconnecting"
+        },
     },
 )
 def list_events(
@@ -114,15 +120,22 @@ def list_events(
     limit: LimitQuery = DEFAULT_LIMIT,
     accept: Annotated[str | None, Header()] = None,
     last_event_id: LastEventId = None,
-) -> EventList | StreamingResponse:
+) -> EventList | Response:
     """The run's lifecycle, oldest first: created, queued (why), admitted, every batch received
     (with the rollout step's reward so far), every trained step (with its metrics), adapters
-    published, checkpoints, and how it ended (who and why). Every event exactly once across pages."""
+    published, checkpoints, and how it ended (who and why). Every event exactly once across pages.
+    A live stream ends after the run's `run.deleted` event (its feed never grows again)."""
     after = start_of(cursor, last_event_id)
     if accept is not None and "text/event-stream" in accept:
         allowed = key_still_valid(principal.api_key_id)
         return event_stream(
-            request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=since, allowed=allowed
+            request,
+            session,
+            run_id=run.id,
+            tenant_id=run.tenant_id,
+            after=after,
+            since=since,
+            allowed=allowed,
         )
     return _page(session, run.id, after, since, limit)
 
@@ -145,16 +158,23 @@ class _CountedStream(StreamingResponse):
 
 def event_stream(
     request: Request,
+    session: Session,
     *,
     run_id: str,
     tenant_id: str,
     after: FeedPosition | None,
     since: datetime | None,
     allowed: StillAllowed,
-) -> StreamingResponse:
+) -> Response:
     """The run's live stream (the API's and the dashboard's), counted against the tenant's
     `tenant_max_event_streams`: a 429 past it (app/limits.py). It ends once `allowed` says no
-    (checked every SSE_RECHECK_SECONDS), and once the server begins to shut down."""
+    (checked every SSE_RECHECK_SECONDS), once the server begins to shut down, and once it has sent
+    the run's deletion (app/events/deletion.py). A stream that would start past the deletion (an
+    EventSource reconnecting after it) is a 204 at once, holding no place: an EventSource does not
+    reconnect after a non-200 answer, while a stream that ended at once it reopened for ever.
+    `session`: the request's (on SQLite a second one would wait for its write lock)."""
+    if deletion_delivered(session, run_id=run_id, after=after, since=since):
+        return Response(status_code=204, headers={"Cache-Control": "no-cache"})
     streams: InFlight = request.app.state.event_streams
     streams.acquire(tenant_id)
     factory: sessionmaker[Session] = request.app.state.session_factory
@@ -169,11 +189,25 @@ def _read(
     since: datetime | None,
     allowed: StillAllowed | None,
 ) -> EventList | None:
-    """The next page, or None when `allowed` (if given) says the viewer may no longer read it."""
+    """The next page, or None when `allowed` (if given) says the stream is to end: the viewer may no
+    longer read it, or it has nothing more to wait for (`_still_worth_streaming`)."""
     with factory() as session:
         if allowed is not None and not allowed(session):
             return None
         return _page(session, run_id, after, since, 200)
+
+
+def _still_worth_streaming(
+    allowed: StillAllowed, run_id: str, after: FeedPosition | None, since: datetime | None
+) -> StillAllowed:
+    """The periodic check: the viewer may still read the stream, and the run's deletion is not
+    behind it. Its own `run.deleted` ends a stream at once (`stream_events`); this catches the
+    deletion a stream never gets (before `since`, purged) and a run purged altogether."""
+
+    def check(session: Session) -> bool:
+        return allowed(session) and not deletion_delivered(session, run_id=run_id, after=after, since=since)
+
+    return check
 
 
 async def stream_events(
@@ -194,15 +228,18 @@ async def stream_events(
     started = last_sent = checked = anyio.current_time()
     while anyio.current_time() - started < SSE_MAX_SECONDS and not shutdown.begun:
         due = anyio.current_time() - checked >= SSE_RECHECK_SECONDS
-        page = await anyio.to_thread.run_sync(_read, factory, run_id, after, since, allowed if due else None)
+        recheck = _still_worth_streaming(allowed, run_id, after, since) if due else None
+        page = await anyio.to_thread.run_sync(_read, factory, run_id, after, since, recheck)
         if page is None:
-            return  # the key was revoked, the session ended: the reconnect gets its 401
+            return  # the key was revoked, the session ended (the reconnect gets its 401), the run left
         if due:
             checked = anyio.current_time()
         for item in page.items:
             data = json.dumps(item.model_dump(mode="json"), separators=(",", ":"))
             yield f"id: {item.cursor}\nevent: {item.action}\ndata: {data}\n\n"
             last_sent = anyio.current_time()
+            if item.action == DELETION_ACTION:
+                return  # nothing happens to a deleted run any more; the reconnect gets a 204
         if page.next_cursor is not None:
             after = FeedPosition.decode(page.next_cursor)
         if page.has_more:

@@ -46,7 +46,7 @@ from app.tinker.schemas import (
     parse_request,
     shown,
 )
-from app.tinker.service import NotSupported, touch_model
+from app.tinker.service import NotSupported, get_session, touch_model
 from app.tinker.work import (
     MAX_ITEMS,
     PENDING,
@@ -118,13 +118,17 @@ def base_model_key(base_model: str) -> str:
 
 def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str, Any]) -> Sampler:
     """A sampling client for `tinker://` sampler weights of the tenant's own model, or for the
-    base model of a live pool."""
+    base model of a live pool, in the caller's own session (`session_id`, which the SDK always
+    sends): another tenant's session, or a missing one, is the 404 of every Tinker route (`get_session`).
+    It was ignored, so any id was taken. Checked after what to sample (whose 404s and 422s say
+    what is wrong with it) and before anything is stored."""
     request = parse_request(CreateSamplingSessionRequest, body, call="create_sampling_session")
     path, base_model = request.model_path, request.base_model
     if path is not None:
         run_id, step = resolve_sampler_path(
             session, tenant_id=tenant_id, path=path, loc=(*BODY_LOC, "model_path")
         )
+        _check_own_session(session, tenant_id=tenant_id, session_id=request.session_id)
         # A session samples nothing but (run, step, path), so one row serves every client of the
         # same weights: a new row per call let a tenant add rows without bound (hostile probe,
         # finding 11). Rows are bounded by the sampler saves, and purged once their run has left
@@ -152,12 +156,21 @@ def create_sampling_session(session: Session, *, tenant_id: str, body: dict[str,
     if base_model is not None:
         if live_pool(session, base_model=base_model) is None:
             raise NotFound(f"no pool serves the base model {base_model!r}", code="pool_not_found")
+        _check_own_session(session, tenant_id=tenant_id, session_id=request.session_id)
         return Sampler(base_sampler_id(base_model), base_model, None)
     needed = "one of model_path (a tinker:// sampler path) or base_model is needed"
     raise ValidationFailed(
         "create_sampling_session needs model_path (a tinker:// sampler path) or base_model",
         details=[body_problem((field,), needed, "missing") for field in ("model_path", "base_model")],
     )
+
+
+def _check_own_session(session: Session, *, tenant_id: str, session_id: str | None) -> None:
+    """The 404 of a `session_id` that is not one of the tenant's sessions. A body without one
+    (a hand-made request; the SDK always sends it) is still taken: a sampler belongs to the tenant
+    and its weights, never to a session."""
+    if session_id is not None:
+        get_session(session, tenant_id=tenant_id, session_id=session_id)
 
 
 def get_sampling_session(session: Session, *, tenant_id: str, sampler_id: str) -> Sampler:

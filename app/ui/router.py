@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Form, Query, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
@@ -279,15 +279,17 @@ def run_events(
     request: Request,
     viewer: ViewerDep,
     run: OwnedRun,
+    session: SessionDep,
     cursor: Annotated[str | None, Query(max_length=128)] = None,
     last_event_id: LastEventId = None,
-) -> StreamingResponse:
+) -> Response:
     """The run's live event stream for the page's EventSource (cookie-authenticated); a bad cursor
-    or Last-Event-ID is a 422 before the stream starts, as on the API (app/events/router.py start_of)."""
+    or Last-Event-ID is a 422 before the stream starts, as on the API (app/events/router.py start_of),
+    and it ends after the run's deletion, as there (a 204 once past it)."""
     after = start_of(cursor, last_event_id)
     allowed = still_signed_in(viewer.session_id)
     return event_stream(
-        request, run_id=run.id, tenant_id=run.tenant_id, after=after, since=None, allowed=allowed
+        request, session, run_id=run.id, tenant_id=run.tenant_id, after=after, since=None, allowed=allowed
     )
 
 
