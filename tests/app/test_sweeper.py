@@ -89,9 +89,10 @@ def test_a_failing_job_does_not_stop_the_others(
 
 
 def test_background_loop_declares_a_silent_pool_dead(settings: Settings, monkeypatch) -> None:
-    # The timeout must outlast the set-up below (run creation, a claimed batch) even on a loaded
-    # machine: a batch inserted after the pool was already declared dead would never be returned.
-    fast = settings.model_copy(update={"pool_timeout_seconds": 3.0, "sweep_interval_seconds": 0.05})
+    # The default pool timeout outlasts any set-up below: the pool falls silent only when the test
+    # dates its last heartbeat back, once its claimed batch is in (a batch inserted after the pool
+    # was already declared dead would never be returned).
+    fast = settings.model_copy(update={"sweep_interval_seconds": 0.05})
     real = sweeper.sweep_once
     calls = {"n": 0}
 
@@ -111,6 +112,8 @@ def test_background_loop_declares_a_silent_pool_dead(settings: Settings, monkeyp
             batch_id = claimed_batch(
                 db, run_id=run["id"], pool_id=pool_id, lease_expires_at=datetime.now(UTC) + timedelta(hours=1)
             )
+            db.get_one(Pool, pool_id).last_heartbeat_at = datetime.now(UTC) - timedelta(hours=1)
+            db.commit()
         deadline = time.monotonic() + 30
         status = 200
         while time.monotonic() < deadline:

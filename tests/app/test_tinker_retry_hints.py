@@ -19,6 +19,7 @@ it backs off from or retries.
 import asyncio
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -167,14 +168,45 @@ def _spy_checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return checked
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One poll's `LongPolls.enter`, seen inside the server: the wait it was given, how long it took
+    on the event loop's clock, and whether it got a place."""
+
+    wait_s: float
+    took_s: float
+    got_place: bool
+
+
+CLOCK_SLACK_S = 0.01
+"""The event loop may run a timer up to its clock's resolution early (nanoseconds): a wait that
+ended by its timeout took its wait_s less at most this."""
+
+
+def _spy_entries(monkeypatch: pytest.MonkeyPatch) -> list[_Entry]:
+    """Every poll's entry into the line that ended (a place, or its wait over), in that order."""
+    entries: list[_Entry] = []
+    real = LongPolls.enter
+
+    async def spying(self: LongPolls, tenant_id: str, *, wait_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        got_place = await real(self, tenant_id, wait_s=wait_s)
+        entries.append(_Entry(wait_s=wait_s, took_s=loop.time() - started, got_place=got_place))
+        return got_place
+
+    monkeypatch.setattr(LongPolls, "enter", spying)
+    return entries
+
+
 def test_a_poll_past_the_cap_waits_without_a_place_or_a_query_then_says_try_again(served, monkeypatch):
     app, server = served
     # The first poll holds the place for longer than the client waits (30 s): the second one can
-    # answer only by its own wait in line ending (2 s: 100x the 20 ms the test takes to see it
-    # there), never by a place coming up.
+    # answer only by its own wait in line ending, never by a place coming up.
     monkeypatch.setattr(tinker_router, "LONG_POLL_S", 60.0)
     monkeypatch.setattr(tinker_router, "LONG_POLL_WAIT_S", 2.0)
     checked = _spy_checks(monkeypatch)
+    entries = _spy_entries(monkeypatch)
     with httpx.Client(base_url=server.url, timeout=30) as http:
         tenant = new_tenant(http)
         model_id, pending, headers = _pending(http, tenant)
@@ -189,13 +221,13 @@ def test_a_poll_past_the_cap_waits_without_a_place_or_a_query_then_says_try_agai
             waiting = asyncio.create_task(
                 c.post("/api/v1/retrieve_future", json={"request_id": done}, headers=headers)
             )
-            # Seen in line, unanswered: it waits (the SDK polls again at once on "try again", so an
-            # answer at once would make it poll in a tight loop).
-            await asyncio.to_thread(
-                _wait_until, lambda: _places(app, tenant.id) == (1, 1) or waiting.done(), "in line"
-            )
-            assert not waiting.done(), waiting.result().text
             answer = await waiting
+            # It waited in line, its whole wait, for no place (the SDK polls again at once on "try
+            # again", so an answer at once would make it poll in a tight loop).
+            held_entry, waited = entries
+            assert held_entry.got_place
+            assert not waited.got_place and waited.wait_s == 2.0, waited
+            assert waited.took_s >= waited.wait_s - CLOCK_SLACK_S, waited
             # "Try again" once its wait is over, while the first poll still holds the place: it
             # did not wait for the place.
             assert answer.status_code == 200, answer.text

@@ -11,11 +11,15 @@ trained through all three races, ends with the adapter of the same run trained a
 
 import contextlib
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import update
 
+from app.db import make_engine, utcnow
+from app.runs.models import Run
 from tests.e2e.helpers import (
     assert_trained_alike,
     download_adapter_tensors,
@@ -33,6 +37,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres_only]
 OTHER_CONFIG = {"max_steps": 6, "seed": 5}
 OTHER_SEEDS = [1, 2, 3, 4, 5, 6]  # one batch of 4 samples = one step
 FINAL = ("completed", "evicted", "failed", "deleted")
+VICTIM_HEARTBEAT_TIMEOUT = 60.0
+"""Long enough that no stall of a loaded machine between two heartbeats evicts the victim early: the
+test makes it silent itself, once its key is revoked (`_fall_silent`)."""
 
 
 def _tenant(live_service, name: str) -> tuple[httpx.Client, str, str]:
@@ -65,16 +72,33 @@ def _push(client: httpx.Client, run_id: str, seeds: list[int]) -> None:
 
 
 class _Heartbeats(threading.Thread):
-    """The victim's orchestrator: heartbeats its run until its key is revoked (401s are ignored)."""
+    """The victim's orchestrator: heartbeats its run until its key is revoked (401s are ignored,
+    but noted in `refused`)."""
 
     def __init__(self, client: httpx.Client, run_id: str) -> None:
         super().__init__(daemon=True)
         self.client, self.run_id, self.stop = client, run_id, threading.Event()
+        self.refused = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.3):
             with contextlib.suppress(httpx.HTTPError):
-                self.client.post(f"/v1/runs/{self.run_id}/heartbeat")
+                response = self.client.post(f"/v1/runs/{self.run_id}/heartbeat")
+                if response.status_code == 401:
+                    self.refused.set()
+
+
+def _fall_silent(database_url: str, run_id: str) -> None:
+    """Date the run's last heartbeat an hour back, as if its orchestrator had been silent that long:
+    the next sweep evicts it, with no real-time wait (and no real-time window) for its timeout."""
+    engine = make_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                update(Run).where(Run.id == run_id).values(last_heartbeat_at=utcnow() - timedelta(hours=1))
+            )
+    finally:
+        engine.dispose()
 
 
 def _pause_on(pause: Path, run_id: str) -> None:
@@ -83,7 +107,9 @@ def _pause_on(pause: Path, run_id: str) -> None:
     tmp.replace(pause)  # atomic: the pool never reads half an id
 
 
-def test_evict_delete_revoke_mid_step_leave_the_pool_and_the_other_run_untouched(live_service, tmp_path):
+def test_evict_delete_revoke_mid_step_leave_the_pool_and_the_other_run_untouched(
+    live_service, database_url, tmp_path
+):
     pause = tmp_path / "pause"
     log_path = tmp_path / "pool.log"
     alice, _, _ = _tenant(live_service, "alice")
@@ -95,7 +121,7 @@ def test_evict_delete_revoke_mid_step_leave_the_pool_and_the_other_run_untouched
     try:
         for i, action in enumerate(["evict", "delete", "revoke"]):
             bob, bob_id, bob_key_id = _tenant(live_service, f"bob-{action}")
-            extra = {"heartbeat_timeout": 2.0} if action == "revoke" else {}
+            extra = {"heartbeat_timeout": VICTIM_HEARTBEAT_TIMEOUT} if action == "revoke" else {}
             victim = _create(bob, f"victim-{action}", max_steps=3, seed=9, **extra)
             beats = _Heartbeats(bob, victim)
             beats.start()
@@ -123,9 +149,14 @@ def test_evict_delete_revoke_mid_step_leave_the_pool_and_the_other_run_untouched
                     bob = httpx.Client(
                         base_url=live_service.url, headers={"Authorization": f"Bearer {fresh}"}, timeout=30
                     )
+                # Its heartbeats are refused from here on: none can refresh the date moved back next.
+                assert beats.refused.wait(timeout=30), "the revoked key's heartbeats were still accepted"
+                _fall_silent(database_url, victim)
                 wait_for(
                     lambda: run_status(bob, victim)["status"] == "evicted",  # noqa: B023
-                    timeout=30,
+                    # A timeout counts from the sweeper's start at the earliest (app/runs/service.py,
+                    # _is_silent): if the service started less than that ago, the eviction waits for it.
+                    timeout=VICTIM_HEARTBEAT_TIMEOUT + 30,
                     what="the silent victim's eviction",
                 )
             beats.stop.set()
