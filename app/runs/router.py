@@ -84,6 +84,11 @@ def create_run(
     """Create a run (JSON, or TOML with `Content-Type: application/toml`). It is `active`
     if it got a slot within its tenant's quota, else `queued`. `config.mode` `manual` is a 422:
     a Tinker training model's run is made by the Tinker API (create_model)."""
+    # The key's lookup (on a cache miss) began this session's transaction: a pooled connection, and
+    # on SQLite the database's write lock (BEGIN IMMEDIATE). It is ended before the body is parsed
+    # (CPU time: tens of milliseconds at most for a TOML body), so other requests' writes go on
+    # meanwhile and a refused body never held either; create_run begins its own. Nothing was written.
+    session.commit()
     payload = parse_run_create(body, request.headers.get("content-type"))
     run, created = service.create_run(
         session,

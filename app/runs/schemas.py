@@ -3,16 +3,26 @@
 import hashlib
 import json
 import re
+import threading
 import tomllib
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from app import http_semantics
 from app.errors import PayloadTooLarge, UnsupportedMediaType, ValidationFailed
 from app.request_guard import (
     first_path,
+    has_digit_run,
     integer_too_long,
     integer_too_long_message,
     long_integer_in_json,
@@ -22,9 +32,10 @@ from app.request_guard import (
     too_deep,
 )
 from app.runs.models import Run
+from app.runs.toml_bounds import TomlTextExcess, skeleton_excess, toml_skeleton, toml_text_excess
 from app.timestamps import UtcDatetime
 from contracts.names import MAX_RUN_NAME_CHARS, RUN_NAME_PATTERN, RUN_NAME_RULE, run_name_problem
-from contracts.pool_api import InitFrom
+from contracts.pool_api import INT32_MAX, InitFrom
 from contracts.progress import Progress
 from contracts.run_config import METADATA_MAX_VALUES, Excess, RunConfig, metadata_excess, shape_excess
 from contracts.status import RunStatus
@@ -55,15 +66,34 @@ class InitFromRun(BaseModel):
         max_length=16,
         description="An adapter uploaded with POST /v1/adapters (instead of run_id).",
     )
-    step: int | Literal["latest"] | None = Field(
+    step: Annotated[int, Field(ge=0, le=INT32_MAX)] | Literal["latest"] | None = Field(
         default=None, description="An adapter step (>= 1), or latest (the default without checkpoint)."
     )
-    checkpoint: int | Literal["latest"] | None = Field(
+    checkpoint: Annotated[int, Field(ge=0, le=INT32_MAX)] | Literal["latest"] | None = Field(
         default=None, description="A checkpoint step, or latest: the pool that trained the run loads it."
     )
     with_optimizer: bool = Field(
         default=False, description="With checkpoint: also its optimizer and schedule (resume/fork exactly)."
     )
+
+    @field_validator("step", "checkpoint", mode="before")
+    @classmethod
+    def _stored_step(cls, value: Any) -> Any:
+        """A step as the database stores it (a 32-bit column), checked before the union's own
+        validation: that one took `true` as step 1 and a float 1.0 as 1, and named each member of
+        the union in its errors; a step past the column's range was a 500 (OverflowError, SQLite) or
+        a 422 that named no field (Postgres), and a negative one a 404."""
+        if value is None or value == "latest":
+            return value
+        if type(value) is not int:  # bool is an int subclass: `true` is no step
+            raise PydanticCustomError("int_type", "must be an integer step or 'latest'")
+        if value < 0:
+            raise PydanticCustomError("greater_than_equal", "must be at least {ge}", {"ge": 0})
+        if value > INT32_MAX:
+            raise PydanticCustomError(
+                "less_than_equal", "must be at most {le} (a step's bound)", {"le": INT32_MAX}
+            )
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> "InitFromRun":
@@ -254,16 +284,7 @@ def _parsed(body: bytes, media_type: str) -> Any:
     # than 4300 digits (sys.get_int_max_str_digits), which neither parser turns into its own error:
     # that one is answered as the number too long, in its field (app/request_guard.py).
     if media_type in TOML_CONTENT_TYPES:
-        try:
-            text = body.decode("utf-8")
-            return tomllib.loads(text)
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-            raise _malformed("TOML", str(exc)) from exc
-        except ValueError as exc:
-            too_long = long_integer_in_toml(text)
-            if too_long is not None:
-                raise ValidationFailed(integer_too_long_message(too_long), details=[too_long]) from exc
-            raise _malformed("TOML", str(exc)) from exc
+        return _parsed_toml(body)
     elif media_type == "" or http_semantics.is_json(media_type):  # none: JSON (the request guard agrees)
         try:
             return json.loads(body)
@@ -280,6 +301,77 @@ def _parsed(body: bytes, media_type: str) -> Any:
         )
 
 
+_ONE_TOML_PARSE = threading.Lock()
+"""tomllib is pure Python: within the text's bounds a 64 KiB body still takes up to ~80 ms of the
+GIL, and 8 such parses at once took another tenant's GET /v1/runs from 4 ms to 530 ms (median): one
+parse at a time per process leaves the other requests their share (docs/benchmarks.md). A TOML body
+is the CLI's and curl's convenience; the SDK sends JSON."""
+
+
+def _parsed_toml(body: bytes) -> Any:
+    """The TOML body parsed, once its text is within the bounds that keep tomllib's time small
+    (app/runs/toml_bounds.py), or a 422."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _malformed("TOML", str(exc)) from exc
+    skeleton = toml_skeleton(text)
+    excess = skeleton_excess(skeleton, max_values=MAX_CREATE_BODY_VALUES)
+    if excess is not None:
+        raise _toml_too_big(excess)
+    too_long = _long_integer_found_first(text, skeleton)
+    if too_long is not None:
+        raise ValidationFailed(integer_too_long_message(too_long), details=[too_long])
+    try:
+        with _ONE_TOML_PARSE:
+            return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _malformed("TOML", str(exc)) from exc
+    except ValueError as exc:
+        too_long = long_integer_in_toml(text)
+        if too_long is not None:
+            raise ValidationFailed(integer_too_long_message(too_long), details=[too_long]) from exc
+        raise _malformed("TOML", str(exc)) from exc
+
+
+def _long_integer_found_first(text: str, skeleton: str) -> dict[str, Any] | None:
+    """The 422 detail item of an integer too long for int(), found in its field before the body is
+    parsed as it is, or None. Parsed as it is first, such a body was parsed twice: once up to int()'s
+    ValueError (which names no field), then again with the number marked (long_integer_in_toml). A
+    run of digits outside strings and comments (the skeleton's, underscores left out as int() leaves
+    them) is looked for first: for a body with none, nothing is done."""
+    limit = max_int_digits()
+    if not limit or not has_digit_run(skeleton.replace("_", "").encode(), limit):
+        return None
+    too_long = long_integer_in_toml(text)
+    # Not found in a field: a digit run in a key, a float's, or a body malformed elsewhere; the
+    # parse as it is answers (and finds the number again if int() refuses it).
+    return too_long if too_long is not None and too_long["loc"] != ["body"] else None
+
+
+def _toml_too_big(excess: TomlTextExcess) -> ValidationFailed:
+    """The 422 of a TOML text past a bound: in the same words and `type` as the checks after the
+    parse would use (nesting, the body's values), so a client sees one error whichever answers."""
+    if excess.bound == "depth":
+        return _malformed("TOML", "nested too deeply")
+    if excess.bound == "values":
+        return _too_big(["body"], "the body", Excess("values", excess.limit, excess.measured, at_least=True))
+    if excess.bound == "key_parts":
+        message = (
+            f"nested too deeply: a key or table header of {excess.measured} dotted parts "
+            f"(at most {excess.limit})"
+        )
+        kind = "too_deep"
+    else:
+        message = (
+            f"keys too long: checking them walks {excess.measured} key parts (at most {excess.limit}; "
+            "each key/value pair counts its key's parts times those and the longest table header's)"
+        )
+        kind = "keys_too_long"
+    detail = {"loc": ["body"], "msg": message, "type": kind, "limit": excess.limit, "actual": excess.measured}
+    return ValidationFailed(f"malformed TOML body: {message}", details=[detail])
+
+
 def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
     """Parse and validate a create-run body, JSON or TOML, or raise a 413/415/422 domain error."""
     media_type = http_semantics.media_type(content_type)
@@ -288,8 +380,10 @@ def parse_run_create(body: bytes, content_type: str | None) -> RunCreate:
             f"a TOML run body is at most {MAX_TOML_BODY_BYTES} bytes (this one is {len(body)}); "
             "send it as JSON, or leave out comments and padding"
         )
-    if too_deep(body):  # before a (recursive) parser sees it
-        raise _malformed("TOML" if media_type in TOML_CONTENT_TYPES else "JSON", "nested too deeply")
+    # Before a (recursive) parser sees it; a TOML body's nesting is measured on its text with the
+    # strings left out as TOML writes them (app/runs/toml_bounds.py), not as JSON does.
+    if media_type not in TOML_CONTENT_TYPES and too_deep(body):
+        raise _malformed("JSON", "nested too deeply")
     data = _parsed(body, media_type)
     too_big = size_problem(data)
     if too_big is not None:
@@ -341,6 +435,10 @@ def long_integer_in_toml(text: str) -> dict[str, Any] | None:
     marked = _TOML_DECIMAL.sub(mark, text)
     if not long_runs:
         return None
+    # The marks change no key (a digit run in one stays one part), but a run inside a string splits
+    # it: the marked text is held to the text's bounds too before it is parsed.
+    if toml_text_excess(marked, max_values=MAX_CREATE_BODY_VALUES) is not None:
+        return integer_too_long(["body"], long_runs[0], limit)
     try:
         data = tomllib.loads(marked)
     except ValueError:
