@@ -105,8 +105,8 @@ def _page(
         },
         204: {
             "description": "SSE only: the run was deleted and its `run.deleted` event is behind "
-            "`Last-Event-ID` (or `cursor`): the stream has nothing more to send, and an EventSource "
-            "stops reconnecting"
+            "`Last-Event-ID` (or `cursor`), before `since`, or purged: the stream has nothing more to "
+            "send, and an EventSource stops reconnecting"
         },
     },
 )

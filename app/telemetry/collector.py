@@ -80,6 +80,12 @@ the next scrape reads again; meanwhile, and while that one is under way too, scr
 nor a wait without end."""
 
 
+MAX_WAITING_SCRAPES = 4
+"""Scrapes that wait for a reading under way (several workers); past them, a scrape gets the
+previous figures at once. /metrics is open by default and its route runs in the thread pool: a flood
+of anonymous scrapers, each waiting, would hold every thread other tenants' requests need."""
+
+
 def database_down() -> list[Metric]:
     """What a scrape answers of a database it cannot read (DatabaseCollector's failure too)."""
     up = GaugeMetricFamily("loraloom_database_up", "1 if the scrape could read the database.")
@@ -110,11 +116,13 @@ class ScrapeCache(Generic[T]):
     reading. Several workers (the multiprocess mode) each have a cache: a worker's previous reading
     may be older than the one another worker just answered, and a counter seen to drop is a reset
     to Prometheus, so there scrapes wait for the fresh reading (a scrape then sees figures at most
-    `ttl_s` plus a reading old: monotonic for a scraper whose interval is longer).
+    `ttl_s` plus a reading old: monotonic for a scraper whose interval is longer); at most
+    MAX_WAITING_SCRAPES of them at once, the others get the previous figures.
 
     A reading under way past STALLED_READING_S is given up: the next scrape starts another one (at
     most one given-up reading is left running: a database that hangs every connection holds two
-    threads, not one per 30 s), and scrapes answer `stalled()` (the database down) until one ends.
+    threads, not one per 30 s), and scrapes answer `stalled()` (the database down) until one ends:
+    the figures from before the stall are not served again as those of a database that is up.
     Thread-safe: the route runs in a thread pool."""
 
     def __init__(
@@ -137,6 +145,8 @@ class ScrapeCache(Generic[T]):
         self._reading: _Reading | None = None
         self._given_up: _Reading | None = None
         """A stalled reading still running (its thread is not ours to stop)."""
+        self._waiting = 0
+        """Scrapes waiting for the reading under way (each holds a thread of the pool)."""
 
     @property
     def stalled_after_s(self) -> float:
@@ -154,13 +164,22 @@ class ScrapeCache(Generic[T]):
                     return self._stalled()  # and the next scrape reads again
                 if self._latest is not None and now < self._fresh_until:
                     return self._latest
-                if self._latest is not None and reading is not None and self.previous_while_reading:
-                    return self._latest  # the previous figures while the next are being read
+                if reading is not None and self._latest is not None:
+                    if self._given_up is not None and self._latest_started < self._given_up.started:
+                        return self._stalled()  # the figures from before a stall are not "up"
+                    if self.previous_while_reading or self._waiting >= MAX_WAITING_SCRAPES:
+                        return self._latest  # the previous figures while the next are being read
                 if reading is None:
                     reading = self._reading = _Reading(now)
                     break  # this scrape reads
                 waited = reading.started + self.stalled_after_s - now
-            if not reading.done.wait(max(waited, 0.0)):
+                self._waiting += 1
+            try:
+                ended = reading.done.wait(max(waited, 0.0))
+            finally:
+                with self._lock:
+                    self._waiting -= 1
+            if not ended:
                 return self._stalled()  # that reading stalled
             with self._lock:
                 if self._latest is not None and self._latest_started >= reading.started:

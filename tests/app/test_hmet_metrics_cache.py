@@ -9,6 +9,7 @@ up. With several workers a scrape waits for the reading under way. The pauses ar
 events in the reading, never sleeps. Both databases."""
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -352,37 +353,91 @@ def test_a_given_up_reading_that_ends_late_does_not_replace_newer_figures() -> N
         release.set()
 
 
+def _until(condition: Callable[[], bool]) -> None:
+    """Wait for a condition another thread makes true (a bound for a broken test only)."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.001)
+
+
 def test_with_several_workers_a_scrape_waits_for_the_reading_under_way() -> None:
     """Each worker has its own cache: a worker's previous figures may be older than those another
     worker just answered, a counter going back (a reset to Prometheus). So there a scrape that
-    comes during a reading waits for it (announced at its pause point) and gets the new figures."""
-    from app.telemetry import collector
+    comes during a reading waits for it (the cache counts it waiting) and gets the new figures."""
+    from app.telemetry.collector import ScrapeCache
 
     now = [0.0]
     read, entered, release = _blocking_reads(hang_first=2)
-    cache = collector.ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0], previous_while_reading=False)
+    cache = ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0], previous_while_reading=False)
     release.set()
     assert cache.get() == ["figures 1"]
     release.clear()
     now[0] += 6
-    leader, first = _in_thread(cache.get)
-    assert entered[1].wait(WAIT_S)
-    waiting = threading.Event()
-    real_wait = threading.Event.wait
-
-    def announced(event: threading.Event, timeout: float | None = None) -> bool:
-        waiting.set()
-        return real_wait(event, timeout)
-
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(threading.Event, "wait", announced)  # the cache's events are threading.Events
-            follower, second = _in_thread(cache.get)
-            assert waiting.wait(WAIT_S), "the scrape did not wait for the reading under way"
+        leader, first = _in_thread(cache.get)
+        assert entered[1].wait(WAIT_S)
+        follower, second = _in_thread(cache.get)
+        _until(lambda: cache._waiting == 1)  # it waits, where one process answers at once
+        assert not second
         release.set()
         leader.join(WAIT_S)
         follower.join(WAIT_S)
         assert first == second == [["figures 2"]]
+    finally:
+        release.set()
+
+
+def test_only_a_few_scrapes_wait_the_others_get_the_previous_figures() -> None:
+    """Each waiting scrape holds a thread of the pool: a flood of scrapers must not hold them all."""
+    from app.telemetry.collector import MAX_WAITING_SCRAPES, ScrapeCache
+
+    now = [0.0]
+    read, entered, release = _blocking_reads(hang_first=2)
+    cache = ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0], previous_while_reading=False)
+    release.set()
+    assert cache.get() == ["figures 1"]
+    release.clear()
+    now[0] += 6
+    try:
+        leader, _ = _in_thread(cache.get)
+        assert entered[1].wait(WAIT_S)
+        waiters = [_in_thread(cache.get) for _ in range(MAX_WAITING_SCRAPES)]
+        _until(lambda: cache._waiting == MAX_WAITING_SCRAPES)
+        assert cache.get() == ["figures 1"]  # at once: the previous figures
+        release.set()
+        for thread, out in waiters:
+            thread.join(WAIT_S)
+            assert out == [["figures 2"]]
+        leader.join(WAIT_S)
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("previous_while_reading", [True, False])
+def test_the_figures_from_before_a_stall_are_not_served_as_up(previous_while_reading: bool) -> None:
+    """Once a stalled reading is given up, the next reading may hang too: while it runs, scrapes
+    answer the database down, not the figures read before the stall with `database_up 1`."""
+    from app.telemetry.collector import STALLED_READING_S, ScrapeCache
+
+    now = [0.0]
+    read, entered, release = _blocking_reads(hang_first=3)
+    cache = ScrapeCache(
+        lambda: ["figures 0"] if not entered[0].is_set() and now[0] == 0.0 else read(),
+        ttl_s=5.0,
+        clock=lambda: now[0],
+        previous_while_reading=previous_while_reading,
+    )
+    try:
+        assert cache.get() == ["figures 0"]
+        now[0] = 10.0  # expired
+        _in_thread(cache.get)  # hangs
+        assert entered[0].wait(WAIT_S)
+        now[0] += STALLED_READING_S + 1
+        assert _is_down(cache.get())  # given up
+        _in_thread(cache.get)  # the next reading: hangs too
+        assert entered[1].wait(WAIT_S)
+        assert _is_down(cache.get())  # not ["figures 0"]
     finally:
         release.set()
 

@@ -28,7 +28,7 @@
     const li = document.createElement("li");
     const time = document.createElement("time");
     time.dateTime = ev.at;
-    time.textContent = new Date(ev.at).toLocaleTimeString();
+    time.textContent = ev.at.slice(11, 19);  // UTC, as the rows the service rendered (HH:MM:SS)
     const action = document.createElement("strong");
     action.textContent = ev.action;
     const actor = document.createElement("span");
