@@ -152,23 +152,32 @@ class ScrapeCache(Generic[T]):
     def stalled_after_s(self) -> float:
         return max(self.ttl_s, STALLED_READING_S)
 
+    def _at_once(self, now: float) -> T | None:
+        """What a scrape answers without reading nor waiting, if anything (under the lock)."""
+        reading = self._reading
+        if reading is not None and now - reading.started > self.stalled_after_s:
+            if self._given_up is None or self._given_up.done.is_set():
+                self._given_up, self._reading = reading, None  # the next scrape reads again
+            return self._stalled()  # (if two readings hang, the database does not answer)
+        if self._latest is None:
+            return None
+        if now < self._fresh_until:
+            return self._latest
+        if reading is not None:
+            if self._given_up is not None and self._latest_started < self._given_up.started:
+                return self._stalled()  # the figures from before a stall are not "up"
+            if self.previous_while_reading or self._waiting >= MAX_WAITING_SCRAPES:
+                return self._latest  # the previous figures while the next are being read
+        return None
+
     def get(self) -> T:
         while True:
             with self._lock:
                 now = self._clock()
+                answer = self._at_once(now)
+                if answer is not None:
+                    return answer
                 reading = self._reading
-                if reading is not None and now - reading.started > self.stalled_after_s:
-                    if self._given_up is not None and not self._given_up.done.is_set():
-                        return self._stalled()  # two readings hang: the database does not answer
-                    self._given_up, self._reading = reading, None
-                    return self._stalled()  # and the next scrape reads again
-                if self._latest is not None and now < self._fresh_until:
-                    return self._latest
-                if reading is not None and self._latest is not None:
-                    if self._given_up is not None and self._latest_started < self._given_up.started:
-                        return self._stalled()  # the figures from before a stall are not "up"
-                    if self.previous_while_reading or self._waiting >= MAX_WAITING_SCRAPES:
-                        return self._latest  # the previous figures while the next are being read
                 if reading is None:
                     reading = self._reading = _Reading(now)
                     break  # this scrape reads
