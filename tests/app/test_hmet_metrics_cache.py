@@ -361,22 +361,29 @@ def _until(condition: Callable[[], bool]) -> None:
         time.sleep(0.001)
 
 
-def test_with_several_workers_a_scrape_waits_for_the_reading_under_way() -> None:
-    """Each worker has its own cache: a worker's previous figures may be older than those another
-    worker just answered, a counter going back (a reset to Prometheus). So there a scrape that
-    comes during a reading waits for it (the cache counts it waiting) and gets the new figures."""
+def _waiting_cache_reading_again() -> tuple[Any, threading.Event]:
+    """A cache of several workers (scrapes wait) that read "figures 1" and has expired: its next
+    reading, "figures 2", stops at a pause point until the returned event is set."""
     from app.telemetry.collector import ScrapeCache
 
     now = [0.0]
-    read, entered, release = _blocking_reads(hang_first=2)
+    read, _, release = _blocking_reads(hang_first=2)
     cache = ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0], previous_while_reading=False)
     release.set()
     assert cache.get() == ["figures 1"]
     release.clear()
     now[0] += 6
+    return cache, release
+
+
+def test_with_several_workers_a_scrape_waits_for_the_reading_under_way() -> None:
+    """Each worker has its own cache: a worker's previous figures may be older than those another
+    worker just answered, a counter going back (a reset to Prometheus). So there a scrape that
+    comes during a reading waits for it (the cache counts it waiting) and gets the new figures."""
+    cache, release = _waiting_cache_reading_again()
     try:
         leader, first = _in_thread(cache.get)
-        assert entered[1].wait(WAIT_S)
+        _until(lambda: cache._reading is not None)
         follower, second = _in_thread(cache.get)
         _until(lambda: cache._waiting == 1)  # it waits, where one process answers at once
         assert not second
@@ -390,18 +397,12 @@ def test_with_several_workers_a_scrape_waits_for_the_reading_under_way() -> None
 
 def test_only_a_few_scrapes_wait_the_others_get_the_previous_figures() -> None:
     """Each waiting scrape holds a thread of the pool: a flood of scrapers must not hold them all."""
-    from app.telemetry.collector import MAX_WAITING_SCRAPES, ScrapeCache
+    from app.telemetry.collector import MAX_WAITING_SCRAPES
 
-    now = [0.0]
-    read, entered, release = _blocking_reads(hang_first=2)
-    cache = ScrapeCache(read, ttl_s=5.0, clock=lambda: now[0], previous_while_reading=False)
-    release.set()
-    assert cache.get() == ["figures 1"]
-    release.clear()
-    now[0] += 6
+    cache, release = _waiting_cache_reading_again()
     try:
         leader, _ = _in_thread(cache.get)
-        assert entered[1].wait(WAIT_S)
+        _until(lambda: cache._reading is not None)
         waiters = [_in_thread(cache.get) for _ in range(MAX_WAITING_SCRAPES)]
         _until(lambda: cache._waiting == MAX_WAITING_SCRAPES)
         assert cache.get() == ["figures 1"]  # at once: the previous figures

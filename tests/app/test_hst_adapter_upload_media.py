@@ -5,6 +5,7 @@ Content-Type was read as a tar and stored (201), and `?name=a&name=b` stored "b"
 before the body is read; nothing is stored."""
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +32,21 @@ def _stored(client: TestClient, tenant: TenantHandle) -> list[str]:
     return [a["name"] for a in client.get("/v1/adapters", headers=tenant.headers).json()["items"]]
 
 
+def assert_tar_415(r: Any, content_type: str | None) -> None:
+    """`r` is the 415 of a tar upload sent as `content_type` (or without one): the uniform body
+    naming the type sent and the tar's, and saying to send it uncompressed for a gzip."""
+    assert r.status_code == 415, r.text
+    error = r.json()["error"]
+    assert error["code"] == "unsupported_media_type", error
+    assert error["details"] == {
+        "content_type": content_type.split(";")[0] if content_type else None,
+        "accepted": ["application/x-tar"],
+    }, error
+    assert "send " in error["message"] and "application/x-tar" in error["message"], error
+    if content_type == "application/gzip":
+        assert "uncompressed" in error["message"], error
+
+
 @pytest.mark.parametrize(
     ("content_type", "tar"),
     [
@@ -53,16 +69,7 @@ def test_a_body_of_another_type_is_a_415_naming_the_tar(
     r = client.post("/v1/adapters", params={"name": "mine"}, content=BODY, headers=typed)
     assert r.status_code == 401, r.text
     r = client.post("/v1/adapters", params={"name": "mine"}, content=BODY, headers=tenant.headers | typed)
-    assert r.status_code == 415, r.text
-    error = r.json()["error"]
-    assert error["code"] == "unsupported_media_type", error
-    assert error["details"] == {
-        "content_type": content_type.split(";")[0] if content_type else None,
-        "accepted": ["application/x-tar"],
-    }, error
-    assert "send " in error["message"] and "application/x-tar" in error["message"], error
-    if content_type == "application/gzip":
-        assert "uncompressed" in error["message"], error
+    assert_tar_415(r, content_type)
     assert _stored(client, tenant) == []
     r = client.post(
         "/v1/adapters", params={"name": "mine"}, content=BODY, headers=tenant.headers | {"Content-Type": tar}
