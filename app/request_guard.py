@@ -552,6 +552,8 @@ def _query_problem(scope: Scope) -> dict[str, Any] | None:
     raw_query = scope.get("query_string", b"")
     if (b"%" in raw_query or not raw_query.isascii()) and (problem := _query_not_utf8(raw_query)):
         return problem
+    if b"&" in raw_query and (repeated := _repeated_query_parameter(raw_query)):
+        return repeated
     if b"%00" not in raw_query and b"\x00" not in raw_query:
         return None
     for name, value in parse_qsl(raw_query.decode("latin-1"), keep_blank_values=True):
@@ -559,6 +561,23 @@ def _query_problem(scope: Scope) -> dict[str, Any] | None:
             return _invalid(
                 ["query", name.replace("\x00", "")], "must not contain a NUL character", "nul_character"
             )
+    return None
+
+
+def _repeated_query_parameter(raw_query: bytes) -> dict[str, Any] | None:
+    """422 naming a query parameter given more than once. No route takes a list in its query, and
+    the router keeps the last of a repeated one silently (`?limit=1&limit=500` listed 500 items,
+    `?name=a&name=b` stored an adapter named "b")."""
+    seen: set[str] = set()
+    for name, _ in parse_qsl(raw_query.decode("utf-8", "replace"), keep_blank_values=True):
+        if name in seen:
+            message = f"query parameter {name!r} is given more than once; give it once"
+            return error_body(
+                "validation_error",
+                message,
+                [{"loc": ["query", name], "msg": message, "type": "repeated_query_parameter"}],
+            )
+        seen.add(name)
     return None
 
 

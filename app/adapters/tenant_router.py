@@ -12,7 +12,7 @@ from app.adapters.pool_router import UploadBody
 from app.adapters.upload import TAR_MEDIA_TYPE, require_tar
 from app.auth import SettingsDep, TenantDep
 from app.db import SessionDep
-from app.errors import Conflict, NotFound, UnsupportedMediaType, ValidationFailed, problem, raises
+from app.errors import Conflict, NotFound, UnsupportedMediaType, ValidationFailed, raises
 from app.runs.schemas import checked_run_name
 from app.timestamps import UtcDatetime
 from contracts.names import RUN_NAME_PATTERN, RUN_NAME_RULE
@@ -46,22 +46,11 @@ AdapterIdPath = Annotated[
 ]
 
 
-_SINGLE_QUERY = ("name", "base_model")
-"""The upload's query parameters, each taken once: FastAPI keeps the last of a repeated one
-(`?name=a&name=b` stored "b")."""
-
-
 @raises(UnsupportedMediaType)
 async def _tar_upload(request: Request) -> None:  # no I/O: no thread
-    """Refuse, before the body is read, an upload sent as another type than a tar (`require_tar`), or
-    with a query parameter given twice."""
+    """Refuse, before the body is read, an upload sent as another type than a tar (`require_tar`).
+    A query parameter given twice is the request guard's 422 (app/request_guard.py)."""
     require_tar(request.headers.get("content-type"))
-    for key in _SINGLE_QUERY:
-        if len(request.query_params.getlist(key)) > 1:
-            message = f"query parameter {key!r} is given more than once; give it once"
-            raise ValidationFailed(
-                message, details=[problem(["query", key], message, "repeated_query_parameter")]
-            )
 
 
 TarUpload = Annotated[None, Depends(_tar_upload)]
