@@ -440,7 +440,8 @@ def long_integer_in_toml(text: str) -> dict[str, Any] | None:
     if toml_text_excess(marked, max_values=MAX_CREATE_BODY_VALUES) is not None:
         return integer_too_long(["body"], long_runs[0], limit)
     try:
-        data = tomllib.loads(marked)
+        with _ONE_TOML_PARSE:
+            data = tomllib.loads(marked)
     except ValueError:
         return integer_too_long(["body"], long_runs[0], limit)
     marks = {_LONG_INTEGER_MARK.format(i): digits for i, digits in enumerate(long_runs)}

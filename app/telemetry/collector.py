@@ -159,15 +159,17 @@ class ScrapeCache(Generic[T]):
             if self._given_up is None or self._given_up.done.is_set():
                 self._given_up, self._reading = reading, None  # the next scrape reads again
             return self._stalled()  # (if two readings hang, the database does not answer)
-        if self._latest is None:
-            return None
-        if now < self._fresh_until:
+        if self._latest is not None and now < self._fresh_until:
             return self._latest
-        if reading is not None:
+        if reading is None:
+            return None  # this scrape reads
+        if self._latest is not None:
             if self._given_up is not None and self._latest_started < self._given_up.started:
                 return self._stalled()  # the figures from before a stall are not "up"
-            if self.previous_while_reading or self._waiting >= MAX_WAITING_SCRAPES:
+            if self.previous_while_reading:
                 return self._latest  # the previous figures while the next are being read
+        if self._waiting >= MAX_WAITING_SCRAPES:  # no more threads held waiting (none read before: down)
+            return self._latest if self._latest is not None else self._stalled()
         return None
 
     def get(self) -> T:

@@ -131,41 +131,6 @@ def test_the_figures_are_reused_for_the_configured_seconds(
         assert value(fresh, "loraloom_runs_created_total") == value(before, "loraloom_runs_created_total") + 1
 
 
-def test_concurrent_first_scrapes_wait_for_one_reading(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before any reading ended there are no previous figures: concurrent scrapes wait for the one
-    reading under way (each waiter announces itself at its pause point), then all get its figures."""
-    from app.telemetry import collector
-
-    reads: list[int] = []
-    entered, go_on = threading.Event(), threading.Event()
-
-    def read() -> list[Any]:
-        reads.append(1)
-        entered.set()
-        assert go_on.wait(WAIT_S)
-        return ["figures"]
-
-    waiting = threading.Semaphore(0)
-
-    class AnnouncedEvent(threading.Event):
-        def wait(self, timeout: float | None = None) -> bool:
-            waiting.release()
-            return super().wait(timeout)
-
-    monkeypatch.setattr(collector, "Event", AnnouncedEvent)  # the cache's events only
-    cache = collector.ScrapeCache(read, ttl_s=5.0)
-    leader, first = _in_thread(cache.get)
-    assert entered.wait(WAIT_S)
-    others = [_in_thread(cache.get) for _ in range(SCRAPES)]
-    for _ in range(SCRAPES):
-        assert waiting.acquire(timeout=WAIT_S), "a scrape did not wait for the reading under way"
-    go_on.set()
-    for thread, _ in [(leader, first), *others]:
-        thread.join(WAIT_S)
-    assert len(reads) == 1
-    assert [first[0], *(out[0] for _, out in others)] == [["figures"]] * (SCRAPES + 1)
-
-
 def test_a_reading_that_raises_lets_the_next_scrape_read() -> None:
     from app.telemetry.collector import ScrapeCache
 
@@ -353,9 +318,9 @@ def test_a_given_up_reading_that_ends_late_does_not_replace_newer_figures() -> N
         release.set()
 
 
-def _until(condition: Callable[[], bool]) -> None:
+def _until(condition: Callable[[], bool], within: float = WAIT_S) -> None:
     """Wait for a condition another thread makes true (a bound for a broken test only)."""
-    deadline = time.monotonic() + WAIT_S
+    deadline = time.monotonic() + within
     while not condition():
         assert time.monotonic() < deadline, "the condition never held"
         time.sleep(0.001)
@@ -411,6 +376,33 @@ def test_only_a_few_scrapes_wait_the_others_get_the_previous_figures() -> None:
             thread.join(WAIT_S)
             assert out == [["figures 2"]]
         leader.join(WAIT_S)
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("previous_while_reading", [True, False])
+def test_before_any_reading_ended_only_a_few_scrapes_wait(previous_while_reading: bool) -> None:
+    """With no previous figures concurrent scrapes wait for the one first reading (and all get its
+    figures: none reads again), at most MAX_WAITING_SCRAPES of them (a cold start or a database hanging from the start must not let a
+    flood of scrapers hold every thread); the others answer the database down at once."""
+    from app.telemetry.collector import MAX_WAITING_SCRAPES, STALLED_READING_S, ScrapeCache
+
+    read, entered, release = _blocking_reads(hang_first=1)
+    cache = ScrapeCache(read, ttl_s=5.0, clock=lambda: 0.0, previous_while_reading=previous_while_reading)
+    try:
+        leader, first = _in_thread(cache.get)
+        assert entered[0].wait(WAIT_S)
+        waiters = [_in_thread(cache.get) for _ in range(MAX_WAITING_SCRAPES)]
+        _until(lambda: cache._waiting == MAX_WAITING_SCRAPES)
+        one_more, answer = _in_thread(cache.get)  # would wait until the reading stalls (30 s)
+        _until(lambda: not one_more.is_alive(), within=STALLED_READING_S / 2)  # long before the stall
+        assert _is_down(answer[0]) and cache._waiting == MAX_WAITING_SCRAPES
+        release.set()
+        leader.join(WAIT_S)
+        for thread, out in waiters:
+            thread.join(WAIT_S)
+            assert out == [["figures 1"]]
+        assert first == [["figures 1"]]
     finally:
         release.set()
 
