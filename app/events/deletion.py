@@ -14,7 +14,8 @@ from app.runs.models import Run
 from contracts.status import RunStatus
 
 DELETION_ACTION = "run.deleted"
-"""The last event of a run's feed (app/runs/service.py delete_run): a stream ends once it sent it."""
+"""The last event of a run's feed, recorded by app/runs/service.py delete_run: a stream ends once it
+sent it."""
 
 
 def deletion_delivered(

@@ -21,6 +21,7 @@ from app.config import Settings
 from app.db import utcnow
 from app.errors import Conflict, NotFound, RateLimited, ValidationFailed
 from app.events.after_commit import call_after_commit
+from app.events.deletion import DELETION_ACTION
 from app.events.service import record_event
 from app.limits import QUEUED_RUNS_RETRY_AFTER_SECONDS
 from app.pagination import paginate
@@ -427,7 +428,7 @@ def delete_run(
     session.flush()
     record_event(
         session,
-        action="run.deleted",
+        action=DELETION_ACTION,
         actor=actor,
         tenant_id=run.tenant_id,
         run_id=run.id,
